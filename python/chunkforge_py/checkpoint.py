@@ -1,0 +1,37 @@
+"""Lazy tensor access to a Hugging Face checkpoint that Rust has already validated.
+
+Rust parses every safetensors header, checks names, shapes and offsets against
+the plan, and hands over a map from tensor name to file. Tensors are read one at
+a time on demand, so a 5 GB checkpoint is never held twice in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+
+class Checkpoint:
+    """Reads text-decoder tensors by their unprefixed name (``layers.3.mlp.up_proj.weight``)."""
+
+    def __init__(self, info: dict[str, Any]):
+        self.prefix: str = info["prefix"]
+        self.files: dict[str, str] = info["files"]
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, path: str) -> Any:
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt")
+        return self._handles[path]
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        full = self.prefix + name
+        path = self.files.get(full)
+        if path is None:
+            raise KeyError(f"tensor {full} is not in the checkpoint")
+        return self._handle(path).get_tensor(full).to(dtype)
+
+    def close(self) -> None:
+        self._handles.clear()

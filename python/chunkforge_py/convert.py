@@ -1,0 +1,148 @@
+"""Trace a chunk module and turn it into a palettized Core ML package.
+
+Each phase is its own function so the Rust side can show a spinner per phase
+and time it. The settings are the ones that shipped: iOS18 minimum target, FP16
+compute precision, CPU_AND_NE, INT4 per_grouped_channel palettization with
+group size 32.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint
+from .model import Chunk, build_chunk
+from .runtime import ChunkforgeError
+
+NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
+TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}
+
+
+def find_chunk(plan: dict[str, Any], name: str) -> dict[str, Any]:
+    for layout in plan["layouts"]:
+        for chunk in layout["chunks"]:
+            if chunk["name"] == name:
+                return chunk
+    raise ChunkforgeError(f"chunk {name} is not in the plan")
+
+
+def load(plan: dict[str, Any], name: str, ckpt_info: dict[str, Any]) -> Chunk:
+    """Build the chunk's torch module in fp16 with its weights from the checkpoint."""
+    chunk = find_chunk(plan, name)
+    ckpt = Checkpoint(ckpt_info)
+    try:
+        module = build_chunk(plan["dims"], chunk, ckpt, torch.float16)
+    finally:
+        ckpt.close()
+    check_finite(module, ckpt_info["prefix"])
+    return module
+
+
+def check_finite(module: Chunk, prefix: str) -> None:
+    for local, p in module.named_parameters():
+        if not torch.isfinite(p).all():
+            bad = int((~torch.isfinite(p)).sum())
+            raise ChunkforgeError(
+                f"weight {prefix}{module.checkpoint_name(local)} has {bad} NaN/Inf values "
+                "(after conversion to fp16: values beyond ±65504 overflow)"
+            )
+
+
+def example_inputs(chunk: dict[str, Any], dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
+    out = []
+    for spec in chunk["inputs"]:
+        t = torch.zeros(spec["shape"], dtype=TORCH_DTYPES[spec["dtype"]] if spec["dtype"] != "fp16" else dtype)
+        out.append(t)
+    return out
+
+
+def trace(module: Chunk) -> torch.jit.ScriptModule:
+    with torch.no_grad():
+        return torch.jit.trace(module, tuple(example_inputs(module.chunk)), check_trace=False, strict=False)
+
+
+def convert(traced: torch.jit.ScriptModule, plan: dict[str, Any], name: str) -> Any:
+    import coremltools as ct
+
+    chunk = find_chunk(plan, name)
+    inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=NP_DTYPES[t["dtype"]]) for t in chunk["inputs"]]
+    outputs = [ct.TensorType(name=t["name"], dtype=NP_DTYPES[t["dtype"]]) for t in chunk["outputs"]]
+    return ct.convert(
+        traced,
+        inputs=inputs,
+        outputs=outputs,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT16,
+        compute_units=ct.ComputeUnit.CPU_AND_NE,
+    )
+
+
+def linear_weights(mlmodel: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(const name, shape) of every weight feeding a `linear` op in the main function."""
+    prog = mlmodel._mil_program
+    out = []
+    for op in prog.functions["main"].operations:
+        if op.op_type == "linear":
+            w = op.weight
+            out.append((w.op.name if w.op is not None else w.name, tuple(w.shape)))
+    return out
+
+
+def palettize(mlmodel: Any, plan: dict[str, Any], name: str, settings: dict[str, Any]) -> Any:
+    """INT4 per_grouped_channel palettization of every projection weight.
+
+    A weight whose output-channel count is not a multiple of the group size is
+    an error naming it: leaving it unquantized would silently ship a larger,
+    slower model than the user asked for.
+    """
+    from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, palettize_weights
+
+    group = int(settings["group_size"])
+    for wname, shape in linear_weights(mlmodel):
+        if shape[0] % group != 0:
+            raise ChunkforgeError(
+                f"{name}: weight {wname} has {shape[0]} output channels, not a multiple of the "
+                f"palettization group size {group}; use --no-quantize or a checkpoint with compatible widths"
+            )
+    cfg = OpPalettizerConfig(
+        mode="kmeans",
+        nbits=int(settings["nbits"]),
+        granularity="per_grouped_channel",
+        group_size=group,
+        channel_axis=0,
+        weight_threshold=0,
+        num_kmeans_workers=int(settings.get("kmeans_workers", 1)),
+    )
+    return palettize_weights(mlmodel, OptimizationConfig(op_type_configs={"linear": cfg}))
+
+
+def mil_stats(mlmodel: Any) -> dict[str, Any]:
+    prog = mlmodel._mil_program
+    ops = list(prog.functions["main"].operations)
+    counts: dict[str, int] = {}
+    for op in ops:
+        counts[op.op_type] = counts.get(op.op_type, 0) + 1
+    return {"mil_ops": len(ops), "op_counts": dict(sorted(counts.items()))}
+
+
+def save(mlmodel: Any, path: str) -> dict[str, Any]:
+    """Write the package to ``path`` (a temporary name chosen by Rust) and return its stats."""
+    stats = mil_stats(mlmodel)
+    mlmodel.save(path)
+    weights = os.path.join(path, "Data", "com.apple.CoreML", "weights", "weight.bin")
+    stats["weight_bytes"] = os.path.getsize(weights) if os.path.exists(weights) else 0
+    stats["palettized_weights"] = stats["op_counts"].get("constexpr_lut_to_dense", 0)
+    stats["linear_ops"] = stats["op_counts"].get("linear", 0)
+    return stats
+
+
+def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    t = time.perf_counter()
+    r = fn(*args)
+    return r, time.perf_counter() - t

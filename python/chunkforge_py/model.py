@@ -1,0 +1,298 @@
+"""One generic Gemma 4 decode chunk, built from a plan entry.
+
+A chunk runs a contiguous range of decoder layers for one token. Everything
+structural (which layers, which KV slots it owns, which producer KV it reads or
+emits, whether it projects the per-layer inputs or applies the head, and the
+order of its inputs and outputs) comes from the plan computed in Rust.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+
+MASK_MIN = -30000.0  # additive mask value that stays finite in fp16
+
+
+class RMSNorm(nn.Module):
+    """Gemma 4 RMSNorm: ``x * (mean(x^2) + eps)^-0.5 * weight`` (weight used as is, not 1+w)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    # head_dim is passed as a Python int so tracing records no shape arithmetic.
+    half = head_dim // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def linear(hidden: int, out: int) -> nn.Linear:
+    return nn.Linear(hidden, out, bias=False)
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer. Shared-KV layers have no K/V projections at all."""
+
+    def __init__(self, dims: dict[str, Any], spec: dict[str, Any]):
+        super().__init__()
+        self.sliding = spec["attention"] == "sliding"
+        self.head_dim = dims["head_dim_sliding"] if self.sliding else dims["head_dim_full"]
+        self.heads = dims["num_attention_heads"]
+        self.kv_heads = dims["num_kv_heads_sliding"] if self.sliding else dims["num_kv_heads_full"]
+        self.owns_kv = spec["kv"]["kind"] == "own"
+        hidden = dims["hidden_size"]
+        eps = dims["rms_norm_eps"]
+        self.q_proj = linear(hidden, self.heads * self.head_dim)
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        if self.owns_kv:
+            self.k_proj = linear(hidden, self.kv_heads * self.head_dim)
+            self.v_proj = linear(hidden, self.kv_heads * self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+            self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
+        self.o_proj = linear(self.heads * self.head_dim, hidden)
+
+    def new_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This token's K and V, shaped [1, kv_heads, 1, head_dim], K roped, both normed."""
+        k = self.k_norm(self.k_proj(x).view(1, 1, self.kv_heads, self.head_dim))
+        k = k * cos + rotate_half(k, self.head_dim) * sin
+        v = self.v_norm(self.v_proj(x).view(1, 1, self.kv_heads, self.head_dim))
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of this token's query over ``keys``/``values`` [1, kv_heads, L, head_dim]."""
+        q = self.q_norm(self.q_proj(x).view(1, 1, self.heads, self.head_dim))
+        q = q * cos + rotate_half(q, self.head_dim) * sin
+        # Grouped-query attention without repeating K/V: fold the query heads
+        # that share a KV head into the row dimension of one matmul.
+        groups = self.heads // self.kv_heads
+        q = q.view(1, self.kv_heads, groups, self.head_dim)
+        scores = torch.matmul(q, keys.transpose(2, 3))  # Gemma 4 attention scale is 1.0
+        probs = torch.softmax(scores.float() + mask.float(), dim=-1).to(x.dtype)
+        out = torch.matmul(probs, values).reshape(1, 1, self.heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = linear(hidden, width)
+        self.up_proj = linear(hidden, width)
+        self.down_proj = linear(width, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = nn.functional.gelu(self.gate_proj(x), approximate="tanh")
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Module names follow the checkpoint's tensor names, so loading is a table."""
+
+    def __init__(self, dims: dict[str, Any], spec: dict[str, Any]):
+        super().__init__()
+        hidden = dims["hidden_size"]
+        eps = dims["rms_norm_eps"]
+        ple = dims["hidden_size_per_layer_input"]
+        self.spec = spec
+        self.self_attn = Attention(dims, spec)
+        self.mlp = MLP(hidden, spec["mlp_width"])
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.per_layer_input_gate = linear(hidden, ple)
+        self.per_layer_projection = linear(ple, hidden)
+        self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def feed_forward(self, h: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """Everything after attention: FFN block, per-layer-input block, layer scalar."""
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        gated = nn.functional.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer_input
+        h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return h * self.layer_scalar
+
+
+class Chunk(nn.Module):
+    """Decoder layers ``first_layer..=last_layer`` as one decode step.
+
+    ``forward`` takes the plan's inputs in plan order and returns its outputs in
+    plan order. With ``trace_layers`` set, it also records the hidden state after
+    every layer (used by parity to localise a divergence).
+    """
+
+    def __init__(self, dims: dict[str, Any], chunk: dict[str, Any]):
+        super().__init__()
+        self.dims = dims
+        self.chunk = chunk
+        hidden = dims["hidden_size"]
+        eps = dims["rms_norm_eps"]
+        self.max_head_dim = dims["max_head_dim"]
+        self.layer_specs = chunk["layers"]
+        # Keyed by the global layer index so parameter (and Core ML const) names
+        # match the checkpoint's: layers.15.self_attn.q_proj.weight.
+        self.layers = nn.ModuleDict({str(spec["index"]): DecoderLayer(dims, spec) for spec in self.layer_specs})
+        self.input_names = [t["name"] for t in chunk["inputs"]]
+        self.output_names = [t["name"] for t in chunk["outputs"]]
+        n_layers = dims["num_hidden_layers"]
+        ple = dims["hidden_size_per_layer_input"]
+        if chunk["computes_per_layer_input"]:
+            self.per_layer_model_projection = linear(hidden, n_layers * ple)
+            self.per_layer_projection_norm = RMSNorm(ple, eps)
+        if chunk["has_head"]:
+            self.norm = RMSNorm(hidden, eps)
+            self.lm_head = linear(hidden, dims["vocab_size"])
+        self.trace_layers: list[torch.Tensor] | None = None
+
+    # ---- weights ---------------------------------------------------------
+
+    def load(self, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+        """Fill every parameter from the checkpoint by name (tied head reads embed_tokens)."""
+        for local, tensor in list(self.named_parameters()) + list(self.named_buffers()):
+            tensor.data = ckpt.get(self.checkpoint_name(local), dtype)
+        self.to(dtype)
+
+    def checkpoint_name(self, local: str) -> str:
+        if local == "lm_head.weight":
+            return "embed_tokens.weight"  # tie_word_embeddings
+        return local
+
+    # ---- one decode step -------------------------------------------------
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inp = dict(zip(self.input_names, args))
+        dims = self.dims
+        n_layers = dims["num_hidden_layers"]
+        ple = dims["hidden_size_per_layer_input"]
+        h = inp["hidden_states"]
+        out: dict[str, torch.Tensor] = {}
+
+        if self.chunk["computes_per_layer_input"]:
+            raw = inp["per_layer_raw"].view(1, 1, n_layers, ple) * math.sqrt(ple)
+            proj = self.per_layer_model_projection(h) * (dims["hidden_size"] ** -0.5)
+            proj = self.per_layer_projection_norm(proj.view(1, 1, n_layers, ple))
+            per_layer = (proj + raw) * (2.0**-0.5)
+            out["per_layer_combined_out"] = per_layer.reshape(1, 1, n_layers * ple)
+        else:
+            per_layer = inp["per_layer_combined"].view(1, 1, n_layers, ple)
+
+        rope = {
+            "sliding": (inp.get("cos_s"), inp.get("sin_s")),
+            "full": (inp.get("cos_f"), inp.get("sin_f")),
+        }
+        masks = {"sliding": inp.get("causal_mask_sliding"), "full": inp.get("causal_mask_full")}
+        caches = {
+            "sliding": (inp.get("K_sliding_in"), inp.get("V_sliding_in")),
+            "full": (inp.get("K_full_in"), inp.get("V_full_in")),
+        }
+        new_slots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"sliding": [], "full": []}
+        # Producer KV visible to shared layers: the emitting layer's updated cache
+        # (local) or the kv13/kv14 input from an earlier chunk.
+        producer_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for alias in self.chunk["consumes"]:
+            producer_kv[alias["alias"]] = (inp[f"{alias['alias']}_k"], inp[f"{alias['alias']}_v"])
+
+        trace: list[torch.Tensor] = []
+        for spec in self.layer_specs:
+            layer = self.layers[str(spec["index"])]
+            kind = spec["attention"]
+            attn = layer.self_attn
+            cos, sin = rope[kind]
+            x = layer.input_layernorm(h)
+            kv = spec["kv"]
+            if kv["kind"] == "own":
+                k_new, v_new = attn.new_kv(x, cos, sin)
+                keys, values = self.update_cache(kind, caches[kind], kv["slot"], k_new, v_new, attn.head_dim, inp)
+                new_slots[kind].append((keys, values))
+                keys = keys[..., : attn.head_dim]
+                values = values[..., : attn.head_dim]
+                if kv.get("alias"):
+                    producer_kv[kv["alias"]] = (keys, values)
+            else:
+                keys, values = producer_kv[kv["alias"]]
+            a = attn.attend(x, cos, sin, keys, values, masks[kind])
+            h = h + layer.post_attention_layernorm(a)
+            h = layer.feed_forward(h, per_layer[:, :, spec["index"], :])
+            trace.append(h)
+        self.trace_layers = trace
+
+        if self.chunk["has_head"]:
+            h = self.norm(h)
+            logits = self.lm_head(h).float()
+            cap = dims["final_logit_softcapping"]
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            logit, token = torch.max(logits.view(-1), dim=0, keepdim=True)
+            out["token_id"] = token.to(torch.int32)
+            out["token_logit"] = logit.to(h.dtype)
+            self.last_logits = logits.view(-1)
+        out["hidden_states_out"] = h
+        for kind, label in (("sliding", "sliding"), ("full", "full")):
+            if new_slots[kind]:
+                out[f"K_{label}_out"] = torch.stack([k[0] for k, _ in new_slots[kind]], dim=0)
+                out[f"V_{label}_out"] = torch.stack([v[0] for _, v in new_slots[kind]], dim=0)
+        for alias in self.chunk["emits"]:
+            k, v = producer_kv[alias["alias"]]
+            out[f"{alias['alias']}_k"] = k
+            out[f"{alias['alias']}_v"] = v
+        return tuple(out[name] for name in self.output_names)
+
+    def update_cache(
+        self,
+        kind: str,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        slot: int,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        head_dim: int,
+        inp: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this token's K/V into slot ``slot``; returns the updated [1, kv, L, max_hd] slot.
+
+        Caches are padded to the larger head dim so sliding and full slots share
+        one layout the runtime can copy between without reshaping.
+        """
+        pad = self.max_head_dim - head_dim
+        if pad:
+            k_new = nn.functional.pad(k_new, (0, pad))
+            v_new = nn.functional.pad(v_new, (0, pad))
+        k_cache = cache[0][slot : slot + 1]
+        v_cache = cache[1][slot : slot + 1]
+        if kind == "sliding":
+            # Window cache: drop the oldest entry, append the newest at the end.
+            keys = torch.cat([k_cache[:, :, 1:, :], k_new], dim=2)
+            values = torch.cat([v_cache[:, :, 1:, :], v_new], dim=2)
+        else:
+            # Full cache: one-hot update_mask selects this position's row.
+            m = inp["update_mask"]
+            keys = k_cache * (1 - m) + k_new * m
+            values = v_cache * (1 - m) + v_new * m
+        return keys, values
+
+
+def build_chunk(dims: dict[str, Any], chunk: dict[str, Any], ckpt: Checkpoint, dtype: torch.dtype) -> Chunk:
+    module = Chunk(dims, chunk).eval()
+    module.load(ckpt, dtype)
+    return module

@@ -1,0 +1,57 @@
+"""The independent oracle: Hugging Face ``Gemma4ForCausalLM`` on the same weights."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from .checkpoint import Checkpoint
+
+
+def load_hf_model(config_path: str, ckpt: Checkpoint) -> Any:
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    with open(config_path) as f:
+        raw = json.load(f)
+    text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
+    fields = {k: v for k, v in text.items() if k not in ("architectures", "model_type", "transformers_version")}
+    config = Gemma4TextConfig(**fields)
+    config._attn_implementation = "eager"
+    model = Gemma4ForCausalLM(config).eval()
+    state = model.state_dict()
+    loaded = set()
+    with torch.no_grad():
+        for key, tensor in state.items():
+            if key == "lm_head.weight":
+                continue
+            name = key[len("model.") :]
+            if ckpt.prefix + name in ckpt.files:
+                tensor.copy_(ckpt.get(name, tensor.dtype))
+                loaded.add(key)
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Only the unused K/V projections of KV-shared layers may stay unloaded.
+    missing = [
+        k
+        for k in state
+        if k not in loaded and k != "lm_head.weight" and not any(s in k for s in ("k_proj", "v_proj", "k_norm"))
+    ]
+    if missing:
+        raise RuntimeError(f"transformers oracle: tensors not loaded: {missing[:5]}")
+    return model
+
+
+def teacher_forced(model: Any, prompt: list[int]) -> dict[str, torch.Tensor]:
+    """Final normed hidden and softcapped logits at every prompt position (one causal forward)."""
+    ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.no_grad():
+        # use_cache=True matters: without a cache, transformers lets KV-shared layers
+        # compute their own K/V instead of reading the producer layer's.
+        out = model.model(input_ids=ids, use_cache=True)
+        hidden = out.last_hidden_state[0].float()
+        logits = model.lm_head(out.last_hidden_state)[0].float()
+        cap = model.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+    return {"hidden": hidden, "logits": logits}

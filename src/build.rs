@@ -1,0 +1,241 @@
+//! `chunkforge build`: plan, then for every chunk load → trace → convert →
+//! palettize → save, each phase timed under its own spinner; all packages are
+//! staged and moved into the output folder together when every one succeeded.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{anyhow, Context, Result};
+use pyo3::prelude::*;
+use serde_json::{json, Value};
+
+use crate::checkpoint::Checkpoint;
+use crate::config::TextConfig;
+use crate::fsutil::{self, Staging};
+use crate::plan::Plan;
+use crate::progress::BuildProgress;
+use crate::pyenv;
+
+/// Conversion settings; the defaults are the ones that shipped.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub ctx: usize,
+    pub quantize: bool,
+    pub nbits: u32,
+    pub group_size: usize,
+    pub kmeans_workers: usize,
+    pub verbose: bool,
+}
+
+impl Settings {
+    fn to_json(&self) -> Value {
+        json!({
+            "ctx": self.ctx,
+            "minimum_deployment_target": "iOS18",
+            "compute_precision": "FLOAT16",
+            "compute_units": "CPU_AND_NE",
+            "quantize": self.quantize,
+            "palettization": if self.quantize {
+                json!({"nbits": self.nbits, "granularity": "per_grouped_channel", "group_size": self.group_size,
+                       "mode": "kmeans", "kmeans_workers": self.kmeans_workers})
+            } else { Value::Null },
+        })
+    }
+}
+
+const PHASES: [&str; 5] = ["load", "trace", "convert", "palettize", "save"];
+
+/// Runs one Python phase under a spinner and returns its result and seconds.
+fn phase<'py>(
+    progress: &BuildProgress,
+    label: String,
+    f: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
+) -> PyResult<(Bound<'py, PyAny>, f64)> {
+    let pb = progress.phase(label);
+    let t = Instant::now();
+    let r = f();
+    pb.finish_and_clear();
+    r.map(|v| (v, t.elapsed().as_secs_f64()))
+}
+
+pub struct BuildReport {
+    pub json: Value,
+}
+
+pub fn run(
+    hf_dir: &Path,
+    cfg: &TextConfig,
+    ckpt: &Checkpoint,
+    plan: &Plan,
+    plan_args: Value,
+    out: &Path,
+    settings: &Settings,
+) -> Result<BuildReport> {
+    let started = Instant::now();
+    let staging = Staging::new(out)?;
+    let chunks: Vec<(String, String)> = plan
+        .layouts
+        .iter()
+        .flat_map(|l| {
+            l.chunks
+                .iter()
+                .map(move |c| (l.kind.label().to_string(), c.name.clone()))
+        })
+        .collect();
+    let progress = BuildProgress::new(chunks.len() as u64);
+    for w in &plan.warnings {
+        progress.println(format!("warning: {w}"));
+    }
+    let plan_json = serde_json::to_value(plan)?;
+    let ckpt_json = json!({
+        "prefix": ckpt.prefix,
+        "files": ckpt.files.iter().map(|(k, v)| (k.clone(), Value::String(v.to_string_lossy().into()))).collect::<serde_json::Map<_, _>>(),
+    });
+    let settings_json = json!({
+        "nbits": settings.nbits, "group_size": settings.group_size, "kmeans_workers": settings.kmeans_workers,
+    });
+    let verbose = settings.verbose;
+
+    let mut records = Vec::new();
+    for (layout, name) in &chunks {
+        let chunk = plan
+            .layouts
+            .iter()
+            .flat_map(|l| &l.chunks)
+            .find(|c| &c.name == name)
+            .expect("chunk from this plan");
+        progress.bar.set_message(format!(
+            "{name} (layers {}-{})",
+            chunk.first_layer, chunk.last_layer
+        ));
+        let pkg = format!("{name}.mlpackage");
+        let tmp_path = staging.dir.join(&pkg);
+        let (stats, seconds) = Python::attach(|py| -> PyResult<(Value, BTreeMap<&str, f64>)> {
+            let conv = py.import("chunkforge_py.convert")?;
+            let plan_py = pyenv::to_py(py, &plan_json)?;
+            let ckpt_py = pyenv::to_py(py, &ckpt_json)?;
+            let mut secs = BTreeMap::new();
+            let (module, s) = phase(&progress, format!("{name}: load weights"), || {
+                conv.call_method1("load", (&plan_py, name, &ckpt_py))
+            })?;
+            secs.insert(PHASES[0], s);
+            let (traced, s) = phase(&progress, format!("{name}: trace"), || {
+                conv.call_method1("trace", (&module,))
+            })?;
+            secs.insert(PHASES[1], s);
+            drop(module);
+            let (mut ml, s) = phase(
+                &progress,
+                format!("{name}: convert (ct.convert, iOS18, FP16)"),
+                || conv.call_method1("convert", (&traced, &plan_py, name)),
+            )?;
+            secs.insert(PHASES[2], s);
+            drop(traced);
+            if settings.quantize {
+                let sp = pyenv::to_py(py, &settings_json)?;
+                let (p, s) = phase(
+                    &progress,
+                    format!(
+                        "{name}: palettize (INT4 per_grouped_channel, group {})",
+                        settings.group_size
+                    ),
+                    || conv.call_method1("palettize", (&ml, &plan_py, name, &sp)),
+                )?;
+                ml = p;
+                secs.insert(PHASES[3], s);
+            }
+            let (stats, s) = phase(&progress, format!("{name}: save"), || {
+                conv.call_method1("save", (&ml, tmp_path.to_string_lossy().to_string()))
+            })?;
+            secs.insert(PHASES[4], s);
+            Ok((pyenv::from_py(&stats)?, secs))
+        })
+        .map_err(|e| anyhow!("building {name}: {}", pyenv::render_error(e, verbose)))?;
+        let digest = fsutil::tree_digest(&tmp_path)?;
+        let total: f64 = seconds.values().sum();
+        progress.println(format!(
+            "built {pkg:<28} layers {:>2}-{:<2} {:>5} MIL ops {:>11} weight bytes  {total:>6.1}s",
+            chunk.first_layer, chunk.last_layer, stats["mil_ops"], stats["weight_bytes"]
+        ));
+        records.push(json!({
+            "name": name,
+            "layout": layout,
+            "package": pkg,
+            "first_layer": chunk.first_layer,
+            "last_layer": chunk.last_layer,
+            "layers": chunk.layer_count(),
+            "mil_ops": stats["mil_ops"],
+            "weight_bytes": stats["weight_bytes"],
+            "linear_ops": stats["linear_ops"],
+            "palettized_weights": stats["palettized_weights"],
+            "op_counts": stats["op_counts"],
+            "sha256_tree": digest,
+            "seconds": seconds,
+        }));
+        progress.bar.inc(1);
+    }
+    progress.bar.finish_and_clear();
+
+    let versions = pyenv::call_json("runtime", "versions", &Value::Null, verbose)?;
+    let config_sha = fsutil::sha256_file(&hf_dir.join("config.json"))?;
+    let mut phase_totals: BTreeMap<&str, f64> = BTreeMap::new();
+    for r in &records {
+        for (k, v) in r["seconds"].as_object().into_iter().flatten() {
+            if let Some(p) = PHASES.iter().find(|p| *p == k) {
+                *phase_totals.entry(p).or_default() += v.as_f64().unwrap_or(0.0);
+            }
+        }
+    }
+    let report = json!({
+        "format": "chunkforge-build/1",
+        "tool": {"chunkforge": env!("CARGO_PKG_VERSION"), "python": versions},
+        "checkpoint": {
+            "dir": hf_dir.to_string_lossy(),
+            "architecture": cfg.architecture,
+            "multimodal": cfg.multimodal,
+            "config_sha256": config_sha,
+            "tensor_prefix": ckpt.prefix,
+            "skipped_tensors": ckpt.skipped,
+        },
+        "request": plan_args,
+        "settings": settings.to_json(),
+        "plan": plan_json,
+        "chunks": records,
+        "seconds": {"total": started.elapsed().as_secs_f64(), "phases": phase_totals},
+        "peak_rss_bytes": fsutil::peak_rss_bytes(),
+    });
+    // Publish all packages, then build.json last: a reader that sees the new
+    // build.json sees every package it lists.
+    for r in &records {
+        staging.publish(r["package"].as_str().expect("set above"))?;
+    }
+    let bytes = serde_json::to_vec_pretty(&report)?;
+    fsutil::write_atomic(&staging.dir.join("build.json"), &bytes)?;
+    staging
+        .publish("build.json")
+        .context("publishing build.json")?;
+    staging.finish()?;
+    Ok(BuildReport { json: report })
+}
+
+/// Total of a phase across chunks, for the summary line.
+pub fn summary(report: &Value, out: &Path) -> String {
+    let secs = &report["seconds"];
+    let phases = secs["phases"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| format!("{k} {:.1}s", v.as_f64().unwrap_or(0.0)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default();
+    format!(
+        "wrote {} packages to {} in {:.1}s ({phases}); peak RSS {:.0} MiB",
+        report["chunks"].as_array().map_or(0, Vec::len),
+        out.display(),
+        secs["total"].as_f64().unwrap_or(0.0),
+        report["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1024.0 * 1024.0)
+    )
+}

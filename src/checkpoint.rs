@@ -1,0 +1,329 @@
+//! Finds and validates a Hugging Face Gemma 4 checkpoint without loading it:
+//! safetensors headers are parsed here, every tensor the plan needs is checked
+//! for presence, dtype, shape and byte range, and Python then reads tensors
+//! lazily, one at a time.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::TextConfig;
+use crate::error::InputError;
+
+/// Largest safetensors header we accept (the format's own reference limit is 100 MB).
+const MAX_HEADER: u64 = 100 << 20;
+
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    pub file: PathBuf,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+}
+
+/// A validated checkpoint: where each needed tensor lives.
+#[derive(Clone, Debug, Serialize)]
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    /// `model.` or `model.language_model.`.
+    pub prefix: String,
+    /// Full tensor name -> file, for the tensors the decoder needs (others skipped).
+    pub files: BTreeMap<String, PathBuf>,
+    /// Tensors present but not part of the text decoder (vision, audio, ...).
+    pub skipped: usize,
+    pub weight_files: Vec<PathBuf>,
+}
+
+fn ck(path: &Path, message: impl Into<String>) -> InputError {
+    InputError::Checkpoint {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
+}
+
+fn dtype_size(dtype: &str) -> Option<u64> {
+    match dtype {
+        "F32" => Some(4),
+        "F16" | "BF16" => Some(2),
+        _ => None,
+    }
+}
+
+/// Parses one safetensors header and checks every entry's byte range against the file.
+pub fn read_header(path: &Path) -> Result<BTreeMap<String, TensorInfo>, InputError> {
+    let mut f = File::open(path).map_err(|e| InputError::Io {
+        path: path.into(),
+        action: "open the weights",
+        source: e,
+    })?;
+    let size = f
+        .metadata()
+        .map_err(|e| InputError::Io {
+            path: path.into(),
+            action: "stat the weights",
+            source: e,
+        })?
+        .len();
+    if size < 8 {
+        return Err(ck(
+            path,
+            format!("file is {size} bytes, too short for a safetensors header (truncated?)"),
+        ));
+    }
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).map_err(|e| InputError::Io {
+        path: path.into(),
+        action: "read the safetensors header",
+        source: e,
+    })?;
+    let hlen = u64::from_le_bytes(len);
+    if hlen > MAX_HEADER || 8 + hlen > size {
+        return Err(ck(
+            path,
+            format!("safetensors header claims {hlen} bytes but the file has {size} (truncated or not safetensors)"),
+        ));
+    }
+    let mut buf = vec![0u8; hlen as usize];
+    f.read_exact(&mut buf).map_err(|e| InputError::Io {
+        path: path.into(),
+        action: "read the safetensors header",
+        source: e,
+    })?;
+    let header: Value = serde_json::from_slice(&buf)
+        .map_err(|e| ck(path, format!("safetensors header is not valid JSON: {e}")))?;
+    let obj = header
+        .as_object()
+        .ok_or_else(|| ck(path, "safetensors header is not a JSON object"))?;
+    let data_len = size - 8 - hlen;
+    let mut out = BTreeMap::new();
+    for (name, entry) in obj {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = entry
+            .get("dtype")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        let shape: Vec<usize> = entry
+            .get("shape")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_u64().map(|x| x as usize))
+                    .collect()
+            })
+            .ok_or_else(|| ck(path, format!("tensor {name}: header entry has no shape")))?;
+        let offs: Vec<u64> = entry
+            .get("data_offsets")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_u64).collect())
+            .unwrap_or_default();
+        if offs.len() != 2 || offs[0] > offs[1] {
+            return Err(ck(
+                path,
+                format!("tensor {name}: data_offsets {offs:?} are not [begin, end]"),
+            ));
+        }
+        if offs[1] > data_len {
+            return Err(ck(
+                path,
+                format!(
+                    "tensor {name}: data ends at byte {} of the data section, which is only {data_len} bytes (truncated file?)",
+                    offs[1]
+                ),
+            ));
+        }
+        if let Some(es) = dtype_size(&dtype) {
+            let elems = shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+            let want = elems.and_then(|e| e.checked_mul(es));
+            if want != Some(offs[1] - offs[0]) {
+                return Err(ck(
+                    path,
+                    format!(
+                        "tensor {name}: shape {shape:?} of {dtype} needs {} bytes but data_offsets span {}",
+                        want.map_or("overflowing".to_string(), |w| w.to_string()),
+                        offs[1] - offs[0]
+                    ),
+                ));
+            }
+        }
+        out.insert(
+            name.clone(),
+            TensorInfo {
+                file: path.to_path_buf(),
+                dtype,
+                shape,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// Every tensor the text decoder needs (without prefix), with its expected shape.
+pub fn expected_tensors(cfg: &TextConfig) -> Vec<(String, Vec<usize>)> {
+    let h = cfg.hidden_size;
+    let n = cfg.num_hidden_layers;
+    let p = cfg.hidden_size_per_layer_input;
+    let mut t = vec![
+        ("embed_tokens.weight".to_string(), vec![cfg.vocab_size, h]),
+        (
+            "embed_tokens_per_layer.weight".into(),
+            vec![cfg.vocab_size_per_layer_input, n * p],
+        ),
+        ("per_layer_model_projection.weight".into(), vec![n * p, h]),
+        ("per_layer_projection_norm.weight".into(), vec![p]),
+        ("norm.weight".into(), vec![h]),
+    ];
+    for i in 0..n {
+        let kind = cfg.layer_types[i];
+        let hd = cfg.head_dim_of(kind);
+        let kvh = cfg.kv_heads_of(kind);
+        let w = cfg.mlp_width(i);
+        let l = |s: &str| format!("layers.{i}.{s}");
+        for norm in [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+            "post_per_layer_input_norm",
+        ] {
+            t.push((l(&format!("{norm}.weight")), vec![h]));
+        }
+        t.push((l("layer_scalar"), vec![1]));
+        t.push((l("mlp.gate_proj.weight"), vec![w, h]));
+        t.push((l("mlp.up_proj.weight"), vec![w, h]));
+        t.push((l("mlp.down_proj.weight"), vec![h, w]));
+        t.push((l("per_layer_input_gate.weight"), vec![p, h]));
+        t.push((l("per_layer_projection.weight"), vec![h, p]));
+        t.push((
+            l("self_attn.q_proj.weight"),
+            vec![cfg.num_attention_heads * hd, h],
+        ));
+        t.push((l("self_attn.q_norm.weight"), vec![hd]));
+        t.push((
+            l("self_attn.o_proj.weight"),
+            vec![h, cfg.num_attention_heads * hd],
+        ));
+        let owns = cfg.num_kv_shared_layers == 0 || i < cfg.kv_start();
+        if owns {
+            t.push((l("self_attn.k_proj.weight"), vec![kvh * hd, h]));
+            t.push((l("self_attn.v_proj.weight"), vec![kvh * hd, h]));
+            t.push((l("self_attn.k_norm.weight"), vec![hd]));
+        }
+    }
+    t
+}
+
+impl Checkpoint {
+    /// Finds the weight files of `dir`, reads their headers and checks every
+    /// tensor the decoder needs.
+    pub fn open(dir: &Path, cfg: &TextConfig) -> Result<Self, InputError> {
+        let index = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let weight_files: Vec<PathBuf> = if index.exists() {
+            let text = std::fs::read(&index).map_err(|e| InputError::Io {
+                path: index.clone(),
+                action: "read the shard index",
+                source: e,
+            })?;
+            let v: Value = serde_json::from_slice(&text)
+                .map_err(|e| ck(&index, format!("not valid JSON: {e}")))?;
+            let map = v
+                .get("weight_map")
+                .and_then(Value::as_object)
+                .ok_or_else(|| ck(&index, "has no `weight_map` object"))?;
+            let mut files: Vec<PathBuf> = Vec::new();
+            for f in map.values().filter_map(Value::as_str) {
+                if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+                    return Err(ck(
+                        &index,
+                        format!("shard name `{f}` is not a plain file name"),
+                    ));
+                }
+                let p = dir.join(f);
+                if !files.contains(&p) {
+                    files.push(p);
+                }
+            }
+            files.sort();
+            files
+        } else if single.exists() {
+            vec![single]
+        } else {
+            return Err(ck(
+                dir,
+                "no model.safetensors or model.safetensors.index.json (is this a Hugging Face checkpoint directory?)",
+            ));
+        };
+        let mut all = BTreeMap::new();
+        for f in &weight_files {
+            if !f.exists() {
+                return Err(ck(
+                    f,
+                    "shard listed in model.safetensors.index.json does not exist",
+                ));
+            }
+            for (name, info) in read_header(f)? {
+                if let Some(prev) = all.insert(name.clone(), info) {
+                    return Err(ck(
+                        f,
+                        format!("tensor {name} also appears in {}", prev.file.display()),
+                    ));
+                }
+            }
+        }
+        let prefix = ["model.language_model.", "model.", ""]
+            .into_iter()
+            .find(|p| all.contains_key(&format!("{p}embed_tokens.weight")))
+            .ok_or_else(|| {
+                ck(
+                    &weight_files[0],
+                    "no embed_tokens.weight under `model.` or `model.language_model.` (not a Gemma 4 text checkpoint?)",
+                )
+            })?
+            .to_string();
+        let mut files = BTreeMap::new();
+        for (name, shape) in expected_tensors(cfg) {
+            let full = format!("{prefix}{name}");
+            let info = all.get(&full).ok_or_else(|| {
+                ck(
+                    dir,
+                    format!("tensor {full} is missing (config.json says the decoder has it)"),
+                )
+            })?;
+            if dtype_size(&info.dtype).is_none() {
+                return Err(ck(
+                    &info.file,
+                    format!(
+                        "tensor {full} has dtype {}, expected F32, F16 or BF16",
+                        info.dtype
+                    ),
+                ));
+            }
+            if info.shape != shape {
+                return Err(ck(
+                    &info.file,
+                    format!(
+                        "tensor {full} has shape {:?}, config.json implies {shape:?}",
+                        info.shape
+                    ),
+                ));
+            }
+            files.insert(full, info.file.clone());
+        }
+        let needed = files.len();
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            prefix,
+            skipped: all.len().saturating_sub(needed),
+            files,
+            weight_files,
+        })
+    }
+}

@@ -1,0 +1,114 @@
+//! Random-weight Gemma 4 checkpoints: `chunkforge fixture`, and the built-in
+//! default checkpoint used when no `--hf-dir` is given.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use crate::fsutil;
+use crate::progress;
+use crate::pyenv;
+
+/// Bumped whenever the fixture generator changes, so cached defaults are regenerated.
+const DEFAULT_FIXTURE_VERSION: u32 = 1;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Shape {
+    /// 35 layers, full attention every 5th, 20 KV-shared layers, 1 KV head.
+    E2b,
+    /// 42 layers, full attention every 6th, 18 KV-shared layers, 2 KV heads.
+    E4b,
+}
+
+impl Shape {
+    pub fn label(self) -> &'static str {
+        match self {
+            Shape::E2b => "e2b",
+            Shape::E4b => "e4b",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct FixtureArgs {
+    pub shape: Shape,
+    pub seed: u64,
+    pub multimodal: bool,
+    pub shards: usize,
+    pub sliding_window: usize,
+}
+
+/// Writes a checkpoint into `out` (which must not exist yet, or be empty) via a
+/// temporary sibling folder renamed into place when complete.
+pub fn write(out: &Path, args: &FixtureArgs, verbose: bool) -> Result<Value> {
+    if out.exists() {
+        let empty = out.is_dir()
+            && fs::read_dir(out)
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(false);
+        if !empty {
+            bail!(
+                "{}: already exists and is not an empty folder; choose a new --out",
+                out.display()
+            );
+        }
+        fs::remove_dir(out)
+            .with_context(|| format!("{}: cannot replace the empty folder", out.display()))?;
+    }
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    fs::create_dir_all(parent).with_context(|| format!("{}: cannot create", parent.display()))?;
+    fsutil::clean_stale(parent);
+    let staging = fsutil::Staging::new(parent)?;
+    let tmp = staging.dir.join("checkpoint");
+    fs::create_dir(&tmp)?;
+    let sp = progress::spinner(format!(
+        "writing {} fixture checkpoint to {}",
+        args.shape.label(),
+        out.display()
+    ));
+    let info = pyenv::call_json(
+        "fixture",
+        "write_fixture_json",
+        &json!({
+            "out_dir": tmp.to_string_lossy(),
+            "shape": args.shape.label(),
+            "seed": args.seed,
+            "multimodal": args.multimodal,
+            "shards": args.shards,
+            "sliding_window": args.sliding_window,
+        }),
+        verbose,
+    );
+    sp.finish_and_clear();
+    let info = info?;
+    fs::rename(&tmp, out)
+        .with_context(|| format!("moving the checkpoint into {}", out.display()))?;
+    staging.finish()?;
+    Ok(info)
+}
+
+/// The built-in default: a deterministic tiny E2B-shaped checkpoint, generated
+/// once into the cache folder.
+pub fn default_checkpoint(verbose: bool) -> Result<PathBuf> {
+    let dir = pyenv::cache_dir()
+        .join("fixtures")
+        .join(format!("default-e2b-v{DEFAULT_FIXTURE_VERSION}"));
+    if dir.join("config.json").exists() {
+        return Ok(dir);
+    }
+    eprintln!("no --hf-dir or GEMMA4_HF_DIR given: generating the built-in default checkpoint (once) at {}", dir.display());
+    let args = FixtureArgs {
+        shape: Shape::E2b,
+        seed: 0,
+        multimodal: false,
+        shards: 1,
+        sliding_window: 512,
+    };
+    write(&dir, &args, verbose)?;
+    Ok(dir)
+}

@@ -1,0 +1,178 @@
+//! Crash-safe output: everything is written under a staging folder inside the
+//! output folder and renamed into place only when complete, so a failed or
+//! killed run leaves the previous outputs as they were.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
+
+use crate::pyenv::hex;
+
+const STAGING_PREFIX: &str = ".chunkforge-staging-";
+
+/// A staging folder in `out`; removed on drop unless committed.
+pub struct Staging {
+    pub out: PathBuf,
+    pub dir: PathBuf,
+    committed: bool,
+}
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new("/proc").join(pid.to_string()).exists()
+}
+
+impl Staging {
+    pub fn new(out: &Path) -> Result<Self> {
+        if out.exists() && !out.is_dir() {
+            bail!("{}: output path exists and is not a folder", out.display());
+        }
+        fs::create_dir_all(out)
+            .with_context(|| format!("{}: cannot create the output folder", out.display()))?;
+        clean_stale(out);
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let dir = out.join(format!("{STAGING_PREFIX}{}-{stamp}", std::process::id()));
+        fs::create_dir(&dir).with_context(|| {
+            format!(
+                "{}: cannot write into the output folder (read-only?)",
+                out.display()
+            )
+        })?;
+        Ok(Staging {
+            out: out.to_path_buf(),
+            dir,
+            committed: false,
+        })
+    }
+
+    /// Moves `name` from staging into `out`, replacing an existing entry of that name.
+    pub fn publish(&self, name: &str) -> Result<()> {
+        let from = self.dir.join(name);
+        let to = self.out.join(name);
+        replace(&from, &to)
+    }
+
+    pub fn finish(mut self) -> Result<()> {
+        self.committed = true;
+        fs::remove_dir_all(&self.dir).with_context(|| format!("removing {}", self.dir.display()))
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Removes staging folders left by runs that were killed.
+pub fn clean_stale(out: &Path) {
+    let Ok(entries) = fs::read_dir(out) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if let Some(rest) = name.strip_prefix(STAGING_PREFIX) {
+            let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+            if pid.is_some_and(|p| p != std::process::id() && !pid_alive(p)) {
+                let _ = fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
+/// Renames `from` onto `to`. An existing `to` is first moved aside and deleted
+/// only after the new one is in place.
+pub fn replace(from: &Path, to: &Path) -> Result<()> {
+    if to.exists() || to.is_symlink() {
+        let aside = to.with_file_name(format!(
+            "{STAGING_PREFIX}{}-old-{}",
+            std::process::id(),
+            to.file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default()
+        ));
+        fs::rename(to, &aside)
+            .with_context(|| format!("moving the previous {} aside", to.display()))?;
+        fs::rename(from, to).with_context(|| format!("moving {} into place", to.display()))?;
+        if aside.is_dir() {
+            let _ = fs::remove_dir_all(&aside);
+        } else {
+            let _ = fs::remove_file(&aside);
+        }
+    } else {
+        fs::rename(from, to).with_context(|| format!("moving {} into place", to.display()))?;
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same folder.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        path.file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let mut f =
+        fs::File::create(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+    f.write_all(bytes)
+        .with_context(|| format!("{}: write failed", tmp.display()))?;
+    f.sync_all().ok();
+    drop(f);
+    fs::rename(&tmp, path).with_context(|| format!("{}: cannot move into place", path.display()))
+}
+
+/// SHA-256 of a file, streamed.
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("{}: read failed", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex(&h.finalize()))
+}
+
+/// Digest of a folder tree: SHA-256 over `path\0sha256\n` lines of every file,
+/// sorted by relative path.
+pub fn tree_digest(root: &Path) -> Result<String> {
+    let mut lines = Vec::new();
+    for e in walkdir::WalkDir::new(root).sort_by_file_name() {
+        let e = e.with_context(|| format!("walking {}", root.display()))?;
+        if e.file_type().is_file() {
+            let rel = e
+                .path()
+                .strip_prefix(root)
+                .unwrap_or(e.path())
+                .to_string_lossy()
+                .to_string();
+            lines.push(format!("{rel}\0{}\n", sha256_file(e.path())?));
+        }
+    }
+    lines.sort();
+    Ok(hex(&Sha256::digest(lines.concat().as_bytes())))
+}
+
+/// Peak resident memory of this process (which embeds Python) in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}

@@ -1,0 +1,689 @@
+//! The chunk planner: the one place chunk boundaries, KV ownership and I/O
+//! contracts are decided. Torch modules, conversion, parity and manifests all
+//! read this plain data; none of them re-derives a boundary.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::config::{Attention, TextConfig};
+use crate::error::InputError;
+
+/// Layer count above which a single Core ML function has failed to compile for
+/// the Neural Engine on device (seed run book: 35 layers failed on iPhone 17 Pro,
+/// 15 and 20 compiled; ~15 is the historic stable ceiling).
+pub const ANE_STABLE_LAYERS: usize = 15;
+
+/// Runtime alias of the producer KV for shared sliding / full layers.
+pub fn alias_of(kind: Attention) -> &'static str {
+    match kind {
+        Attention::Sliding => "kv13",
+        Attention::Full => "kv14",
+    }
+}
+
+/// Layouts a build or parity run can ask for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// The four-chunk reference (chunk1..chunk4).
+    Four,
+    /// merged_chunk1 + merged_chunk2.
+    Two,
+    /// merged_full.
+    One,
+    /// two and one.
+    Both,
+    /// four, two and one.
+    All,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayoutKind {
+    Four,
+    Two,
+    One,
+    Split,
+}
+
+impl LayoutKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            LayoutKind::Four => "four",
+            LayoutKind::Two => "two",
+            LayoutKind::One => "one",
+            LayoutKind::Split => "split",
+        }
+    }
+}
+
+/// Model dimensions every consumer of the plan needs, copied out of the config.
+#[derive(Clone, Debug, Serialize)]
+pub struct Dims {
+    pub num_hidden_layers: usize,
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    pub vocab_size_per_layer_input: usize,
+    pub num_attention_heads: usize,
+    pub num_kv_heads_sliding: usize,
+    pub num_kv_heads_full: usize,
+    pub head_dim_sliding: usize,
+    pub head_dim_full: usize,
+    /// Caches are padded to this so sliding and full slots share one layout.
+    pub max_head_dim: usize,
+    /// Window cache length W.
+    pub sliding_window: usize,
+    /// Full-attention cache length.
+    pub ctx: usize,
+    pub hidden_size_per_layer_input: usize,
+    pub rms_norm_eps: f64,
+    pub final_logit_softcapping: Option<f64>,
+    pub rope_theta_sliding: f64,
+    pub rope_theta_full: f64,
+    pub partial_rotary_factor_full: f64,
+    pub kv_start: usize,
+    pub producer_sliding: Option<usize>,
+    pub producer_full: Option<usize>,
+    pub layer_types: Vec<Attention>,
+}
+
+/// Where a layer's K/V come from.
+#[derive(Clone, Debug, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum KvSource {
+    /// Computes its own K/V into `slot` of the chunk's cache of its kind; a
+    /// producer layer also carries the alias under which shared layers read it.
+    Own {
+        slot: usize,
+        alias: Option<&'static str>,
+    },
+    /// Reads the producer's cache through `alias` (from an input or from a
+    /// producer earlier in the same chunk).
+    Shared {
+        alias: &'static str,
+        producer: usize,
+    },
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerPlan {
+    pub index: usize,
+    pub attention: Attention,
+    pub mlp_width: usize,
+    pub kv: KvSource,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AliasUse {
+    pub alias: &'static str,
+    pub layer: usize,
+    pub attention: Attention,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: &'static str,
+}
+
+impl TensorSpec {
+    fn fp16(name: &str, shape: &[usize]) -> Self {
+        TensorSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            dtype: "fp16",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChunkPlan {
+    /// Package stem, e.g. `merged_chunk1` (written as `<name>.mlpackage`).
+    pub name: String,
+    pub first_layer: usize,
+    pub last_layer: usize,
+    pub layers: Vec<LayerPlan>,
+    /// Layers owning a sliding KV slot, in slot (= layer) order.
+    pub sliding_slots: Vec<usize>,
+    /// Layers owning a full KV slot, in slot (= layer) order.
+    pub full_slots: Vec<usize>,
+    /// Producer KV this chunk hands to later chunks.
+    pub emits: Vec<AliasUse>,
+    /// Producer KV this chunk receives from an earlier chunk.
+    pub consumes: Vec<AliasUse>,
+    /// First chunk: projects the raw per-layer embedding into the combined PLE.
+    pub computes_per_layer_input: bool,
+    /// Last chunk: final norm, tied LM head, softcap and in-model argmax.
+    pub has_head: bool,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+}
+
+impl ChunkPlan {
+    pub fn layer_count(&self) -> usize {
+        self.last_layer - self.first_layer + 1
+    }
+}
+
+/// One KV slot copy from the four-chunk prefill caches into a decode layout's caches.
+#[derive(Clone, Debug, Serialize)]
+pub struct SlotCopy {
+    pub layer: usize,
+    pub attention: Attention,
+    pub from_chunk: String,
+    pub from_slot: usize,
+    pub to_chunk: String,
+    pub to_slot: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Layout {
+    pub kind: LayoutKind,
+    pub chunks: Vec<ChunkPlan>,
+    /// How prefill KV (four-chunk caches) maps into this layout's caches.
+    pub kv_slot_map: Vec<SlotCopy>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Plan {
+    pub dims: Dims,
+    pub layouts: Vec<Layout>,
+    pub warnings: Vec<String>,
+}
+
+/// A contiguous layer range `first..=last`.
+pub type Span = (usize, usize);
+
+/// Parses `--split 0-11,12-23,24-34` and checks it covers `0..n` exactly once, in order.
+pub fn parse_split(text: &str, n: usize) -> Result<Vec<Span>, InputError> {
+    let bad = |message: String| InputError::Split {
+        split: text.to_string(),
+        message,
+    };
+    let mut spans = Vec::new();
+    for part in text.split(',') {
+        let part = part.trim();
+        let (a, b) = part
+            .split_once('-')
+            .ok_or_else(|| bad(format!("`{part}` is not a range like 0-11")))?;
+        let a: usize = a
+            .trim()
+            .parse()
+            .map_err(|_| bad(format!("`{part}`: `{a}` is not a layer number")))?;
+        let b: usize = b
+            .trim()
+            .parse()
+            .map_err(|_| bad(format!("`{part}`: `{b}` is not a layer number")))?;
+        if a > b {
+            return Err(bad(format!("`{part}` runs backwards")));
+        }
+        spans.push((a, b));
+    }
+    let mut next = 0;
+    for &(a, b) in &spans {
+        if a > next {
+            return Err(bad(format!(
+                "layers {next}-{} are in no chunk (gap before {a}-{b})",
+                a - 1
+            )));
+        }
+        if a < next {
+            return Err(bad(format!(
+                "{a}-{b} overlaps the previous chunk (which ends at layer {})",
+                next - 1
+            )));
+        }
+        next = b + 1;
+    }
+    if next != n {
+        return Err(bad(if next > n {
+            format!(
+                "the model has {n} layers (0-{}), but the split reaches layer {}",
+                n - 1,
+                next - 1
+            )
+        } else {
+            format!(
+                "layers {next}-{} are in no chunk (the model has {n} layers)",
+                n - 1
+            )
+        }));
+    }
+    Ok(spans)
+}
+
+/// Two halves of `a..b`, the first taking the odd layer.
+fn halves(a: usize, b: usize) -> [Span; 2] {
+    let mid = a + (b - a).div_ceil(2);
+    [(a, mid - 1), (mid, b - 1)]
+}
+
+/// Chunk spans of a built-in layout, derived from the config: the four-chunk
+/// reference splits the KV-owning layers and the KV-shared layers in halves
+/// (E2B: 0-7 / 8-14 / 15-24 / 25-34), two is owners / sharers, one is all.
+pub fn layout_spans(cfg: &TextConfig, kind: LayoutKind) -> Vec<Span> {
+    let n = cfg.num_hidden_layers;
+    let k = cfg.kv_start();
+    match kind {
+        LayoutKind::One => vec![(0, n - 1)],
+        LayoutKind::Two if k > 0 && k < n => vec![(0, k - 1), (k, n - 1)],
+        LayoutKind::Two => halves(0, n).to_vec(),
+        LayoutKind::Four if k >= 2 && n - k >= 2 => {
+            let [a, b] = halves(0, k);
+            let [c, d] = halves(k, n);
+            vec![a, b, c, d]
+        }
+        LayoutKind::Four => {
+            let q = n.div_ceil(4);
+            (0..n).step_by(q).map(|s| (s, (s + q).min(n) - 1)).collect()
+        }
+        LayoutKind::Split => unreachable!("split spans come from --split"),
+    }
+}
+
+fn chunk_names(kind: LayoutKind, spans: &[Span], n: usize) -> Vec<String> {
+    let width = (n - 1).to_string().len();
+    spans
+        .iter()
+        .enumerate()
+        .map(|(i, &(a, b))| match kind {
+            LayoutKind::Four => format!("chunk{}", i + 1),
+            LayoutKind::Two => format!("merged_chunk{}", i + 1),
+            LayoutKind::One => "merged_full".to_string(),
+            LayoutKind::Split => format!("layers_{a:0width$}-{b:0width$}"),
+        })
+        .collect()
+}
+
+pub fn dims(cfg: &TextConfig, ctx: usize) -> Dims {
+    Dims {
+        num_hidden_layers: cfg.num_hidden_layers,
+        hidden_size: cfg.hidden_size,
+        vocab_size: cfg.vocab_size,
+        vocab_size_per_layer_input: cfg.vocab_size_per_layer_input,
+        num_attention_heads: cfg.num_attention_heads,
+        num_kv_heads_sliding: cfg.kv_heads_of(Attention::Sliding),
+        num_kv_heads_full: cfg.kv_heads_of(Attention::Full),
+        head_dim_sliding: cfg.head_dim,
+        head_dim_full: cfg.global_head_dim,
+        max_head_dim: cfg.max_head_dim(),
+        sliding_window: cfg.sliding_window,
+        ctx,
+        hidden_size_per_layer_input: cfg.hidden_size_per_layer_input,
+        rms_norm_eps: cfg.rms_norm_eps,
+        final_logit_softcapping: cfg.final_logit_softcapping,
+        rope_theta_sliding: cfg.rope_theta_sliding,
+        rope_theta_full: cfg.rope_theta_full,
+        partial_rotary_factor_full: cfg.partial_rotary_factor_full,
+        kv_start: cfg.kv_start(),
+        producer_sliding: cfg.producer(Attention::Sliding),
+        producer_full: cfg.producer(Attention::Full),
+        layer_types: cfg.layer_types.clone(),
+    }
+}
+
+/// Plans one layout from its spans.
+pub fn plan_layout(cfg: &TextConfig, ctx: usize, kind: LayoutKind, spans: &[Span]) -> Layout {
+    let n = cfg.num_hidden_layers;
+    let names = chunk_names(kind, spans, n);
+    let kv_start = cfg.kv_start();
+    let shared = cfg.num_kv_shared_layers > 0;
+    let producer_of = |k: Attention| cfg.producer(k);
+    // A producer emits its alias only when some chunk after its own reads it.
+    let chunk_of = |layer: usize| {
+        spans
+            .iter()
+            .position(|&(a, b)| a <= layer && layer <= b)
+            .unwrap()
+    };
+    let read_by_later = |k: Attention, p: usize| {
+        shared && (kv_start..n).any(|l| cfg.layer_types[l] == k && chunk_of(l) != chunk_of(p))
+    };
+
+    let last = spans.len() - 1;
+    let chunks = spans
+        .iter()
+        .enumerate()
+        .map(|(ci, &(a, b))| {
+            let mut layers = Vec::new();
+            let mut sliding_slots = Vec::new();
+            let mut full_slots = Vec::new();
+            let mut emits = Vec::new();
+            let mut consumes: Vec<AliasUse> = Vec::new();
+            for i in a..=b {
+                let kind_i = cfg.layer_types[i];
+                let kv = if shared && i >= kv_start {
+                    let p =
+                        producer_of(kind_i).expect("validated: every shared kind has a producer");
+                    let alias = alias_of(kind_i);
+                    if p < a && !consumes.iter().any(|c| c.alias == alias) {
+                        consumes.push(AliasUse {
+                            alias,
+                            layer: p,
+                            attention: kind_i,
+                        });
+                    }
+                    KvSource::Shared { alias, producer: p }
+                } else {
+                    let slots = match kind_i {
+                        Attention::Sliding => &mut sliding_slots,
+                        Attention::Full => &mut full_slots,
+                    };
+                    slots.push(i);
+                    let is_producer = shared && producer_of(kind_i) == Some(i);
+                    if is_producer && read_by_later(kind_i, i) {
+                        emits.push(AliasUse {
+                            alias: alias_of(kind_i),
+                            layer: i,
+                            attention: kind_i,
+                        });
+                    }
+                    KvSource::Own {
+                        slot: slots.len() - 1,
+                        alias: is_producer.then(|| alias_of(kind_i)),
+                    }
+                };
+                layers.push(LayerPlan {
+                    index: i,
+                    attention: kind_i,
+                    mlp_width: cfg.mlp_width(i),
+                    kv,
+                });
+            }
+            let mut chunk = ChunkPlan {
+                name: names[ci].clone(),
+                first_layer: a,
+                last_layer: b,
+                layers,
+                sliding_slots,
+                full_slots,
+                emits,
+                consumes,
+                computes_per_layer_input: ci == 0,
+                has_head: ci == last,
+                inputs: Vec::new(),
+                outputs: Vec::new(),
+            };
+            let (inputs, outputs) = contract(cfg, ctx, &chunk, spans.len() > 1);
+            chunk.inputs = inputs;
+            chunk.outputs = outputs;
+            chunk
+        })
+        .collect::<Vec<_>>();
+    let mut layout = Layout {
+        kind,
+        chunks,
+        kv_slot_map: Vec::new(),
+    };
+    if kind != LayoutKind::Four {
+        let four = plan_layout(
+            cfg,
+            ctx,
+            LayoutKind::Four,
+            &layout_spans(cfg, LayoutKind::Four),
+        );
+        layout.kv_slot_map = slot_map(&four, &layout);
+    }
+    layout
+}
+
+/// The chunk's input and output tensors, named as the runtime names them.
+fn contract(
+    cfg: &TextConfig,
+    ctx: usize,
+    c: &ChunkPlan,
+    multi: bool,
+) -> (Vec<TensorSpec>, Vec<TensorSpec>) {
+    let h = cfg.hidden_size;
+    let w = cfg.sliding_window;
+    let mhd = cfg.max_head_dim();
+    let ple = cfg.num_hidden_layers * cfg.hidden_size_per_layer_input;
+    let has = |k: Attention| c.layers.iter().any(|l| l.attention == k);
+    let kvh = |k: Attention| cfg.kv_heads_of(k);
+    let mut inp = vec![TensorSpec::fp16("hidden_states", &[1, 1, h])];
+    if has(Attention::Full) {
+        inp.push(TensorSpec::fp16("causal_mask_full", &[1, 1, 1, ctx]));
+    }
+    if has(Attention::Sliding) {
+        inp.push(TensorSpec::fp16("causal_mask_sliding", &[1, 1, 1, w]));
+    }
+    if !c.full_slots.is_empty() {
+        inp.push(TensorSpec::fp16("update_mask", &[1, 1, ctx, 1]));
+    }
+    if c.computes_per_layer_input {
+        inp.push(TensorSpec::fp16("per_layer_raw", &[1, 1, ple]));
+    } else {
+        inp.push(TensorSpec::fp16("per_layer_combined", &[1, 1, ple]));
+    }
+    if has(Attention::Sliding) {
+        inp.push(TensorSpec::fp16("cos_s", &[1, 1, 1, cfg.head_dim]));
+        inp.push(TensorSpec::fp16("sin_s", &[1, 1, 1, cfg.head_dim]));
+    }
+    if has(Attention::Full) {
+        inp.push(TensorSpec::fp16("cos_f", &[1, 1, 1, cfg.global_head_dim]));
+        inp.push(TensorSpec::fp16("sin_f", &[1, 1, 1, cfg.global_head_dim]));
+    }
+    let cache = |k: Attention, n: usize| -> Vec<usize> {
+        let len = if k == Attention::Sliding { w } else { ctx };
+        vec![n, kvh(k), len, mhd]
+    };
+    let alias_shape = |u: &AliasUse| -> Vec<usize> {
+        let len = if u.attention == Attention::Sliding {
+            w
+        } else {
+            ctx
+        };
+        vec![1, kvh(u.attention), len, cfg.head_dim_of(u.attention)]
+    };
+    if !c.sliding_slots.is_empty() {
+        let s = cache(Attention::Sliding, c.sliding_slots.len());
+        inp.push(TensorSpec::fp16("K_sliding_in", &s));
+        inp.push(TensorSpec::fp16("V_sliding_in", &s));
+    }
+    if !c.full_slots.is_empty() {
+        let s = cache(Attention::Full, c.full_slots.len());
+        inp.push(TensorSpec::fp16("K_full_in", &s));
+        inp.push(TensorSpec::fp16("V_full_in", &s));
+    }
+    for u in &c.consumes {
+        inp.push(TensorSpec::fp16(&format!("{}_k", u.alias), &alias_shape(u)));
+        inp.push(TensorSpec::fp16(&format!("{}_v", u.alias), &alias_shape(u)));
+    }
+
+    let mut out = vec![TensorSpec::fp16("hidden_states_out", &[1, 1, h])];
+    if !c.sliding_slots.is_empty() {
+        let s = cache(Attention::Sliding, c.sliding_slots.len());
+        out.push(TensorSpec::fp16("K_sliding_out", &s));
+        out.push(TensorSpec::fp16("V_sliding_out", &s));
+    }
+    if !c.full_slots.is_empty() {
+        let s = cache(Attention::Full, c.full_slots.len());
+        out.push(TensorSpec::fp16("K_full_out", &s));
+        out.push(TensorSpec::fp16("V_full_out", &s));
+    }
+    for u in &c.emits {
+        out.push(TensorSpec::fp16(&format!("{}_k", u.alias), &alias_shape(u)));
+        out.push(TensorSpec::fp16(&format!("{}_v", u.alias), &alias_shape(u)));
+    }
+    if c.computes_per_layer_input && multi {
+        out.push(TensorSpec::fp16("per_layer_combined_out", &[1, 1, ple]));
+    }
+    if c.has_head {
+        out.push(TensorSpec {
+            name: "token_id".into(),
+            shape: vec![1],
+            dtype: "int32",
+        });
+        out.push(TensorSpec::fp16("token_logit", &[1]));
+    }
+    (inp, out)
+}
+
+/// Maps every KV slot of the four-chunk reference (which prefill writes) to the
+/// slot of `to` that holds the same layer, in layer order.
+pub fn slot_map(four: &Layout, to: &Layout) -> Vec<SlotCopy> {
+    let find = |layout: &Layout, layer: usize| -> Option<(String, Attention, usize)> {
+        layout.chunks.iter().find_map(|c| {
+            c.layers
+                .iter()
+                .find(|l| l.index == layer)
+                .and_then(|l| match l.kv {
+                    KvSource::Own { slot, .. } => Some((c.name.clone(), l.attention, slot)),
+                    KvSource::Shared { .. } => None,
+                })
+        })
+    };
+    let mut map = Vec::new();
+    for c in &four.chunks {
+        for l in &c.layers {
+            if let (Some((from_chunk, attention, from_slot)), Some((to_chunk, _, to_slot))) =
+                (find(four, l.index), find(to, l.index))
+            {
+                map.push(SlotCopy {
+                    layer: l.index,
+                    attention,
+                    from_chunk,
+                    from_slot,
+                    to_chunk,
+                    to_slot,
+                });
+            }
+        }
+    }
+    map
+}
+
+/// The layouts `mode` (or an explicit `--split`) asks for.
+pub fn plan(
+    cfg: &TextConfig,
+    ctx: usize,
+    mode: Mode,
+    split: Option<&str>,
+) -> Result<Plan, InputError> {
+    let mut layouts = Vec::new();
+    if let Some(text) = split {
+        let spans = parse_split(text, cfg.num_hidden_layers)?;
+        layouts.push(plan_layout(cfg, ctx, LayoutKind::Split, &spans));
+    } else {
+        let kinds: &[LayoutKind] = match mode {
+            Mode::Four => &[LayoutKind::Four],
+            Mode::Two => &[LayoutKind::Two],
+            Mode::One => &[LayoutKind::One],
+            Mode::Both => &[LayoutKind::Two, LayoutKind::One],
+            Mode::All => &[LayoutKind::Four, LayoutKind::Two, LayoutKind::One],
+        };
+        for &k in kinds {
+            layouts.push(plan_layout(cfg, ctx, k, &layout_spans(cfg, k)));
+        }
+    }
+    let mut warnings = Vec::new();
+    for l in &layouts {
+        for c in &l.chunks {
+            if c.layer_count() > ANE_STABLE_LAYERS {
+                warnings.push(format!(
+                    "{} holds {} layers (> {ANE_STABLE_LAYERS}): a 35-layer single function failed to compile \
+                     for the iPhone 17 Pro Neural Engine, while 15 and 20 layers compiled; check its compute \
+                     plan on device before shipping it",
+                    c.name,
+                    c.layer_count()
+                ));
+            }
+        }
+    }
+    Ok(Plan {
+        dims: dims(cfg, ctx),
+        layouts,
+        warnings,
+    })
+}
+
+/// Human-readable rendering for `chunkforge plan`.
+pub fn render(plan: &Plan) -> String {
+    let d = &plan.dims;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "model: {} layers, hidden {}, heads {}/{} kv, head dim {} sliding / {} full, window {}, ctx {}",
+        d.num_hidden_layers,
+        d.hidden_size,
+        d.num_attention_heads,
+        d.num_kv_heads_sliding,
+        d.head_dim_sliding,
+        d.head_dim_full,
+        d.sliding_window,
+        d.ctx
+    );
+    let p = |x: Option<usize>| x.map_or("none".to_string(), |v| format!("L{v}"));
+    let _ = writeln!(
+        s,
+        "KV sharing: layers {}..{} read shared KV; producers: sliding {} (kv13), full {} (kv14)",
+        d.kv_start,
+        d.num_hidden_layers - 1,
+        p(d.producer_sliding),
+        p(d.producer_full)
+    );
+    for l in &plan.layouts {
+        let _ = writeln!(s, "\nlayout {} ({} chunks)", l.kind.label(), l.chunks.len());
+        for c in &l.chunks {
+            let mut roles = Vec::new();
+            if c.computes_per_layer_input {
+                roles.push("PLE projection".to_string());
+            }
+            for e in &c.emits {
+                roles.push(format!("emits {} (L{})", e.alias, e.layer));
+            }
+            for e in &c.consumes {
+                roles.push(format!("reads {} (L{})", e.alias, e.layer));
+            }
+            if c.has_head {
+                roles.push("norm + head".to_string());
+            }
+            let _ = writeln!(
+                s,
+                "  {:<16} layers {:>2}-{:<2} ({:>2}) KV slots: {} sliding {:?}, {} full {:?}; {}",
+                c.name,
+                c.first_layer,
+                c.last_layer,
+                c.layer_count(),
+                c.sliding_slots.len(),
+                c.sliding_slots,
+                c.full_slots.len(),
+                c.full_slots,
+                roles.join(", ")
+            );
+            let io = |ts: &[TensorSpec]| {
+                ts.iter()
+                    .map(|t| format!("{}{:?}", t.name, t.shape))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            let _ = writeln!(s, "      in:  {}", io(&c.inputs));
+            let _ = writeln!(s, "      out: {}", io(&c.outputs));
+        }
+        if !l.kv_slot_map.is_empty() {
+            let _ = writeln!(
+                s,
+                "  prefill KV copy (four-chunk -> {}): {} slots",
+                l.kind.label(),
+                l.kv_slot_map.len()
+            );
+            for m in &l.kv_slot_map {
+                let _ = writeln!(
+                    s,
+                    "      L{:<2} {:<7} {}[{}] -> {}[{}]",
+                    m.layer,
+                    m.attention.label(),
+                    m.from_chunk,
+                    m.from_slot,
+                    m.to_chunk,
+                    m.to_slot
+                );
+            }
+        }
+    }
+    for w in &plan.warnings {
+        let _ = writeln!(s, "\nwarning: {w}");
+    }
+    s
+}
