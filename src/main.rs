@@ -58,7 +58,11 @@ struct LayoutArgs {
 #[derive(Subcommand)]
 enum Cmd {
     /// Print the Python interpreter, package versions, cache paths and what this platform cannot do.
-    Doctor,
+    Doctor {
+        /// Only print the path of the cached environment's python executable (for scripts).
+        #[arg(long)]
+        venv_python: bool,
+    },
     /// Create (or update) the pinned Python environment in the cache folder.
     Setup,
     /// Print the chunk plan for a checkpoint: layer ranges, KV slots, producer KV, I/O contracts.
@@ -187,7 +191,12 @@ fn do_build(
 fn run(cli: Cli) -> Result<()> {
     let verbose = cli.verbose;
     match cli.command {
-        Cmd::Doctor => doctor(verbose),
+        Cmd::Doctor { venv_python: true } => {
+            pyenv::ensure_env(verbose)?;
+            println!("{}", pyenv::venv_dir().join("bin").join("python").display());
+            Ok(())
+        }
+        Cmd::Doctor { venv_python: false } => doctor(verbose),
         Cmd::Setup => {
             pyenv::activate(verbose)?;
             eprintln!("Python environment: {}", pyenv::venv_dir().display());

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite. On a fresh machine this also creates the cached Python
+# environment (first run: a few minutes, ~5 GB for torch) and the test fixtures.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo build --release --all-targets
+./target/release/chunkforge setup
+VENV_PY="$(./target/release/chunkforge doctor --venv-python)"
+"$VENV_PY" -m pip install --quiet --disable-pip-version-check -r python/requirements-test.txt
+
+echo "== Python tests"
+"$VENV_PY" -m pytest -q python/tests
+echo "== Rust tests"
+cargo test --release -- --test-threads="${CHUNKFORGE_TEST_THREADS:-2}"
