@@ -7,6 +7,7 @@ mod config;
 mod error;
 mod fixture;
 mod fsutil;
+mod parity;
 mod plan;
 mod progress;
 mod pyenv;
@@ -90,6 +91,55 @@ enum Cmd {
         /// coremltools k-means worker processes for palettization.
         #[arg(long, default_value_t = 1)]
         kmeans_workers: usize,
+    },
+    /// Check merged layouts against the four-chunk reference and the reference against transformers (torch, fp32, CPU).
+    Parity {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Layouts to check: two, one, both, all (four checks only the reference against transformers).
+        #[arg(long, value_enum, default_value = "both")]
+        mode: Mode,
+        /// A custom split to check instead of --mode, e.g. 0-11,12-23,24-34.
+        #[arg(long)]
+        split: Option<String>,
+        /// Decode steps (step t feeds prompt token t).
+        #[arg(long, default_value_t = 16)]
+        steps: usize,
+        /// Minimum cosine of the final normed hidden state per step.
+        #[arg(long, default_value_t = 0.9999)]
+        tol_cos: f64,
+        /// Full-attention context length used for the caches.
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Prompt token ids (comma-separated); default: parity/default_prompt.json.
+        #[arg(long)]
+        prompt_ids: Option<String>,
+        /// Run the first N prompt tokens through the four-chunk reference, copy its KV
+        /// slots into each layout (plan's slot map), then decode the rest with the layout.
+        #[arg(long, default_value_t = 0)]
+        prefill: usize,
+        /// Read the INT4 weights back out of the packages in this build folder and
+        /// report their agreement with the fp32 reference.
+        #[arg(long)]
+        artifacts: Option<PathBuf>,
+        /// Minimum cosine per step for the INT4 artifacts.
+        #[arg(long, default_value_t = 0.95)]
+        tol_cos_int4: f64,
+        /// Minimum fraction of steps whose INT4 token equals the reference's.
+        #[arg(long, default_value_t = 0.75)]
+        min_top1_int4: f64,
+        /// Write the JSON report (schema: parity/report.schema.json) here.
+        #[arg(long)]
+        report: Option<PathBuf>,
+        /// Skip the transformers oracle.
+        #[arg(long)]
+        no_oracle: bool,
+        /// Testing aid: skip the prefill KV copy (shows the seed's integration bug).
+        #[arg(long, hide = true)]
+        skip_prefill_copy: bool,
+        /// Testing aid: corrupt one weight of this layer in the compared layouts.
+        #[arg(long, hide = true)]
+        corrupt_layer: Option<usize>,
     },
     /// Write a random-weight Gemma 4 checkpoint in the Hugging Face layout.
     Fixture {
@@ -234,6 +284,53 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!("{}", build::summary(&report, &output));
             Ok(())
         }
+        Cmd::Parity {
+            model,
+            mode,
+            split,
+            steps,
+            tol_cos,
+            ctx,
+            prompt_ids,
+            prefill,
+            artifacts,
+            tol_cos_int4,
+            min_top1_int4,
+            report,
+            no_oracle,
+            skip_prefill_copy,
+            corrupt_layer,
+        } => {
+            let dir = resolve_checkpoint(&model, verbose)?;
+            let cfg = config::TextConfig::load(&dir)?;
+            let ckpt = checkpoint::Checkpoint::open(&dir, &cfg)?;
+            pyenv::activate(verbose)?;
+            let opts = parity::ParityOptions {
+                mode,
+                split,
+                steps,
+                tol_cos,
+                ctx,
+                prompt_ids: prompt_ids
+                    .as_deref()
+                    .map(parity::parse_prompt)
+                    .transpose()?,
+                prefill,
+                skip_prefill_copy,
+                artifacts,
+                tol_cos_int4,
+                min_top1_int4,
+                report,
+                oracle: !no_oracle,
+                corrupt_layer,
+                verbose,
+            };
+            if parity::run(&dir, &cfg, &ckpt, &opts)? {
+                Ok(())
+            } else {
+                Err(ParityFailed.into())
+            }
+        }
         Cmd::Fixture {
             out,
             shape,
@@ -360,13 +457,19 @@ fn doctor(verbose: bool) -> Result<()> {
     Ok(())
 }
 
+/// Parity ran and found a failure (exit 1; errors exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error("parity failed")]
+struct ParityFailed;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<ParityFailed>() => ExitCode::from(1),
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            ExitCode::from(2)
         }
     }
 }

@@ -47,7 +47,12 @@ impl BuildProgress {
         pb
     }
 
+    /// A log line above the bars (plain stderr when stderr is not a terminal).
     pub fn println(&self, line: impl AsRef<str>) {
-        let _ = self.multi.println(line.as_ref());
+        if self.multi.is_hidden() {
+            eprintln!("{}", line.as_ref());
+        } else {
+            let _ = self.multi.println(line.as_ref());
+        }
     }
 }

@@ -27,6 +27,8 @@ class Checkpoint:
         return self._handles[path]
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor converted to ``dtype``. It may share memory with the file
+        mapping (and with other callers' tensors): never modify it in place."""
         full = self.prefix + name
         path = self.files.get(full)
         if path is None:
