@@ -220,6 +220,29 @@ pub fn expected_tensors(cfg: &TextConfig) -> Vec<(String, Vec<usize>)> {
     t
 }
 
+/// Checks that every projection weight's output-channel count is a multiple of
+/// the palettization group size, before any conversion work starts.
+pub fn check_groupable(ckpt: &Checkpoint, cfg: &TextConfig, group: usize) -> Result<(), InputError> {
+    for (name, shape) in expected_tensors(cfg) {
+        // The per-layer embedding table is looked up on CPU, not a projection.
+        if shape.len() != 2 || name == "embed_tokens_per_layer.weight" {
+            continue;
+        }
+        if shape[0] % group != 0 {
+            let role = if name == "embed_tokens.weight" { " (the tied LM head)" } else { "" };
+            return Err(ck(
+                &ckpt.dir,
+                format!(
+                    "weight {}{name}{role} has {} output channels, not a multiple of the INT4 palettization group \
+                     size {group}; it cannot be palettized per_grouped_channel (use --no-quantize to keep FP16 weights)",
+                    ckpt.prefix, shape[0]
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl Checkpoint {
     /// Finds the weight files of `dir`, reads their headers and checks every
     /// tensor the decoder needs.

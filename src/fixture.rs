@@ -38,6 +38,7 @@ pub struct FixtureArgs {
     pub multimodal: bool,
     pub shards: usize,
     pub sliding_window: usize,
+    pub vocab_size: usize,
 }
 
 /// Writes a checkpoint into `out` (which must not exist yet, or be empty) via a
@@ -81,6 +82,7 @@ pub fn write(out: &Path, args: &FixtureArgs, verbose: bool) -> Result<Value> {
             "multimodal": args.multimodal,
             "shards": args.shards,
             "sliding_window": args.sliding_window,
+            "vocab_size": args.vocab_size,
         }),
         verbose,
     );
@@ -108,6 +110,7 @@ pub fn default_checkpoint(verbose: bool) -> Result<PathBuf> {
         multimodal: false,
         shards: 1,
         sliding_window: 512,
+        vocab_size: 512,
     };
     write(&dir, &args, verbose)?;
     Ok(dir)

@@ -158,6 +158,16 @@ enum Cmd {
         shards: usize,
         #[arg(long, default_value_t = 512)]
         sliding_window: usize,
+        /// Testing aid: vocabulary size (default 512).
+        #[arg(long, default_value_t = 512, hide = true)]
+        vocab_size: usize,
+    },
+    /// Describe a built .mlpackage: spec version, inputs/outputs, palettized weights, layers (no model load; works on Linux).
+    Inspect {
+        package: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Benchmarks.
     Bench {
@@ -220,6 +230,9 @@ fn do_build(
     let dir = resolve_checkpoint(model, verbose)?;
     let (cfg, plan) = plan_for(&dir, layout)?;
     let ckpt = checkpoint::Checkpoint::open(&dir, &cfg)?;
+    if quantize {
+        checkpoint::check_groupable(&ckpt, &cfg, 32)?;
+    }
     pyenv::activate(verbose)?;
     let settings = build::Settings {
         ctx: layout.ctx,
@@ -331,6 +344,16 @@ fn run(cli: Cli) -> Result<()> {
                 Err(ParityFailed.into())
             }
         }
+        Cmd::Inspect { package, json } => {
+            pyenv::activate(verbose)?;
+            let d = pyenv::call_json("inspect_pkg", "describe", &json!({"path": package.to_string_lossy()}), verbose)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&d)?);
+            } else {
+                print_inspect(&d);
+            }
+            Ok(())
+        }
         Cmd::Fixture {
             out,
             shape,
@@ -338,6 +361,7 @@ fn run(cli: Cli) -> Result<()> {
             multimodal,
             shards,
             sliding_window,
+            vocab_size,
         } => {
             pyenv::activate(verbose)?;
             let args = fixture::FixtureArgs {
@@ -346,6 +370,7 @@ fn run(cli: Cli) -> Result<()> {
                 multimodal,
                 shards: shards.max(1),
                 sliding_window,
+                vocab_size,
             };
             let info = fixture::write(&out, &args, verbose)?;
             eprintln!(
@@ -397,6 +422,31 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+fn print_inspect(d: &serde_json::Value) {
+    println!("{}", d["path"].as_str().unwrap_or(""));
+    println!(
+        "  {} , specification version {} (iOS18 = 9), opset {}",
+        d["model_type"].as_str().unwrap_or("?"),
+        d["specification_version"],
+        d["opset"].as_str().unwrap_or("?")
+    );
+    for (label, key) in [("in ", "inputs"), ("out", "outputs")] {
+        for t in d[key].as_array().into_iter().flatten() {
+            println!("  {label} {:<24} {:<20} {}", t["name"].as_str().unwrap_or(""), t["shape"].to_string(), t["dtype"].as_str().unwrap_or(""));
+        }
+    }
+    let luts = d["palettized"].as_array().map_or(0, Vec::len);
+    let linear = d["linear"].as_array().map_or(0, Vec::len);
+    println!("  {} MIL ops; {luts} palettized weights for {linear} linear ops", d["mil_ops"]);
+    if let Some(l) = d["palettized"].as_array().and_then(|a| a.first()) {
+        println!("  e.g. {} {} with LUT {}", l["name"].as_str().unwrap_or(""), l["weight_shape"], l["lut_shape"]);
+    }
+    let layers: Vec<u64> = d["layers"].as_array().into_iter().flatten().filter_map(|v| v.as_u64()).collect();
+    if let (Some(a), Some(b)) = (layers.first(), layers.last()) {
+        println!("  decoder layers {a}-{b} ({} layers)", layers.len());
     }
 }
 

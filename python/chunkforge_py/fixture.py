@@ -76,6 +76,7 @@ def write_fixture(
     multimodal: bool = False,
     shards: int = 1,
     sliding_window: int = 512,
+    vocab_size: int = 512,
 ) -> dict[str, Any]:
     """Write a random-weight checkpoint into ``out_dir`` (which must exist and be empty).
 
@@ -91,7 +92,7 @@ def write_fixture(
     if shape not in SHAPES:
         raise ValueError(f"unknown fixture shape {shape!r}; expected one of {sorted(SHAPES)}")
     torch.manual_seed(seed)
-    cfg_kwargs = text_config_dict(shape, sliding_window=sliding_window)
+    cfg_kwargs = text_config_dict(shape, sliding_window=sliding_window, vocab_size=vocab_size)
     config = Gemma4TextConfig(**cfg_kwargs)
     model = Gemma4ForCausalLM(config).eval()
     # Norm weights initialise to ones; perturb them so a loader that drops or
@@ -149,4 +150,5 @@ def write_fixture_json(args: dict[str, Any]) -> dict[str, Any]:
         multimodal=bool(args["multimodal"]),
         shards=int(args["shards"]),
         sliding_window=int(args["sliding_window"]),
+        vocab_size=int(args.get("vocab_size", 512)),
     )

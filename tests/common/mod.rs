@@ -70,3 +70,47 @@ pub fn tempdir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+static BUILD_LOCK: Mutex<()> = Mutex::new(());
+
+/// `build --mode all` of the built-in default checkpoint, made once and shared
+/// (under the target dir) by every test that needs real packages.
+pub fn built_all() -> PathBuf {
+    let _guard = BUILD_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("builds").join("default-all");
+    if !dir.join("build.json").exists() {
+        ok(&["build", "--mode", "all", "--output", dir.to_str().unwrap()]);
+    }
+    dir
+}
+
+pub fn json_file(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A safetensors file as (header, data section).
+pub fn read_safetensors(path: &Path) -> (serde_json::Value, Vec<u8>) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    (header, bytes[8 + n..].to_vec())
+}
+
+pub fn write_safetensors(path: &Path, header: &serde_json::Value, data: &[u8]) {
+    let h = serde_json::to_vec(header).unwrap();
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(data);
+    std::fs::write(path, out).unwrap();
+}
+
+/// Copies a checkpoint folder (files only) to a new temporary folder.
+pub fn copy_checkpoint(src: &Path, tag: &str) -> PathBuf {
+    let dst = tempdir(tag);
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    dst
+}

@@ -1,0 +1,79 @@
+"""Read a built .mlpackage back (no model load, works on Linux) and describe it:
+spec version, I/O, palettized weights and the decoder layers its weights belong to."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from .runtime import ChunkforgeError
+
+# ArrayFeatureType.ArrayDataType values in the Core ML spec.
+ARRAY_DTYPES = {65552: "fp16", 65568: "fp32", 131104: "int32"}
+LAYER_RE = re.compile(r"^layers_(\d+)_")
+
+
+def describe(args: dict[str, Any]) -> dict[str, Any]:
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto.load import load as mil_load
+
+    path = args["path"]
+    if not os.path.isdir(path):
+        raise ChunkforgeError(f"{path}: not an .mlpackage folder")
+    model = ct.models.MLModel(path, skip_model_load=True)
+    spec = model.get_spec()
+    kind = spec.WhichOneof("Type")
+
+    def io(features: Any) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": f.name,
+                "shape": [int(d) for d in f.type.multiArrayType.shape],
+                "dtype": ARRAY_DTYPES.get(f.type.multiArrayType.dataType, str(f.type.multiArrayType.dataType)),
+            }
+            for f in features
+        ]
+
+    out: dict[str, Any] = {
+        "path": path,
+        "specification_version": int(spec.specificationVersion),
+        "model_type": kind,
+        "inputs": io(spec.description.input),
+        "outputs": io(spec.description.output),
+    }
+    if kind != "mlProgram":
+        return out
+    prog = mil_load(spec, specification_version=spec.specificationVersion, file_weights_dir=model.weights_dir)
+    main = prog.functions["main"]
+    out["opset"] = main.opset_version.name if hasattr(main.opset_version, "name") else str(main.opset_version)
+    ops = list(main.operations)
+    luts = []
+    layers: set[int] = set()
+    linear_weights = []
+    for op in ops:
+        if op.op_type == "constexpr_lut_to_dense":
+            luts.append(
+                {
+                    "name": op.name,
+                    "weight_shape": [int(x) for x in op.outputs[0].shape],
+                    "lut_shape": [int(x) for x in op.lut.shape],
+                    "indices_dtype": str(op.indices.dtype.__name__ if hasattr(op.indices.dtype, "__name__") else op.indices.dtype),
+                }
+            )
+        if op.op_type in ("const", "constexpr_lut_to_dense"):
+            m = LAYER_RE.match(op.name)
+            if m:
+                layers.add(int(m.group(1)))
+        if op.op_type == "linear":
+            src = op.weight.op
+            linear_weights.append({"op": op.name, "weight": src.name, "weight_op": src.op_type})
+    out.update(
+        {
+            "mil_ops": len(ops),
+            "palettized": luts,
+            "linear": linear_weights,
+            "layers": sorted(layers),
+        }
+    )
+    return out
