@@ -222,14 +222,22 @@ pub fn expected_tensors(cfg: &TextConfig) -> Vec<(String, Vec<usize>)> {
 
 /// Checks that every projection weight's output-channel count is a multiple of
 /// the palettization group size, before any conversion work starts.
-pub fn check_groupable(ckpt: &Checkpoint, cfg: &TextConfig, group: usize) -> Result<(), InputError> {
+pub fn check_groupable(
+    ckpt: &Checkpoint,
+    cfg: &TextConfig,
+    group: usize,
+) -> Result<(), InputError> {
     for (name, shape) in expected_tensors(cfg) {
         // The per-layer embedding table is looked up on CPU, not a projection.
         if shape.len() != 2 || name == "embed_tokens_per_layer.weight" {
             continue;
         }
         if shape[0] % group != 0 {
-            let role = if name == "embed_tokens.weight" { " (the tied LM head)" } else { "" };
+            let role = if name == "embed_tokens.weight" {
+                " (the tied LM head)"
+            } else {
+                ""
+            };
             return Err(ck(
                 &ckpt.dir,
                 format!(

@@ -178,6 +178,15 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Time `parity` (wall time, peak RSS) with default settings.
+    Parity {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, value_enum, default_value = "all")]
+        mode: Mode,
+        #[arg(long, default_value_t = 16)]
+        steps: usize,
+    },
     /// Time `build` (wall time per phase, peak RSS) into a temporary folder.
     Build {
         #[command(flatten)]
@@ -346,7 +355,12 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Inspect { package, json } => {
             pyenv::activate(verbose)?;
-            let d = pyenv::call_json("inspect_pkg", "describe", &json!({"path": package.to_string_lossy()}), verbose)?;
+            let d = pyenv::call_json(
+                "inspect_pkg",
+                "describe",
+                &json!({"path": package.to_string_lossy()}),
+                verbose,
+            )?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&d)?);
             } else {
@@ -379,6 +393,41 @@ fn run(cli: Cli) -> Result<()> {
                 out.display(),
                 info["tensors"],
                 info["parameters"]
+            );
+            Ok(())
+        }
+        Cmd::Bench {
+            what: BenchCmd::Parity { model, mode, steps },
+        } => {
+            let started = std::time::Instant::now();
+            let dir = resolve_checkpoint(&model, verbose)?;
+            let cfg = config::TextConfig::load(&dir)?;
+            let ckpt = checkpoint::Checkpoint::open(&dir, &cfg)?;
+            pyenv::activate(verbose)?;
+            let opts = parity::ParityOptions {
+                mode,
+                split: None,
+                steps,
+                tol_cos: 0.9999,
+                ctx: 512,
+                prompt_ids: None,
+                prefill: 0,
+                skip_prefill_copy: false,
+                artifacts: None,
+                tol_cos_int4: 0.95,
+                min_top1_int4: 0.75,
+                report: None,
+                oracle: true,
+                corrupt_layer: None,
+                verbose,
+            };
+            let ok = parity::run(&dir, &cfg, &ckpt, &opts)?;
+            println!(
+                "bench parity --mode {:?} --steps {steps}: wall {:.1}s (including interpreter start and imports), peak RSS {:.0} MiB, {}",
+                mode,
+                started.elapsed().as_secs_f64(),
+                fsutil::peak_rss_bytes() as f64 / (1024.0 * 1024.0),
+                if ok { "passed" } else { "FAILED" }
             );
             Ok(())
         }
@@ -435,16 +484,34 @@ fn print_inspect(d: &serde_json::Value) {
     );
     for (label, key) in [("in ", "inputs"), ("out", "outputs")] {
         for t in d[key].as_array().into_iter().flatten() {
-            println!("  {label} {:<24} {:<20} {}", t["name"].as_str().unwrap_or(""), t["shape"].to_string(), t["dtype"].as_str().unwrap_or(""));
+            println!(
+                "  {label} {:<24} {:<20} {}",
+                t["name"].as_str().unwrap_or(""),
+                t["shape"].to_string(),
+                t["dtype"].as_str().unwrap_or("")
+            );
         }
     }
     let luts = d["palettized"].as_array().map_or(0, Vec::len);
     let linear = d["linear"].as_array().map_or(0, Vec::len);
-    println!("  {} MIL ops; {luts} palettized weights for {linear} linear ops", d["mil_ops"]);
+    println!(
+        "  {} MIL ops; {luts} palettized weights for {linear} linear ops",
+        d["mil_ops"]
+    );
     if let Some(l) = d["palettized"].as_array().and_then(|a| a.first()) {
-        println!("  e.g. {} {} with LUT {}", l["name"].as_str().unwrap_or(""), l["weight_shape"], l["lut_shape"]);
+        println!(
+            "  e.g. {} {} with LUT {}",
+            l["name"].as_str().unwrap_or(""),
+            l["weight_shape"],
+            l["lut_shape"]
+        );
     }
-    let layers: Vec<u64> = d["layers"].as_array().into_iter().flatten().filter_map(|v| v.as_u64()).collect();
+    let layers: Vec<u64> = d["layers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_u64())
+        .collect();
     if let (Some(a), Some(b)) = (layers.first(), layers.last()) {
         println!("  decoder layers {a}-{b} ({} layers)", layers.len());
     }

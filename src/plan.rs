@@ -697,7 +697,13 @@ mod tests {
     /// A config with a released model's layer structure (E2B or E4B) at tiny widths.
     fn config(n: usize, every: usize, shared: usize, kv_heads: usize) -> TextConfig {
         let types: Vec<&str> = (0..n)
-            .map(|i| if (i + 1) % every == 0 { "full_attention" } else { "sliding_attention" })
+            .map(|i| {
+                if (i + 1) % every == 0 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+            })
             .collect();
         let v = json!({
             "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
@@ -714,34 +720,74 @@ mod tests {
     }
 
     fn spans(l: &Layout) -> Vec<(usize, usize)> {
-        l.chunks.iter().map(|c| (c.first_layer, c.last_layer)).collect()
+        l.chunks
+            .iter()
+            .map(|c| (c.first_layer, c.last_layer))
+            .collect()
     }
 
     #[test]
     fn e2b_layouts_match_the_shipped_boundaries() {
         let p = plan(&e2b(), 2048, Mode::All, None).unwrap();
-        assert_eq!(spans(&p.layouts[0]), vec![(0, 7), (8, 14), (15, 24), (25, 34)]);
+        assert_eq!(
+            spans(&p.layouts[0]),
+            vec![(0, 7), (8, 14), (15, 24), (25, 34)]
+        );
         assert_eq!(spans(&p.layouts[1]), vec![(0, 14), (15, 34)]);
         assert_eq!(spans(&p.layouts[2]), vec![(0, 34)]);
-        let names: Vec<_> = p.layouts.iter().flat_map(|l| l.chunks.iter().map(|c| c.name.clone())).collect();
-        assert_eq!(names, ["chunk1", "chunk2", "chunk3", "chunk4", "merged_chunk1", "merged_chunk2", "merged_full"]);
+        let names: Vec<_> = p
+            .layouts
+            .iter()
+            .flat_map(|l| l.chunks.iter().map(|c| c.name.clone()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "chunk1",
+                "chunk2",
+                "chunk3",
+                "chunk4",
+                "merged_chunk1",
+                "merged_chunk2",
+                "merged_full"
+            ]
+        );
     }
 
     #[test]
     fn e2b_kv_slots_and_producers() {
         let p = plan(&e2b(), 2048, Mode::All, None).unwrap();
         let four = &p.layouts[0].chunks;
-        assert_eq!((four[0].sliding_slots.len(), four[0].full_slots.len()), (7, 1));
-        assert_eq!((four[1].sliding_slots.len(), four[1].full_slots.len()), (5, 2));
+        assert_eq!(
+            (four[0].sliding_slots.len(), four[0].full_slots.len()),
+            (7, 1)
+        );
+        assert_eq!(
+            (four[1].sliding_slots.len(), four[1].full_slots.len()),
+            (5, 2)
+        );
         let merged = &p.layouts[1].chunks[0];
-        assert_eq!((merged.sliding_slots.len(), merged.full_slots.len()), (12, 3));
-        assert_eq!(merged.emits.iter().map(|e| (e.alias, e.layer)).collect::<Vec<_>>(), [("kv13", 13), ("kv14", 14)]);
+        assert_eq!(
+            (merged.sliding_slots.len(), merged.full_slots.len()),
+            (12, 3)
+        );
+        assert_eq!(
+            merged
+                .emits
+                .iter()
+                .map(|e| (e.alias, e.layer))
+                .collect::<Vec<_>>(),
+            [("kv13", 13), ("kv14", 14)]
+        );
         assert_eq!(p.layouts[1].chunks[1].consumes.len(), 2);
         // merged_full keeps the producers internal: nothing emitted or consumed.
         let full = &p.layouts[2].chunks[0];
         assert!(full.emits.is_empty() && full.consumes.is_empty());
         assert!(full.outputs.iter().all(|t| !t.name.starts_with("kv1")));
-        assert!(full.outputs.iter().all(|t| t.name != "per_layer_combined_out"));
+        assert!(full
+            .outputs
+            .iter()
+            .all(|t| t.name != "per_layer_combined_out"));
     }
 
     #[test]
@@ -751,12 +797,23 @@ mod tests {
         assert_eq!(cfg.producer(Attention::Full), Some(23));
         let p = plan(&cfg, 1024, Mode::Two, None).unwrap();
         assert_eq!(spans(&p.layouts[0]), vec![(0, 23), (24, 41)]);
-        let emits: Vec<_> = p.layouts[0].chunks[0].emits.iter().map(|e| e.layer).collect();
+        let emits: Vec<_> = p.layouts[0].chunks[0]
+            .emits
+            .iter()
+            .map(|e| e.layer)
+            .collect();
         assert_eq!(emits, [22, 23]);
-        let k = p.layouts[0].chunks[1].inputs.iter().find(|t| t.name == "kv13_k").unwrap();
+        let k = p.layouts[0].chunks[1]
+            .inputs
+            .iter()
+            .find(|t| t.name == "kv13_k")
+            .unwrap();
         assert_eq!(k.shape, vec![1, 2, 512, 32]);
         // 24 layers: the on-device warning must be raised.
-        assert!(p.warnings.iter().any(|w| w.contains("merged_chunk1") && w.contains("iPhone 17 Pro")));
+        assert!(p
+            .warnings
+            .iter()
+            .any(|w| w.contains("merged_chunk1") && w.contains("iPhone 17 Pro")));
     }
 
     #[test]
@@ -767,11 +824,20 @@ mod tests {
             assert_eq!(l.kv_slot_map.len(), 15);
             for m in &l.kv_slot_map {
                 let to = l.chunks.iter().find(|c| c.name == m.to_chunk).unwrap();
-                let slots = if m.attention == Attention::Sliding { &to.sliding_slots } else { &to.full_slots };
+                let slots = if m.attention == Attention::Sliding {
+                    &to.sliding_slots
+                } else {
+                    &to.full_slots
+                };
                 assert_eq!(slots[m.to_slot], m.layer, "{m:?}");
             }
             // Layer order within each kind.
-            let sliding: Vec<_> = l.kv_slot_map.iter().filter(|m| m.attention == Attention::Sliding).map(|m| m.to_slot).collect();
+            let sliding: Vec<_> = l
+                .kv_slot_map
+                .iter()
+                .filter(|m| m.attention == Attention::Sliding)
+                .map(|m| m.to_slot)
+                .collect();
             assert_eq!(sliding, (0..12).collect::<Vec<_>>());
         }
     }
@@ -780,21 +846,50 @@ mod tests {
     fn split_contracts_chain() {
         let p = plan(&e2b(), 512, Mode::Both, Some("0-11,12-23,24-34")).unwrap();
         let chunks = &p.layouts[0].chunks;
-        assert_eq!(chunks.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["layers_00-11", "layers_12-23", "layers_24-34"]);
+        assert_eq!(
+            chunks.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+            ["layers_00-11", "layers_12-23", "layers_24-34"]
+        );
         for pair in chunks.windows(2) {
             let (a, b) = (&pair[0], &pair[1]);
             // Everything b takes that is not a per-step runtime input or its own cache must come from an earlier chunk.
             for t in &b.inputs {
-                let runtime = ["hidden_states", "causal_mask_full", "causal_mask_sliding", "update_mask", "cos_s", "sin_s", "cos_f", "sin_f"];
+                let runtime = [
+                    "hidden_states",
+                    "causal_mask_full",
+                    "causal_mask_sliding",
+                    "update_mask",
+                    "cos_s",
+                    "sin_s",
+                    "cos_f",
+                    "sin_f",
+                ];
                 if runtime.contains(&t.name.as_str()) || t.name.ends_with("_in") {
                     continue;
                 }
-                let want = if t.name == "per_layer_combined" { "per_layer_combined_out".to_string() } else { t.name.clone() };
-                let from = chunks.iter().take_while(|c| c.name != b.name).flat_map(|c| &c.outputs).find(|o| o.name == want);
-                let from = from.unwrap_or_else(|| panic!("{}: input {} is produced by no earlier chunk", b.name, t.name));
+                let want = if t.name == "per_layer_combined" {
+                    "per_layer_combined_out".to_string()
+                } else {
+                    t.name.clone()
+                };
+                let from = chunks
+                    .iter()
+                    .take_while(|c| c.name != b.name)
+                    .flat_map(|c| &c.outputs)
+                    .find(|o| o.name == want);
+                let from = from.unwrap_or_else(|| {
+                    panic!(
+                        "{}: input {} is produced by no earlier chunk",
+                        b.name, t.name
+                    )
+                });
                 assert_eq!(from.shape, t.shape, "{}", t.name);
             }
-            let h_out = a.outputs.iter().find(|o| o.name == "hidden_states_out").unwrap();
+            let h_out = a
+                .outputs
+                .iter()
+                .find(|o| o.name == "hidden_states_out")
+                .unwrap();
             let h_in = b.inputs.iter().find(|i| i.name == "hidden_states").unwrap();
             assert_eq!(h_out.shape, h_in.shape);
         }
@@ -823,20 +918,38 @@ mod tests {
     #[test]
     fn config_without_a_producer_is_refused() {
         // 35 layers with 33 shared: layers 0-1 are sliding only, so full layers have no producer.
-        let types: Vec<&str> = (0..35).map(|i| if (i + 1) % 5 == 0 { "full_attention" } else { "sliding_attention" }).collect();
+        let types: Vec<&str> = (0..35)
+            .map(|i| {
+                if (i + 1) % 5 == 0 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+            })
+            .collect();
         let v = json!({"model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 35, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
             "sliding_window": 512, "hidden_size_per_layer_input": 32, "num_kv_shared_layers": 33, "layer_types": types});
-        let err = TextConfig::from_json(&v, Path::new("config.json")).unwrap_err().to_string();
+        let err = TextConfig::from_json(&v, Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("num_kv_shared_layers=33 leaves no KV-producing full-attention layer before layer 2"), "{err}");
         let mut short = v.clone();
         short["num_kv_shared_layers"] = json!(20);
         short["layer_types"] = json!(vec!["sliding_attention"; 34]);
-        let err = TextConfig::from_json(&short, Path::new("config.json")).unwrap_err().to_string();
-        assert!(err.contains("layer_types has 34 entries but num_hidden_layers is 35"), "{err}");
+        let err = TextConfig::from_json(&short, Path::new("config.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("layer_types has 34 entries but num_hidden_layers is 35"),
+            "{err}"
+        );
         let mut wrong = v.clone();
         wrong["model_type"] = json!("llama");
-        assert!(TextConfig::from_json(&wrong, Path::new("c")).unwrap_err().to_string().contains("`llama`"));
+        assert!(TextConfig::from_json(&wrong, Path::new("c"))
+            .unwrap_err()
+            .to_string()
+            .contains("`llama`"));
     }
 
     #[test]

@@ -30,13 +30,25 @@ fn assert_contract(pkg: &Value, chunk: &Value) {
             .as_array()
             .unwrap()
             .iter()
-            .map(|t| (t["name"].as_str().unwrap().into(), t["shape"].clone(), t["dtype"].as_str().unwrap().into()))
+            .map(|t| {
+                (
+                    t["name"].as_str().unwrap().into(),
+                    t["shape"].clone(),
+                    t["dtype"].as_str().unwrap().into(),
+                )
+            })
             .collect();
         let want: Vec<(String, Value, String)> = chunk[key]
             .as_array()
             .unwrap()
             .iter()
-            .map(|t| (t["name"].as_str().unwrap().into(), t["shape"].clone(), t["dtype"].as_str().unwrap().into()))
+            .map(|t| {
+                (
+                    t["name"].as_str().unwrap().into(),
+                    t["shape"].clone(),
+                    t["dtype"].as_str().unwrap().into(),
+                )
+            })
             .collect();
         assert_eq!(got, want, "{key} of {}", chunk["name"]);
     }
@@ -44,15 +56,24 @@ fn assert_contract(pkg: &Value, chunk: &Value) {
 
 /// Every linear op reads a 4-bit LUT weight with one 16-entry LUT per 32 output channels.
 fn assert_palettized(pkg: &Value) {
-    let luts: std::collections::HashMap<&str, &Value> =
-        pkg["palettized"].as_array().unwrap().iter().map(|l| (l["name"].as_str().unwrap(), l)).collect();
+    let luts: std::collections::HashMap<&str, &Value> = pkg["palettized"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["name"].as_str().unwrap(), l))
+        .collect();
     let linear = pkg["linear"].as_array().unwrap();
     assert!(!linear.is_empty());
     for op in linear {
         assert_eq!(op["weight_op"], "constexpr_lut_to_dense", "{op}");
         let l = luts[op["weight"].as_str().unwrap()];
         let rows = l["weight_shape"][0].as_u64().unwrap();
-        assert_eq!(l["lut_shape"], serde_json::json!([rows / 32, 1, 16, 1]), "{}", l["name"]);
+        assert_eq!(
+            l["lut_shape"],
+            serde_json::json!([rows / 32, 1, 16, 1]),
+            "{}",
+            l["name"]
+        );
     }
 }
 
@@ -62,7 +83,18 @@ fn build_all_writes_seven_ios18_palettized_packages_matching_the_plan() {
     let build = json_file(&out.join("build.json"));
     let chunks = build["chunks"].as_array().unwrap();
     let names: Vec<&str> = chunks.iter().map(|c| c["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["chunk1", "chunk2", "chunk3", "chunk4", "merged_chunk1", "merged_chunk2", "merged_full"]);
+    assert_eq!(
+        names,
+        [
+            "chunk1",
+            "chunk2",
+            "chunk3",
+            "chunk4",
+            "merged_chunk1",
+            "merged_chunk2",
+            "merged_full"
+        ]
+    );
     let mut layer_counts = std::collections::BTreeMap::new();
     for c in chunks {
         let name = c["name"].as_str().unwrap();
@@ -70,16 +102,30 @@ fn build_all_writes_seven_ios18_palettized_packages_matching_the_plan() {
             assert!(c[key].is_u64(), "{name}.{key}");
         }
         for phase in ["trace", "convert", "palettize", "save"] {
-            assert!(c["seconds"][phase].as_f64().is_some(), "{name} seconds.{phase}");
+            assert!(
+                c["seconds"][phase].as_f64().is_some(),
+                "{name} seconds.{phase}"
+            );
         }
         let pkg = inspect(&out.join(format!("{name}.mlpackage")));
-        assert_eq!(pkg["specification_version"], 9, "{name}: iOS18 spec version");
+        assert_eq!(
+            pkg["specification_version"], 9,
+            "{name}: iOS18 spec version"
+        );
         assert_eq!(pkg["model_type"], "mlProgram");
         assert_contract(&pkg, plan_chunk(&build, name));
         assert_palettized(&pkg);
         // Layer structure of the MIL program equals the plan's range.
-        let (a, b) = (c["first_layer"].as_u64().unwrap(), c["last_layer"].as_u64().unwrap());
-        let layers: Vec<u64> = pkg["layers"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let (a, b) = (
+            c["first_layer"].as_u64().unwrap(),
+            c["last_layer"].as_u64().unwrap(),
+        );
+        let layers: Vec<u64> = pkg["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
         assert_eq!(layers, (a..=b).collect::<Vec<_>>(), "{name}");
         layer_counts.insert(name.to_string(), c["layers"].as_u64().unwrap());
     }
@@ -88,22 +134,52 @@ fn build_all_writes_seven_ios18_palettized_packages_matching_the_plan() {
     assert_eq!(layer_counts["merged_full"], 35);
     assert_eq!(build["settings"]["minimum_deployment_target"], "iOS18");
     assert_eq!(build["settings"]["palettization"]["group_size"], 32);
-    assert!(!out.read_dir().unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".chunkforge")));
+    assert!(!out.read_dir().unwrap().any(|e| e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .starts_with(".chunkforge")));
 }
 
 #[test]
 fn e4b_multimodal_sharded_checkpoint_builds_two() {
-    let ckpt = fixture("e4b-mm", &["--shape", "e4b", "--multimodal", "--shards", "3"]);
+    let ckpt = fixture(
+        "e4b-mm",
+        &["--shape", "e4b", "--multimodal", "--shards", "3"],
+    );
     let out = tempdir("e4b-two");
-    let o = run(&["build", "--hf-dir", ckpt.to_str().unwrap(), "--mode", "two", "--output", out.to_str().unwrap()]);
+    let o = run(&[
+        "build",
+        "--hf-dir",
+        ckpt.to_str().unwrap(),
+        "--mode",
+        "two",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     // 24 layers in merged_chunk1: the device finding is cited.
-    assert!(stderr(&o).contains("merged_chunk1 holds 24 layers"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("merged_chunk1 holds 24 layers"),
+        "{}",
+        stderr(&o)
+    );
     let build = json_file(&out.join("build.json"));
-    assert_eq!(build["checkpoint"]["tensor_prefix"], "model.language_model.");
-    assert!(build["checkpoint"]["skipped_tensors"].as_u64().unwrap() >= 2, "vision tensors skipped");
+    assert_eq!(
+        build["checkpoint"]["tensor_prefix"],
+        "model.language_model."
+    );
+    assert!(
+        build["checkpoint"]["skipped_tensors"].as_u64().unwrap() >= 2,
+        "vision tensors skipped"
+    );
     let c1 = plan_chunk(&build, "merged_chunk1");
-    let emits: Vec<u64> = c1["emits"].as_array().unwrap().iter().map(|e| e["layer"].as_u64().unwrap()).collect();
+    let emits: Vec<u64> = c1["emits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["layer"].as_u64().unwrap())
+        .collect();
     assert_eq!(emits, [22, 23]);
     for name in ["merged_chunk1", "merged_chunk2"] {
         let pkg = inspect(&out.join(format!("{name}.mlpackage")));
@@ -116,9 +192,22 @@ fn sharded_e2b_checkpoint_builds_two() {
     let ckpt = fixture("e2b-sharded", &["--shards", "4"]);
     assert!(ckpt.join("model.safetensors.index.json").exists());
     let out = tempdir("e2b-sharded-two");
-    ok(&["build", "--hf-dir", ckpt.to_str().unwrap(), "--mode", "two", "--output", out.to_str().unwrap()]);
+    ok(&[
+        "build",
+        "--hf-dir",
+        ckpt.to_str().unwrap(),
+        "--mode",
+        "two",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
     let build = json_file(&out.join("build.json"));
-    let layers: Vec<u64> = build["chunks"].as_array().unwrap().iter().map(|c| c["layers"].as_u64().unwrap()).collect();
+    let layers: Vec<u64> = build["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["layers"].as_u64().unwrap())
+        .collect();
     assert_eq!(layers, [15, 20]);
 }
 
@@ -126,32 +215,75 @@ fn sharded_e2b_checkpoint_builds_two() {
 fn split_builds_three_packages_whose_contracts_chain() {
     let ckpt = fixture("e2b", &[]);
     let out = tempdir("split");
-    ok(&["build", "--hf-dir", ckpt.to_str().unwrap(), "--split", "0-11,12-23,24-34", "--output", out.to_str().unwrap()]);
+    ok(&[
+        "build",
+        "--hf-dir",
+        ckpt.to_str().unwrap(),
+        "--split",
+        "0-11,12-23,24-34",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
     let names = ["layers_00-11", "layers_12-23", "layers_24-34"];
-    let pkgs: Vec<Value> = names.iter().map(|n| inspect(&out.join(format!("{n}.mlpackage")))).collect();
+    let pkgs: Vec<Value> = names
+        .iter()
+        .map(|n| inspect(&out.join(format!("{n}.mlpackage"))))
+        .collect();
     // Every input a chunk takes from the chain (not a runtime per-step input or its own
     // cache) is an output of an earlier package, with the same shape and dtype.
-    let runtime = ["hidden_states", "causal_mask_full", "causal_mask_sliding", "update_mask", "cos_s", "sin_s", "cos_f", "sin_f"];
+    let runtime = [
+        "hidden_states",
+        "causal_mask_full",
+        "causal_mask_sliding",
+        "update_mask",
+        "cos_s",
+        "sin_s",
+        "cos_f",
+        "sin_f",
+    ];
     for (i, pkg) in pkgs.iter().enumerate().skip(1) {
         for t in pkg["inputs"].as_array().unwrap() {
             let name = t["name"].as_str().unwrap();
             if runtime.contains(&name) || name.ends_with("_in") {
                 continue;
             }
-            let want = if name == "per_layer_combined" { "per_layer_combined_out" } else { name };
+            let want = if name == "per_layer_combined" {
+                "per_layer_combined_out"
+            } else {
+                name
+            };
             let found = pkgs[..i]
                 .iter()
                 .flat_map(|p| p["outputs"].as_array().unwrap())
                 .find(|o| o["name"] == want)
-                .unwrap_or_else(|| panic!("{}: input {name} is produced by no earlier package", names[i]));
+                .unwrap_or_else(|| {
+                    panic!(
+                        "{}: input {name} is produced by no earlier package",
+                        names[i]
+                    )
+                });
             assert_eq!(found["shape"], t["shape"], "{name}");
             assert_eq!(found["dtype"], t["dtype"], "{name}");
         }
-        let prev_h = pkgs[i - 1]["outputs"].as_array().unwrap().iter().find(|o| o["name"] == "hidden_states_out").unwrap();
-        let h = pkg["inputs"].as_array().unwrap().iter().find(|o| o["name"] == "hidden_states").unwrap();
+        let prev_h = pkgs[i - 1]["outputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["name"] == "hidden_states_out")
+            .unwrap();
+        let h = pkg["inputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["name"] == "hidden_states")
+            .unwrap();
         assert_eq!(prev_h["shape"], h["shape"]);
     }
-    assert!(pkgs[2]["outputs"].as_array().unwrap().iter().any(|o| o["name"] == "token_id" && o["dtype"] == "int32"));
+    assert!(pkgs[2]["outputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|o| o["name"] == "token_id" && o["dtype"] == "int32"));
 }
 
 // ---- bad input: clear error, non-zero exit, previous outputs untouched ----
@@ -160,26 +292,52 @@ fn split_builds_three_packages_whose_contracts_chain() {
 fn previous_output(tag: &str) -> std::path::PathBuf {
     let out = tempdir(tag);
     fs::create_dir_all(out.join("merged_chunk1.mlpackage")).unwrap();
-    fs::write(out.join("merged_chunk1.mlpackage").join("marker"), b"previous package").unwrap();
+    fs::write(
+        out.join("merged_chunk1.mlpackage").join("marker"),
+        b"previous package",
+    )
+    .unwrap();
     fs::write(out.join("build.json"), b"{\"previous\": true}").unwrap();
     out
 }
 
 fn assert_untouched(out: &Path) {
-    assert_eq!(fs::read(out.join("merged_chunk1.mlpackage").join("marker")).unwrap(), b"previous package");
-    assert_eq!(fs::read(out.join("build.json")).unwrap(), b"{\"previous\": true}");
-    let mut names: Vec<String> = fs::read_dir(out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+    assert_eq!(
+        fs::read(out.join("merged_chunk1.mlpackage").join("marker")).unwrap(),
+        b"previous package"
+    );
+    assert_eq!(
+        fs::read(out.join("build.json")).unwrap(),
+        b"{\"previous\": true}"
+    );
+    let mut names: Vec<String> = fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into())
+        .collect();
     names.sort();
-    assert_eq!(names, ["build.json", "merged_chunk1.mlpackage"], "no partial package or staging folder left");
+    assert_eq!(
+        names,
+        ["build.json", "merged_chunk1.mlpackage"],
+        "no partial package or staging folder left"
+    );
 }
 
 fn bad_build(hf: &Path, extra: &[&str], fragment: &str) {
     let out = previous_output("bad");
-    let mut args = vec!["build", "--hf-dir", hf.to_str().unwrap(), "--output", out.to_str().unwrap()];
+    let mut args = vec![
+        "build",
+        "--hf-dir",
+        hf.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ];
     args.extend_from_slice(extra);
     let err = fails(&args);
     assert!(err.contains(fragment), "expected `{fragment}` in:\n{err}");
-    assert!(!err.contains("Traceback"), "no Python traceback without --verbose:\n{err}");
+    assert!(
+        !err.contains("Traceback"),
+        "no Python traceback without --verbose:\n{err}"
+    );
     assert_untouched(&out);
 }
 
@@ -192,14 +350,22 @@ fn edit_tensor(ckpt: &Path, f: impl FnOnce(&mut Value, &mut Vec<u8>)) {
 
 #[test]
 fn missing_checkpoint_folder() {
-    bad_build(Path::new("/nonexistent/gemma"), &["--mode", "two"], "/nonexistent/gemma: checkpoint folder does not exist");
+    bad_build(
+        Path::new("/nonexistent/gemma"),
+        &["--mode", "two"],
+        "/nonexistent/gemma: checkpoint folder does not exist",
+    );
 }
 
 #[test]
 fn missing_config_json() {
     let ck = copy_checkpoint(&fixture("e2b", &[]), "noconfig");
     fs::remove_file(ck.join("config.json")).unwrap();
-    bad_build(&ck, &["--mode", "two"], "config.json: could not read the model config");
+    bad_build(
+        &ck,
+        &["--mode", "two"],
+        "config.json: could not read the model config",
+    );
 }
 
 #[test]
@@ -208,16 +374,26 @@ fn wrong_model_type() {
     let mut cfg = json_file(&ck.join("config.json"));
     cfg["model_type"] = "llama".into();
     fs::write(ck.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
-    bad_build(&ck, &["--mode", "two"], "model_type is `llama`, expected `gemma4_text`");
+    bad_build(
+        &ck,
+        &["--mode", "two"],
+        "model_type is `llama`, expected `gemma4_text`",
+    );
 }
 
 #[test]
 fn missing_tensor() {
     let ck = copy_checkpoint(&fixture("e2b", &[]), "missing");
     edit_tensor(&ck, |h, _| {
-        h.as_object_mut().unwrap().remove("model.layers.7.self_attn.o_proj.weight");
+        h.as_object_mut()
+            .unwrap()
+            .remove("model.layers.7.self_attn.o_proj.weight");
     });
-    bad_build(&ck, &["--mode", "two"], "tensor model.layers.7.self_attn.o_proj.weight is missing");
+    bad_build(
+        &ck,
+        &["--mode", "two"],
+        "tensor model.layers.7.self_attn.o_proj.weight is missing",
+    );
 }
 
 #[test]
@@ -234,23 +410,49 @@ fn truncated_safetensors() {
     let ck = copy_checkpoint(&fixture("e2b", &[]), "truncated");
     let path = ck.join("model.safetensors");
     let len = fs::metadata(&path).unwrap().len();
-    fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
     bad_build(&ck, &["--mode", "two"], "truncated");
-    fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(5).unwrap();
-    bad_build(&ck, &["--mode", "two"], "too short for a safetensors header");
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(5)
+        .unwrap();
+    bad_build(
+        &ck,
+        &["--mode", "two"],
+        "too short for a safetensors header",
+    );
 }
 
 #[test]
 fn split_with_gap_or_overlap() {
     let ck = fixture("e2b", &[]);
-    bad_build(&ck, &["--split", "0-10,12-34"], "layers 11-11 are in no chunk");
-    bad_build(&ck, &["--split", "0-12,12-34"], "12-34 overlaps the previous chunk");
+    bad_build(
+        &ck,
+        &["--split", "0-10,12-34"],
+        "layers 11-11 are in no chunk",
+    );
+    bad_build(
+        &ck,
+        &["--split", "0-12,12-34"],
+        "12-34 overlaps the previous chunk",
+    );
 }
 
 #[test]
 fn channels_not_divisible_by_the_group_size() {
     let ck = fixture("e2b-vocab500", &["--vocab-size", "500"]);
-    bad_build(&ck, &["--mode", "two"], "weight model.embed_tokens.weight (the tied LM head) has 500 output channels");
+    bad_build(
+        &ck,
+        &["--mode", "two"],
+        "weight model.embed_tokens.weight (the tied LM head) has 500 output channels",
+    );
 }
 
 #[test]
@@ -258,10 +460,16 @@ fn failure_in_a_later_chunk_publishes_nothing() {
     // NaN in layer 20: the first chunk (0-3) converts, the second fails while loading.
     let ck = copy_checkpoint(&fixture("e2b", &[]), "nan");
     edit_tensor(&ck, |h, data| {
-        let begin = h["model.layers.20.mlp.down_proj.weight"]["data_offsets"][0].as_u64().unwrap() as usize;
+        let begin = h["model.layers.20.mlp.down_proj.weight"]["data_offsets"][0]
+            .as_u64()
+            .unwrap() as usize;
         data[begin..begin + 4].copy_from_slice(&f32::NAN.to_le_bytes());
     });
-    bad_build(&ck, &["--split", "0-3,4-34"], "weight model.layers.20.mlp.down_proj.weight has 1 NaN/Inf values");
+    bad_build(
+        &ck,
+        &["--split", "0-3,4-34"],
+        "weight model.layers.20.mlp.down_proj.weight has 1 NaN/Inf values",
+    );
 }
 
 #[test]
@@ -269,6 +477,17 @@ fn output_path_that_is_a_file() {
     let dir = tempdir("file-out");
     let file = dir.join("out");
     fs::write(&file, b"x").unwrap();
-    let err = fails(&["build", "--hf-dir", fixture("e2b", &[]).to_str().unwrap(), "--mode", "two", "--output", file.to_str().unwrap()]);
-    assert!(err.contains("output path exists and is not a folder"), "{err}");
+    let err = fails(&[
+        "build",
+        "--hf-dir",
+        fixture("e2b", &[]).to_str().unwrap(),
+        "--mode",
+        "two",
+        "--output",
+        file.to_str().unwrap(),
+    ]);
+    assert!(
+        err.contains("output path exists and is not a folder"),
+        "{err}"
+    );
 }

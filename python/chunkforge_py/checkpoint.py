@@ -20,20 +20,34 @@ class Checkpoint:
         self.prefix: str = info["prefix"]
         self.files: dict[str, str] = info["files"]
         self._handles: dict[str, Any] = {}
+        self._cache: dict[tuple[str, torch.dtype | None], torch.Tensor] = {}
 
     def _handle(self, path: str) -> Any:
         if path not in self._handles:
             self._handles[path] = safe_open(path, framework="pt")
         return self._handles[path]
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor converted to ``dtype``. It may share memory with the file
-        mapping (and with other callers' tensors): never modify it in place."""
+    def get(self, name: str, dtype: torch.dtype | None, share: bool = False) -> torch.Tensor:
+        """The tensor, converted to ``dtype`` (None keeps the stored dtype).
+
+        The result may share memory with the file mapping: never modify it in
+        place. With ``share``, conversions are cached so several modules built
+        from this checkpoint (parity's layouts, the oracle) hold one copy.
+        """
+        key = (name, dtype)
+        if share and key in self._cache:
+            return self._cache[key]
         full = self.prefix + name
         path = self.files.get(full)
         if path is None:
             raise KeyError(f"tensor {full} is not in the checkpoint")
-        return self._handle(path).get_tensor(full).to(dtype)
+        tensor = self._handle(path).get_tensor(full)
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        if share:
+            self._cache[key] = tensor
+        return tensor
 
     def close(self) -> None:
         self._handles.clear()
+        self._cache.clear()

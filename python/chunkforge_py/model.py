@@ -168,11 +168,13 @@ class Chunk(nn.Module):
 
     # ---- weights ---------------------------------------------------------
 
-    def load(self, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+    def load(self, ckpt: Checkpoint, dtype: torch.dtype, share: bool = False) -> None:
         """Fill every parameter from the checkpoint by name (tied head reads embed_tokens)."""
-        for local, tensor in list(self.named_parameters()) + list(self.named_buffers()):
-            tensor.data = ckpt.get(self.checkpoint_name(local), dtype)
-        self.to(dtype)
+        names = [n for n, _ in self.named_parameters()] + [n for n, _ in self.named_buffers()]
+        state = {n: ckpt.get(self.checkpoint_name(n), dtype, share=share) for n in names}
+        # assign=True adopts the tensors as they are (the module was built on the
+        # meta device, so nothing was allocated or initialised before this).
+        self.load_state_dict(state, strict=True, assign=True)
 
     def checkpoint_name(self, local: str) -> str:
         if local == "lm_head.weight":
@@ -292,7 +294,11 @@ class Chunk(nn.Module):
         return keys, values
 
 
-def build_chunk(dims: dict[str, Any], chunk: dict[str, Any], ckpt: Checkpoint, dtype: torch.dtype) -> Chunk:
-    module = Chunk(dims, chunk).eval()
-    module.load(ckpt, dtype)
+def build_chunk(
+    dims: dict[str, Any], chunk: dict[str, Any], ckpt: Checkpoint, dtype: torch.dtype, share: bool = False
+) -> Chunk:
+    """The chunk's module with its weights; ``share`` reuses tensors across modules (parity)."""
+    with torch.device("meta"):
+        module = Chunk(dims, chunk).eval()
+    module.load(ckpt, dtype, share=share)
     return module

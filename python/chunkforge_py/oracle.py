@@ -19,18 +19,28 @@ def load_hf_model(config_path: str, ckpt: Checkpoint) -> Any:
     fields = {k: v for k, v in text.items() if k not in ("architectures", "model_type", "transformers_version")}
     config = Gemma4TextConfig(**fields)
     config._attn_implementation = "eager"
-    model = Gemma4ForCausalLM(config).eval()
-    state = model.state_dict()
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config).eval()
     loaded = set()
-    with torch.no_grad():
-        for key, tensor in state.items():
-            if key == "lm_head.weight":
-                continue
-            name = key[len("model.") :]
-            if ckpt.prefix + name in ckpt.files:
-                tensor.copy_(ckpt.get(name, tensor.dtype))
-                loaded.add(key)
-        model.lm_head.weight = model.model.embed_tokens.weight
+    # Point the oracle's parameters at the same tensors the chunk modules use
+    # (one fp32 copy of the weights in memory, not two).
+    state = {}
+    for key in [k for k, _ in model.named_parameters()] + [k for k, _ in model.named_buffers()]:
+        name = key[len("model.") :]
+        if key != "lm_head.weight" and ckpt.prefix + name in ckpt.files:
+            state[key] = ckpt.get(name, torch.float32, share=True)
+            loaded.add(key)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    # Buffers computed at construction time (not stored in checkpoints) were
+    # created on the meta device: build them again for real.
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    model.model.rotary_emb = Gemma4TextRotaryEmbedding(config)
+    for module in model.modules():
+        if hasattr(module, "scalar_embed_scale"):
+            module.embed_scale = torch.tensor(module.scalar_embed_scale)
+    state = dict(model.named_parameters())
     # Only the unused K/V projections of KV-shared layers may stay unloaded.
     missing = [
         k

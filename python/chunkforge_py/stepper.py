@@ -16,14 +16,17 @@ from .model import MASK_MIN, Chunk, build_chunk
 def inv_freq(dims: dict[str, Any], kind: str) -> torch.Tensor:
     """Rotary inverse frequencies. Full layers use Gemma 4's proportional RoPE:
     only the first ``partial_rotary_factor * head_dim / 2`` pairs rotate, with
-    exponents taken over the whole head dim; the rest have frequency 0."""
+    exponents taken over the whole head dim; the rest have frequency 0.
+
+    Computed in float32 the way the runtime's tables (and transformers) do, so
+    large positions round identically."""
     if kind == "sliding":
         hd, theta = dims["head_dim_sliding"], dims["rope_theta_sliding"]
-        return 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        return 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     hd, theta = dims["head_dim_full"], dims["rope_theta_full"]
     angles = int(dims["partial_rotary_factor_full"] * hd // 2)
-    rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float64) / hd))
-    return torch.cat([rotated, torch.zeros(hd // 2 - angles, dtype=torch.float64)])
+    rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / hd))
+    return torch.cat([rotated, torch.zeros(hd // 2 - angles, dtype=torch.float32)])
 
 
 def rope(dims: dict[str, Any], kind: str, pos: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,20 +35,39 @@ def rope(dims: dict[str, Any], kind: str, pos: int, dtype: torch.dtype) -> tuple
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def step_masks(ctx: int, window: int, pos: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Additive masks and the full-cache write mask for the token at ``pos``.
+
+    Full cache slot j holds position j. The window cache holds the newest
+    ``window`` keys at its end (slot s holds position pos - (window - 1 - s)),
+    so the visible slots are the last min(pos + 1, window).
+    """
+    full_mask = torch.full((1, 1, 1, ctx), MASK_MIN, dtype=dtype)
+    full_mask[..., : pos + 1] = 0
+    valid = min(pos + 1, window)
+    sliding_mask = torch.full((1, 1, 1, window), MASK_MIN, dtype=dtype)
+    sliding_mask[..., window - valid :] = 0
+    update = torch.zeros((1, 1, ctx, 1), dtype=dtype)
+    update[0, 0, pos, 0] = 1
+    return full_mask, sliding_mask, update
+
+
 class Embeddings:
     """The CPU-side lookups the runtime does before the first chunk."""
 
     def __init__(self, dims: dict[str, Any], ckpt: Checkpoint):
         self.dims = dims
-        self.embed = ckpt.get("embed_tokens.weight", torch.float32)
-        self.per_layer = ckpt.get("embed_tokens_per_layer.weight", torch.float32)
+        # Stored dtype, memory-mapped: only the looked-up rows are converted
+        # (the per-layer table of a real E2B is 262144 x 8960).
+        self.embed = ckpt.get("embed_tokens.weight", None)
+        self.per_layer = ckpt.get("embed_tokens_per_layer.weight", None)
 
     def hidden(self, token: int, dtype: torch.dtype) -> torch.Tensor:
         scale = torch.tensor(self.dims["hidden_size"] ** 0.5, dtype=torch.float32)
-        return (self.embed[token] * scale).view(1, 1, -1).to(dtype)
+        return (self.embed[token].float() * scale).view(1, 1, -1).to(dtype)
 
     def per_layer_raw(self, token: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.per_layer[token].view(1, 1, -1).to(dtype)
+        return self.per_layer[token].float().view(1, 1, -1).to(dtype)
 
 
 class LayoutRunner:
@@ -63,7 +85,7 @@ class LayoutRunner:
         self.layout = layout
         self.dtype = dtype
         self.chunks = layout["chunks"]
-        self.modules = modules or {c["name"]: build_chunk(dims, c, ckpt, dtype) for c in self.chunks}
+        self.modules = modules or {c["name"]: build_chunk(dims, c, ckpt, dtype, share=True) for c in self.chunks}
         self.reset()
 
     def reset(self) -> None:
@@ -82,13 +104,7 @@ class LayoutRunner:
         ctx, w = d["ctx"], d["sliding_window"]
         if pos >= ctx:
             raise ValueError(f"position {pos} is beyond the full-attention context ({ctx})")
-        full_mask = torch.full((1, 1, 1, ctx), MASK_MIN, dtype=dt)
-        full_mask[..., : pos + 1] = 0
-        valid = min(pos + 1, w)
-        sliding_mask = torch.full((1, 1, 1, w), MASK_MIN, dtype=dt)
-        sliding_mask[..., w - valid :] = 0
-        update = torch.zeros((1, 1, ctx, 1), dtype=dt)
-        update[0, 0, pos, 0] = 1
+        full_mask, sliding_mask, update = step_masks(ctx, w, pos, dt)
         cos_s, sin_s = rope(d, "sliding", pos, dt)
         cos_f, sin_f = rope(d, "full", pos, dt)
         shared: dict[str, torch.Tensor] = {

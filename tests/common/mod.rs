@@ -29,14 +29,23 @@ pub fn stderr(o: &Output) -> String {
 /// Asserts success and returns stdout.
 pub fn ok(args: &[&str]) -> String {
     let o = run(args);
-    assert!(o.status.success(), "chunkforge {args:?} failed:\n{}\n{}", stdout(&o), stderr(&o));
+    assert!(
+        o.status.success(),
+        "chunkforge {args:?} failed:\n{}\n{}",
+        stdout(&o),
+        stderr(&o)
+    );
     stdout(&o)
 }
 
 /// Runs chunkforge expecting failure; returns stderr.
 pub fn fails(args: &[&str]) -> String {
     let o = run(args);
-    assert!(!o.status.success(), "chunkforge {args:?} unexpectedly succeeded:\n{}", stderr(&o));
+    assert!(
+        !o.status.success(),
+        "chunkforge {args:?} unexpectedly succeeded:\n{}",
+        stderr(&o)
+    );
     stderr(&o)
 }
 
@@ -65,7 +74,10 @@ pub fn tempdir(tag: &str) -> PathBuf {
     let d = base.join(format!(
         "{tag}-{}-{}",
         std::process::id(),
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
     ));
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -77,7 +89,9 @@ static BUILD_LOCK: Mutex<()> = Mutex::new(());
 /// (under the target dir) by every test that needs real packages.
 pub fn built_all() -> PathBuf {
     let _guard = BUILD_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("builds").join("default-all");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("builds")
+        .join("default-all");
     if !dir.join("build.json").exists() {
         ok(&["build", "--mode", "all", "--output", dir.to_str().unwrap()]);
     }
@@ -85,8 +99,10 @@ pub fn built_all() -> PathBuf {
 }
 
 pub fn json_file(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    serde_json::from_slice(
+        &std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// A safetensors file as (header, data section).

@@ -1,0 +1,80 @@
+"""Pieces of the chunk module checked against transformers' own Gemma 4 code."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Gemma4TextConfig
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextRotaryEmbedding
+
+from chunkforge_py import fixture, model, stepper
+
+
+def dims_for(cfg: dict) -> dict:
+    rope = cfg["rope_parameters"]
+    return {
+        "head_dim_sliding": cfg["head_dim"],
+        "head_dim_full": cfg["global_head_dim"],
+        "rope_theta_sliding": rope["sliding_attention"]["rope_theta"],
+        "rope_theta_full": rope["full_attention"]["rope_theta"],
+        "partial_rotary_factor_full": rope["full_attention"]["partial_rotary_factor"],
+    }
+
+
+@pytest.mark.parametrize("head_dims", [(32, 64), (256, 512)])
+def test_rope_tables_match_transformers(head_dims: tuple[int, int]) -> None:
+    kwargs = fixture.text_config_dict("e2b")
+    kwargs["head_dim"], kwargs["global_head_dim"] = head_dims
+    config = Gemma4TextConfig(**kwargs)
+    hf = Gemma4TextRotaryEmbedding(config)
+    dims = dims_for(kwargs)
+    x = torch.zeros(1, dtype=torch.float32)
+    for pos in (0, 1, 7, 511, 1500):
+        ids = torch.tensor([[pos]])
+        for kind, layer_type in (("sliding", "sliding_attention"), ("full", "full_attention")):
+            cos_hf, sin_hf = hf(x, ids, layer_type)
+            cos, sin = stepper.rope(dims, kind, pos, torch.float32)
+            torch.testing.assert_close(cos.view(-1), cos_hf.view(-1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(sin.view(-1), sin_hf.view(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_full_rope_rotates_only_the_first_quarter_of_pairs() -> None:
+    # E2B numbers: 512-dim full heads, partial_rotary_factor 0.25 -> 64 rotating pairs,
+    # exponents over the whole 512 dims; the other 192 pairs never rotate.
+    dims = {"head_dim_full": 512, "rope_theta_full": 1e6, "partial_rotary_factor_full": 0.25}
+    inv = stepper.inv_freq(dims, "full")
+    assert inv.shape == (256,)
+    assert torch.all(inv[64:] == 0) and torch.all(inv[:64] > 0)
+    assert math.isclose(float(inv[1]), 1e6 ** (-2 / 512), rel_tol=1e-6)
+    cos, sin = stepper.rope(dims, "full", 1000, torch.float32)
+    assert torch.all(cos.view(-1)[64:256] == 1) and torch.all(sin.view(-1)[64:256] == 0)
+
+
+def test_rmsnorm_matches_transformers() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 64) * 5
+    ours = model.RMSNorm(64, 1e-6)
+    ref = Gemma4RMSNorm(64, eps=1e-6)
+    w = torch.randn(64)
+    ours.weight.data = w.clone()
+    ref.weight.data = w.clone()
+    torch.testing.assert_close(ours(x), ref(x))
+    torch.testing.assert_close(model.RMSNorm(64, 1e-6, with_scale=False)(x), Gemma4RMSNorm(64, 1e-6, with_scale=False)(x))
+
+
+@pytest.mark.parametrize("pos,window", [(0, 8), (5, 8), (7, 8), (8, 8), (30, 8), (3, 512)])
+def test_step_masks_follow_transformers_sliding_and_causal_rules(pos: int, window: int) -> None:
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    ctx = 64
+    full, sliding, update = stepper.step_masks(ctx, window, pos, torch.float32)
+    sliding_rule = sliding_window_causal_mask_function(window)
+    for s in range(window):
+        key_pos = pos - (window - 1 - s)  # what the window cache holds in slot s
+        visible = key_pos >= 0 and bool(sliding_rule(0, 0, torch.tensor(pos), torch.tensor(key_pos)))
+        assert (float(sliding.view(-1)[s]) == 0) == visible, (s, key_pos)
+    for j in range(ctx):
+        assert (float(full.view(-1)[j]) == 0) == bool(causal_mask_function(0, 0, torch.tensor(pos), torch.tensor(j)))
+    assert update.view(-1).tolist() == [1.0 if j == pos else 0.0 for j in range(ctx)]

@@ -1,0 +1,204 @@
+//! `chunkforge parity` end to end on generated checkpoints.
+
+mod common;
+
+use common::*;
+
+const OK_16: &str = "PARITY OK across 16 steps (cos >= 0.9999).";
+
+fn last_line(s: &str) -> &str {
+    s.lines().last().unwrap_or("")
+}
+
+fn parity(args: &[&str]) -> (i32, String) {
+    let mut full = vec!["parity"];
+    full.extend_from_slice(args);
+    let o = run(&full);
+    let code = o.status.code().unwrap_or(-1);
+    let text = stdout(&o);
+    assert!(
+        code == 0 || code == 1,
+        "parity errored ({code}):\n{}\n{}",
+        text,
+        stderr(&o)
+    );
+    (code, text)
+}
+
+#[test]
+fn default_checkpoint_both_passes_with_the_exact_success_line() {
+    let (code, out) = parity(&["--mode", "both"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(last_line(&out), OK_16);
+    // 16 steps x 2 layouts, and the oracle line for each step.
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.ends_with(" OK") && !l.starts_with("reference"))
+            .count(),
+        32
+    );
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.starts_with("reference vs transformers"))
+            .count(),
+        16
+    );
+}
+
+#[test]
+fn mode_all_and_custom_split_pass() {
+    let (code, out) = parity(&["--mode", "all"]);
+    assert_eq!((code, last_line(&out)), (0, OK_16), "{out}");
+    let (code, out) = parity(&["--split", "0-11,12-23,24-34"]);
+    assert_eq!((code, last_line(&out)), (0, OK_16), "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("split  step  15")),
+        "{out}"
+    );
+}
+
+#[test]
+fn e4b_checkpoint_passes() {
+    let ck = fixture(
+        "e4b-mm",
+        &["--shape", "e4b", "--multimodal", "--shards", "3"],
+    );
+    let (code, out) = parity(&["--hf-dir", ck.to_str().unwrap(), "--mode", "both"]);
+    assert_eq!((code, last_line(&out)), (0, OK_16), "{out}");
+}
+
+#[test]
+fn sliding_window_wraparound_passes_against_transformers() {
+    let ck = fixture("e2b-w8", &["--sliding-window", "8"]);
+    let (code, out) = parity(&[
+        "--hf-dir",
+        ck.to_str().unwrap(),
+        "--mode",
+        "both",
+        "--steps",
+        "24",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        last_line(&out),
+        "PARITY OK across 24 steps (cos >= 0.9999)."
+    );
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.starts_with("reference vs transformers") && l.ends_with("OK"))
+            .count(),
+        24
+    );
+}
+
+#[test]
+fn corrupted_merged_layer_fails_at_step_0_and_names_the_layer() {
+    let (code, out) = parity(&["--mode", "both", "--corrupt-layer", "20", "--no-oracle"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("PARITY FAIL"), "{out}");
+    assert!(
+        out.contains("first failing step: layout two step 0"),
+        "{out}"
+    );
+    assert!(
+        out.contains("two: first divergence at layer 20 in merged_chunk2"),
+        "{out}"
+    );
+    assert!(
+        out.contains("one: first divergence at layer 20 in merged_full"),
+        "{out}"
+    );
+}
+
+#[test]
+fn prefill_handoff_passes_and_skipping_the_copy_fails() {
+    let (code, out) = parity(&["--mode", "both", "--prefill", "8"]);
+    assert_eq!((code, last_line(&out)), (0, OK_16), "{out}");
+    assert!(
+        !out.contains("step   3  cos"),
+        "prefill steps are not decoded by the layout"
+    );
+    let (code, out) = parity(&[
+        "--mode",
+        "both",
+        "--prefill",
+        "8",
+        "--skip-prefill-copy",
+        "--no-oracle",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("first failing step: layout two step 8"),
+        "{out}"
+    );
+}
+
+#[test]
+fn int4_artifacts_of_a_full_build_agree_and_are_reported() {
+    let build = built_all();
+    let report = tempdir("parity-report").join("report.json");
+    let (code, out) = parity(&[
+        "--mode",
+        "all",
+        "--artifacts",
+        build.to_str().unwrap(),
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    for layout in ["four", "two", "one"] {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(&format!("INT4 artifacts {layout}")) && l.ends_with("OK")),
+            "{out}"
+        );
+    }
+    let r = json_file(&report);
+    assert_eq!(r["format"], "chunkforge-parity/1");
+    assert_eq!(r["summary"]["ok"], true);
+    assert_eq!(r["prompt_ids"].as_array().unwrap().len(), 16);
+    assert_eq!(r["oracle"].as_array().unwrap().len(), 16);
+    assert_eq!(r["steps"].as_array().unwrap().len(), 32);
+    let arts = &r["summary"]["artifacts"];
+    for layout in ["four", "two", "one"] {
+        assert!(
+            arts[layout]["top1_agreement"].as_f64().unwrap() >= 0.75,
+            "{arts}"
+        );
+        assert!(arts[layout]["min_cos"].as_f64().unwrap() > 0.9, "{arts}");
+    }
+    // merged_full reads back exactly the weights of merged_chunk1 + merged_chunk2.
+    let count = |name: &str| {
+        arts[if name.starts_with("merged_chunk") {
+            "two"
+        } else {
+            "one"
+        }]["weights_replaced"][name]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(
+        count("merged_full"),
+        count("merged_chunk1") + count("merged_chunk2")
+    );
+    assert!(r["tool"]["python"]["coremltools"].is_string());
+}
+
+#[test]
+fn artifacts_from_an_unquantized_or_missing_build_are_refused() {
+    let empty = tempdir("no-build");
+    let o = run(&[
+        "parity",
+        "--mode",
+        "two",
+        "--no-oracle",
+        "--artifacts",
+        empty.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("merged_chunk1.mlpackage: package not found"),
+        "{}",
+        stderr(&o)
+    );
+}
