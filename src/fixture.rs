@@ -12,7 +12,7 @@ use crate::progress;
 use crate::pyenv;
 
 /// Bumped whenever the fixture generator changes, so cached defaults are regenerated.
-const DEFAULT_FIXTURE_VERSION: u32 = 1;
+const DEFAULT_FIXTURE_VERSION: u32 = 2;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Shape {
@@ -112,6 +112,10 @@ pub fn default_checkpoint(verbose: bool) -> Result<PathBuf> {
         sliding_window: 512,
         vocab_size: 512,
     };
-    write(&dir, &args, verbose)?;
-    Ok(dir)
+    match write(&dir, &args, verbose) {
+        Ok(_) => Ok(dir),
+        // Another chunkforge process generated it at the same time.
+        Err(_) if dir.join("config.json").exists() => Ok(dir),
+        Err(e) => Err(e),
+    }
 }

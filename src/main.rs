@@ -123,11 +123,14 @@ enum Cmd {
         #[arg(long)]
         artifacts: Option<PathBuf>,
         /// Minimum cosine per step for the INT4 artifacts.
-        #[arg(long, default_value_t = 0.95)]
+        #[arg(long, default_value_t = 0.85)]
         tol_cos_int4: f64,
         /// Minimum fraction of steps whose INT4 token equals the reference's.
         #[arg(long, default_value_t = 0.75)]
         min_top1_int4: f64,
+        /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
+        #[arg(long, default_value_t = 0.03)]
+        max_weight_rel_mse: f64,
         /// Write the JSON report (schema: parity/report.schema.json) here.
         #[arg(long)]
         report: Option<PathBuf>,
@@ -318,6 +321,7 @@ fn run(cli: Cli) -> Result<()> {
             artifacts,
             tol_cos_int4,
             min_top1_int4,
+            max_weight_rel_mse,
             report,
             no_oracle,
             skip_prefill_copy,
@@ -342,6 +346,7 @@ fn run(cli: Cli) -> Result<()> {
                 artifacts,
                 tol_cos_int4,
                 min_top1_int4,
+                max_weight_rel_mse,
                 report,
                 oracle: !no_oracle,
                 corrupt_layer,
@@ -414,8 +419,9 @@ fn run(cli: Cli) -> Result<()> {
                 prefill: 0,
                 skip_prefill_copy: false,
                 artifacts: None,
-                tol_cos_int4: 0.95,
+                tol_cos_int4: 0.85,
                 min_top1_int4: 0.75,
+                max_weight_rel_mse: 0.03,
                 report: None,
                 oracle: true,
                 corrupt_layer: None,

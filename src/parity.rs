@@ -27,6 +27,7 @@ pub struct ParityOptions {
     pub artifacts: Option<PathBuf>,
     pub tol_cos_int4: f64,
     pub min_top1_int4: f64,
+    pub max_weight_rel_mse: f64,
     pub report: Option<PathBuf>,
     pub oracle: bool,
     pub corrupt_layer: Option<usize>,
@@ -114,6 +115,7 @@ pub fn run(
         "artifact_layouts": artifact_layouts,
         "tol_cos_int4": opts.tol_cos_int4,
         "min_top1_int4": opts.min_top1_int4,
+        "max_weight_rel_mse": opts.max_weight_rel_mse,
     });
     for w in &requested.warnings {
         eprintln!("note: {w}");
@@ -167,11 +169,13 @@ pub fn run(
     if let Some(arts) = summary["artifacts"].as_object() {
         for (name, s) in arts {
             println!(
-                "INT4 artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({} weights read back)  {}",
+                "INT4 artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({} weights read back, worst relative MSE {:.2e} in {})  {}",
                 s["min_cos"].as_f64().unwrap_or(f64::NAN),
                 s["mean_cos"].as_f64().unwrap_or(f64::NAN),
                 100.0 * s["top1_agreement"].as_f64().unwrap_or(0.0),
                 s["weights_replaced"].as_object().map_or(0, |m| m.values().filter_map(Value::as_u64).sum::<u64>()),
+                s["worst_weight"]["rel_mse"].as_f64().unwrap_or(f64::NAN),
+                s["worst_weight"]["weight"].as_str().unwrap_or("-"),
                 if s["ok"].as_bool() == Some(true) { "OK" } else { "FAIL" }
             );
         }
@@ -234,8 +238,12 @@ pub fn run(
         for (name, s) in summary["artifacts"].as_object().into_iter().flatten() {
             if s["ok"].as_bool() != Some(true) {
                 println!(
-                    "INT4 artifacts of {name} below thresholds (--tol-cos-int4 {}, --min-top1-int4 {})",
-                    opts.tol_cos_int4, opts.min_top1_int4
+                    "INT4 artifacts of {name} fail: thresholds --tol-cos-int4 {}, --min-top1-int4 {}, \
+                     --max-weight-rel-mse {}; tokens match the other layouts' INT4 models: {}",
+                    opts.tol_cos_int4,
+                    opts.min_top1_int4,
+                    opts.max_weight_rel_mse,
+                    s["tokens_match_other_layouts"]
                 );
             }
         }

@@ -8,8 +8,10 @@ group size 32.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -131,10 +133,28 @@ def mil_stats(mlmodel: Any) -> dict[str, Any]:
     return {"mil_ops": len(ops), "op_counts": dict(sorted(counts.items()))}
 
 
+def normalize_manifest(path: str) -> None:
+    """Replace the random item identifiers coremltools writes into a package's
+    Manifest.json with identifiers derived from each item's path, so the same
+    model gives the same bytes. Identifiers only need to be unique within one
+    package; the runtime resolves them through this same file."""
+    manifest_path = os.path.join(path, "Manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    entries = manifest.get("itemInfoEntries", {})
+    renamed = {old: str(uuid.uuid5(uuid.NAMESPACE_URL, "chunkforge:" + entry["path"])) for old, entry in entries.items()}
+    manifest["itemInfoEntries"] = {renamed[old]: entries[old] for old in sorted(entries, key=lambda o: renamed[o])}
+    if manifest.get("rootModelIdentifier") in renamed:
+        manifest["rootModelIdentifier"] = renamed[manifest["rootModelIdentifier"]]
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f, indent=4, sort_keys=True)
+
+
 def save(mlmodel: Any, path: str) -> dict[str, Any]:
     """Write the package to ``path`` (a temporary name chosen by Rust) and return its stats."""
     stats = mil_stats(mlmodel)
     mlmodel.save(path)
+    normalize_manifest(path)
     weights = os.path.join(path, "Data", "com.apple.CoreML", "weights", "weight.bin")
     stats["weight_bytes"] = os.path.getsize(weights) if os.path.exists(weights) else 0
     stats["palettized_weights"] = stats["op_counts"].get("constexpr_lut_to_dense", 0)

@@ -29,6 +29,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+POST_NORM_SCALE = 0.15
+
+
 def text_config_dict(shape: str, sliding_window: int = 512, vocab_size: int = 512) -> dict[str, Any]:
     """The Gemma4TextConfig keyword arguments for a tiny checkpoint of ``shape``."""
     s = SHAPES[shape]
@@ -101,6 +104,12 @@ def write_fixture(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.mul_(1.0 + 0.1 * torch.randn_like(p))
+        # Trained decoders add small updates to a large residual stream; with
+        # unit post-norms a random 35-layer stack is chaotic (1% weight noise
+        # flips every token), which would make INT4 agreement meaningless.
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm")):
+                p.mul_(POST_NORM_SCALE)
         # A wider final norm spreads the logits so top-1 is not a near-tie.
         model.model.norm.weight.mul_(4.0)
         for layer in model.model.layers:

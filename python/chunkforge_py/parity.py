@@ -49,6 +49,14 @@ def localise(ref: dict[str, Any], got: dict[str, Any], chunks: list[dict[str, An
     return {"layer": None, "chunk": None, "cos": None}
 
 
+def const_key(name: str) -> str:
+    """A package const's name reduced to the torch parameter path with dots as
+    underscores (coremltools appends `_promoted_to_fp16`, `_palettized`, ...)."""
+    for suffix in ("_palettized", "_promoted_to_fp16", "_to_fp16"):
+        name = name.removesuffix(suffix)
+    return name
+
+
 def artifact_weights(package: str) -> dict[str, torch.Tensor]:
     """Dense fp32 weights of every palettized const in a built package (LUT + indices -> dense)."""
     import coremltools as ct
@@ -62,18 +70,22 @@ def artifact_weights(package: str) -> dict[str, torch.Tensor]:
     out = {}
     for op in prog.functions["main"].operations:
         if op.op_type == "constexpr_lut_to_dense":
-            name = op.name.removesuffix("_palettized")
-            out[name] = torch.from_numpy(op.materialized_val_inference().astype("float32"))
+            out[const_key(op.name)] = torch.from_numpy(op.materialized_val_inference().astype("float32"))
     return out
 
 
-def load_artifacts(runner: LayoutRunner, build_dir: str) -> dict[str, int]:
-    """Replace every linear weight of the runner's modules with the package's dequantized one."""
+def load_artifacts(runner: LayoutRunner, build_dir: str) -> tuple[dict[str, int], dict[str, Any]]:
+    """Replace every projection weight of the runner's modules with the package's
+    dequantized one. Returns replaced counts per chunk and the worst relative
+    MSE (dequantized vs checkpoint weight), which exposes a weight stored in the
+    wrong layer or slot (relative MSE ~2) as clearly as a bad quantizer."""
     counts = {}
+    worst = {"weight": None, "rel_mse": 0.0}
     for chunk in runner.chunks:
         mod = runner.modules[chunk["name"]]
         dense = artifact_weights(os.path.join(build_dir, f"{chunk['name']}.mlpackage"))
         replaced = 0
+        new_state = {}
         for pname, p in mod.named_parameters():
             if p.dim() != 2:
                 continue
@@ -88,11 +100,15 @@ def load_artifacts(runner: LayoutRunner, build_dir: str) -> dict[str, int]:
                     f"{chunk['name']}.mlpackage: weight {pname} has shape {tuple(dense[key].shape)}, "
                     f"the plan expects {tuple(p.shape)}"
                 )
-            with torch.no_grad():
-                p.copy_(dense[key])
+            rel = float(((dense[key] - p.float()) ** 2).mean() / (p.float() ** 2).mean().clamp_min(1e-30))
+            if rel > worst["rel_mse"]:
+                worst = {"weight": f"{chunk['name']}:{pname}", "rel_mse": rel}
+            new_state[pname] = dense[key]
             replaced += 1
+        # New tensors, not in-place copies: the originals are shared with the reference.
+        mod.load_state_dict(new_state, strict=False, assign=True)
         counts[chunk["name"]] = replaced
-    return counts
+    return counts, worst
 
 
 def run(req: dict[str, Any]) -> dict[str, Any]:
@@ -180,27 +196,48 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     artifact_summary: dict[str, Any] = {}
     if req.get("artifacts"):
         build_dir = req["artifacts"]
+        first_tokens: list[int] | None = None
         for name, layout in req["artifact_layouts"].items():
             q = LayoutRunner(dims, layout, ckpt)
-            replaced = load_artifacts(q, build_dir)
+            replaced, worst = load_artifacts(q, build_dir)
             agree = 0
             coss = []
+            tokens = []
             for t in range(steps):
                 got = q.step(emb, prompt[t], t)
                 c = cosine(ref_results[t]["hidden"], got["hidden"])
                 same = got["token"] == ref_results[t]["token"]
                 agree += same
                 coss.append(c)
+                tokens.append(got["token"])
                 artifacts.append(
-                    {"layout": name, "step": t, "cos": c, "ref_token": ref_results[t]["token"], "token": got["token"], "same_token": same}
+                    {
+                        "layout": name,
+                        "step": t,
+                        "cos": c,
+                        "ref_token": ref_results[t]["token"],
+                        "token": got["token"],
+                        "same_token": same,
+                    }
                 )
+            # Every layout's INT4 model holds the same palettized weights, so their
+            # tokens must agree with each other even where INT4 moves them off fp32.
+            if first_tokens is None:
+                first_tokens = tokens
             top1 = agree / steps
-            ok = min(coss) >= req["tol_cos_int4"] and top1 >= req["min_top1_int4"]
+            ok = (
+                min(coss) >= req["tol_cos_int4"]
+                and top1 >= req["min_top1_int4"]
+                and worst["rel_mse"] <= req["max_weight_rel_mse"]
+                and tokens == first_tokens
+            )
             artifact_summary[name] = {
                 "weights_replaced": replaced,
+                "worst_weight": worst,
                 "min_cos": min(coss),
                 "mean_cos": sum(coss) / len(coss),
                 "top1_agreement": top1,
+                "tokens_match_other_layouts": tokens == first_tokens,
                 "ok": ok,
             }
 

@@ -51,11 +51,15 @@ pub fn fails(args: &[&str]) -> String {
 
 static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
 
+/// Bumped with the fixture generator (python/chunkforge_py/fixture.py) so cached
+/// test fixtures and builds are made again.
+const FIXTURE_GENERATION: &str = "gen2";
+
 /// A cached fixture checkpoint under target/test-fixtures/<name>, made once
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.
 pub fn fixture(name: &str, extra: &[&str]) -> PathBuf {
     let _guard = FIXTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures");
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures").join(FIXTURE_GENERATION);
     std::fs::create_dir_all(&root).unwrap();
     let dir = root.join(name);
     if !dir.join("config.json").exists() {
