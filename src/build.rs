@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{anyhow, Context, Result};
 use pyo3::prelude::*;
 use serde_json::{json, Value};
+use sha2::Digest;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
@@ -187,8 +188,19 @@ pub fn run(
             }
         }
     }
+    let tree: String = records
+        .iter()
+        .map(|r| {
+            format!(
+                "{}\0{}\n",
+                r["package"].as_str().unwrap_or(""),
+                r["sha256_tree"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
     let report = json!({
         "format": "chunkforge-build/1",
+        "tree_sha256": pyenv::hex(&sha2::Sha256::digest(tree.as_bytes())),
         "tool": {"chunkforge": env!("CARGO_PKG_VERSION"), "python": versions},
         "checkpoint": {
             "dir": hf_dir.to_string_lossy(),
@@ -207,6 +219,7 @@ pub fn run(
     });
     // Publish all packages, then build.json last: a reader that sees the new
     // build.json sees every package it lists.
+    let _publishing = fsutil::PUBLISH_LOCK.lock();
     for r in &records {
         staging.publish(r["package"].as_str().expect("set above"))?;
     }
@@ -238,4 +251,105 @@ pub fn summary(report: &Value, out: &Path) -> String {
         secs["total"].as_f64().unwrap_or(0.0),
         report["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1024.0 * 1024.0)
     )
+}
+
+/// The checkpoint, layout request and quantization of an earlier build, from its build.json.
+#[allow(clippy::type_complexity)]
+pub fn request_of(
+    build_json: &Path,
+    hf_override: &Option<std::path::PathBuf>,
+) -> Result<(
+    Option<std::path::PathBuf>,
+    (crate::plan::Mode, Option<String>, usize),
+    bool,
+)> {
+    let text = std::fs::read(build_json)
+        .with_context(|| format!("{}: cannot read", build_json.display()))?;
+    let v: Value = serde_json::from_slice(&text)
+        .with_context(|| format!("{}: not valid JSON", build_json.display()))?;
+    let bad = |what: &str| {
+        anyhow!(
+            "{}: {what} missing or invalid (not a chunkforge build.json?)",
+            build_json.display()
+        )
+    };
+    let mode = match v["request"]["mode"]
+        .as_str()
+        .ok_or_else(|| bad("request.mode"))?
+    {
+        "four" => crate::plan::Mode::Four,
+        "two" => crate::plan::Mode::Two,
+        "one" => crate::plan::Mode::One,
+        "both" => crate::plan::Mode::Both,
+        "all" => crate::plan::Mode::All,
+        _ => return Err(bad("request.mode")),
+    };
+    let split = v["request"]["split"].as_str().map(str::to_string);
+    let ctx = v["request"]["ctx"]
+        .as_u64()
+        .ok_or_else(|| bad("request.ctx"))? as usize;
+    let quantize = v["settings"]["quantize"]
+        .as_bool()
+        .ok_or_else(|| bad("settings.quantize"))?;
+    let hf = match hf_override {
+        Some(p) => Some(p.clone()),
+        None => Some(std::path::PathBuf::from(
+            v["checkpoint"]["dir"]
+                .as_str()
+                .ok_or_else(|| bad("checkpoint.dir"))?,
+        )),
+    };
+    Ok((hf, (mode, split, ctx), quantize))
+}
+
+/// Compares the packages of `old` with a fresh build in `fresh_dir`, printing
+/// every package and, for a differing one, every differing file.
+pub fn compare(old: &Path, fresh_dir: &Path, fresh: &Value) -> Result<bool> {
+    let mut same = true;
+    for c in fresh["chunks"].as_array().into_iter().flatten() {
+        let pkg = c["package"].as_str().unwrap_or("");
+        let a = old.join(pkg);
+        let b = fresh_dir.join(pkg);
+        if !a.exists() {
+            println!("{pkg}: MISSING in {}", old.display());
+            same = false;
+            continue;
+        }
+        let da = fsutil::tree_digest(&a)?;
+        let db = c["sha256_tree"].as_str().unwrap_or("").to_string();
+        if da == db {
+            println!("{pkg}: identical ({})", &da[..16]);
+            continue;
+        }
+        same = false;
+        println!("{pkg}: DIFFERS");
+        let files = |root: &Path| -> Result<BTreeMap<String, String>> {
+            let mut m = BTreeMap::new();
+            for e in walkdir::WalkDir::new(root) {
+                let e = e?;
+                if e.file_type().is_file() {
+                    let rel = e
+                        .path()
+                        .strip_prefix(root)
+                        .unwrap_or(e.path())
+                        .to_string_lossy()
+                        .to_string();
+                    m.insert(rel, fsutil::sha256_file(e.path())?);
+                }
+            }
+            Ok(m)
+        };
+        let (fa, fb) = (files(&a)?, files(&b)?);
+        for (rel, h) in &fa {
+            match fb.get(rel) {
+                Some(h2) if h2 == h => {}
+                Some(_) => println!("    {rel}: content differs"),
+                None => println!("    {rel}: only in {}", old.display()),
+            }
+        }
+        for rel in fb.keys().filter(|k| !fa.contains_key(*k)) {
+            println!("    {rel}: only in the fresh build");
+        }
+    }
+    Ok(same)
 }

@@ -13,6 +13,30 @@ use crate::pyenv::hex;
 
 const STAGING_PREFIX: &str = ".chunkforge-staging-";
 
+/// Staging folders of this process, removed by the Ctrl-C handler.
+static LIVE_STAGING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// Held while a run moves its finished outputs into place; the interrupt
+/// handler waits for it, so Ctrl-C never splits a set of packages.
+pub static PUBLISH_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Installs the Ctrl-C / SIGTERM handler: wait for any publish in progress,
+/// remove this run's staging folders, say so, exit 130.
+pub fn install_interrupt_handler() {
+    let _ = ctrlc::set_handler(|| {
+        let _publishing = PUBLISH_LOCK.lock();
+        let dirs = LIVE_STAGING.lock().map(|v| v.clone()).unwrap_or_default();
+        for d in &dirs {
+            let _ = fs::remove_dir_all(d);
+        }
+        eprintln!(
+            "\ninterrupted: unfinished work removed; the output folder holds the previous result \
+             (or the complete new one if it was already published)"
+        );
+        std::process::exit(130);
+    });
+}
+
 /// A staging folder in `out`; removed on drop unless committed.
 pub struct Staging {
     pub out: PathBuf,
@@ -67,6 +91,9 @@ impl Drop for Staging {
     fn drop(&mut self) {
         if !self.committed {
             let _ = fs::remove_dir_all(&self.dir);
+        }
+        if let Ok(mut live) = LIVE_STAGING.lock() {
+            live.retain(|d| d != &self.dir);
         }
     }
 }

@@ -83,8 +83,13 @@ enum Cmd {
         #[command(flatten)]
         layout: LayoutArgs,
         /// Output folder; packages appear there only when every one of them is complete.
-        #[arg(long)]
-        output: PathBuf,
+        #[arg(long, required_unless_present = "check")]
+        output: Option<PathBuf>,
+        /// Rebuild the build in this folder (same checkpoint and settings, from its
+        /// build.json) into a temporary folder and report whether every package is
+        /// byte-identical.
+        #[arg(long, conflicts_with = "output")]
+        check: Option<PathBuf>,
         /// Skip INT4 palettization (FP16 weights).
         #[arg(long)]
         no_quantize: bool,
@@ -292,12 +297,45 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Build {
+            check: Some(dir),
+            model,
+            kmeans_workers,
+            ..
+        } => {
+            let (model, layout, quantize) =
+                build::request_of(&dir.join("build.json"), &model.hf_dir)?;
+            let model = ModelArgs { hf_dir: model };
+            let layout = LayoutArgs {
+                mode: layout.0,
+                split: layout.1,
+                ctx: layout.2,
+            };
+            let tmp = std::env::temp_dir().join(format!("chunkforge-check-{}", std::process::id()));
+            let result = do_build(&model, &layout, &tmp, quantize, kmeans_workers, verbose);
+            let same = result.and_then(|fresh| build::compare(&dir, &tmp, &fresh));
+            let _ = std::fs::remove_dir_all(&tmp);
+            if same? {
+                println!(
+                    "REPRODUCIBLE: every package in {} is byte-identical to a fresh build",
+                    dir.display()
+                );
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!(
+                    "{}: a fresh build differs (see above)",
+                    dir.display()
+                ))
+            }
+        }
+        Cmd::Build {
             model,
             layout,
             output,
             no_quantize,
             kmeans_workers,
+            ..
         } => {
+            let output = output.expect("clap: --output is required without --check");
             let report = do_build(
                 &model,
                 &layout,
@@ -586,7 +624,11 @@ fn doctor(verbose: bool) -> Result<()> {
 struct ParityFailed;
 
 fn main() -> ExitCode {
+    // Fixed string hashing in the embedded interpreter (set before it starts):
+    // set iteration order must not vary between runs of a reproducible build.
+    std::env::set_var("PYTHONHASHSEED", "0");
     let cli = Cli::parse();
+    fsutil::install_interrupt_handler();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<ParityFailed>() => ExitCode::from(1),

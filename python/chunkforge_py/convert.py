@@ -153,6 +153,10 @@ def normalize_manifest(path: str) -> None:
 def save(mlmodel: Any, path: str) -> dict[str, Any]:
     """Write the package to ``path`` (a temporary name chosen by Rust) and return its stats."""
     stats = mil_stats(mlmodel)
+    # The conversion date would make two builds of the same model differ.
+    metadata = mlmodel.user_defined_metadata
+    if "com.github.apple.coremltools.conversion_date" in metadata:
+        del metadata["com.github.apple.coremltools.conversion_date"]
     mlmodel.save(path)
     normalize_manifest(path)
     weights = os.path.join(path, "Data", "com.apple.CoreML", "weights", "weight.bin")

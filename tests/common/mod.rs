@@ -59,7 +59,9 @@ const FIXTURE_GENERATION: &str = "gen2";
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.
 pub fn fixture(name: &str, extra: &[&str]) -> PathBuf {
     let _guard = FIXTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures").join(FIXTURE_GENERATION);
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("fixtures")
+        .join(FIXTURE_GENERATION);
     std::fs::create_dir_all(&root).unwrap();
     let dir = root.join(name);
     if !dir.join("config.json").exists() {
