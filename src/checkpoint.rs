@@ -257,6 +257,19 @@ impl Checkpoint {
     pub fn open(dir: &Path, cfg: &TextConfig) -> Result<Self, InputError> {
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
+        for p in [&index, &single] {
+            // Hugging Face cache snapshots are symlinks into blobs/: follow them,
+            // but name a dangling one instead of calling the file missing.
+            if p.is_symlink() && !p.exists() {
+                let target = std::fs::read_link(p)
+                    .map(|t| t.display().to_string())
+                    .unwrap_or_default();
+                return Err(ck(
+                    p,
+                    format!("is a symlink to {target}, which does not exist"),
+                ));
+            }
+        }
         let weight_files: Vec<PathBuf> = if index.exists() {
             let text = std::fs::read(&index).map_err(|e| InputError::Io {
                 path: index.clone(),

@@ -227,6 +227,18 @@ fn resolve_checkpoint(model: &ModelArgs, verbose: bool) -> Result<PathBuf> {
     }
 }
 
+/// coremltools and safetensors take paths as Python strings: refuse a path that
+/// is not valid UTF-8 instead of silently writing somewhere else.
+fn require_utf8(path: &Path, what: &str) -> Result<()> {
+    if path.to_str().is_none() {
+        anyhow::bail!(
+            "{}: the {what} path is not valid UTF-8; coremltools needs UTF-8 paths, choose another folder name",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 fn plan_for(dir: &Path, layout: &LayoutArgs) -> Result<(config::TextConfig, plan::Plan)> {
     let cfg = config::TextConfig::load(dir)?;
     if layout.ctx == 0 {
@@ -244,7 +256,9 @@ fn do_build(
     kmeans_workers: usize,
     verbose: bool,
 ) -> Result<serde_json::Value> {
+    require_utf8(out, "output")?;
     let dir = resolve_checkpoint(model, verbose)?;
+    require_utf8(&dir, "checkpoint")?;
     let (cfg, plan) = plan_for(&dir, layout)?;
     let ckpt = checkpoint::Checkpoint::open(&dir, &cfg)?;
     if quantize {

@@ -157,8 +157,14 @@ pub fn ensure_env(verbose: bool) -> Result<()> {
     Ok(())
 }
 
-/// Puts the cached environment and `chunkforge_py` on the embedded interpreter's path.
+static ACTIVE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Puts the cached environment and `chunkforge_py` on the embedded interpreter's
+/// path (once per process).
 pub fn activate(verbose: bool) -> Result<()> {
+    if ACTIVE.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(());
+    }
     ensure_env(verbose)?;
     let venv = venv_dir();
     let pkg = python_dir();

@@ -1,0 +1,500 @@
+//! Crash safety, interrupts and hostile inputs: a killed or failing run never
+//! leaves something the runtime would load, and bad input gets a clear error.
+
+mod common;
+
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+fn previous(out: &Path) {
+    fs::create_dir_all(out.join("merged_chunk1.mlpackage")).unwrap();
+    fs::write(out.join("merged_chunk1.mlpackage/marker"), b"previous").unwrap();
+    fs::write(out.join("build.json"), b"{\"previous\": true}").unwrap();
+}
+
+/// Visible entries (staging folders are hidden and removed by the next run).
+fn visible(out: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with(".chunkforge-staging-"))
+        .collect();
+    v.sort();
+    v
+}
+
+fn assert_previous(out: &Path) {
+    assert_eq!(visible(out), ["build.json", "merged_chunk1.mlpackage"]);
+    assert_eq!(
+        fs::read(out.join("merged_chunk1.mlpackage/marker")).unwrap(),
+        b"previous"
+    );
+    assert_eq!(
+        fs::read(out.join("build.json")).unwrap(),
+        b"{\"previous\": true}"
+    );
+}
+
+fn spawn(args: &[&str]) -> std::process::Child {
+    Command::new(bin())
+        .args(args)
+        .env_remove("GEMMA4_HF_DIR")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn sigkill_during_build_leaves_the_previous_result_and_the_next_run_cleans_up() {
+    let ck = fixture("e2b", &[]);
+    let out = tempdir("kill-build");
+    previous(&out);
+    let args = [
+        "build",
+        "--hf-dir",
+        ck.to_str().unwrap(),
+        "--mode",
+        "two",
+        "--output",
+        out.to_str().unwrap(),
+    ];
+    // Early (interpreter start), during conversion of the first package, during the second.
+    for delay in [0.3, 4.0, 20.0] {
+        let mut child = spawn(&args);
+        std::thread::sleep(Duration::from_secs_f64(delay));
+        let _ = child.kill(); // SIGKILL
+        let _ = child.wait();
+        assert_previous(&out);
+    }
+    let o = run(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        visible(&out),
+        [
+            "build.json",
+            "merged_chunk1.mlpackage",
+            "merged_chunk2.mlpackage"
+        ]
+    );
+    let stale: Vec<_> = fs::read_dir(&out)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".chunkforge")
+        })
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "stale staging folders were not cleaned: {stale:?}"
+    );
+    assert!(
+        !out.join("merged_chunk1.mlpackage/marker").exists(),
+        "replaced by the new package"
+    );
+}
+
+#[test]
+fn ctrl_c_stops_cleanly_with_a_message() {
+    let ck = fixture("e2b", &[]);
+    let out = tempdir("sigint-build");
+    previous(&out);
+    let child = spawn(&[
+        "build",
+        "--hf-dir",
+        ck.to_str().unwrap(),
+        "--mode",
+        "two",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    std::thread::sleep(Duration::from_secs(6));
+    unsafe_kill(child.id(), "INT");
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("interrupted"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_previous(&out);
+    assert!(fs::read_dir(&out).unwrap().all(|e| !e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .starts_with(".chunkforge")));
+}
+
+fn unsafe_kill(pid: u32, sig: &str) {
+    assert!(Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+#[test]
+fn sigkill_during_fixture_leaves_nothing_and_the_rerun_succeeds() {
+    let parent = tempdir("kill-fixture");
+    let out = parent.join("ckpt");
+    for delay in [0.5, 5.0] {
+        let mut child = spawn(&["fixture", "--out", out.to_str().unwrap()]);
+        std::thread::sleep(Duration::from_secs_f64(delay));
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(!out.exists(), "a killed fixture run left {}", out.display());
+    }
+    ok(&["fixture", "--out", out.to_str().unwrap()]);
+    assert!(out.join("config.json").exists() && out.join("model.safetensors").exists());
+    let names: Vec<String> = fs::read_dir(&parent)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into())
+        .collect();
+    assert_eq!(names, ["ckpt"], "stale temporaries were not cleaned");
+}
+
+// ---- hostile checkpoints: each a clear error, exit 2, nothing written ----
+
+fn corpus_case(tag: &str, edit: impl FnOnce(&Path), fragment: &str) {
+    let ck = copy_checkpoint(&fixture("e2b", &[]), tag);
+    edit(&ck);
+    let out = tempdir(&format!("{tag}-out"));
+    previous(&out);
+    let o = run(&[
+        "build",
+        "--hf-dir",
+        ck.to_str().unwrap(),
+        "--mode",
+        "two",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{tag}: {err}");
+    assert!(
+        err.contains(fragment),
+        "{tag}: expected `{fragment}` in:\n{err}"
+    );
+    assert!(
+        !err.contains("Traceback") && !err.contains("panicked"),
+        "{tag}: {err}"
+    );
+    assert!(
+        err.lines().filter(|l| !l.trim().is_empty()).count() <= 3,
+        "{tag}: one short paragraph:\n{err}"
+    );
+    assert_previous(&out);
+}
+
+fn edit_header(ck: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = ck.join("model.safetensors");
+    let (mut h, data) = read_safetensors(&p);
+    f(&mut h);
+    write_safetensors(&p, &h, &data);
+}
+
+fn edit_config(ck: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = ck.join("config.json");
+    let mut v = json_file(&p);
+    f(&mut v);
+    fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn hostile_checkpoint_corpus() {
+    corpus_case(
+        "zero-byte",
+        |ck| fs::write(ck.join("model.safetensors"), b"").unwrap(),
+        "file is 0 bytes, too short",
+    );
+    corpus_case(
+        "header-too-long",
+        |ck| {
+            let p = ck.join("model.safetensors");
+            let mut b = fs::read(&p).unwrap();
+            b[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+            fs::write(&p, b).unwrap();
+        },
+        "safetensors header claims 1099511627776 bytes",
+    );
+    corpus_case(
+        "header-not-json",
+        |ck| {
+            let p = ck.join("model.safetensors");
+            let mut b = fs::read(&p).unwrap();
+            b[8] = b'!';
+            fs::write(&p, b).unwrap();
+        },
+        "safetensors header is not valid JSON",
+    );
+    corpus_case(
+        "offsets-past-end",
+        |ck| {
+            edit_header(ck, |h| {
+                h["model.norm.weight"]["data_offsets"] = json!([0, 1u64 << 33])
+            })
+        },
+        "tensor model.norm.weight: data ends at byte 8589934592",
+    );
+    corpus_case(
+        "offsets-disagree-with-shape",
+        |ck| {
+            edit_header(ck, |h| {
+                let b = h["model.norm.weight"]["data_offsets"][0].as_u64().unwrap();
+                h["model.norm.weight"]["data_offsets"] = json!([b, b + 8]);
+            })
+        },
+        "tensor model.norm.weight: shape [64] of F32 needs 256 bytes but data_offsets span 8",
+    );
+    corpus_case(
+        "huge-shape",
+        |ck| {
+            edit_header(ck, |h| {
+                h["model.norm.weight"]["shape"] = json!([1u64 << 40, 1u64 << 40])
+            })
+        },
+        "needs overflowing bytes",
+    );
+    corpus_case(
+        "unsupported-dtype",
+        |ck| edit_header(ck, |h| h["model.norm.weight"]["dtype"] = json!("I32")),
+        "tensor model.norm.weight has dtype I32, expected F32, F16 or BF16",
+    );
+    corpus_case(
+        "inf-weight",
+        |ck| {
+            let p = ck.join("model.safetensors");
+            let (h, mut data) = read_safetensors(&p);
+            let b = h["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0]
+                .as_u64()
+                .unwrap() as usize;
+            data[b..b + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+            write_safetensors(&p, &h, &data);
+        },
+        "weight model.layers.0.self_attn.q_proj.weight has 1 NaN/Inf values",
+    );
+    corpus_case(
+        "fp16-overflow",
+        |ck| {
+            let p = ck.join("model.safetensors");
+            let (h, mut data) = read_safetensors(&p);
+            let b = h["model.layers.1.mlp.up_proj.weight"]["data_offsets"][0]
+                .as_u64()
+                .unwrap() as usize;
+            data[b..b + 4].copy_from_slice(&1e6f32.to_le_bytes());
+            write_safetensors(&p, &h, &data);
+        },
+        "model.layers.1.mlp.up_proj.weight has 1 NaN/Inf values (after conversion to fp16",
+    );
+    corpus_case(
+        "hidden-size-contradicts",
+        |ck| edit_config(ck, |c| c["hidden_size"] = json!(96)),
+        "config.json implies",
+    );
+    corpus_case(
+        "no-producer",
+        |ck| edit_config(ck, |c| c["num_kv_shared_layers"] = json!(33)),
+        "num_kv_shared_layers=33 leaves no KV-producing full-attention layer before layer 2",
+    );
+    corpus_case(
+        "layer-types-length",
+        |ck| {
+            edit_config(ck, |c| {
+                c["layer_types"].as_array_mut().unwrap().truncate(30)
+            })
+        },
+        "layer_types has 30 entries but num_hidden_layers is 35",
+    );
+    corpus_case(
+        "config-not-json",
+        |ck| fs::write(ck.join("config.json"), b"{ nope").unwrap(),
+        "config.json: not valid JSON",
+    );
+    corpus_case(
+        "dangling-symlink",
+        |ck| {
+            fs::remove_file(ck.join("model.safetensors")).unwrap();
+            std::os::unix::fs::symlink("/nonexistent/blob", ck.join("model.safetensors")).unwrap();
+        },
+        "is a symlink to /nonexistent/blob, which does not exist",
+    );
+    corpus_case(
+        "index-names-missing-shard",
+        |ck| {
+            fs::write(ck.join("model.safetensors.index.json"), br#"{"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}"#).unwrap()
+        },
+        "model-00002-of-00002.safetensors: shard listed in model.safetensors.index.json does not exist",
+    );
+    corpus_case(
+        "index-escapes-folder",
+        |ck| {
+            fs::write(
+                ck.join("model.safetensors.index.json"),
+                br#"{"weight_map": {"a": "../../etc/passwd"}}"#,
+            )
+            .unwrap()
+        },
+        "shard name `../../etc/passwd` is not a plain file name",
+    );
+}
+
+#[test]
+fn symlinked_checkpoint_like_the_hugging_face_cache_is_accepted() {
+    // snapshots/<rev>/* -> ../../blobs/<sha>, as huggingface_hub lays out its cache.
+    let src = fixture("e2b", &[]);
+    let root = tempdir("hf-cache");
+    let (blobs, snap) = (root.join("blobs"), root.join("snapshots").join("rev"));
+    fs::create_dir_all(&blobs).unwrap();
+    fs::create_dir_all(&snap).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        fs::copy(src.join(name), blobs.join(format!("blob-{name}"))).unwrap();
+        std::os::unix::fs::symlink(format!("../../blobs/blob-{name}"), snap.join(name)).unwrap();
+    }
+    let linked = root.join("link");
+    std::os::unix::fs::symlink(&snap, &linked).unwrap();
+    let text = ok(&[
+        "plan",
+        "--hf-dir",
+        linked.to_str().unwrap(),
+        "--mode",
+        "two",
+    ]);
+    assert!(text.contains("merged_chunk1    layers  0-14"), "{text}");
+}
+
+#[test]
+fn non_utf8_and_overlong_output_paths_are_refused() {
+    let ck = fixture("e2b", &[]);
+    let base = tempdir("paths");
+    let bad = base.join(std::ffi::OsStr::from_bytes(b"out-\xff\xfe"));
+    let o = Command::new(bin())
+        .args([
+            "build",
+            "--hf-dir",
+            ck.to_str().unwrap(),
+            "--mode",
+            "two",
+            "--output",
+        ])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("path is not valid UTF-8"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!bad.exists());
+    let long: PathBuf = base.join("x".repeat(300));
+    let err = fails(&[
+        "build",
+        "--hf-dir",
+        ck.to_str().unwrap(),
+        "--mode",
+        "two",
+        "--output",
+        long.to_str().unwrap(),
+    ]);
+    assert!(
+        err.contains("cannot create the output folder") && err.contains("too long"),
+        "{err}"
+    );
+}
+
+/// Mounts a tmpfs (as root); returns None, with a visible note, where mounting is not allowed.
+fn tmpfs(tag: &str, opts: &str) -> Option<PathBuf> {
+    let dir = tempdir(tag);
+    let st = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", opts, "tmpfs"])
+        .arg(&dir)
+        .status();
+    if st.map(|s| s.success()).unwrap_or(false) {
+        Some(dir)
+    } else {
+        eprintln!("NOTE: skipped: cannot mount a tmpfs here (needs root)");
+        None
+    }
+}
+
+fn umount(dir: &Path) {
+    let _ = Command::new("umount").arg(dir).status();
+}
+
+#[test]
+fn read_only_output_folder_is_refused_cleanly() {
+    let ck = fixture("e2b", &[]);
+    let Some(dir) = tmpfs("ro", "ro,size=1m") else {
+        return;
+    };
+    let err = fails(&[
+        "build",
+        "--hf-dir",
+        ck.to_str().unwrap(),
+        "--mode",
+        "two",
+        "--output",
+        dir.to_str().unwrap(),
+    ]);
+    umount(&dir);
+    assert!(
+        err.contains("cannot write into the output folder (read-only?)"),
+        "{err}"
+    );
+}
+
+#[test]
+fn disk_full_mid_build_publishes_nothing() {
+    let ck = fixture("e2b", &[]);
+    // Room for the previous result and the first package, not for the second.
+    let Some(dir) = tmpfs("full", "size=1200k") else {
+        return;
+    };
+    previous(&dir);
+    let started = Instant::now();
+    let o = run(&[
+        "build",
+        "--hf-dir",
+        ck.to_str().unwrap(),
+        "--mode",
+        "two",
+        "--output",
+        dir.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    let result = std::panic::catch_unwind(|| {
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains("No space left on device"), "{err}");
+        assert!(!err.contains("Traceback"), "{err}");
+        assert_previous(&dir);
+        assert!(fs::read_dir(&dir).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".chunkforge")));
+    });
+    umount(&dir);
+    eprintln!("disk-full case took {:?}", started.elapsed());
+    result.unwrap();
+}
+
+#[test]
+fn fixture_refuses_to_overwrite_a_checkpoint() {
+    let ck = copy_checkpoint(&fixture("e2b", &[]), "overwrite");
+    let before = fs::read(ck.join("config.json")).unwrap();
+    let err = fails(&["fixture", "--out", ck.to_str().unwrap()]);
+    assert!(
+        err.contains("already exists and is not an empty folder"),
+        "{err}"
+    );
+    assert_eq!(fs::read(ck.join("config.json")).unwrap(), before);
+}
