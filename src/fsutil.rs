@@ -27,13 +27,21 @@ pub fn install_interrupt_handler() {
         let _publishing = PUBLISH_LOCK.lock();
         let dirs = LIVE_STAGING.lock().map(|v| v.clone()).unwrap_or_default();
         for d in &dirs {
-            let _ = fs::remove_dir_all(d);
+            // The main thread may still be writing into it: retry until it is gone.
+            for _ in 0..20 {
+                if fs::remove_dir_all(d).is_ok() || !d.exists() {
+                    break;
+                }
+            }
         }
         eprintln!(
             "\ninterrupted: unfinished work removed; the output folder holds the previous result \
              (or the complete new one if it was already published)"
         );
-        std::process::exit(130);
+        // _exit, not exit: no atexit handlers, so the embedded interpreter (busy
+        // on the main thread) is not finalised under its own feet.
+        // SAFETY: _exit only terminates the process.
+        unsafe { libc::_exit(130) }
     });
 }
 
@@ -67,6 +75,9 @@ impl Staging {
                 out.display()
             )
         })?;
+        if let Ok(mut live) = LIVE_STAGING.lock() {
+            live.push(dir.clone());
+        }
         Ok(Staging {
             out: out.to_path_buf(),
             dir,
