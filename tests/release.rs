@@ -167,6 +167,13 @@ fn synthetic_build(dir: &Path, skip: &[&str], big_mib: usize) -> PathBuf {
                 })
                 .collect();
             fs::write(data.join("weights/weight.bin"), weights).unwrap();
+            if name == "chunk1" {
+                // Sorted by path components `w/b` precedes `w.b`, by bytes it
+                // follows: model_signing and chunkforge must agree.
+                fs::create_dir_all(data.join("w")).unwrap();
+                fs::write(data.join("w/b"), "1").unwrap();
+                fs::write(data.join("w.b"), "2").unwrap();
+            }
             records.push(json!({
                 "name": name, "layout": l["kind"], "package": format!("{name}.mlpackage"),
                 "first_layer": c["first_layer"], "last_layer": c["last_layer"],
@@ -845,8 +852,10 @@ fn sigkill_never_leaves_a_half_written_release() {
     ok(&args("v1").iter().map(String::as_str).collect::<Vec<_>>());
     let full = t.elapsed();
     let mut seen = BTreeMap::new();
-    for i in 0..12u32 {
-        let delay = full.mul_f64(f64::from(i) / 10.0);
+    let mut interrupted = 0;
+    // Kill points spread from the start to well past a full run's time.
+    for i in 0..16u32 {
+        let delay = full.mul_f64(f64::from(i) / 8.0);
         let mut child = Command::new(common::bin())
             .args(args(&format!("v{}", i + 2)))
             .stdout(Stdio::null())
@@ -855,7 +864,16 @@ fn sigkill_never_leaves_a_half_written_release() {
             .unwrap();
         std::thread::sleep(delay);
         child.kill().ok(); // SIGKILL on Unix
-        child.wait().unwrap();
+        let finished = child.wait().unwrap().success();
+        let staging_left = fs::read_dir(&parent).unwrap().any(|e| {
+            e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".chunkforge-staging-")
+        });
+        if !finished && staging_left {
+            interrupted += 1;
+        }
         let state = if out.exists() {
             let o = cf_verify(&out, &public);
             assert!(
@@ -863,16 +881,31 @@ fn sigkill_never_leaves_a_half_written_release() {
                 "after kill at {delay:?}: release is not whole:\n{}",
                 stderr(&o)
             );
-            manifest(&out)["release"]["version"]
+            let v = manifest(&out)["release"]["version"]
                 .as_str()
                 .unwrap()
-                .to_string()
+                .to_string();
+            if finished {
+                assert_eq!(
+                    v,
+                    format!("v{}", i + 2),
+                    "a finished run must leave its own release"
+                );
+            }
+            if v == format!("v{}", i + 2) {
+                "new"
+            } else {
+                "previous"
+            }
+            .to_string()
         } else {
             "none".to_string()
         };
         *seen.entry(state).or_insert(0) += 1;
     }
-    eprintln!("states after SIGKILL: {seen:?}");
+    eprintln!("states after SIGKILL: {seen:?}; killed mid-way: {interrupted}");
+    assert!(interrupted > 0, "no kill landed inside a run: {seen:?}");
+    assert!(seen.contains_key("new"), "no run got to the end: {seen:?}");
     ok(&args("final").iter().map(String::as_str).collect::<Vec<_>>());
     assert_eq!(manifest(&out)["release"]["version"], json!("final"));
     assert!(cf_verify(&out, &public).status.success());
