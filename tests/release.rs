@@ -162,8 +162,7 @@ fn synthetic_build(dir: &Path, skip: &[&str], big_mib: usize) -> PathBuf {
             };
             let weights: Vec<u8> = (0..len)
                 .map(|i| {
-                    (i as u32).wrapping_mul(2654435761).to_le_bytes()[(i % 4) as usize]
-                        ^ name.len() as u8
+                    (i as u32).wrapping_mul(2654435761).to_le_bytes()[i % 4] ^ name.len() as u8
                 })
                 .collect();
             fs::write(data.join("weights/weight.bin"), weights).unwrap();
