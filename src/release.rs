@@ -252,6 +252,17 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
     });
     check_output(&a.output)?;
     let (parent, name) = split_output(&a.output)?;
+    // The staging folder goes into `parent`; inside a package it would be
+    // copied into the release along with the package.
+    if let (Ok(b), Ok(p)) = (a.build_dir.canonicalize(), parent.canonicalize()) {
+        if p.starts_with(&b) && p != b {
+            bail!(
+                "{}: --output must not be inside a package of the build folder {}",
+                a.output.display(),
+                a.build_dir.display()
+            );
+        }
+    }
     if let Some(z) = &a.zip {
         if z.starts_with(&a.output) {
             bail!(

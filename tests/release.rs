@@ -815,6 +815,32 @@ fn package_errors_name_the_problem() {
     ]);
     assert!(e.contains("not a previous release"), "{e}");
     assert!(notrel.join("precious.txt").exists());
+
+    // Nor stages inside a package it is about to copy.
+    fs::write(
+        build.join("chunk2.mlpackage/Manifest.json"),
+        "{\"name\": \"chunk2\"}\n",
+    )
+    .unwrap();
+    let inside = build.join("chunk1.mlpackage/rel");
+    let e = fails(&[
+        "package",
+        s(&build),
+        "--layout",
+        "four",
+        "--key",
+        s(&private),
+        "--output",
+        s(&inside),
+    ]);
+    assert!(e.contains("inside a package"), "{e}");
+    assert!(
+        !build.join("chunk1.mlpackage").read_dir().unwrap().any(|e| e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".chunkforge"))
+    );
 }
 
 /// SIGKILL at many points of `package`: the output is always the previous
