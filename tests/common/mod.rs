@@ -29,23 +29,14 @@ pub fn stderr(o: &Output) -> String {
 /// Asserts success and returns stdout.
 pub fn ok(args: &[&str]) -> String {
     let o = run(args);
-    assert!(
-        o.status.success(),
-        "chunkforge {args:?} failed:\n{}\n{}",
-        stdout(&o),
-        stderr(&o)
-    );
+    assert!(o.status.success(), "chunkforge {args:?} failed:\n{}\n{}", stdout(&o), stderr(&o));
     stdout(&o)
 }
 
 /// Runs chunkforge expecting failure; returns stderr.
 pub fn fails(args: &[&str]) -> String {
     let o = run(args);
-    assert!(
-        !o.status.success(),
-        "chunkforge {args:?} unexpectedly succeeded:\n{}",
-        stderr(&o)
-    );
+    assert!(!o.status.success(), "chunkforge {args:?} unexpectedly succeeded:\n{}", stderr(&o));
     stderr(&o)
 }
 
@@ -74,10 +65,7 @@ pub fn tempdir(tag: &str) -> PathBuf {
     let d = base.join(format!(
         "{tag}-{}-{}",
         std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()
     ));
     std::fs::create_dir_all(&d).unwrap();
     d
