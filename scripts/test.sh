@@ -12,4 +12,5 @@ VENV_PY="$(./target/release/chunkforge doctor --venv-python)"
 echo "== Python tests"
 "$VENV_PY" -m pytest -q python/tests
 echo "== Rust tests"
+bash scripts/setup-signing.sh  # model-signing 1.1.1 for the release cross-checks (tests/release.rs)
 cargo test --release -- --test-threads="${CHUNKFORGE_TEST_THREADS:-2}"

@@ -1,16 +1,23 @@
 //! chunkforge: Gemma 4 checkpoint → Core ML decode chunk packages for the Apple
 //! Neural Engine.
 
+mod archive;
 mod build;
 mod checkpoint;
 mod config;
 mod error;
 mod fixture;
 mod fsutil;
+mod hashbench;
+mod hashing;
+mod manifest;
 mod parity;
 mod plan;
 mod progress;
 mod pyenv;
+mod release;
+mod sign;
+mod verify;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -177,6 +184,16 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Write an ECDSA P-256 signing key pair: PREFIX.pem (PKCS#8, mode 0600) and PREFIX.pub.
+    Keygen {
+        /// File prefix; refuses to overwrite existing PREFIX.pem / PREFIX.pub.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Make a signed release folder (manifest.json + model.sig, OpenSSF model signing format) from a build.
+    Package(release::PackageArgs),
+    /// Check a release folder's signature, files and manifest (and optionally its zip).
+    Verify(verify::VerifyArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -207,6 +224,8 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Time hashing + signing a release (1 big file, 8 smaller ones) against openssl and model_signing.
+    Hash(hashbench::HashBenchArgs),
 }
 
 fn resolve_checkpoint(model: &ModelArgs, verbose: bool) -> Result<PathBuf> {
@@ -453,6 +472,16 @@ fn run(cli: Cli) -> Result<()> {
             );
             Ok(())
         }
+        Cmd::Keygen { out } => release::keygen(&out),
+        Cmd::Package(args) => {
+            let report = release::package(&args)?;
+            eprintln!("{}", release::summary(&report, &args.output));
+            Ok(())
+        }
+        Cmd::Verify(args) => verify::run(&args),
+        Cmd::Bench {
+            what: BenchCmd::Hash(args),
+        } => hashbench::run(&args),
         Cmd::Bench {
             what: BenchCmd::Parity { model, mode, steps },
         } => {

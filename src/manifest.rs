@@ -1,0 +1,449 @@
+//! `manifest.json`, the release's table of contents for the app's downloader:
+//! what model and release this is, which packages it holds with their layer
+//! ranges and I/O contracts, how prefill KV maps into each decode layout, the
+//! conversion settings and tool versions, the parity summary, and every file
+//! with its size and SHA-256. The schema is `manifests/manifest.schema.json`.
+//!
+//! Everything here is read out of `build.json` (the plan computed at build
+//! time); nothing is re-derived.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Map, Value};
+
+use crate::hashing::FileDigest;
+
+pub const FORMAT: &str = "chunkforge-release/1";
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// Problems with the inputs of `package`: build folders, reports, options.
+#[derive(Debug, thiserror::Error)]
+pub enum ReleaseInputError {
+    #[error("{}: {message}", path.display())]
+    Build { path: PathBuf, message: String },
+    #[error("{}: {message}", path.display())]
+    Parity { path: PathBuf, message: String },
+    #[error("{option}: {message}")]
+    Option {
+        option: &'static str,
+        message: String,
+    },
+}
+
+/// Which decode layouts a release carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReleaseLayout {
+    /// chunk1..chunk4.
+    Four,
+    /// merged_chunk1 + merged_chunk2, plus chunk1..4 for prefill and verify.
+    Two,
+    /// merged_full, plus chunk1..4 for prefill and verify.
+    One,
+    /// Every layout in the build.
+    All,
+}
+
+impl ReleaseLayout {
+    pub fn label(self) -> &'static str {
+        match self {
+            ReleaseLayout::Four => "four",
+            ReleaseLayout::Two => "two",
+            ReleaseLayout::One => "one",
+            ReleaseLayout::All => "all",
+        }
+    }
+}
+
+/// One package of a release: its chunk plan (from build.json), the layout it
+/// belongs to, and what the runtime uses it for.
+pub struct ReleaseChunk<'a> {
+    pub layout: String,
+    pub plan: &'a Value,
+    pub roles: Vec<&'static str>,
+}
+
+impl ReleaseChunk<'_> {
+    pub fn name(&self) -> &str {
+        self.plan["name"].as_str().unwrap_or("")
+    }
+}
+
+/// The parts of `build.json` a release needs.
+pub struct Build {
+    pub dir: PathBuf,
+    pub json: Value,
+}
+
+impl Build {
+    pub fn load(dir: &Path) -> Result<Build, ReleaseInputError> {
+        let path = dir.join("build.json");
+        let bad = |message: String| ReleaseInputError::Build {
+            path: path.clone(),
+            message,
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            bad(format!(
+                "cannot read ({e}); is {} a `chunkforge build` output folder?",
+                dir.display()
+            ))
+        })?;
+        let json: Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON ({e})")))?;
+        if json["format"].as_str() != Some("chunkforge-build/1") {
+            return Err(bad(format!(
+                "format is {}, expected \"chunkforge-build/1\"",
+                json["format"]
+            )));
+        }
+        if !json["plan"]["layouts"].is_array() {
+            return Err(bad("has no plan.layouts list".into()));
+        }
+        Ok(Build {
+            dir: dir.to_path_buf(),
+            json,
+        })
+    }
+
+    fn err(&self, message: String) -> ReleaseInputError {
+        ReleaseInputError::Build {
+            path: self.dir.join("build.json"),
+            message,
+        }
+    }
+
+    fn layouts(&self) -> &[Value] {
+        self.json["plan"]["layouts"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+    }
+
+    fn layout(&self, kind: &str) -> Option<&Value> {
+        self.layouts().iter().find(|l| l["kind"] == kind)
+    }
+
+    fn kinds(&self) -> Vec<String> {
+        self.layouts()
+            .iter()
+            .filter_map(|l| l["kind"].as_str().map(str::to_string))
+            .collect()
+    }
+
+    /// The decode layouts to ship for `layout`, in plan order.
+    pub fn decode_layouts(&self, layout: ReleaseLayout) -> Result<Vec<&Value>, ReleaseInputError> {
+        let kinds = self.kinds();
+        let want: Vec<&str> = match layout {
+            ReleaseLayout::All => kinds.iter().map(String::as_str).collect(),
+            l => vec![l.label()],
+        };
+        let mut out = Vec::new();
+        for k in want {
+            out.push(self.layout(k).ok_or_else(|| {
+                self.err(format!(
+                    "the build has layouts [{}], not '{k}'; rebuild with a --mode that includes it (e.g. --mode all)",
+                    self.kinds().join(", ")
+                ))
+            })?);
+        }
+        if layout != ReleaseLayout::Four && self.layout("four").is_none() {
+            return Err(self.err(format!(
+                "layout {} releases also ship chunk1..chunk4 (the runtime keeps them for prefill and speculative verify), but the build has layouts [{}]; rebuild with --mode all",
+                layout.label(),
+                self.kinds().join(", ")
+            )));
+        }
+        Ok(out)
+    }
+
+    /// Every chunk plan to ship, each once: the decode layouts' chunks, then
+    /// the four-chunk prefill chunks if not already there. Each comes with the
+    /// layout it belongs to and its roles.
+    pub fn release_chunks(
+        &self,
+        layout: ReleaseLayout,
+    ) -> Result<Vec<ReleaseChunk<'_>>, ReleaseInputError> {
+        let decode = self.decode_layouts(layout)?;
+        let mut out: Vec<ReleaseChunk> = Vec::new();
+        for l in &decode {
+            let kind = l["kind"].as_str().unwrap_or("?").to_string();
+            for c in l["chunks"].as_array().into_iter().flatten() {
+                let mut roles = vec!["decode"];
+                if kind == "four" {
+                    roles.extend(["prefill", "verify"]);
+                }
+                out.push(ReleaseChunk {
+                    layout: kind.clone(),
+                    plan: c,
+                    roles,
+                });
+            }
+        }
+        if !decode.iter().any(|l| l["kind"] == "four") {
+            let four = self.layout("four").expect("checked in decode_layouts");
+            for c in four["chunks"].as_array().into_iter().flatten() {
+                out.push(ReleaseChunk {
+                    layout: "four".into(),
+                    plan: c,
+                    roles: vec!["prefill", "verify"],
+                });
+            }
+        }
+        for c in &out {
+            let name = c.name();
+            if name.is_empty() || check_rel_path(name).is_err() || name.contains('/') {
+                return Err(self.err(format!(
+                    "plan has a chunk with an unusable name {:?}",
+                    c.plan["name"]
+                )));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The build record of package `name` (`chunks[]` in build.json).
+    pub fn chunk_record(&self, name: &str) -> Option<&Value> {
+        self.json["chunks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["name"] == name)
+    }
+}
+
+/// Why a relative path in a manifest, signature or archive is unsafe, if it is.
+pub fn check_rel_path(p: &str) -> Result<(), &'static str> {
+    if p.is_empty() {
+        return Err("is empty");
+    }
+    if p.starts_with('/') {
+        return Err("is absolute");
+    }
+    if p.contains('\\') {
+        return Err("contains a backslash");
+    }
+    if p.contains('\0') {
+        return Err("contains a NUL byte");
+    }
+    let b = p.as_bytes();
+    if b.len() >= 2 && b[1] == b':' && b[0].is_ascii_alphabetic() {
+        return Err("starts with a drive letter");
+    }
+    for c in p.split('/') {
+        match c {
+            ".." => return Err("contains '..'"),
+            "." | "" => return Err("has an empty or '.' component"),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Percent-encodes a relative path for a URL (keeps `/` and unreserved characters).
+fn url_path(p: &str) -> String {
+    let mut s = String::with_capacity(p.len());
+    for b in p.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            s.push(b as char);
+        } else {
+            s.push_str(&format!("%{b:02X}"));
+        }
+    }
+    s
+}
+
+/// Reads `--parity-report`: a JSON object whose `summary` object is embedded verbatim.
+pub fn parity_summary(path: &Path) -> Result<Value, ReleaseInputError> {
+    let bad = |message: String| ReleaseInputError::Parity {
+        path: path.to_path_buf(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read ({e})")))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| bad(format!("not valid JSON ({e}); expected a parity report")))?;
+    match v.get("summary") {
+        Some(s @ Value::Object(_)) => Ok(s.clone()),
+        Some(_) => Err(bad("`summary` must be a JSON object".into())),
+        None => Err(bad(
+            "no top-level `summary` object; is this a chunkforge parity report?".into(),
+        )),
+    }
+}
+
+/// Everything the manifest says besides the file list.
+pub struct ManifestInputs<'a> {
+    pub build: &'a Build,
+    pub layout: ReleaseLayout,
+    pub version: &'a str,
+    pub model_id: &'a str,
+    pub parity: Option<Value>,
+    pub base_url: Option<&'a str>,
+}
+
+/// Builds `manifest.json`. `files` are every file of the release except the
+/// manifest and the signature, sorted by path components.
+pub fn build_manifest(
+    inp: &ManifestInputs,
+    files: &[(String, FileDigest)],
+) -> Result<Value, ReleaseInputError> {
+    let b = &inp.build.json;
+    let chunks = inp.build.release_chunks(inp.layout)?;
+    let decode = inp.build.decode_layouts(inp.layout)?;
+    let chunk_json: Vec<Value> = chunks
+        .iter()
+        .map(|rc| {
+            let (kind, c, roles) = (&rc.layout, rc.plan, &rc.roles);
+            let name = rc.name();
+            let mut m = Map::new();
+            m.insert("name".into(), json!(name));
+            m.insert("file".into(), json!(format!("{name}.mlpackage")));
+            m.insert("layout".into(), json!(kind));
+            m.insert("roles".into(), json!(roles));
+            for k in [
+                "first_layer",
+                "last_layer",
+                "sliding_slots",
+                "full_slots",
+                "emits",
+                "consumes",
+                "computes_per_layer_input",
+                "has_head",
+                "inputs",
+                "outputs",
+            ] {
+                m.insert(k.into(), c[k].clone());
+            }
+            if let Some(r) = inp.build.chunk_record(name) {
+                m.insert("sha256_tree".into(), r["sha256_tree"].clone());
+                m.insert("weight_bytes".into(), r["weight_bytes"].clone());
+            }
+            Value::Object(m)
+        })
+        .collect();
+    let layouts: Vec<Value> = decode
+        .iter()
+        .map(|l| {
+            json!({
+                "kind": l["kind"],
+                "chunks": l["chunks"].as_array().into_iter().flatten().map(|c| c["name"].clone()).collect::<Vec<_>>(),
+                "kv_slot_map": l["kv_slot_map"],
+            })
+        })
+        .collect();
+    let four = inp.build.layout("four").expect("checked by release_chunks");
+    let py = &b["tool"]["python"];
+    let base = inp.base_url.map(|u| u.trim_end_matches('/').to_string());
+    let file_json: Vec<Value> = files
+        .iter()
+        .map(|(p, d)| {
+            let mut m = Map::new();
+            m.insert("path".into(), json!(p));
+            m.insert("size".into(), json!(d.size));
+            m.insert("sha256".into(), json!(d.hex()));
+            if let Some(base) = &base {
+                m.insert("url".into(), json!(format!("{base}/{}", url_path(p))));
+            }
+            Value::Object(m)
+        })
+        .collect();
+    let mut m = Map::new();
+    m.insert("format".into(), json!(FORMAT));
+    m.insert(
+        "model".into(),
+        json!({
+            "id": inp.model_id,
+            "architecture": b["checkpoint"]["architecture"],
+            "config_sha256": b["checkpoint"]["config_sha256"],
+        }),
+    );
+    m.insert(
+        "release".into(),
+        json!({"version": inp.version, "layout": inp.layout.label()}),
+    );
+    m.insert("dims".into(), b["plan"]["dims"].clone());
+    m.insert("chunks".into(), Value::Array(chunk_json));
+    m.insert("decode_layouts".into(), Value::Array(layouts));
+    m.insert(
+        "prefill".into(),
+        json!({
+            "layout": "four",
+            "chunks": four["chunks"].as_array().into_iter().flatten().map(|c| c["name"].clone()).collect::<Vec<_>>(),
+        }),
+    );
+    m.insert("settings".into(), b["settings"].clone());
+    if let Some(p) = &inp.parity {
+        m.insert("parity".into(), p.clone());
+    }
+    m.insert(
+        "tools".into(),
+        json!({
+            "chunkforge": b["tool"]["chunkforge"],
+            "chunkforge_package": env!("CARGO_PKG_VERSION"),
+            "python": py["python"],
+            "coremltools": py["coremltools"],
+            "torch": py["torch"],
+            "transformers": py["transformers"],
+        }),
+    );
+    m.insert("files".into(), Value::Array(file_json));
+    Ok(Value::Object(m))
+}
+
+/// The manifest's `files` as (path, size, sha256 hex), for verification.
+/// Entries that are not objects with those fields are reported as problems.
+pub fn manifest_files(m: &Value) -> (Vec<(String, u64, String)>, Vec<String>) {
+    let mut out = Vec::new();
+    let mut problems = Vec::new();
+    match m.get("files").and_then(Value::as_array) {
+        None => problems.push("manifest.json: has no `files` list".to_string()),
+        Some(a) => {
+            for (i, f) in a.iter().enumerate() {
+                match (
+                    f.get("path").and_then(Value::as_str),
+                    f.get("size").and_then(Value::as_u64),
+                    f.get("sha256").and_then(Value::as_str),
+                ) {
+                    (Some(p), Some(s), Some(h)) => out.push((p.to_string(), s, h.to_string())),
+                    _ => problems.push(format!(
+                        "manifest.json: files[{i}] needs path, size and sha256"
+                    )),
+                }
+            }
+        }
+    }
+    (out, problems)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unsafe_paths() {
+        for bad in [
+            "",
+            "/etc/passwd",
+            "a/../b",
+            "..",
+            "a//b",
+            "./a",
+            "a\\b",
+            "C:x",
+        ] {
+            assert!(check_rel_path(bad).is_err(), "{bad}");
+        }
+        for good in [
+            "a",
+            "a/b.c",
+            "merged_full.mlpackage/Manifest.json",
+            "..a",
+            "a..",
+        ] {
+            assert!(check_rel_path(good).is_ok(), "{good}");
+        }
+    }
+
+    #[test]
+    fn url_encoding() {
+        assert_eq!(url_path("a b/c#d.bin"), "a%20b/c%23d.bin");
+    }
+}

@@ -1,0 +1,440 @@
+//! `chunkforge package`: a signed release directory from a build folder.
+//!
+//! The release is assembled in a staging folder beside `--output` (same file
+//! system, so the final step is a rename): packages are copied and hashed in
+//! one read, `manifest.json` is written, the whole folder is signed into
+//! `model.sig`, and only then does the folder take the place of `--output`.
+//! A run killed at any point leaves the previous release (or none) and a
+//! staging folder that the next run removes.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use rayon::prelude::*;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::archive;
+use crate::fsutil::{self, Staging};
+use crate::hashing::{self, hex, FileDigest};
+use crate::manifest::{
+    self, Build, ManifestInputs, ReleaseInputError, ReleaseLayout, MANIFEST_FILE,
+};
+use crate::sign::{self, SIG_FILE};
+
+/// Arguments of `chunkforge package`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct PackageArgs {
+    /// Build output folder (build.json + <name>.mlpackage folders).
+    pub build_dir: PathBuf,
+    /// Decode layout(s) to ship; two and one also ship chunk1..4 (prefill, verify).
+    #[arg(long, value_enum)]
+    pub layout: ReleaseLayout,
+    /// ECDSA P-256 private key (PKCS#8 PEM, e.g. from `chunkforge keygen`).
+    #[arg(long)]
+    pub key: PathBuf,
+    /// Release folder to create or replace (replaced only once the new one is complete).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Release version recorded in the manifest [default: build-<first 12 hex of build.json's SHA-256>].
+    #[arg(long)]
+    pub version: Option<String>,
+    /// Model id recorded in the manifest [default: the checkpoint folder's name from build.json].
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// Base URL the files will be served from; each manifest file entry gets `url`.
+    #[arg(long)]
+    pub base_url: Option<String>,
+    /// Parity report JSON; its top-level `summary` object is embedded in the manifest.
+    #[arg(long)]
+    pub parity_report: Option<PathBuf>,
+    /// Also write a deterministic zip of the release folder here, plus FILE.sha256.
+    #[arg(long)]
+    pub zip: Option<PathBuf>,
+}
+
+/// What `package` did, for the summary line.
+pub struct PackageReport {
+    pub files: usize,
+    pub bytes: u64,
+    pub root_digest: String,
+    pub zip: Option<(PathBuf, String)>,
+}
+
+/// Refuses to replace something that is not a previous release.
+fn check_output(out: &Path) -> Result<()> {
+    if out.is_symlink() {
+        bail!(
+            "{}: is a symlink; give the release folder's real path",
+            out.display()
+        );
+    }
+    if !out.exists() {
+        return Ok(());
+    }
+    if !out.is_dir() {
+        bail!("{}: exists and is not a folder", out.display());
+    }
+    let empty = fs::read_dir(out)
+        .with_context(|| format!("{}: cannot list", out.display()))?
+        .next()
+        .is_none();
+    if !empty && !out.join(SIG_FILE).exists() && !out.join(MANIFEST_FILE).exists() {
+        bail!(
+            "{}: exists and holds files but no {SIG_FILE} or {MANIFEST_FILE}: not a previous release; refusing to replace it",
+            out.display()
+        );
+    }
+    Ok(())
+}
+
+/// The output's parent folder and its final name.
+fn split_output(out: &Path) -> Result<(PathBuf, String)> {
+    let name = out
+        .file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| !n.is_empty() && *n != "..")
+        .with_context(|| format!("{}: --output needs a folder name", out.display()))?
+        .to_string();
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Ok((parent, name))
+}
+
+/// Files of one package folder as (source, path inside the release), plus its
+/// sub-folders. Symlinks and special files in a build folder are errors.
+/// Files to copy: (source path, path inside the release).
+type Sources = Vec<(PathBuf, String)>;
+
+fn package_files(src: &Path, pkg: &str) -> Result<(Sources, Vec<String>)> {
+    let tree = hashing::walk(src, &|_| false)?;
+    if let Some(l) = tree.symlinks.first() {
+        bail!(
+            "{}: is a symlink; releases never contain symlinks (copy the file in the build folder)",
+            src.join(l).display()
+        );
+    }
+    if let Some(s) = tree.special.first().or(tree.unreadable_names.first()) {
+        bail!(
+            "{}: not a regular file with a UTF-8 name",
+            src.join(s).display()
+        );
+    }
+    let mut dirs = Vec::new();
+    for e in walkdir::WalkDir::new(src).min_depth(1) {
+        let e = e.with_context(|| format!("listing {}", src.display()))?;
+        if e.file_type().is_dir() {
+            let rel = e.path().strip_prefix(src).unwrap_or(e.path());
+            dirs.push(format!("{pkg}/{}", rel.to_string_lossy()));
+        }
+    }
+    let files = tree
+        .files
+        .into_iter()
+        .map(|r| (src.join(&r), format!("{pkg}/{r}")))
+        .collect();
+    Ok((files, dirs))
+}
+
+/// The same digest `build` records as `sha256_tree`: SHA-256 over sorted
+/// `path\0sha256\n` lines, paths relative to the package folder.
+fn tree_digest(pkg: &str, files: &[(String, FileDigest)]) -> String {
+    let prefix = format!("{pkg}/");
+    let mut lines: Vec<String> = files
+        .iter()
+        .filter_map(|(p, d)| {
+            p.strip_prefix(&prefix)
+                .map(|r| format!("{r}\0{}\n", d.hex()))
+        })
+        .collect();
+    lines.sort();
+    hex(&Sha256::digest(lines.concat().as_bytes()))
+}
+
+/// Copies `sources` into `root` (creating `dirs` first), hashing each file as
+/// it is copied, in parallel. Returns (path in release, digest), sorted by
+/// path components.
+pub fn copy_tree(
+    root: &Path,
+    sources: &[(PathBuf, String)],
+    dirs: &[String],
+) -> Result<Vec<(String, FileDigest)>> {
+    for d in dirs {
+        fs::create_dir_all(root.join(d))
+            .with_context(|| format!("{}: cannot create", root.join(d).display()))?;
+    }
+    let mut out: Vec<(String, FileDigest)> = sources
+        .par_iter()
+        .map(|(src, rel)| {
+            let dst = root.join(rel);
+            if let Some(p) = dst.parent() {
+                fs::create_dir_all(p)?;
+            }
+            Ok((rel.clone(), hashing::copy_hashed(src, &dst)?))
+        })
+        .collect::<Result<_>>()?;
+    out.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
+    Ok(out)
+}
+
+/// The summary chunkforge puts into the signed predicate beside the resource
+/// list: enough for a downloader to know what it is looking at before it
+/// reads the manifest.
+fn predicate_summary(m: &Value, manifest_digest: &FileDigest, files: usize, bytes: u64) -> Value {
+    json!({
+        "format": manifest::FORMAT,
+        "model_id": m["model"]["id"],
+        "version": m["release"]["version"],
+        "layout": m["release"]["layout"],
+        "packages": m["chunks"].as_array().into_iter().flatten().map(|c| c["file"].clone()).collect::<Vec<_>>(),
+        "manifest_sha256": manifest_digest.hex(),
+        "files": files,
+        "bytes": bytes,
+    })
+}
+
+pub fn package(a: &PackageArgs) -> Result<PackageReport> {
+    let build = Build::load(&a.build_dir)?;
+    let chunks = build.release_chunks(a.layout)?;
+    // Fail on every cheap check before copying gigabytes.
+    for c in &chunks {
+        let name = c.name();
+        let dir = a.build_dir.join(format!("{name}.mlpackage"));
+        if !dir.is_dir() {
+            return Err(ReleaseInputError::Build {
+                path: dir,
+                message: format!(
+                    "missing: layout {} needs package {name}.mlpackage, which this build folder does not have (was the build interrupted, or built with another --mode?)",
+                    a.layout.label()
+                ),
+            }
+            .into());
+        }
+    }
+    let key = sign::load_private_key(&a.key)?;
+    let parity = a
+        .parity_report
+        .as_deref()
+        .map(manifest::parity_summary)
+        .transpose()?;
+    if let Some(u) = &a.base_url {
+        if !(u.starts_with("https://") || u.starts_with("http://"))
+            || u.contains(char::is_whitespace)
+        {
+            return Err(ReleaseInputError::Option {
+                option: "--base-url",
+                message: format!("{u:?} is not an http(s) URL"),
+            }
+            .into());
+        }
+    }
+    let build_json_digest = hashing::hash_file(&a.build_dir.join("build.json"))?;
+    let version = a
+        .version
+        .clone()
+        .unwrap_or_else(|| format!("build-{}", &build_json_digest.hex()[..12]));
+    if version.trim().is_empty() {
+        return Err(ReleaseInputError::Option {
+            option: "--version",
+            message: "must not be empty".into(),
+        }
+        .into());
+    }
+    let model_id = a.model_id.clone().unwrap_or_else(|| {
+        build.json["checkpoint"]["dir"]
+            .as_str()
+            .and_then(|d| Path::new(d).file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "unknown".into())
+    });
+    check_output(&a.output)?;
+    let (parent, name) = split_output(&a.output)?;
+    // The staging folder goes into `parent`; inside a package it would be
+    // copied into the release along with the package.
+    if let (Ok(b), Ok(p)) = (a.build_dir.canonicalize(), parent.canonicalize()) {
+        if p.starts_with(&b) && p != b {
+            bail!(
+                "{}: --output must not be inside a package of the build folder {}",
+                a.output.display(),
+                a.build_dir.display()
+            );
+        }
+    }
+    if let Some(z) = &a.zip {
+        if z.starts_with(&a.output) {
+            bail!(
+                "{}: --zip must not be inside the release folder",
+                z.display()
+            );
+        }
+    }
+
+    let staging = Staging::new(&parent)?;
+    let root = staging.dir.join(&name);
+    fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
+
+    let mut sources = Vec::new();
+    let mut dirs = Vec::new();
+    let mut pkgs = Vec::new();
+    for c in &chunks {
+        let n = c.name();
+        let pkg = format!("{n}.mlpackage");
+        let (f, d) = package_files(&a.build_dir.join(&pkg), &pkg)?;
+        dirs.push(pkg.clone());
+        dirs.extend(d);
+        sources.extend(f);
+        pkgs.push((n.to_string(), pkg));
+    }
+    let files = copy_tree(&root, &sources, &dirs)?;
+    for (n, pkg) in &pkgs {
+        let want = build
+            .chunk_record(n)
+            .and_then(|r| r["sha256_tree"].as_str())
+            .unwrap_or("");
+        let got = tree_digest(pkg, &files);
+        if !want.is_empty() && want != got {
+            bail!(
+                "{}: contents differ from what build.json recorded (sha256_tree {want}, now {got}); the package changed after the build",
+                a.build_dir.join(pkg).display()
+            );
+        }
+    }
+
+    let inputs = ManifestInputs {
+        build: &build,
+        layout: a.layout,
+        version: &version,
+        model_id: &model_id,
+        parity,
+        base_url: a.base_url.as_deref(),
+    };
+    let m = manifest::build_manifest(&inputs, &files)?;
+    let mut text = serde_json::to_string_pretty(&m)?;
+    text.push('\n');
+    fs::write(root.join(MANIFEST_FILE), &text)
+        .with_context(|| format!("{}: cannot write", root.join(MANIFEST_FILE).display()))?;
+    let manifest_digest = FileDigest {
+        size: text.len() as u64,
+        sha256: Sha256::digest(text.as_bytes()).into(),
+    };
+
+    let mut signed = files;
+    signed.push((MANIFEST_FILE.to_string(), manifest_digest));
+    let bytes: u64 = signed.iter().map(|(_, d)| d.size).sum();
+    let summary = predicate_summary(&m, &manifest_digest, signed.len(), bytes);
+    let root_digest = sign_into(&root, &name, &key, &signed, Some(summary))?;
+
+    let zip = match &a.zip {
+        Some(z) => Some(write_zip_staged(&root, z)?),
+        None => None,
+    };
+    fsutil::replace(&root, &a.output)?;
+    let zip_report = match zip {
+        Some((tmp_zip, tmp_sha, digest)) => {
+            let z = a.zip.as_ref().expect("zip requested");
+            fsutil::replace(&tmp_zip, z)?;
+            fsutil::replace(&tmp_sha, &archive::digest_path(z))?;
+            Some((z.clone(), digest))
+        }
+        None => None,
+    };
+    staging.finish()?;
+    Ok(PackageReport {
+        files: signed.len(),
+        bytes,
+        root_digest,
+        zip: zip_report,
+    })
+}
+
+/// Signs the files of `root` (already hashed) into `root/model.sig`; returns
+/// the subject digest.
+pub fn sign_into(
+    root: &Path,
+    name: &str,
+    key: &p256::ecdsa::SigningKey,
+    files: &[(String, FileDigest)],
+    summary: Option<Value>,
+) -> Result<String> {
+    let st = sign::statement(name, files, &[SIG_FILE], summary.map(|s| ("chunkforge", s)));
+    let bundle = sign::sign_bundle(key, &st);
+    let path = root.join(SIG_FILE);
+    fs::write(&path, bundle).with_context(|| format!("{}: cannot write", path.display()))?;
+    Ok(st["subject"][0]["digest"]["sha256"]
+        .as_str()
+        .unwrap_or("")
+        .to_string())
+}
+
+/// Writes the archive and its digest file beside their final names under
+/// temporary names; they are renamed into place after the release.
+fn write_zip_staged(root: &Path, z: &Path) -> Result<(PathBuf, PathBuf, String)> {
+    let fname = z
+        .file_name()
+        .with_context(|| format!("{}: --zip needs a file name", z.display()))?
+        .to_string_lossy()
+        .into_owned();
+    let dir = match z.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+    let tmp_zip = dir.join(format!(".{fname}.tmp-{}", std::process::id()));
+    let tmp_sha = dir.join(format!(".{fname}.sha256.tmp-{}", std::process::id()));
+    let digest = archive::write(root, &tmp_zip)?;
+    fs::write(&tmp_sha, archive::digest_line(&digest, &fname))
+        .with_context(|| format!("{}: cannot write", tmp_sha.display()))?;
+    Ok((tmp_zip, tmp_sha, digest))
+}
+
+/// One line for the terminal.
+pub fn summary(r: &PackageReport, out: &Path) -> String {
+    let mut s = format!(
+        "wrote release {} ({} files, {:.1} MiB, subject sha256 {}) with {}",
+        out.display(),
+        r.files,
+        r.bytes as f64 / (1024.0 * 1024.0),
+        r.root_digest,
+        SIG_FILE
+    );
+    if let Some((z, d)) = &r.zip {
+        s.push_str(&format!("; archive {} (sha256 {d})", z.display()));
+    }
+    s
+}
+
+/// `chunkforge keygen`.
+pub fn keygen(prefix: &Path) -> Result<()> {
+    let (pem, public) = sign::keygen(prefix)?;
+    eprintln!(
+        "wrote private key {} (mode 0600) and public key {}",
+        pem.display(),
+        public.display()
+    );
+    Ok(())
+}
+
+/// Assembles a release of arbitrary files the way `package` does (copy while
+/// hashing, sign, rename into place), without a manifest: what `bench hash`
+/// times against openssl and model_signing.
+pub fn copy_sign_publish(src: &Path, out: &Path, key: &p256::ecdsa::SigningKey) -> Result<usize> {
+    check_output(out)?;
+    let (parent, name) = split_output(out)?;
+    let staging = Staging::new(&parent)?;
+    let root = staging.dir.join(&name);
+    fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
+    let tree = hashing::walk(src, &|r| r == SIG_FILE)?;
+    let sources: Vec<(PathBuf, String)> = tree
+        .files
+        .iter()
+        .map(|r| (src.join(r), r.clone()))
+        .collect();
+    let files = copy_tree(&root, &sources, &[])?;
+    sign_into(&root, &name, key, &files, None)?;
+    fsutil::replace(&root, out)?;
+    staging.finish()?;
+    Ok(files.len())
+}

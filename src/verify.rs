@@ -1,0 +1,303 @@
+//! `chunkforge verify`: the checks the app's downloader relies on, reported by
+//! file name. The signature must verify with the given public key; every file
+//! on disk must be exactly the signed list (no changed, missing or extra file,
+//! no symlink); every path must be relative and free of `..`; `manifest.json`
+//! must agree with the signed list; with `--archive`, the zip must match its
+//! digest file and the release, and hold no entry that escapes its folder.
+//!
+//! A directory signed by `model_signing sign key` (no manifest.json) verifies
+//! too: its signature and files are checked the same way.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use serde_json::Value;
+
+use crate::archive;
+use crate::hashing::{self, hex};
+use crate::manifest::{self, check_rel_path, MANIFEST_FILE};
+use crate::sign::{self, SIG_FILE};
+
+/// Arguments of `chunkforge verify`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct VerifyArgs {
+    /// Release folder (with model.sig).
+    pub release_dir: PathBuf,
+    /// ECDSA P-256 public key (SubjectPublicKeyInfo PEM, e.g. KEY.pub from `chunkforge keygen`).
+    #[arg(long)]
+    pub public_key: PathBuf,
+    /// Also check this zip of the release (and FILE.sha256 beside it).
+    #[arg(long)]
+    pub archive: Option<PathBuf>,
+}
+
+/// The verdict: what was checked and every problem found.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// The statement's subject name and chunkforge's predicate summary, if any.
+    pub model_name: String,
+    pub summary: Option<Value>,
+    pub files: usize,
+    pub has_manifest: bool,
+    pub problems: Vec<String>,
+}
+
+/// Verification found problems; each was printed, naming its file.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: verification FAILED ({count} problem{})", dir.display(), if *count == 1 { "" } else { "s" })]
+pub struct VerifyFailed {
+    pub dir: PathBuf,
+    pub count: usize,
+}
+
+/// True when `rel` is `ig` or lies below it (model_signing's ignore rule).
+fn under(rel: &str, ig: &str) -> bool {
+    rel == ig || rel.strip_prefix(ig).is_some_and(|r| r.starts_with('/'))
+}
+
+pub fn verify(a: &VerifyArgs) -> Result<Report> {
+    let dir = &a.release_dir;
+    if !dir.is_dir() {
+        anyhow::bail!("{}: not a folder", dir.display());
+    }
+    let key = sign::load_public_key(&a.public_key)?;
+    let mut r = Report::default();
+    let p = &mut r.problems;
+    let sig_path = dir.join(SIG_FILE);
+    if sig_path.is_symlink() {
+        p.push(format!("{SIG_FILE}: is a symlink"));
+        return Ok(r);
+    }
+    let v = match sign::verify_bundle(&sig_path, &key) {
+        Ok(v) => v,
+        Err(e) => {
+            p.push(e.to_string());
+            return Ok(r);
+        }
+    };
+
+    r.model_name = v.model_name.clone();
+    r.summary = v.predicate.get("chunkforge").cloned();
+    let p = &mut r.problems;
+    // The signed list itself: safe, unique paths.
+    let mut signed: BTreeMap<String, [u8; 32]> = BTreeMap::new();
+    for res in &v.resources {
+        if let Err(why) = check_rel_path(&res.name) {
+            p.push(format!("{SIG_FILE}: signed path '{}' {why}", res.name));
+            continue;
+        }
+        if signed.insert(res.name.clone(), res.sha256).is_some() {
+            p.push(format!(
+                "{SIG_FILE}: signed path '{}' is listed twice",
+                res.name
+            ));
+        }
+    }
+    // Honour the signed ignore list (model_signing's default also skips git
+    // metadata); only plain relative entries count.
+    let mut ignore: Vec<String> = v
+        .ignore_paths
+        .iter()
+        .filter(|i| check_rel_path(i).is_ok())
+        .cloned()
+        .collect();
+    ignore.push(SIG_FILE.to_string());
+
+    let tree = match hashing::walk(dir, &|rel| ignore.iter().any(|ig| under(rel, ig))) {
+        Ok(t) => t,
+        Err(e) => {
+            p.push(e.to_string());
+            return Ok(r);
+        }
+    };
+    for l in &tree.symlinks {
+        p.push(format!(
+            "{l}: is a symlink (releases must not contain symlinks)"
+        ));
+    }
+    for s in &tree.special {
+        p.push(format!("{s}: is not a regular file"));
+    }
+    for u in &tree.unreadable_names {
+        p.push(format!("{u}: file name is not valid UTF-8"));
+    }
+
+    let digests = hashing::hash_all(dir, &tree.files);
+    let mut actual: BTreeMap<String, hashing::FileDigest> = BTreeMap::new();
+    for (rel, d) in tree.files.iter().zip(digests) {
+        match d {
+            Ok(d) => {
+                actual.insert(rel.clone(), d);
+            }
+            Err(e) => p.push(e.to_string()),
+        }
+    }
+    r.files = actual.len();
+    let mut missing = Vec::new();
+    for (name, want) in &signed {
+        match actual.get(name) {
+            Some(d) if d.sha256 != *want => p.push(format!(
+                "{name}: changed (sha256 {}, signed {})",
+                d.hex(),
+                hex(want)
+            )),
+            Some(_) => {}
+            None if tree.symlinks.contains(name) => {}
+            None => missing.push(name.clone()),
+        }
+    }
+    let extra: Vec<&String> = actual.keys().filter(|k| !signed.contains_key(*k)).collect();
+    // A missing and an extra file with the same contents is a rename; say so.
+    let mut explained = BTreeSet::new();
+    for m in &missing {
+        let renamed_to = extra
+            .iter()
+            .find(|e| !explained.contains(**e) && actual[**e].sha256 == signed[m]);
+        match renamed_to {
+            Some(e) => {
+                explained.insert((*e).clone());
+                p.push(format!(
+                    "{m}: missing (renamed to {e}? same contents; {e} is not signed)"
+                ));
+            }
+            None => p.push(format!("{m}: missing (signed, not on disk)")),
+        }
+    }
+    for e in extra {
+        if !explained.contains(e) {
+            p.push(format!("{e}: extra file (on disk, not in the signature)"));
+        }
+    }
+
+    // manifest.json must describe exactly the signed files (except itself).
+    let mpath = dir.join(MANIFEST_FILE);
+    if signed.contains_key(MANIFEST_FILE) || mpath.is_file() {
+        r.has_manifest = true;
+        check_manifest(&mpath, &signed, &actual, p);
+    }
+
+    if let Some(zip) = &a.archive {
+        let (entries, mut zp) = archive::check(zip);
+        p.append(&mut zp);
+        let mut expected: Vec<(String, [u8; 32])> =
+            signed.iter().map(|(k, d)| (k.clone(), *d)).collect();
+        match hashing::hash_file(&sig_path) {
+            Ok(d) => expected.push((SIG_FILE.to_string(), d.sha256)),
+            Err(e) => p.push(e.to_string()),
+        }
+        p.extend(archive::compare(zip, &entries, &expected));
+    }
+    Ok(r)
+}
+
+fn check_manifest(
+    mpath: &Path,
+    signed: &BTreeMap<String, [u8; 32]>,
+    actual: &BTreeMap<String, hashing::FileDigest>,
+    p: &mut Vec<String>,
+) {
+    let m: Value = match std::fs::read_to_string(mpath)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+    {
+        Ok(m) => m,
+        Err(e) => {
+            p.push(format!("{MANIFEST_FILE}: cannot be read as JSON ({e})"));
+            return;
+        }
+    };
+    if m["format"].as_str() != Some(manifest::FORMAT) {
+        p.push(format!(
+            "{MANIFEST_FILE}: format is {}, expected \"{}\"",
+            m["format"],
+            manifest::FORMAT
+        ));
+    }
+    let (files, mut bad) = manifest::manifest_files(&m);
+    p.append(&mut bad);
+    let mut listed = BTreeSet::new();
+    for (path, size, sha) in &files {
+        if let Err(why) = check_rel_path(path) {
+            p.push(format!("{MANIFEST_FILE}: file entry '{path}' {why}"));
+            continue;
+        }
+        if !listed.insert(path.as_str()) {
+            p.push(format!(
+                "{MANIFEST_FILE}: file entry '{path}' is listed twice"
+            ));
+            continue;
+        }
+        if path == MANIFEST_FILE || path == SIG_FILE {
+            p.push(format!(
+                "{MANIFEST_FILE}: lists '{path}', which cannot describe itself"
+            ));
+            continue;
+        }
+        match signed.get(path) {
+            None => p.push(format!(
+                "{MANIFEST_FILE}: lists '{path}', which the signature does not"
+            )),
+            Some(d) if hex(d) != sha.to_ascii_lowercase() => p.push(format!(
+                "{MANIFEST_FILE}: '{path}' has sha256 {sha}, the signature says {}",
+                hex(d)
+            )),
+            Some(_) => {}
+        }
+        if let Some(a) = actual.get(path) {
+            if a.size != *size {
+                p.push(format!(
+                    "{MANIFEST_FILE}: '{path}' has size {size}, the file has {}",
+                    a.size
+                ));
+            }
+        }
+    }
+    for s in signed.keys() {
+        if s != MANIFEST_FILE && !listed.contains(s.as_str()) {
+            p.push(format!(
+                "{MANIFEST_FILE}: does not list '{s}', which the signature does"
+            ));
+        }
+    }
+}
+
+/// Prints the verdict; an error (exit 1) when anything failed.
+pub fn run(a: &VerifyArgs) -> Result<()> {
+    let r = verify(a)?;
+    if r.problems.is_empty() {
+        let what = match &r.summary {
+            Some(s) => format!(
+                "release '{}' {} (layout {})",
+                s["model_id"].as_str().unwrap_or("?"),
+                s["version"].as_str().unwrap_or("?"),
+                s["layout"].as_str().unwrap_or("?")
+            ),
+            None => format!("model '{}'", r.model_name),
+        };
+        println!(
+            "OK {}: {what}: signature valid, {} files match the signature{}{}",
+            a.release_dir.display(),
+            r.files,
+            if r.has_manifest {
+                ", manifest.json agrees"
+            } else {
+                " (no manifest.json: a model_signing directory, not a chunkforge release)"
+            },
+            if a.archive.is_some() {
+                ", archive matches"
+            } else {
+                ""
+            }
+        );
+        return Ok(());
+    }
+    for p in &r.problems {
+        eprintln!("FAIL {p}");
+    }
+    Err(VerifyFailed {
+        dir: a.release_dir.clone(),
+        count: r.problems.len(),
+    }
+    .into())
+}

@@ -1,0 +1,1087 @@
+//! Signed releases: keygen, package, verify, and the cross-checks with the
+//! independent OpenSSF `model_signing` tool (PyPI model-signing 1.1.1, in its
+//! own environment made by scripts/setup-signing.sh).
+//!
+//! Most tests use a synthetic build folder: the real plan of the tiny E2B
+//! fixture (`chunkforge plan --json`) with small stand-in package contents, so
+//! they run in seconds. One test packages a real `build --mode all` output
+//! (built once, cached under the target dir, ~2 minutes).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::{Mutex, OnceLock};
+
+use common::{fails, ok, run, stderr, stdout, tempdir};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+const WEIGHT: &str = "merged_chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin";
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+// ---------------------------------------------------------------- model_signing
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("CHUNKFORGE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/chunkforge"))
+}
+
+/// The signing venv's bin folder, set up once per test run by scripts/setup-signing.sh.
+fn signing_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-signing.sh");
+        let st = Command::new("bash")
+            .arg(&script)
+            .status()
+            .expect("run setup-signing.sh");
+        assert!(st.success(), "scripts/setup-signing.sh failed");
+        cache_dir().join("signing-venv/bin")
+    })
+}
+
+fn model_signing(args: &[&str]) -> Output {
+    Command::new(signing_bin().join("model_signing"))
+        .args(args)
+        .output()
+        .expect("spawn model_signing")
+}
+
+fn ms_verify(dir: &Path, public: &Path) -> Output {
+    model_signing(&[
+        "verify",
+        "key",
+        s(dir),
+        "--signature",
+        s(&dir.join("model.sig")),
+        "--public_key",
+        s(public),
+    ])
+}
+
+fn ms_sign(dir: &Path, private: &Path) {
+    let _ = fs::remove_file(dir.join("model.sig"));
+    let o = model_signing(&[
+        "sign",
+        "key",
+        s(dir),
+        "--private_key",
+        s(private),
+        "--signature",
+        s(&dir.join("model.sig")),
+    ]);
+    assert!(
+        o.status.success(),
+        "model_signing sign failed: {}",
+        stderr(&o)
+    );
+}
+
+fn cf_verify(dir: &Path, public: &Path) -> Output {
+    run(&["verify", s(dir), "--public-key", s(public)])
+}
+
+// ---------------------------------------------------------------- fixtures
+
+fn keys(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    let prefix = dir.join(name);
+    ok(&["keygen", "--out", s(&prefix)]);
+    (
+        dir.join(format!("{name}.pem")),
+        dir.join(format!("{name}.pub")),
+    )
+}
+
+/// The real plan (all layouts) of the tiny E2B fixture, computed once.
+fn plan_json() -> &'static Value {
+    static PLAN: OnceLock<Value> = OnceLock::new();
+    PLAN.get_or_init(|| {
+        let fx = common::fixture("e2b", &[]);
+        let out = ok(&["plan", "--hf-dir", s(&fx), "--mode", "all", "--json"]);
+        serde_json::from_str(&out).expect("plan --json is JSON")
+    })
+}
+
+/// Same digest as build.json's `sha256_tree`.
+fn tree_digest(dir: &Path) -> String {
+    let mut lines = Vec::new();
+    for e in walkdir::WalkDir::new(dir).sort_by_file_name() {
+        let e = e.unwrap();
+        if e.file_type().is_file() {
+            let rel = e
+                .path()
+                .strip_prefix(dir)
+                .unwrap()
+                .to_string_lossy()
+                .to_string();
+            let d = Sha256::digest(fs::read(e.path()).unwrap());
+            lines.push(format!("{rel}\0{d:x}\n"));
+        }
+    }
+    lines.sort();
+    format!("{:x}", Sha256::digest(lines.concat().as_bytes()))
+}
+
+/// A build folder with the real plan and small stand-in packages (or one
+/// large weight file in merged_full when `big_mib` > 0). `skip` packages are
+/// left out.
+fn synthetic_build(dir: &Path, skip: &[&str], big_mib: usize) -> PathBuf {
+    let plan = plan_json().clone();
+    let mut records = Vec::new();
+    for l in plan["layouts"].as_array().unwrap() {
+        for c in l["chunks"].as_array().unwrap() {
+            let name = c["name"].as_str().unwrap();
+            if skip.contains(&name) {
+                continue;
+            }
+            let pkg = dir.join(format!("{name}.mlpackage"));
+            let data = pkg.join("Data/com.apple.CoreML");
+            fs::create_dir_all(data.join("weights")).unwrap();
+            fs::write(
+                pkg.join("Manifest.json"),
+                format!("{{\"name\": \"{name}\"}}\n"),
+            )
+            .unwrap();
+            fs::write(
+                data.join("model.mlmodel"),
+                format!("spec of {name}\n").repeat(50),
+            )
+            .unwrap();
+            let len = if big_mib > 0 && name == "merged_full" {
+                big_mib << 20
+            } else {
+                40_000
+            };
+            let weights: Vec<u8> = (0..len)
+                .map(|i| {
+                    (i as u32).wrapping_mul(2654435761).to_le_bytes()[i % 4] ^ name.len() as u8
+                })
+                .collect();
+            fs::write(data.join("weights/weight.bin"), weights).unwrap();
+            if name == "chunk1" {
+                // Sorted by path components `w/b` precedes `w.b`, by bytes it
+                // follows: model_signing and chunkforge must agree.
+                fs::create_dir_all(data.join("w")).unwrap();
+                fs::write(data.join("w/b"), "1").unwrap();
+                fs::write(data.join("w.b"), "2").unwrap();
+            }
+            records.push(json!({
+                "name": name, "layout": l["kind"], "package": format!("{name}.mlpackage"),
+                "first_layer": c["first_layer"], "last_layer": c["last_layer"],
+                "weight_bytes": len, "sha256_tree": tree_digest(&pkg),
+            }));
+        }
+    }
+    let build = json!({
+        "format": "chunkforge-build/1",
+        "tool": {"chunkforge": "0.1.0", "python": {"python": "3.11", "torch": "2.11.0", "coremltools": "9.0", "transformers": "5.5.0"}},
+        "checkpoint": {"dir": "/models/gemma-4-e2b-tiny", "architecture": "Gemma4ForCausalLM", "multimodal": false,
+                       "config_sha256": format!("{:x}", Sha256::digest(b"config"))},
+        "request": {"mode": "all"},
+        "settings": {"ctx": 2048, "minimum_deployment_target": "iOS18", "compute_precision": "FLOAT16",
+                     "compute_units": "CPU_AND_NE", "quantize": true,
+                     "palettization": {"nbits": 4, "granularity": "per_grouped_channel", "group_size": 32}},
+        "plan": plan,
+        "chunks": records,
+    });
+    fs::write(
+        dir.join("build.json"),
+        serde_json::to_vec_pretty(&build).unwrap(),
+    )
+    .unwrap();
+    dir.to_path_buf()
+}
+
+/// A signed release of a synthetic build (layout two, with a zip) and its keys.
+struct Release {
+    work: PathBuf,
+    dir: PathBuf,
+    zip: PathBuf,
+    private: PathBuf,
+    public: PathBuf,
+}
+
+fn release(tag: &str) -> Release {
+    let work = tempdir(tag);
+    let build = synthetic_build(&work.join("build"), &[], 0);
+    let (private, public) = keys(&work, "release");
+    let dir = work.join("rel");
+    let zip = work.join("rel.zip");
+    ok(&[
+        "package",
+        s(&build),
+        "--layout",
+        "two",
+        "--key",
+        s(&private),
+        "--output",
+        s(&dir),
+        "--version",
+        "1.2.3",
+        "--zip",
+        s(&zip),
+    ]);
+    Release {
+        work,
+        dir,
+        zip,
+        private,
+        public,
+    }
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    for e in walkdir::WalkDir::new(from) {
+        let e = e.unwrap();
+        let dst = to.join(e.path().strip_prefix(from).unwrap());
+        if e.file_type().is_dir() {
+            fs::create_dir_all(&dst).unwrap();
+        } else {
+            fs::copy(e.path(), &dst).unwrap();
+        }
+    }
+}
+
+fn manifest(dir: &Path) -> Value {
+    serde_json::from_slice(&fs::read(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+// ---------------------------------------------------------------- tests
+
+#[test]
+fn keygen_writes_private_0600_and_refuses_to_overwrite() {
+    let d = tempdir("keygen");
+    let (private, public) = keys(&d, "k");
+    let pem = fs::read_to_string(&private).unwrap();
+    assert!(pem.starts_with("-----BEGIN PRIVATE KEY-----\n"), "{pem}");
+    assert_eq!(
+        fs::metadata(&private).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert!(fs::read_to_string(&public)
+        .unwrap()
+        .starts_with("-----BEGIN PUBLIC KEY-----\n"));
+    let err = fails(&["keygen", "--out", s(&d.join("k"))]);
+    assert!(
+        err.contains("k.pem") && err.contains("refusing to overwrite"),
+        "{err}"
+    );
+    assert_eq!(
+        fs::read_to_string(&private).unwrap(),
+        pem,
+        "existing key changed"
+    );
+    // openssl reads what keygen wrote, as a P-256 key.
+    let o = Command::new("openssl")
+        .args(["pkey", "-in", s(&private), "-noout", "-text"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success() && stdout(&o).contains("prime256v1"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+#[test]
+fn model_signing_accepts_a_chunkforge_release() {
+    let r = release("ms-accepts");
+    let o = ms_verify(&r.dir, &r.public);
+    assert!(
+        o.status.success(),
+        "model_signing rejected a chunkforge release:\n{}{}",
+        stdout(&o),
+        stderr(&o)
+    );
+    let out = stdout(&cf_verify(&r.dir, &r.public));
+    assert!(out.starts_with("OK "), "{out}");
+    let out = ok(&[
+        "verify",
+        s(&r.dir),
+        "--public-key",
+        s(&r.public),
+        "--archive",
+        s(&r.zip),
+    ]);
+    assert!(out.contains("archive matches"), "{out}");
+}
+
+/// Each tampering, checked by both verifiers; chunkforge must name the file.
+#[test]
+fn both_verifiers_reject_tampering() {
+    let r = release("tamper");
+    let (_, wrong_pub) = keys(&r.work, "other");
+    type Tamper = Box<dyn Fn(&Path)>;
+    let cases: Vec<(&str, Tamper, &str)> = vec![
+        (
+            "one byte changed",
+            Box::new(|d: &Path| {
+                let p = d.join(WEIGHT);
+                let mut b = fs::read(&p).unwrap();
+                b[1234] ^= 1;
+                fs::write(&p, b).unwrap();
+            }),
+            WEIGHT,
+        ),
+        (
+            "file added",
+            Box::new(|d: &Path| fs::write(d.join("chunk2.mlpackage/extra.txt"), "x").unwrap()),
+            "chunk2.mlpackage/extra.txt",
+        ),
+        (
+            "file removed",
+            Box::new(|d: &Path| fs::remove_file(d.join("chunk3.mlpackage/Manifest.json")).unwrap()),
+            "chunk3.mlpackage/Manifest.json",
+        ),
+        (
+            "file renamed",
+            Box::new(|d: &Path| {
+                fs::rename(
+                    d.join("merged_chunk2.mlpackage/Data/com.apple.CoreML/model.mlmodel"),
+                    d.join("merged_chunk2.mlpackage/Data/com.apple.CoreML/model2.mlmodel"),
+                )
+                .unwrap()
+            }),
+            "merged_chunk2.mlpackage/Data/com.apple.CoreML/model.mlmodel",
+        ),
+        (
+            "manifest edited",
+            Box::new(|d: &Path| {
+                let mut m = manifest(d);
+                m["release"]["version"] = json!("9.9.9");
+                fs::write(
+                    d.join("manifest.json"),
+                    serde_json::to_vec_pretty(&m).unwrap(),
+                )
+                .unwrap();
+            }),
+            "manifest.json",
+        ),
+    ];
+    for (what, tamper, name) in cases {
+        let d = r.work.join(format!("case-{}", what.replace(' ', "-")));
+        copy_tree(&r.dir, &d);
+        assert!(
+            cf_verify(&d, &r.public).status.success(),
+            "{what}: copy should verify before tampering"
+        );
+        tamper(&d);
+        let o = ms_verify(&d, &r.public);
+        assert!(!o.status.success(), "{what}: model_signing accepted it");
+        let o = cf_verify(&d, &r.public);
+        assert!(!o.status.success(), "{what}: chunkforge verify accepted it");
+        assert!(
+            stderr(&o).contains(name),
+            "{what}: message does not name {name}:\n{}",
+            stderr(&o)
+        );
+    }
+    // The wrong public key.
+    let o = ms_verify(&r.dir, &wrong_pub);
+    assert!(!o.status.success(), "model_signing accepted the wrong key");
+    let o = cf_verify(&r.dir, &wrong_pub);
+    assert!(!o.status.success(), "chunkforge accepted the wrong key");
+    assert!(stderr(&o).contains("different key"), "{}", stderr(&o));
+}
+
+/// model_signing's signature of the same folder: chunkforge verifies it, and
+/// both tools list the same resources with the same subject digest and key hint.
+#[test]
+fn chunkforge_verifies_model_signing_signatures() {
+    let r = release("ms-signed");
+    let d = r.work.join("resigned");
+    copy_tree(&r.dir, &d);
+    let ours: Value = serde_json::from_slice(&fs::read(d.join("model.sig")).unwrap()).unwrap();
+    ms_sign(&d, &r.private);
+    let o = cf_verify(&d, &r.public);
+    assert!(
+        o.status.success(),
+        "chunkforge rejected a model_signing signature:\n{}",
+        stderr(&o)
+    );
+    let theirs: Value = serde_json::from_slice(&fs::read(d.join("model.sig")).unwrap()).unwrap();
+    let st = |b: &Value| -> Value {
+        use base64::Engine;
+        let p = base64::engine::general_purpose::STANDARD
+            .decode(b["dsseEnvelope"]["payload"].as_str().unwrap())
+            .unwrap();
+        serde_json::from_slice(&p).unwrap()
+    };
+    let (a, b) = (st(&ours), st(&theirs));
+    assert_eq!(a["predicate"]["resources"], b["predicate"]["resources"]);
+    assert_eq!(a["subject"][0]["digest"], b["subject"][0]["digest"]);
+    assert_eq!(ours["verificationMaterial"], theirs["verificationMaterial"]);
+    assert_eq!(
+        a["predicate"]["serialization"]["allow_symlinks"],
+        json!(false)
+    );
+    // ...and it still rejects tampering under model_signing's signature.
+    fs::write(d.join(WEIGHT), b"replaced").unwrap();
+    let o = cf_verify(&d, &r.public);
+    assert!(
+        !o.status.success() && stderr(&o).contains(WEIGHT),
+        "{}",
+        stderr(&o)
+    );
+
+    // A plain model folder (no manifest.json), with a name that sorts
+    // differently by components than by bytes.
+    let m = r.work.join("plain");
+    fs::create_dir_all(m.join("a")).unwrap();
+    fs::write(m.join("a/b"), "1").unwrap();
+    fs::write(m.join("a.b"), "2").unwrap();
+    fs::write(m.join("a-c"), "3").unwrap();
+    ms_sign(&m, &r.private);
+    let o = cf_verify(&m, &r.public);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("no manifest.json"), "{}", stdout(&o));
+}
+
+#[test]
+fn verify_rejects_symlinks_naming_them() {
+    let r = release("symlink");
+    std::os::unix::fs::symlink("/etc/passwd", r.dir.join("chunk1.mlpackage/passwd")).unwrap();
+    let o = cf_verify(&r.dir, &r.public);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("chunk1.mlpackage/passwd: is a symlink"),
+        "{}",
+        stderr(&o)
+    );
+    // A signed file replaced by a symlink to identical contents is still refused.
+    let r = release("symlink2");
+    let w = r.dir.join(WEIGHT);
+    let copy = r.work.join("weight-copy.bin");
+    fs::copy(&w, &copy).unwrap();
+    fs::remove_file(&w).unwrap();
+    std::os::unix::fs::symlink(&copy, &w).unwrap();
+    let o = cf_verify(&r.dir, &r.public);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains(&format!("{WEIGHT}: is a symlink")),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// A manifest entry with `..` (or absolute) is refused even when the folder is
+/// validly signed afterwards (re-signed here with model_signing).
+#[test]
+fn verify_rejects_unsafe_manifest_paths() {
+    for bad in ["../outside.bin", "/etc/passwd", "chunk1.mlpackage/../../x"] {
+        let r = release("dotdot");
+        let mut m = manifest(&r.dir);
+        m["files"][0]["path"] = json!(bad);
+        fs::write(
+            r.dir.join("manifest.json"),
+            serde_json::to_vec_pretty(&m).unwrap(),
+        )
+        .unwrap();
+        ms_sign(&r.dir, &r.private);
+        let o = cf_verify(&r.dir, &r.public);
+        assert!(!o.status.success(), "accepted manifest path {bad}");
+        assert!(
+            stderr(&o).contains(&format!("file entry '{bad}'")),
+            "{bad}: {}",
+            stderr(&o)
+        );
+    }
+}
+
+#[test]
+fn verify_archive_digest_and_escaping_entries() {
+    let r = release("zip");
+    let sha = fs::read_to_string(format!("{}.sha256", r.zip.display())).unwrap();
+    let digest = format!("{:x}", Sha256::digest(fs::read(&r.zip).unwrap()));
+    assert_eq!(sha, format!("{digest}  rel.zip\n"));
+
+    // Weights are stored, and the archive holds exactly the release's files.
+    let mut ar = zip::ZipArchive::new(fs::File::open(&r.zip).unwrap()).unwrap();
+    assert_eq!(
+        ar.by_name(WEIGHT).unwrap().compression(),
+        zip::CompressionMethod::Stored
+    );
+    let names: Vec<String> = (0..ar.len())
+        .map(|i| ar.by_index(i).unwrap().name().to_string())
+        .collect();
+    assert!(
+        names.contains(&"model.sig".to_string()) && names.contains(&"manifest.json".to_string())
+    );
+
+    // Rewrite the archive with one extra entry that escapes the target folder.
+    let evil = r.work.join("evil.zip");
+    {
+        let mut w = zip::ZipWriter::new(fs::File::create(&evil).unwrap());
+        for i in 0..ar.len() {
+            w.raw_copy_file(ar.by_index(i).unwrap()).unwrap();
+        }
+        w.start_file("../evil.sh", zip::write::SimpleFileOptions::default())
+            .unwrap();
+        std::io::Write::write_all(&mut w, b"#!/bin/sh\n").unwrap();
+        w.finish().unwrap();
+    }
+    let d = format!("{:x}", Sha256::digest(fs::read(&evil).unwrap()));
+    fs::write(
+        format!("{}.sha256", evil.display()),
+        format!("{d}  evil.zip\n"),
+    )
+    .unwrap();
+    let o = run(&[
+        "verify",
+        s(&r.dir),
+        "--public-key",
+        s(&r.public),
+        "--archive",
+        s(&evil),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("entry '../evil.sh' would escape the target folder"),
+        "{}",
+        stderr(&o)
+    );
+
+    // A changed archive no longer matches its digest file.
+    let mut b = fs::read(&r.zip).unwrap();
+    let n = b.len();
+    b[n / 2] ^= 0xff;
+    fs::write(&r.zip, b).unwrap();
+    let o = run(&[
+        "verify",
+        s(&r.dir),
+        "--public-key",
+        s(&r.public),
+        "--archive",
+        s(&r.zip),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("rel.zip: SHA-256 is"), "{}", stderr(&o));
+}
+
+#[test]
+fn same_key_same_inputs_same_release_bytes() {
+    let w = tempdir("determinism");
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    let (private, _) = keys(&w, "k");
+    let mut sigs = Vec::new();
+    for i in 0..2 {
+        let out = w.join(format!("{i}/rel"));
+        let zip = w.join(format!("{i}/rel.zip"));
+        ok(&[
+            "package",
+            s(&build),
+            "--layout",
+            "one",
+            "--key",
+            s(&private),
+            "--output",
+            s(&out),
+            "--zip",
+            s(&zip),
+        ]);
+        sigs.push((
+            fs::read(out.join("model.sig")).unwrap(),
+            fs::read(&zip).unwrap(),
+        ));
+    }
+    assert!(
+        sigs[0].0 == sigs[1].0,
+        "model.sig differs between identical runs"
+    );
+    assert!(sigs[0].1 == sigs[1].1, "zip differs between identical runs");
+}
+
+#[test]
+fn layouts_ship_the_right_packages() {
+    let w = tempdir("layouts");
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    let (private, public) = keys(&w, "k");
+    let expect: [(&str, &[&str]); 4] = [
+        ("four", &["chunk1", "chunk2", "chunk3", "chunk4"]),
+        (
+            "two",
+            &[
+                "merged_chunk1",
+                "merged_chunk2",
+                "chunk1",
+                "chunk2",
+                "chunk3",
+                "chunk4",
+            ],
+        ),
+        (
+            "one",
+            &["merged_full", "chunk1", "chunk2", "chunk3", "chunk4"],
+        ),
+        (
+            "all",
+            &[
+                "chunk1",
+                "chunk2",
+                "chunk3",
+                "chunk4",
+                "merged_chunk1",
+                "merged_chunk2",
+                "merged_full",
+            ],
+        ),
+    ];
+    let build_json: Value =
+        serde_json::from_slice(&fs::read(build.join("build.json")).unwrap()).unwrap();
+    for (layout, names) in expect {
+        let out = w.join(format!("rel-{layout}"));
+        ok(&[
+            "package",
+            s(&build),
+            "--layout",
+            layout,
+            "--key",
+            s(&private),
+            "--output",
+            s(&out),
+        ]);
+        let m = manifest(&out);
+        let got: Vec<&str> = m["chunks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(got, names, "layout {layout}");
+        let mut dirs: Vec<String> = fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        dirs.sort();
+        let mut want: Vec<String> = names.iter().map(|n| format!("{n}.mlpackage")).collect();
+        want.extend(["manifest.json".into(), "model.sig".into()]);
+        want.sort();
+        assert_eq!(dirs, want, "layout {layout}");
+        // The KV slot map is copied from the build's plan, never recomputed.
+        for l in m["decode_layouts"].as_array().unwrap() {
+            let from_plan = build_json["plan"]["layouts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["kind"] == l["kind"])
+                .unwrap();
+            assert_eq!(l["kv_slot_map"], from_plan["kv_slot_map"]);
+        }
+        if layout == "two" {
+            let roles: BTreeMap<&str, Value> = m["chunks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| (c["name"].as_str().unwrap(), c["roles"].clone()))
+                .collect();
+            assert_eq!(roles["merged_chunk1"], json!(["decode"]));
+            assert_eq!(roles["chunk1"], json!(["prefill", "verify"]));
+            assert_eq!(
+                m["decode_layouts"][0]["kv_slot_map"]
+                    .as_array()
+                    .unwrap()
+                    .len(),
+                15,
+                "12 sliding + 3 full slots"
+            );
+        }
+        assert!(cf_verify(&out, &public).status.success());
+    }
+}
+
+#[test]
+fn package_errors_name_the_problem() {
+    let w = tempdir("errors");
+    let build = synthetic_build(&w.join("build"), &["merged_full"], 0);
+    let (private, public) = keys(&w, "k");
+    let out = w.join("rel");
+    let e = fails(&[
+        "package",
+        s(&build),
+        "--layout",
+        "one",
+        "--key",
+        s(&private),
+        "--output",
+        s(&out),
+    ]);
+    assert!(
+        e.contains("merged_full.mlpackage") && e.contains("missing"),
+        "{e}"
+    );
+    assert!(!out.exists());
+
+    let e = fails(&[
+        "package",
+        s(&build),
+        "--layout",
+        "two",
+        "--key",
+        s(&public),
+        "--output",
+        s(&out),
+    ]);
+    assert!(e.contains("k.pub") && e.contains("private key"), "{e}");
+
+    let report = w.join("parity.json");
+    fs::write(&report, r#"{"steps": []}"#).unwrap();
+    let e = fails(&[
+        "package",
+        s(&build),
+        "--layout",
+        "two",
+        "--key",
+        s(&private),
+        "--output",
+        s(&out),
+        "--parity-report",
+        s(&report),
+    ]);
+    assert!(e.contains("parity.json") && e.contains("summary"), "{e}");
+
+    fs::write(
+        &report,
+        r#"{"summary": {"ok": true, "line": "PARITY OK across 16 steps (cos >= 0.9999)."}}"#,
+    )
+    .unwrap();
+    ok(&[
+        "package",
+        s(&build),
+        "--layout",
+        "two",
+        "--key",
+        s(&private),
+        "--output",
+        s(&out),
+        "--parity-report",
+        s(&report),
+        "--base-url",
+        "https://cdn.example.com/e2b/1/",
+    ]);
+    let m = manifest(&out);
+    assert_eq!(
+        m["parity"]["line"],
+        json!("PARITY OK across 16 steps (cos >= 0.9999).")
+    );
+    let f0 = &m["files"][0];
+    assert_eq!(
+        f0["url"],
+        json!(format!(
+            "https://cdn.example.com/e2b/1/{}",
+            f0["path"].as_str().unwrap()
+        ))
+    );
+
+    // A package edited after the build no longer matches build.json's sha256_tree.
+    fs::write(build.join("chunk2.mlpackage/Manifest.json"), "{}").unwrap();
+    let e = fails(&[
+        "package",
+        s(&build),
+        "--layout",
+        "two",
+        "--key",
+        s(&private),
+        "--output",
+        s(&out),
+    ]);
+    assert!(
+        e.contains("chunk2.mlpackage") && e.contains("sha256_tree"),
+        "{e}"
+    );
+    // ...and the previous release is untouched.
+    assert!(cf_verify(&out, &public).status.success());
+
+    // Never replaces a folder that is not a release.
+    let notrel = w.join("home");
+    fs::create_dir_all(&notrel).unwrap();
+    fs::write(notrel.join("precious.txt"), "x").unwrap();
+    let e = fails(&[
+        "package",
+        s(&build),
+        "--layout",
+        "four",
+        "--key",
+        s(&private),
+        "--output",
+        s(&notrel),
+    ]);
+    assert!(e.contains("not a previous release"), "{e}");
+    assert!(notrel.join("precious.txt").exists());
+
+    // Nor stages inside a package it is about to copy.
+    fs::write(
+        build.join("chunk2.mlpackage/Manifest.json"),
+        "{\"name\": \"chunk2\"}\n",
+    )
+    .unwrap();
+    let inside = build.join("chunk1.mlpackage/rel");
+    let e = fails(&[
+        "package",
+        s(&build),
+        "--layout",
+        "four",
+        "--key",
+        s(&private),
+        "--output",
+        s(&inside),
+    ]);
+    assert!(e.contains("inside a package"), "{e}");
+    assert!(
+        !build.join("chunk1.mlpackage").read_dir().unwrap().any(|e| e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".chunkforge"))
+    );
+}
+
+/// SIGKILL at many points of `package`: the output is always the previous
+/// release or nothing (the one moment between moving the old one aside and
+/// the new one in), never a partial folder, and the next run succeeds and
+/// cleans up.
+#[test]
+fn sigkill_never_leaves_a_half_written_release() {
+    let w = tempdir("sigkill");
+    let build = synthetic_build(&w.join("build"), &[], 192);
+    let (private, public) = keys(&w, "k");
+    let parent = w.join("out");
+    let out = parent.join("rel");
+    let args = |v: &str| -> Vec<String> {
+        [
+            "package",
+            s(&build),
+            "--layout",
+            "all",
+            "--key",
+            s(&private),
+            "--output",
+            s(&out),
+            "--version",
+            v,
+            "--zip",
+            s(&parent.join("rel.zip")),
+        ]
+        .iter()
+        .map(|a| a.to_string())
+        .collect()
+    };
+    let t = std::time::Instant::now();
+    ok(&args("v1").iter().map(String::as_str).collect::<Vec<_>>());
+    let full = t.elapsed();
+    let mut seen = BTreeMap::new();
+    let mut interrupted = 0;
+    // Kill points from the start to well past a full run (the machine's load
+    // varies, so later runs may be slower than the timed one).
+    for i in 0..15u32 {
+        let delay = full.mul_f64(f64::from(i) / 5.0);
+        let mut child = Command::new(common::bin())
+            .args(args(&format!("v{}", i + 2)))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(delay);
+        child.kill().ok(); // SIGKILL on Unix
+        let finished = child.wait().unwrap().success();
+        let staging_left = fs::read_dir(&parent).unwrap().any(|e| {
+            e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".chunkforge-staging-")
+        });
+        if !finished && staging_left {
+            interrupted += 1;
+        }
+        let state = if out.exists() {
+            let o = cf_verify(&out, &public);
+            assert!(
+                o.status.success(),
+                "after kill at {delay:?}: release is not whole:\n{}",
+                stderr(&o)
+            );
+            let v = manifest(&out)["release"]["version"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            if finished {
+                assert_eq!(
+                    v,
+                    format!("v{}", i + 2),
+                    "a finished run must leave its own release"
+                );
+            }
+            if v == format!("v{}", i + 2) {
+                "new"
+            } else {
+                "previous"
+            }
+            .to_string()
+        } else {
+            "none".to_string()
+        };
+        *seen.entry(state).or_insert(0) += 1;
+    }
+    eprintln!("states after SIGKILL: {seen:?}; killed mid-way: {interrupted}");
+    assert!(interrupted > 0, "no kill landed inside a run: {seen:?}");
+    ok(&args("final").iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(manifest(&out)["release"]["version"], json!("final"));
+    assert!(cf_verify(&out, &public).status.success());
+    ok(&[
+        "verify",
+        s(&out),
+        "--public-key",
+        s(&public),
+        "--archive",
+        s(&parent.join("rel.zip")),
+    ]);
+    let left: Vec<String> = fs::read_dir(&parent)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".chunkforge-staging-"))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "stale staging folders after a successful run: {left:?}"
+    );
+    fs::remove_dir_all(&w).unwrap(); // ~1 GB of test data
+}
+
+static REAL_BUILD: Mutex<()> = Mutex::new(());
+
+/// `build --mode all` of the fixture checkpoint, made once and cached.
+fn real_build() -> PathBuf {
+    let _g = REAL_BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("release-build-all");
+    if !dir.join("build.json").exists() {
+        let fx = common::fixture("e2b", &[]);
+        ok(&[
+            "build",
+            "--hf-dir",
+            s(&fx),
+            "--mode",
+            "all",
+            "--output",
+            s(&dir),
+        ]);
+    }
+    dir
+}
+
+fn validate_schema(manifest: &Path) -> Output {
+    let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/manifest.schema.json");
+    Command::new(signing_bin().join("python"))
+        .args([
+            "-c",
+            "import json,sys,jsonschema\n\
+             s=json.load(open(sys.argv[1])); jsonschema.Draft202012Validator.check_schema(s)\n\
+             errs=list(jsonschema.Draft202012Validator(s).iter_errors(json.load(open(sys.argv[2]))))\n\
+             [print(e.json_path, e.message) for e in errs]\n\
+             sys.exit(1 if errs else 0)",
+            s(&schema),
+            s(manifest),
+        ])
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn schema_accepts_the_example_and_rejects_unsafe_paths() {
+    let ex = Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/example.manifest.json");
+    let o = validate_schema(&ex);
+    assert!(o.status.success(), "{}", stdout(&o));
+    let mut m: Value = serde_json::from_slice(&fs::read(&ex).unwrap()).unwrap();
+    m["files"][0]["path"] = json!("../x");
+    let bad = tempdir("schema").join("bad.json");
+    fs::write(&bad, serde_json::to_vec(&m).unwrap()).unwrap();
+    assert!(
+        !validate_schema(&bad).status.success(),
+        "schema accepted a '..' path"
+    );
+}
+
+#[test]
+fn release_of_a_real_build_all_verifies_and_matches_the_schema() {
+    let build = real_build();
+    let w = tempdir("real");
+    let (private, public) = keys(&w, "k");
+    let out = w.join("gemma-e2b-release");
+    ok(&[
+        "package",
+        s(&build),
+        "--layout",
+        "all",
+        "--key",
+        s(&private),
+        "--output",
+        s(&out),
+        "--version",
+        "1.0.0",
+        "--base-url",
+        "https://example.com/m",
+    ]);
+    let o = cf_verify(&out, &public);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = ms_verify(&out, &public);
+    assert!(o.status.success(), "model_signing: {}", stderr(&o));
+    let o = validate_schema(&out.join("manifest.json"));
+    assert!(o.status.success(), "schema: {}", stdout(&o));
+    let m = manifest(&out);
+    let b: Value = serde_json::from_slice(&fs::read(build.join("build.json")).unwrap()).unwrap();
+    assert_eq!(
+        m["tools"]["coremltools"],
+        b["tool"]["python"]["coremltools"]
+    );
+    assert_eq!(
+        m["model"]["config_sha256"],
+        b["checkpoint"]["config_sha256"]
+    );
+    assert_eq!(m["chunks"].as_array().unwrap().len(), 7);
+}
+
+#[test]
+fn bench_hash_compares_the_three_tools() {
+    signing_bin();
+    let d = tempdir("bench");
+    let out = ok(&[
+        "bench",
+        "hash",
+        "--dir",
+        s(&d),
+        "--big-mib",
+        "8",
+        "--small-mib",
+        "2",
+        "--small-count",
+        "3",
+        "--repeat",
+        "1",
+    ]);
+    for tool in [
+        "chunkforge package",
+        "openssl dgst -sha256",
+        "model_signing sign key",
+    ] {
+        for data in ["1 x 8 MiB", "3 x 2 MiB"] {
+            let line = out
+                .lines()
+                .find(|l| l.starts_with(data) && l.contains(tool));
+            assert!(
+                line.is_some_and(|l| l.contains('s') && !l.contains(" - ")),
+                "no timing for {tool} on {data}:\n{out}"
+            );
+        }
+    }
+    assert_eq!(
+        fs::read_dir(&d).unwrap().count(),
+        0,
+        "bench left data behind"
+    );
+}
