@@ -14,7 +14,7 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use common::{fails, ok, run, stderr, stdout, tempdir};
 use serde_json::{json, Value};
@@ -954,25 +954,9 @@ fn sigkill_never_leaves_a_half_written_release() {
     fs::remove_dir_all(&w).unwrap(); // ~1 GB of test data
 }
 
-static REAL_BUILD: Mutex<()> = Mutex::new(());
-
-/// `build --mode all` of the fixture checkpoint, made once and cached.
+/// `build --mode all` of the built-in checkpoint, shared with the other test files.
 fn real_build() -> PathBuf {
-    let _g = REAL_BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("release-build-all");
-    if !dir.join("build.json").exists() {
-        let fx = common::fixture("e2b", &[]);
-        ok(&[
-            "build",
-            "--hf-dir",
-            s(&fx),
-            "--mode",
-            "all",
-            "--output",
-            s(&dir),
-        ]);
-    }
-    dir
+    common::built_all()
 }
 
 fn validate_schema(manifest: &Path) -> Output {
