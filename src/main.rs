@@ -1,24 +1,6 @@
 //! chunkforge: Gemma 4 checkpoint → Core ML decode chunk packages for the Apple
 //! Neural Engine.
 
-mod archive;
-mod build;
-mod checkpoint;
-mod config;
-mod error;
-mod fixture;
-mod fsutil;
-mod hashbench;
-mod hashing;
-mod manifest;
-mod parity;
-mod plan;
-mod progress;
-mod pyenv;
-mod release;
-mod sign;
-mod verify;
-
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -26,7 +8,10 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 
-use crate::plan::Mode;
+use chunkforge::plan::Mode;
+use chunkforge::{
+    build, checkpoint, config, fixture, fsutil, hashbench, parity, plan, pyenv, release, verify,
+};
 
 #[derive(Parser)]
 #[command(

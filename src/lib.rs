@@ -1,0 +1,21 @@
+//! chunkforge as a library: the plan, checkpoint validation, build and parity
+//! drivers, release manifests, signing and verification. The `chunkforge`
+//! binary is a thin CLI over these modules; the fuzz targets use them too.
+
+pub mod archive;
+pub mod build;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod fixture;
+pub mod fsutil;
+pub mod hashbench;
+pub mod hashing;
+pub mod manifest;
+pub mod parity;
+pub mod plan;
+pub mod progress;
+pub mod pyenv;
+pub mod release;
+pub mod sign;
+pub mod verify;
