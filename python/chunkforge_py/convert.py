@@ -146,8 +146,11 @@ def normalize_manifest(path: str) -> None:
     manifest["itemInfoEntries"] = {renamed[old]: entries[old] for old in sorted(entries, key=lambda o: renamed[o])}
     if manifest.get("rootModelIdentifier") in renamed:
         manifest["rootModelIdentifier"] = renamed[manifest["rootModelIdentifier"]]
+    # Byte-for-byte the layout coremltools itself writes (it rewrites this file
+    # whenever it opens a package, so any other layout would change on read).
     with open(manifest_path, "w") as f:
         json.dump(manifest, f, indent=4, sort_keys=True)
+        f.write("\n")
 
 
 def save(mlmodel: Any, path: str) -> dict[str, Any]:

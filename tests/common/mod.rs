@@ -97,6 +97,7 @@ pub fn built_all() -> PathBuf {
     let _guard = BUILD_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join("builds")
+        .join(FIXTURE_GENERATION)
         .join("default-all");
     if !dir.join("build.json").exists() {
         ok(&["build", "--mode", "all", "--output", dir.to_str().unwrap()]);
