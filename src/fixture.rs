@@ -39,6 +39,7 @@ pub struct FixtureArgs {
     pub shards: usize,
     pub sliding_window: usize,
     pub vocab_size: usize,
+    pub full_width: bool,
 }
 
 /// Writes a checkpoint into `out` (which must not exist yet, or be empty) via a
@@ -83,6 +84,7 @@ pub fn write(out: &Path, args: &FixtureArgs, verbose: bool) -> Result<Value> {
             "shards": args.shards,
             "sliding_window": args.sliding_window,
             "vocab_size": args.vocab_size,
+            "full_width": args.full_width,
         }),
         verbose,
     );
@@ -111,6 +113,7 @@ pub fn default_checkpoint(verbose: bool) -> Result<PathBuf> {
         shards: 1,
         sliding_window: 512,
         vocab_size: 512,
+        full_width: false,
     };
     match write(&dir, &args, verbose) {
         Ok(_) => Ok(dir),

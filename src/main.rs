@@ -158,9 +158,14 @@ enum Cmd {
         shards: usize,
         #[arg(long, default_value_t = 512)]
         sliding_window: usize,
-        /// Testing aid: vocabulary size (default 512).
-        #[arg(long, default_value_t = 512, hide = true)]
+        /// Vocabulary size (the LM head's rows).
+        #[arg(long, default_value_t = 512)]
         vocab_size: usize,
+        /// The released model's widths (E2B: hidden 1536, 8x256/512 heads, MLP 6144)
+        /// instead of tiny ones, stored in bfloat16: for benchmarks (E2B ~2B parameters
+        /// with --vocab-size 16384).
+        #[arg(long)]
+        full_width: bool,
     },
     /// Describe a built .mlpackage: spec version, inputs/outputs, palettized weights, layers (no model load; works on Linux).
     Inspect {
@@ -437,6 +442,7 @@ fn run(cli: Cli) -> Result<()> {
             shards,
             sliding_window,
             vocab_size,
+            full_width,
         } => {
             pyenv::activate(verbose)?;
             let args = fixture::FixtureArgs {
@@ -446,6 +452,7 @@ fn run(cli: Cli) -> Result<()> {
                 shards: shards.max(1),
                 sliding_window,
                 vocab_size,
+                full_width,
             };
             let info = fixture::write(&out, &args, verbose)?;
             eprintln!(

@@ -32,22 +32,31 @@ SHAPES: dict[str, dict[str, Any]] = {
 POST_NORM_SCALE = 0.15
 
 
-def text_config_dict(shape: str, sliding_window: int = 512, vocab_size: int = 512) -> dict[str, Any]:
-    """The Gemma4TextConfig keyword arguments for a tiny checkpoint of ``shape``."""
+# The released checkpoints' widths, for benchmarks (`--full-width`).
+FULL_WIDTHS: dict[str, dict[str, int]] = {
+    "e2b": {"hidden_size": 1536, "intermediate_size": 6144, "num_attention_heads": 8, "head_dim": 256,
+            "global_head_dim": 512, "hidden_size_per_layer_input": 256},
+    "e4b": {"hidden_size": 2560, "intermediate_size": 10240, "num_attention_heads": 8, "head_dim": 256,
+            "global_head_dim": 512, "hidden_size_per_layer_input": 256},
+}
+TINY_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "head_dim": 32,
+               "global_head_dim": 64, "hidden_size_per_layer_input": 32}
+
+
+def text_config_dict(
+    shape: str, sliding_window: int = 512, vocab_size: int = 512, full_width: bool = False
+) -> dict[str, Any]:
+    """The Gemma4TextConfig keyword arguments for a checkpoint of ``shape`` (tiny widths unless ``full_width``)."""
     s = SHAPES[shape]
     n = s["num_hidden_layers"]
     every = s["full_every"]
+    widths = FULL_WIDTHS[shape] if full_width else TINY_WIDTHS
     return {
+        **widths,
         "vocab_size": vocab_size,
         "vocab_size_per_layer_input": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
         "num_hidden_layers": n,
-        "num_attention_heads": 2,
         "num_key_value_heads": s["num_key_value_heads"],
-        "head_dim": 32,
-        "global_head_dim": 64,
-        "hidden_size_per_layer_input": 32,
         "num_kv_shared_layers": s["num_kv_shared_layers"],
         "use_double_wide_mlp": True,
         "sliding_window": sliding_window,
@@ -80,6 +89,7 @@ def write_fixture(
     shards: int = 1,
     sliding_window: int = 512,
     vocab_size: int = 512,
+    full_width: bool = False,
 ) -> dict[str, Any]:
     """Write a random-weight checkpoint into ``out_dir`` (which must exist and be empty).
 
@@ -95,7 +105,7 @@ def write_fixture(
     if shape not in SHAPES:
         raise ValueError(f"unknown fixture shape {shape!r}; expected one of {sorted(SHAPES)}")
     torch.manual_seed(seed)
-    cfg_kwargs = text_config_dict(shape, sliding_window=sliding_window, vocab_size=vocab_size)
+    cfg_kwargs = text_config_dict(shape, sliding_window=sliding_window, vocab_size=vocab_size, full_width=full_width)
     config = Gemma4TextConfig(**cfg_kwargs)
     model = Gemma4ForCausalLM(config).eval()
     # Norm weights initialise to ones; perturb them so a loader that drops or
@@ -115,7 +125,10 @@ def write_fixture(
         for layer in model.model.layers:
             layer.layer_scalar.fill_(float(torch.empty(1).uniform_(0.7, 1.3)))
 
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    # Real checkpoints are stored in bfloat16; full-width fixtures are too (half the disk).
+    store = torch.bfloat16 if full_width else torch.float32
+    tensors = {k: v.detach().to(store).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    del model
     if multimodal:
         tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
         g = torch.Generator().manual_seed(seed + 1)
@@ -160,4 +173,5 @@ def write_fixture_json(args: dict[str, Any]) -> dict[str, Any]:
         shards=int(args["shards"]),
         sliding_window=int(args["sliding_window"]),
         vocab_size=int(args.get("vocab_size", 512)),
+        full_width=bool(args.get("full_width", False)),
     )
