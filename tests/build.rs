@@ -284,6 +284,14 @@ fn split_builds_three_packages_whose_contracts_chain() {
         .unwrap()
         .iter()
         .any(|o| o["name"] == "token_id" && o["dtype"] == "int32"));
+    // Reproducible: a second build of the same checkpoint is byte-identical.
+    let check = run(&["build", "--check", out.to_str().unwrap()]);
+    let text = stdout(&check);
+    assert!(check.status.success(), "{text}\n{}", stderr(&check));
+    assert!(text.contains("REPRODUCIBLE"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.contains(": identical")).count(), 3, "{text}");
+    let build = json_file(&out.join("build.json"));
+    assert_eq!(build["tree_sha256"].as_str().unwrap().len(), 64);
 }
 
 // ---- bad input: clear error, non-zero exit, previous outputs untouched ----

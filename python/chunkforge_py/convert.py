@@ -153,6 +153,20 @@ def normalize_manifest(path: str) -> None:
         f.write("\n")
 
 
+def serialize_spec_deterministically(path: str) -> None:
+    """Rewrite the package's model.mlmodel with protobuf's deterministic
+    serialization: the default one writes map entries (metadata, op attributes)
+    in an order that can change between processes."""
+    from coremltools.proto import Model_pb2
+
+    spec_path = os.path.join(path, "Data", "com.apple.CoreML", "model.mlmodel")
+    spec = Model_pb2.Model()
+    with open(spec_path, "rb") as f:
+        spec.ParseFromString(f.read())
+    with open(spec_path, "wb") as f:
+        f.write(spec.SerializeToString(deterministic=True))
+
+
 def save(mlmodel: Any, path: str) -> dict[str, Any]:
     """Write the package to ``path`` (a temporary name chosen by Rust) and return its stats."""
     stats = mil_stats(mlmodel)
@@ -161,6 +175,7 @@ def save(mlmodel: Any, path: str) -> dict[str, Any]:
     if "com.github.apple.coremltools.conversion_date" in metadata:
         del metadata["com.github.apple.coremltools.conversion_date"]
     mlmodel.save(path)
+    serialize_spec_deterministically(path)
     normalize_manifest(path)
     weights = os.path.join(path, "Data", "com.apple.CoreML", "weights", "weight.bin")
     stats["weight_bytes"] = os.path.getsize(weights) if os.path.exists(weights) else 0
