@@ -289,7 +289,11 @@ fn split_builds_three_packages_whose_contracts_chain() {
     let text = stdout(&check);
     assert!(check.status.success(), "{text}\n{}", stderr(&check));
     assert!(text.contains("REPRODUCIBLE"), "{text}");
-    assert_eq!(text.lines().filter(|l| l.contains(": identical")).count(), 3, "{text}");
+    assert_eq!(
+        text.lines().filter(|l| l.contains(": identical")).count(),
+        3,
+        "{text}"
+    );
     let build = json_file(&out.join("build.json"));
     assert_eq!(build["tree_sha256"].as_str().unwrap().len(), 64);
 }

@@ -142,7 +142,9 @@ def normalize_manifest(path: str) -> None:
     with open(manifest_path) as f:
         manifest = json.load(f)
     entries = manifest.get("itemInfoEntries", {})
-    renamed = {old: str(uuid.uuid5(uuid.NAMESPACE_URL, "chunkforge:" + entry["path"])) for old, entry in entries.items()}
+    renamed = {
+        old: str(uuid.uuid5(uuid.NAMESPACE_URL, "chunkforge:" + entry["path"])) for old, entry in entries.items()
+    }
     manifest["itemInfoEntries"] = {renamed[old]: entries[old] for old in sorted(entries, key=lambda o: renamed[o])}
     if manifest.get("rootModelIdentifier") in renamed:
         manifest["rootModelIdentifier"] = renamed[manifest["rootModelIdentifier"]]

@@ -34,13 +34,31 @@ POST_NORM_SCALE = 0.15
 
 # The released checkpoints' widths, for benchmarks (`--full-width`).
 FULL_WIDTHS: dict[str, dict[str, int]] = {
-    "e2b": {"hidden_size": 1536, "intermediate_size": 6144, "num_attention_heads": 8, "head_dim": 256,
-            "global_head_dim": 512, "hidden_size_per_layer_input": 256},
-    "e4b": {"hidden_size": 2560, "intermediate_size": 10240, "num_attention_heads": 8, "head_dim": 256,
-            "global_head_dim": 512, "hidden_size_per_layer_input": 256},
+    "e2b": {
+        "hidden_size": 1536,
+        "intermediate_size": 6144,
+        "num_attention_heads": 8,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "hidden_size_per_layer_input": 256,
+    },
+    "e4b": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_attention_heads": 8,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "hidden_size_per_layer_input": 256,
+    },
 }
-TINY_WIDTHS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "head_dim": 32,
-               "global_head_dim": 64, "hidden_size_per_layer_input": 32}
+TINY_WIDTHS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "head_dim": 32,
+    "global_head_dim": 64,
+    "hidden_size_per_layer_input": 32,
+}
 
 
 def text_config_dict(
@@ -67,9 +85,7 @@ def text_config_dict(
         # A larger init scale keeps the top-1 logit well clear of the runner-up,
         # so parity's "identical token" check is not decided by rounding.
         "initializer_range": 0.1,
-        "layer_types": [
-            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)
-        ],
+        "layer_types": ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)],
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             "full_attention": {
@@ -118,7 +134,10 @@ def write_fixture(
         # unit post-norms a random 35-layer stack is chaotic (1% weight noise
         # flips every token), which would make INT4 agreement meaningless.
         for name, p in model.named_parameters():
-            if any(k in name for k in ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm")):
+            if any(
+                k in name
+                for k in ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm")
+            ):
                 p.mul_(POST_NORM_SCALE)
         # A wider final norm spreads the logits so top-1 is not a near-tie.
         model.model.norm.weight.mul_(4.0)

@@ -58,7 +58,9 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
                     "name": op.name,
                     "weight_shape": [int(x) for x in op.outputs[0].shape],
                     "lut_shape": [int(x) for x in op.lut.shape],
-                    "indices_dtype": str(op.indices.dtype.__name__ if hasattr(op.indices.dtype, "__name__") else op.indices.dtype),
+                    "indices_dtype": str(
+                        op.indices.dtype.__name__ if hasattr(op.indices.dtype, "__name__") else op.indices.dtype
+                    ),
                 }
             )
         if op.op_type in ("const", "constexpr_lut_to_dense"):

@@ -184,7 +184,7 @@ class Chunk(nn.Module):
     # ---- one decode step -------------------------------------------------
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inp = dict(zip(self.input_names, args))
+        inp = dict(zip(self.input_names, args, strict=False))
         dims = self.dims
         n_layers = dims["num_hidden_layers"]
         ple = dims["hidden_size_per_layer_input"]

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from .checkpoint import Checkpoint
-from .model import build_chunk
 from .runtime import ChunkforgeError
 from .stepper import Embeddings, LayoutRunner
 
@@ -129,10 +128,10 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     if steps > dims["ctx"]:
         raise ChunkforgeError(f"--steps {steps} exceeds --ctx {dims['ctx']}")
 
-    layouts = {l["name"]: l for l in req["layouts"]}
+    layouts = {layout["name"]: layout for layout in req["layouts"]}
     ref_layout = layouts.pop(req["reference"])
     ref = LayoutRunner(dims, ref_layout, ckpt)
-    runners = {name: LayoutRunner(dims, l, ckpt) for name, l in layouts.items()}
+    runners = {name: LayoutRunner(dims, layout, ckpt) for name, layout in layouts.items()}
     corrupted = None
     if req.get("corrupt_layer") is not None:
         for r in runners.values():

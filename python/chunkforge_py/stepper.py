@@ -4,7 +4,6 @@ layout, exactly as the Swift runtime does with the Core ML packages."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -125,8 +124,8 @@ class LayoutRunner:
             cache = self.caches[c["name"]]
             args = [cache[t["name"]] if t["name"] in cache else shared[t["name"]] for t in c["inputs"]]
             with torch.no_grad():
-                outs = dict(zip(mod.output_names, mod(*args)))
-            for spec, h in zip(c["layers"], mod.trace_layers or []):
+                outs = dict(zip(mod.output_names, mod(*args), strict=False))
+            for spec, h in zip(c["layers"], mod.trace_layers or [], strict=False):
                 trace[spec["index"]] = h.detach().float().view(-1)
             for name, value in outs.items():
                 if name.endswith("_out") and name.startswith(("K_", "V_")):
@@ -144,7 +143,7 @@ class LayoutRunner:
         result["trace"] = trace
         return result
 
-    def load_prefill(self, source: "LayoutRunner", slot_map: list[dict[str, Any]]) -> None:
+    def load_prefill(self, source: LayoutRunner, slot_map: list[dict[str, Any]]) -> None:
         """Copy the four-chunk reference's KV slots into this layout's caches using the plan's slot map."""
         for m in slot_map:
             kind = "sliding" if m["attention"] == "sliding" else "full"

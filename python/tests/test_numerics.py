@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
+from chunkforge_py import fixture, model, stepper
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextRotaryEmbedding
-
-from chunkforge_py import fixture, model, stepper
 
 
 def dims_for(cfg: dict) -> dict:
@@ -61,7 +60,9 @@ def test_rmsnorm_matches_transformers() -> None:
     ours.weight.data = w.clone()
     ref.weight.data = w.clone()
     torch.testing.assert_close(ours(x), ref(x))
-    torch.testing.assert_close(model.RMSNorm(64, 1e-6, with_scale=False)(x), Gemma4RMSNorm(64, 1e-6, with_scale=False)(x))
+    torch.testing.assert_close(
+        model.RMSNorm(64, 1e-6, with_scale=False)(x), Gemma4RMSNorm(64, 1e-6, with_scale=False)(x)
+    )
 
 
 @pytest.mark.parametrize("pos,window", [(0, 8), (5, 8), (7, 8), (8, 8), (30, 8), (3, 512)])
