@@ -100,21 +100,37 @@ pub fn keygen(prefix: &Path) -> Result<(PathBuf, PathBuf), SignError> {
             message: format!("cannot encode the private key: {e}"),
         })?;
     let public = public_pem(key.verifying_key(), &pub_path)?;
-    write_new(&priv_path, pem.as_bytes(), 0o600)?;
-    if let Err(e) = write_new(&pub_path, public.as_bytes(), 0o644) {
-        let _ = fs::remove_file(&priv_path);
+    // Public half first: a kill between the two leaves a harmless public key,
+    // never a private key without its public half.
+    write_new(&pub_path, public.as_bytes(), 0o644)?;
+    if let Err(e) = write_new(&priv_path, pem.as_bytes(), 0o600) {
+        let _ = fs::remove_file(&pub_path);
         return Err(e);
     }
     Ok((priv_path, pub_path))
 }
 
+/// Writes a new file crash-safely: the bytes go to a temporary file in the same
+/// folder, which is then hard-linked to `path` (fails if `path` exists, so an
+/// existing key is never overwritten) and removed. A kill at any point leaves
+/// either no file or the complete one (plus, at worst, a stale temporary).
 fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), SignError> {
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(path)
-        .map_err(|e| {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    let result = (|| {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+            .map_err(io_err(&tmp, "create"))?;
+        f.write_all(bytes).map_err(io_err(&tmp, "write"))?;
+        f.sync_all().map_err(io_err(&tmp, "sync"))?;
+        fs::hard_link(&tmp, path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 SignError::Exists {
                     path: path.to_path_buf(),
@@ -122,9 +138,10 @@ fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), SignError> {
             } else {
                 io_err(path, "create")(e)
             }
-        })?;
-    f.write_all(bytes).map_err(io_err(path, "write"))?;
-    f.sync_all().map_err(io_err(path, "sync"))
+        })
+    })();
+    let _ = fs::remove_file(&tmp);
+    result
 }
 
 fn public_pem(key: &VerifyingKey, path: &Path) -> Result<String, SignError> {

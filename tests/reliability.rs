@@ -498,3 +498,39 @@ fn fixture_refuses_to_overwrite_a_checkpoint() {
     );
     assert_eq!(fs::read(ck.join("config.json")).unwrap(), before);
 }
+
+#[test]
+fn sigkill_during_keygen_never_leaves_a_partial_key() {
+    let dir = tempdir("kill-keygen");
+    for i in 0..40u64 {
+        let prefix = dir.join(format!("k{i}"));
+        let mut child = spawn(&["keygen", "--out", prefix.to_str().unwrap()]);
+        // Spread the kill over the process's short life (exec, key generation, writes).
+        std::thread::sleep(Duration::from_micros(i * 250));
+        let _ = child.kill();
+        let _ = child.wait();
+        let (pem, public) = (dir.join(format!("k{i}.pem")), dir.join(format!("k{i}.pub")));
+        if pem.exists() {
+            let text = fs::read_to_string(&pem).unwrap();
+            assert!(
+                text.ends_with("-----END PRIVATE KEY-----\n"),
+                "partial private key: {text:?}"
+            );
+            assert!(public.exists(), "private key without its public half");
+        }
+        if public.exists() {
+            let text = fs::read_to_string(&public).unwrap();
+            assert!(
+                text.ends_with("-----END PUBLIC KEY-----\n"),
+                "partial public key: {text:?}"
+            );
+        }
+    }
+    // Whatever was left behind, a fresh prefix works and an existing one is refused.
+    ok(&["keygen", "--out", dir.join("fresh").to_str().unwrap()]);
+    let err = fails(&["keygen", "--out", dir.join("fresh").to_str().unwrap()]);
+    assert!(
+        err.contains("fresh.pem") || err.contains("fresh.pub"),
+        "{err}"
+    );
+}
