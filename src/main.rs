@@ -93,6 +93,12 @@ enum Cmd {
         /// coremltools k-means worker processes for palettization.
         #[arg(long, default_value_t = 1)]
         kmeans_workers: usize,
+        // palette: begin
+        /// INT4 palettizer: chunkforge (Rust kernel: optimal, deterministic, each distinct
+        /// weight once per build) or coremltools (its own k-means, for comparison).
+        #[arg(long, value_parser = ["chunkforge", "coremltools"], default_value = "chunkforge")]
+        palettizer: String,
+        // palette: end
     },
     /// Write a random-weight Gemma 4 checkpoint in the Hugging Face layout.
     Fixture {
@@ -112,6 +118,15 @@ enum Cmd {
         #[arg(long, default_value_t = 512)]
         sliding_window: usize,
     },
+    // palette: begin
+    /// Run pytest inside the embedded interpreter (where chunkforge_native is importable).
+    #[command(hide = true)]
+    SelftestPython {
+        /// Arguments for pytest.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    // palette: end
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -129,6 +144,10 @@ enum BenchCmd {
         layout: LayoutArgs,
         #[arg(long, default_value_t = 1)]
         kmeans_workers: usize,
+        // palette: begin
+        #[arg(long, value_parser = ["chunkforge", "coremltools"], default_value = "chunkforge")]
+        palettizer: String,
+        // palette: end
         /// Print the build report JSON instead of a summary.
         #[arg(long)]
         json: bool,
@@ -182,6 +201,7 @@ fn do_build(
     out: &Path,
     quantize: bool,
     kmeans_workers: usize,
+    palettizer: &str,
     verbose: bool,
 ) -> Result<serde_json::Value> {
     let dir = resolve_checkpoint(model, verbose)?;
@@ -195,6 +215,7 @@ fn do_build(
         group_size: 32,
         kmeans_workers,
         verbose,
+        palettizer: palettizer.to_string(),
     };
     let args = json!({
         "mode": format!("{:?}", layout.mode).to_lowercase(),
@@ -239,6 +260,7 @@ fn run(cli: Cli) -> Result<()> {
             output,
             no_quantize,
             kmeans_workers,
+            palettizer,
         } => {
             let report = do_build(
                 &model,
@@ -246,6 +268,7 @@ fn run(cli: Cli) -> Result<()> {
                 &output,
                 !no_quantize,
                 kmeans_workers,
+                &palettizer,
                 verbose,
             )?;
             eprintln!("{}", build::summary(&report, &output));
@@ -283,11 +306,20 @@ fn run(cli: Cli) -> Result<()> {
                     model,
                     layout,
                     kmeans_workers,
+                    palettizer,
                     json,
                 },
         } => {
             let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
-            let result = do_build(&model, &layout, &tmp, true, kmeans_workers, verbose);
+            let result = do_build(
+                &model,
+                &layout,
+                &tmp,
+                true,
+                kmeans_workers,
+                &palettizer,
+                verbose,
+            );
             let _ = std::fs::remove_dir_all(&tmp);
             let report = result?;
             if json {
@@ -321,6 +353,10 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench {
             what: BenchCmd::Palettize { json, quick, seed },
         } => bench_palettize::run(json, quick, seed, verbose),
+        Cmd::SelftestPython { args } => match native::run_pytest(&args, verbose)? {
+            0 => Ok(()),
+            code => anyhow::bail!("pytest failed (exit code {code})"),
+        },
         // palette: end
     }
 }
