@@ -15,6 +15,9 @@ pub mod chunkforge_native {
 
     use crate::palette;
 
+    /// `(lut [groups, 2**nbits] float16, indices [rows, cols] uint8)`.
+    type Palettized<'py> = (Bound<'py, PyArray2<f16>>, Bound<'py, PyArray2<u8>>);
+
     /// palettize_int4(weight, group_size=32, nbits=4, name=None) -> (lut, indices)
     ///
     /// `weight`: C-contiguous float16 array `[rows, cols]` (rows = output
@@ -31,7 +34,7 @@ pub mod chunkforge_native {
         group_size: usize,
         nbits: u32,
         name: Option<&str>,
-    ) -> PyResult<(Bound<'py, PyArray2<f16>>, Bound<'py, PyArray2<u8>>)> {
+    ) -> PyResult<Palettized<'py>> {
         let (rows, cols) = (weight.shape()[0], weight.shape()[1]);
         let label = name.unwrap_or("weight");
         let data = weight.as_slice().map_err(|_| {

@@ -44,7 +44,11 @@ pub enum PaletteError {
     #[error("{rows} output channels are not a multiple of the group size {group_size}")]
     GroupMismatch { rows: usize, group_size: usize },
     #[error("shape [{rows}, {cols}] does not match {len} elements")]
-    ShapeMismatch { rows: usize, cols: usize, len: usize },
+    ShapeMismatch {
+        rows: usize,
+        cols: usize,
+        len: usize,
+    },
     #[error("nbits must be between 1 and 8, got {0}")]
     BadNbits(u32),
     #[error("group size must be at least 1")]
@@ -165,9 +169,19 @@ impl Prefix {
 
     fn fill(&mut self, q: &[i64], counts: &[u32]) {
         let total: u128 = counts.iter().map(|&c| u128::from(c)).sum();
-        let qmax = q.iter().map(|v| u128::from(v.unsigned_abs())).max().unwrap_or(0);
+        let qmax = q
+            .iter()
+            .map(|v| u128::from(v.unsigned_abs()))
+            .max()
+            .unwrap_or(0);
         self.narrow = total * qmax * qmax < 1u128 << 64;
-        for v in [&mut self.fw, &mut self.s1h, &mut self.s1l, &mut self.s2h, &mut self.s2l] {
+        for v in [
+            &mut self.fw,
+            &mut self.s1h,
+            &mut self.s1l,
+            &mut self.s2h,
+            &mut self.s2l,
+        ] {
             v.clear();
         }
         self.w.clear();
@@ -217,7 +231,13 @@ impl Prefix {
     #[inline(always)]
     fn row_narrow(&self, prev: &[f64], j: usize, a: usize, out: &mut [f64]) {
         let b = a + out.len();
-        let (wj, s1hj, s1lj, s2hj, s2lj) = (self.fw[j], self.s1h[j], self.s1l[j], self.s2h[j], self.s2l[j]);
+        let (wj, s1hj, s1lj, s2hj, s2lj) = (
+            self.fw[j],
+            self.s1h[j],
+            self.s1l[j],
+            self.s2h[j],
+            self.s2l[j],
+        );
         let it = out
             .iter_mut()
             .zip(&prev[a..b])
@@ -594,7 +614,9 @@ mod tests {
         }
         /// Approximately normal (sum of uniforms), scaled.
         fn normal(&mut self, sd: f64) -> f64 {
-            let s: f64 = (0..12).map(|_| (self.next() >> 11) as f64 / (1u64 << 53) as f64).sum();
+            let s: f64 = (0..12)
+                .map(|_| (self.next() >> 11) as f64 / (1u64 << 53) as f64)
+                .sum();
             (s - 6.0) * sd
         }
     }
@@ -617,14 +639,23 @@ mod tests {
                 let (xs, cs) = (&xs[r[0]..r[1]], &cs[r[0]..r[1]]);
                 let w: f64 = cs.iter().map(|&c| c as f64).sum();
                 let m = xs.iter().zip(cs).map(|(x, &c)| x * c as f64).sum::<f64>() / w;
-                xs.iter().zip(cs).map(|(x, &c)| c as f64 * (x - m).powi(2)).sum::<f64>()
+                xs.iter()
+                    .zip(cs)
+                    .map(|(x, &c)| c as f64 * (x - m).powi(2))
+                    .sum::<f64>()
             })
             .sum()
     }
 
     /// Every way to cut n points into k contiguous non-empty runs.
     fn all_partitions(n: usize, k: usize) -> Vec<Vec<usize>> {
-        fn rec(start: usize, n: usize, left: usize, cur: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+        fn rec(
+            start: usize,
+            n: usize,
+            left: usize,
+            cur: &mut Vec<usize>,
+            out: &mut Vec<Vec<usize>>,
+        ) {
             if left == 1 {
                 cur.push(n);
                 out.push(cur.clone());
@@ -674,7 +705,9 @@ mod tests {
             assert_eq!(unkey(key(bits)), if bits == 0x8000 { 0 } else { bits });
         }
         // Keys sort like values.
-        let mut all: Vec<u16> = (0..=u16::MAX).filter(|&b| is_finite_bits(b) && b != 0x8000).collect();
+        let mut all: Vec<u16> = (0..=u16::MAX)
+            .filter(|&b| is_finite_bits(b) && b != 0x8000)
+            .collect();
         all.sort_by_key(|&b| key(b));
         for p in all.windows(2) {
             assert!(f16::from_bits(p[0]).to_f64() < f16::from_bits(p[1]).to_f64());
@@ -687,8 +720,8 @@ mod tests {
         let (mut checked, mut wide) = (0, 0);
         for trial in 0..400 {
             let n_distinct = 2 + rng.below(11) as usize; // 2..=12
-            // Ordinary weights, subnormals only, or large values (whose squared
-            // sums overflow u64 and take the i128 path).
+                                                         // Ordinary weights, subnormals only, or large values (whose squared
+                                                         // sums overflow u64 and take the i128 path).
             let mut vals: Vec<f16> = Vec::new();
             while vals.len() < n_distinct {
                 let v = match trial % 3 {
@@ -724,7 +757,10 @@ mod tests {
                 checked += 1;
             }
         }
-        assert!(checked > 1000 && wide > 50, "checked {checked}, i128 path {wide}");
+        assert!(
+            checked > 1000 && wide > 50,
+            "checked {checked}, i128 path {wide}"
+        );
     }
 
     #[test]
@@ -753,9 +789,14 @@ mod tests {
                 let (mut a, mut b) = ([0.0], [0.0]);
                 narrow.row(&zeros, j, i, &mut a, false);
                 wide.row(&zeros, j, i, &mut b, false);
-                assert!((a[0] - b[0]).abs() <= 1e-12 * b[0].max(1.0), "cost({i}, {j}): {} vs {}", a[0], b[0]);
+                assert!(
+                    (a[0] - b[0]).abs() <= 1e-12 * b[0].max(1.0),
+                    "cost({i}, {j}): {} vs {}",
+                    a[0],
+                    b[0]
+                );
                 let mut v = [0.0];
-                narrow.row(&zeros, j, i, &mut v, true && has_avx2());
+                narrow.row(&zeros, j, i, &mut v, has_avx2());
                 assert_eq!(v[0], a[0], "AVX2 and scalar rounding differ");
             }
             assert_eq!(Dp::new().solve(&narrow, 16), Dp::new().solve(&wide, 16));
@@ -790,13 +831,18 @@ mod tests {
                     let wsum: f64 = cs[r[0]..r[1]].iter().map(|&c| c as f64).sum();
                     let m = (r[0]..r[1]).map(|i| xs[i] * cs[i] as f64).sum::<f64>() / wsum;
                     let m = h(m).to_f64();
-                    e += (r[0]..r[1]).map(|i| cs[i] as f64 * (xs[i] - m).powi(2)).sum::<f64>();
+                    e += (r[0]..r[1])
+                        .map(|i| cs[i] as f64 * (xs[i] - m).powi(2))
+                        .sum::<f64>();
                 }
                 best = best.min(e);
             }
             let p = palettize(&w, 1, w.len(), 1, nbits).unwrap();
             let mine = sse(&w, &p);
-            assert!(mine <= best * (1.0 + 1e-9), "trial {trial}: kernel {mine:e} > brute force {best:e}");
+            assert!(
+                mine <= best * (1.0 + 1e-9),
+                "trial {trial}: kernel {mine:e} > brute force {best:e}"
+            );
         }
     }
 
@@ -813,14 +859,19 @@ mod tests {
     #[test]
     fn fewer_distinct_values_than_entries_are_exact() {
         let vals = [-0.5, -0.25, 0.0, 0.001, 0.75, 3.0, -7.5];
-        let w: Vec<f16> = (0..64 * 4).map(|i| h(vals[(i * 7 + i / 5) % vals.len()])).collect();
+        let w: Vec<f16> = (0..64 * 4)
+            .map(|i| h(vals[(i * 7 + i / 5) % vals.len()]))
+            .collect();
         let p = palettize(&w, 64, 4, 32, 4).unwrap();
         assert_eq!(sse(&w, &p), 0.0);
         // LUT: the sorted distinct values, then zeros.
         let mut sorted = vals.to_vec();
         sorted.sort_by(f64::total_cmp);
         let first: Vec<f64> = p.lut[..7].iter().map(|v| v.to_f64()).collect();
-        assert_eq!(first, sorted.iter().map(|&v| h(v).to_f64()).collect::<Vec<_>>());
+        assert_eq!(
+            first,
+            sorted.iter().map(|&v| h(v).to_f64()).collect::<Vec<_>>()
+        );
     }
 
     #[test]
@@ -840,7 +891,9 @@ mod tests {
         // 40 distinct subnormals (consecutive multiples of 2^-24) into 16
         // entries: runs of 2-3 neighbours, so no point is more than one step
         // from its entry, and every entry is itself subnormal.
-        let w: Vec<f16> = (0..32 * 40).map(|i| f16::from_bits((i % 40 + 1) as u16)).collect();
+        let w: Vec<f16> = (0..32 * 40)
+            .map(|i| f16::from_bits((i % 40 + 1) as u16))
+            .collect();
         let p = palettize(&w, 32, 40, 32, 4).unwrap();
         let e = sse(&w, &p);
         assert!(e > 0.0);
@@ -850,7 +903,9 @@ mod tests {
         }
         assert!(p.lut.iter().all(|v| v.to_bits() & 0x7c00 == 0));
         // Eight distinct subnormals (including negative ones) are exact.
-        let w: Vec<f16> = (0..64).map(|i| f16::from_bits([1u16, 2, 3, 0x8001, 0x8005, 0x3ff, 0x83ff, 0][i % 8])).collect();
+        let w: Vec<f16> = (0..64)
+            .map(|i| f16::from_bits([1u16, 2, 3, 0x8001, 0x8005, 0x3ff, 0x83ff, 0][i % 8]))
+            .collect();
         let p = palettize(&w, 8, 8, 8, 4).unwrap();
         assert_eq!(sse(&w, &p), 0.0);
     }
@@ -904,11 +959,21 @@ mod tests {
         w[37] = f16::INFINITY;
         w[50] = f16::NAN;
         let err = palettize(&w, 32, 2, 32, 4).unwrap_err();
-        assert_eq!(err, PaletteError::NonFinite { row: 18, col: 1, value: f32::INFINITY });
+        assert_eq!(
+            err,
+            PaletteError::NonFinite {
+                row: 18,
+                col: 1,
+                value: f32::INFINITY
+            }
+        );
         assert!(err.to_string().contains("row 18, column 1"));
         w[37] = f16::NEG_INFINITY;
         w[10] = f16::NAN;
-        assert!(matches!(palettize(&w, 32, 2, 32, 4), Err(PaletteError::NonFinite { row: 5, col: 0, .. })));
+        assert!(matches!(
+            palettize(&w, 32, 2, 32, 4),
+            Err(PaletteError::NonFinite { row: 5, col: 0, .. })
+        ));
     }
 
     #[test]
@@ -916,66 +981,22 @@ mod tests {
         let w = vec![h(0.5); 48];
         assert_eq!(
             palettize(&w, 48, 1, 32, 4).unwrap_err(),
-            PaletteError::GroupMismatch { rows: 48, group_size: 32 }
+            PaletteError::GroupMismatch {
+                rows: 48,
+                group_size: 32
+            }
         );
-        assert!(matches!(palettize(&w, 32, 1, 32, 4), Err(PaletteError::ShapeMismatch { .. })));
-        assert_eq!(palettize(&w, 48, 1, 16, 0).unwrap_err(), PaletteError::BadNbits(0));
-        assert_eq!(palettize(&w, 48, 1, 0, 4).unwrap_err(), PaletteError::ZeroGroup);
-    }
-}
-
-#[cfg(test)]
-mod timing {
-    use super::*;
-    #[test]
-    #[ignore]
-    fn time_kernel() {
-        let mut x = 88172645463325252u64;
-        let mut nrm = || {
-            let mut s = 0.0;
-            for _ in 0..12 {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                s += (x >> 11) as f64 / (1u64 << 53) as f64;
-            }
-            (s - 6.0) * 0.02
-        };
-        let (rows, cols) = (1024, 1536);
-        let w: Vec<f16> = (0..rows * cols).map(|_| f16::from_f64(nrm())).collect();
-        let t = std::time::Instant::now();
-        let p = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap().install(|| palettize(&w, rows, cols, 32, 4).unwrap());
-        eprintln!("1 thread: {:.3} ms/group", t.elapsed().as_secs_f64() * 1e3 / p.groups as f64);
-    }
-}
-#[cfg(test)]
-mod timing2 {
-    use super::*;
-    #[test]
-    #[ignore]
-    fn time_parts() {
-        let mut x = 88172645463325252u64;
-        let mut nrm = || {
-            let mut s = 0.0;
-            for _ in 0..12 {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                s += (x >> 11) as f64 / (1u64 << 53) as f64;
-            }
-            (s - 6.0) * 0.02
-        };
-        let w: Vec<f16> = (0..32 * 1536).map(|_| f16::from_f64(nrm())).collect();
-        let bits: &[u16] = half::slice::HalfFloatSliceExt::reinterpret_cast(&w[..]);
-        let mut s = Scratch::new();
-        let mut idx = vec![0u8; w.len()];
-        let mut lut = vec![f16::ZERO; 16];
-        let t = std::time::Instant::now();
-        for _ in 0..20 { s.group(bits, &mut idx, &mut lut); }
-        eprintln!("group {:.3} ms, n {}", t.elapsed().as_secs_f64() * 1e3 / 20.0, s.keys.len());
-        let p = &s.prefix;
-        let t = std::time::Instant::now();
-        for _ in 0..20 { s.dp.solve(p, 16); }
-        eprintln!("dp {:.3} ms", t.elapsed().as_secs_f64() * 1e3 / 20.0);
+        assert!(matches!(
+            palettize(&w, 32, 1, 32, 4),
+            Err(PaletteError::ShapeMismatch { .. })
+        ));
+        assert_eq!(
+            palettize(&w, 48, 1, 16, 0).unwrap_err(),
+            PaletteError::BadNbits(0)
+        );
+        assert_eq!(
+            palettize(&w, 48, 1, 0, 4).unwrap_err(),
+            PaletteError::ZeroGroup
+        );
     }
 }

@@ -10,7 +10,10 @@ use common::{ok, run, stderr, stdout};
 
 #[test]
 fn native_kernel_python_tests_pass_inside_the_binary() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/python/tests/test_palettize_native.py");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/python/tests/test_palettize_native.py"
+    );
     let o = run(&["selftest-python", "-q", "-p", "no:cacheprovider", path]);
     let out = stdout(&o);
     assert!(o.status.success(), "pytest failed:\n{out}\n{}", stderr(&o));
@@ -43,7 +46,10 @@ fn bench_palettize_quick_kernel_at_least_as_accurate_as_coremltools() {
             let r = of(imp);
             assert!(r["seconds"].as_f64().unwrap() > 0.0);
             let theirs = r["mse"].as_f64().unwrap();
-            assert!(ours <= theirs * (1.0 + 1e-9), "{shape}: chunkforge mse {ours} > {imp} {theirs}");
+            assert!(
+                ours <= theirs * (1.0 + 1e-9),
+                "{shape}: chunkforge mse {ours} > {imp} {theirs}"
+            );
         }
         // scikit-learn's k-means is a local optimum: strictly worse here.
         assert!(ours < of("coremltools-sklearn-w1")["mse"].as_f64().unwrap());
