@@ -134,11 +134,11 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     for i, shape in enumerate(shapes):
         weight = make_weight(shape, seed + i)
         for impl, fn in implementations(shape):
-            if show:
-                print(f"  {impl:<26} {shape[0]}x{shape[1]} ...", file=sys.stderr, flush=True)
             t = time.perf_counter()
             lut, indices = fn(weight)
             seconds = time.perf_counter() - t
+            if show:
+                print(f"  {impl:<26} {shape[0]}x{shape[1]}: {seconds:.2f}s", file=sys.stderr, flush=True)
             results.append(
                 {
                     "shape": list(shape),
