@@ -27,6 +27,8 @@ pub struct Settings {
     pub group_size: usize,
     pub kmeans_workers: usize,
     pub verbose: bool,
+    // palette: "chunkforge" (Rust kernel, default) or "coremltools" (its k-means).
+    pub palettizer: String,
 }
 
 impl Settings {
@@ -39,7 +41,9 @@ impl Settings {
             "quantize": self.quantize,
             "palettization": if self.quantize {
                 json!({"nbits": self.nbits, "granularity": "per_grouped_channel", "group_size": self.group_size,
-                       "mode": "kmeans", "kmeans_workers": self.kmeans_workers})
+                       "palettizer": self.palettizer,
+                       "mode": if self.palettizer == "chunkforge" { "custom (chunkforge optimal LUT)" } else { "kmeans" },
+                       "kmeans_workers": self.kmeans_workers})
             } else { Value::Null },
         })
     }
@@ -95,6 +99,7 @@ pub fn run(
     });
     let settings_json = json!({
         "nbits": settings.nbits, "group_size": settings.group_size, "kmeans_workers": settings.kmeans_workers,
+        "palettizer": settings.palettizer,
     });
     let verbose = settings.verbose;
 
@@ -170,6 +175,9 @@ pub fn run(
             "weight_bytes": stats["weight_bytes"],
             "linear_ops": stats["linear_ops"],
             "palettized_weights": stats["palettized_weights"],
+            // palette: weights served from the per-build palettization cache.
+            "palettize_cache_hits": stats["palettize_cache_hits"],
+            "palettize_cache_misses": stats["palettize_cache_misses"],
             "op_counts": stats["op_counts"],
             "sha256_tree": digest,
             "seconds": seconds,
@@ -215,6 +223,11 @@ pub fn run(
         "plan": plan_json,
         "chunks": records,
         "seconds": {"total": started.elapsed().as_secs_f64(), "phases": phase_totals},
+        // palette: totals of the per-package cache counts.
+        "palettize_cache": {
+            "hits": records.iter().filter_map(|r| r["palettize_cache_hits"].as_u64()).sum::<u64>(),
+            "misses": records.iter().filter_map(|r| r["palettize_cache_misses"].as_u64()).sum::<u64>(),
+        },
         "peak_rss_bytes": fsutil::peak_rss_bytes(),
     });
     // Publish all packages, then build.json last: a reader that sees the new
@@ -262,6 +275,7 @@ pub fn request_of(
     Option<std::path::PathBuf>,
     (crate::plan::Mode, Option<String>, usize),
     bool,
+    String,
 )> {
     let text = std::fs::read(build_json)
         .with_context(|| format!("{}: cannot read", build_json.display()))?;
@@ -299,7 +313,11 @@ pub fn request_of(
                 .ok_or_else(|| bad("checkpoint.dir"))?,
         )),
     };
-    Ok((hf, (mode, split, ctx), quantize))
+    let palettizer = v["settings"]["palettization"]["palettizer"]
+        .as_str()
+        .unwrap_or("chunkforge")
+        .to_string();
+    Ok((hf, (mode, split, ctx), quantize, palettizer))
 }
 
 /// Compares the packages of `old` with a fresh build in `fresh_dir`, printing

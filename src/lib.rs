@@ -3,6 +3,7 @@
 //! binary is a thin CLI over these modules; the fuzz targets use them too.
 
 pub mod archive;
+pub mod bench_palettize;
 pub mod build;
 pub mod checkpoint;
 pub mod config;
@@ -12,6 +13,8 @@ pub mod fsutil;
 pub mod hashbench;
 pub mod hashing;
 pub mod manifest;
+pub mod native;
+pub mod palette;
 pub mod parity;
 pub mod plan;
 pub mod progress;

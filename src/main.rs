@@ -10,7 +10,8 @@ use serde_json::json;
 
 use chunkforge::plan::Mode;
 use chunkforge::{
-    build, checkpoint, config, fixture, fsutil, hashbench, parity, plan, pyenv, release, verify,
+    bench_palettize, build, checkpoint, config, fixture, fsutil, hashbench, native, parity, plan,
+    pyenv, release, verify,
 };
 
 #[derive(Parser)]
@@ -88,6 +89,12 @@ enum Cmd {
         /// coremltools k-means worker processes for palettization.
         #[arg(long, default_value_t = 1)]
         kmeans_workers: usize,
+        // palette: begin
+        /// INT4 palettizer: chunkforge (Rust kernel: optimal, deterministic, each distinct
+        /// weight once per build) or coremltools (its own k-means, for comparison).
+        #[arg(long, value_parser = ["chunkforge", "coremltools"], default_value = "chunkforge")]
+        palettizer: String,
+        // palette: end
     },
     /// Check merged layouts against the four-chunk reference and the reference against transformers (torch, fp32, CPU).
     Parity {
@@ -184,6 +191,15 @@ enum Cmd {
     Package(release::PackageArgs),
     /// Check a release folder's signature, files and manifest (and optionally its zip).
     Verify(verify::VerifyArgs),
+    // palette: begin
+    /// Run pytest inside the embedded interpreter (where chunkforge_native is importable).
+    #[command(hide = true)]
+    SelftestPython {
+        /// Arguments for pytest.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    // palette: end
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -210,12 +226,30 @@ enum BenchCmd {
         layout: LayoutArgs,
         #[arg(long, default_value_t = 1)]
         kmeans_workers: usize,
+        // palette: begin
+        #[arg(long, value_parser = ["chunkforge", "coremltools"], default_value = "chunkforge")]
+        palettizer: String,
+        // palette: end
         /// Print the build report JSON instead of a summary.
         #[arg(long)]
         json: bool,
     },
     /// Time hashing + signing a release (1 big file, 8 smaller ones) against openssl and model_signing.
     Hash(hashbench::HashBenchArgs),
+    // palette: begin
+    /// INT4 g=32 palettization: the Rust kernel vs coremltools 9.0 (kmeans1d and scikit-learn,
+    /// 1 and 2 workers) on E2B-width matrices; seconds and MSE side by side.
+    Palettize {
+        /// Print {"results": [{"shape", "impl", "seconds", "mse"}, ...]} instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Small matrices only (seconds instead of many minutes; for tests).
+        #[arg(long)]
+        quick: bool,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    // palette: end
 }
 
 fn resolve_checkpoint(model: &ModelArgs, verbose: bool) -> Result<PathBuf> {
@@ -263,6 +297,7 @@ fn do_build(
     out: &Path,
     quantize: bool,
     kmeans_workers: usize,
+    palettizer: &str,
     verbose: bool,
 ) -> Result<serde_json::Value> {
     require_utf8(out, "output")?;
@@ -281,6 +316,7 @@ fn do_build(
         group_size: 32,
         kmeans_workers,
         verbose,
+        palettizer: palettizer.to_string(),
     };
     let args = json!({
         "mode": format!("{:?}", layout.mode).to_lowercase(),
@@ -325,7 +361,7 @@ fn run(cli: Cli) -> Result<()> {
             kmeans_workers,
             ..
         } => {
-            let (model, layout, quantize) =
+            let (model, layout, quantize, palettizer) =
                 build::request_of(&dir.join("build.json"), &model.hf_dir)?;
             let model = ModelArgs { hf_dir: model };
             let layout = LayoutArgs {
@@ -334,7 +370,15 @@ fn run(cli: Cli) -> Result<()> {
                 ctx: layout.2,
             };
             let tmp = std::env::temp_dir().join(format!("chunkforge-check-{}", std::process::id()));
-            let result = do_build(&model, &layout, &tmp, quantize, kmeans_workers, verbose);
+            let result = do_build(
+                &model,
+                &layout,
+                &tmp,
+                quantize,
+                kmeans_workers,
+                &palettizer,
+                verbose,
+            );
             let same = result.and_then(|fresh| build::compare(&dir, &tmp, &fresh));
             let _ = std::fs::remove_dir_all(&tmp);
             if same? {
@@ -356,6 +400,7 @@ fn run(cli: Cli) -> Result<()> {
             output,
             no_quantize,
             kmeans_workers,
+            palettizer,
             ..
         } => {
             let output = output.expect("clap: --output is required without --check");
@@ -365,6 +410,7 @@ fn run(cli: Cli) -> Result<()> {
                 &output,
                 !no_quantize,
                 kmeans_workers,
+                &palettizer,
                 verbose,
             )?;
             eprintln!("{}", build::summary(&report, &output));
@@ -516,11 +562,20 @@ fn run(cli: Cli) -> Result<()> {
                     model,
                     layout,
                     kmeans_workers,
+                    palettizer,
                     json,
                 },
         } => {
             let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
-            let result = do_build(&model, &layout, &tmp, true, kmeans_workers, verbose);
+            let result = do_build(
+                &model,
+                &layout,
+                &tmp,
+                true,
+                kmeans_workers,
+                &palettizer,
+                verbose,
+            );
             let _ = std::fs::remove_dir_all(&tmp);
             let report = result?;
             if json {
@@ -550,6 +605,15 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        // palette: begin
+        Cmd::Bench {
+            what: BenchCmd::Palettize { json, quick, seed },
+        } => bench_palettize::run(json, quick, seed, verbose),
+        Cmd::SelftestPython { args } => match native::run_pytest(&args, verbose)? {
+            0 => Ok(()),
+            code => anyhow::bail!("pytest failed (exit code {code})"),
+        },
+        // palette: end
     }
 }
 
@@ -662,6 +726,9 @@ fn main() -> ExitCode {
     // Fixed string hashing in the embedded interpreter (set before it starts):
     // set iteration order must not vary between runs of a reproducible build.
     std::env::set_var("PYTHONHASHSEED", "0");
+    // palette: the Rust kernels must be importable before the interpreter starts.
+    use chunkforge::native::chunkforge_native;
+    pyo3::append_to_inittab!(chunkforge_native);
     let cli = Cli::parse();
     fsutil::install_interrupt_handler();
     match run(cli) {

@@ -101,17 +101,27 @@ def palettize(mlmodel: Any, plan: dict[str, Any], name: str, settings: dict[str,
 
     A weight whose output-channel count is not a multiple of the group size is
     an error naming it: leaving it unquantized would silently ship a larger,
-    slower model than the user asked for.
+    slower model than the user asked for. `settings["palettizer"]`:
+    "chunkforge" (default) uses the Rust kernel through `palettize.py`,
+    "coremltools" coremltools' own k-means.
     """
     from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, palettize_weights
 
     group = int(settings["group_size"])
-    for wname, shape in linear_weights(mlmodel):
+    weights = linear_weights(mlmodel)
+    for wname, shape in weights:
         if shape[0] % group != 0:
             raise ChunkforgeError(
                 f"{name}: weight {wname} has {shape[0]} output channels, not a multiple of the "
                 f"palettization group size {group}; use --no-quantize or a checkpoint with compatible widths"
             )
+    # palette: the Rust kernel (default) or coremltools' own k-means (--palettizer coremltools).
+    if settings.get("palettizer", "chunkforge") == "chunkforge":
+        from .palettize import palettize_model
+
+        out, stats = palettize_model(mlmodel, weights, name, settings)
+        out._chunkforge_palettize_stats = stats
+        return out
     cfg = OpPalettizerConfig(
         mode="kmeans",
         nbits=int(settings["nbits"]),
@@ -183,6 +193,10 @@ def save(mlmodel: Any, path: str) -> dict[str, Any]:
     stats["weight_bytes"] = os.path.getsize(weights) if os.path.exists(weights) else 0
     stats["palettized_weights"] = stats["op_counts"].get("constexpr_lut_to_dense", 0)
     stats["linear_ops"] = stats["op_counts"].get("linear", 0)
+    # palette: weight-cache counts of the Rust palettizer (None when it did not run).
+    pal = getattr(mlmodel, "_chunkforge_palettize_stats", None) or {}
+    stats["palettize_cache_hits"] = pal.get("palettize_cache_hits")
+    stats["palettize_cache_misses"] = pal.get("palettize_cache_misses")
     return stats
 
 

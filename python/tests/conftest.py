@@ -1,4 +1,6 @@
-import os
-import sys
+"""Makes `chunkforge_py` importable when pytest runs from the repository root."""
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -1,0 +1,116 @@
+"""The Rust palettization kernel as the conversion code sees it.
+
+These need `chunkforge_native`, which only exists inside the chunkforge binary:
+run them with `chunkforge selftest-python python/tests/test_palettize_native.py`
+(tests/palettize.rs does). Under a plain `python -m pytest` they are skipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+native = pytest.importorskip("chunkforge_native")
+
+from chunkforge_py import bench_palettize, palettize  # noqa: E402
+from chunkforge_py.runtime import ChunkforgeError  # noqa: E402
+
+
+def weight(rows: int, cols: int, seed: int, std: float = 0.02) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, cols)) * std).astype(np.float16)
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (128, 257), (32, 1536)])
+def test_kernel_mse_not_above_coremltools_kmeans1d(shape):
+    w = weight(*shape, seed=shape[1])
+    lut, idx = native.palettize_int4(w, 32, 4)
+    assert lut.dtype == np.float16 and lut.shape == (shape[0] // 32, 16)
+    assert idx.dtype == np.uint8 and idx.shape == shape and idx.max() < 16
+    ct_lut, ct_idx = bench_palettize.run_coremltools(w, 1, True)
+    ours = bench_palettize.dequantized_mse(w, lut, idx)
+    theirs = bench_palettize.dequantized_mse(w, ct_lut, ct_idx)
+    assert ours <= theirs * (1 + 1e-9), (ours, theirs)
+
+
+def test_kernel_beats_scikit_learn():
+    w = weight(64, 512, seed=5)
+    lut, idx = native.palettize_int4(w, 32, 4)
+    sk_lut, sk_idx = bench_palettize.run_coremltools(w, 1, False)
+    assert bench_palettize.dequantized_mse(w, lut, idx) < bench_palettize.dequantized_mse(w, sk_lut, sk_idx)
+
+
+def test_deterministic_and_cached():
+    w = weight(96, 200, seed=11)
+    a = native.palettize_int4(w, 32, 4)
+    b = native.palettize_int4(w.copy(), 32, 4)
+    assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
+    lut1, idx1, hit1 = palettize.palettize_weight(w, 4, 32, "w")
+    lut2, idx2, hit2 = palettize.palettize_weight(w.copy(), 4, 32, "w")
+    assert (hit1, hit2) == (False, True)
+    assert lut1.tobytes() == a[0].tobytes() and idx2.tobytes() == a[1].tobytes()
+    # Different settings are a different cache entry.
+    _, _, hit3 = palettize.palettize_weight(w, 4, 16, "w")
+    assert not hit3
+
+
+def test_non_finite_weight_names_weight_and_position():
+    w = weight(64, 8, seed=1)
+    w[40, 3] = np.inf
+    with pytest.raises(ChunkforgeError, match=r"layers\.3\.mlp\.up_proj.*row 40, column 3"):
+        palettize.palettize_weight(w, 4, 32, "layers.3.mlp.up_proj")
+    w[40, 3] = np.nan
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        native.palettize_int4(w, 32, 4)
+
+
+def test_bad_inputs_are_errors():
+    w = weight(64, 8, seed=2)
+    with pytest.raises(ValueError, match="not a multiple of the group size"):
+        native.palettize_int4(w[:48], 32, 4)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        native.palettize_int4(w[:, ::2], 32, 4)
+    with pytest.raises(TypeError):
+        native.palettize_int4(w.astype(np.float32), 32, 4)
+
+
+def test_degenerate_groups_exact():
+    w = np.zeros((64, 16), dtype=np.float16)
+    w[:32] = 0.5  # all equal
+    w[32:] = np.array([-0.0, 0.0, 1e-7, -3.0, 2.0, 6e-8], dtype=np.float16)[np.arange(16) % 6]  # +-0, subnormals
+    lut, idx = native.palettize_int4(w, 32, 4)
+    assert bench_palettize.dequantized_mse(w, lut, idx) == 0.0
+    assert lut[0, 0] == np.float16(0.5) and (idx[:32] == 0).all()
+
+
+def _one_linear_model(w: np.ndarray):
+    import coremltools as ct
+    import torch
+
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).half().eval()
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+    traced = torch.jit.trace(lin, (torch.zeros(1, w.shape[1], dtype=torch.float16),))
+    return ct.convert(
+        traced,
+        inputs=[ct.TensorType(name="x", shape=(1, w.shape[1]), dtype=np.float16)],
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT16,
+    )
+
+
+def test_custom_lut_function_round_trips_through_coremltools(tmp_path):
+    from chunkforge_py.convert import linear_weights
+
+    w = weight(96, 64, seed=3)
+    ml = _one_linear_model(w)
+    out, stats = palettize.palettize_model(ml, linear_weights(ml), "test", {"nbits": 4, "group_size": 32})
+    assert stats["palettize_cache_hits"] + stats["palettize_cache_misses"] == 1
+    path = str(tmp_path / "one.mlpackage")
+    out.save(path)
+    [op] = palettize.read_palettized(path)
+    assert op["indices_dtype"] == "uint4"
+    assert op["lut"].shape == (3, 1, 16, 1) and op["lut"].dtype == np.float16
+    lut, idx = native.palettize_int4(w, 32, 4)
+    np.testing.assert_array_equal(op["lut"].reshape(3, 16), lut)
+    np.testing.assert_array_equal(op["indices"], idx)

@@ -1,0 +1,65 @@
+//! `chunkforge_native`: the Rust kernels the embedded Python imports.
+//!
+//! Registered with `pyo3::append_to_inittab!` in `main()` before the
+//! interpreter starts, so `import chunkforge_native` works inside this binary
+//! (and only there: it is not an installable extension module).
+
+use pyo3::prelude::*;
+
+#[pymodule]
+pub mod chunkforge_native {
+    use half::f16;
+    use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+    use pyo3::exceptions::PyValueError;
+    use pyo3::prelude::*;
+
+    use crate::palette;
+
+    /// `(lut [groups, 2**nbits] float16, indices [rows, cols] uint8)`.
+    type Palettized<'py> = (Bound<'py, PyArray2<f16>>, Bound<'py, PyArray2<u8>>);
+
+    /// palettize_int4(weight, group_size=32, nbits=4, name=None) -> (lut, indices)
+    ///
+    /// `weight`: C-contiguous float16 array `[rows, cols]` (rows = output
+    /// channels). Returns `lut` float16 `[rows // group_size, 2**nbits]` (one
+    /// sorted table per group of consecutive rows, unused entries 0) and
+    /// `indices` uint8 `[rows, cols]`. Optimal (least squares) and bit-for-bit
+    /// deterministic; the GIL is released while the groups run on all cores.
+    /// `name` only labels error messages.
+    #[pyfunction]
+    #[pyo3(signature = (weight, group_size = 32, nbits = 4, name = None))]
+    fn palettize_int4<'py>(
+        py: Python<'py>,
+        weight: PyReadonlyArray2<'py, f16>,
+        group_size: usize,
+        nbits: u32,
+        name: Option<&str>,
+    ) -> PyResult<Palettized<'py>> {
+        let (rows, cols) = (weight.shape()[0], weight.shape()[1]);
+        let label = name.unwrap_or("weight");
+        let data = weight.as_slice().map_err(|_| {
+            PyValueError::new_err(format!(
+                "{label}: palettize_int4 needs a C-contiguous float16 array (use numpy.ascontiguousarray)"
+            ))
+        })?;
+        let p = py
+            .detach(|| palette::palettize(data, rows, cols, group_size, nbits))
+            .map_err(|e| PyValueError::new_err(format!("{label} [{rows}, {cols}]: {e}")))?;
+        let lut = PyArray1::from_vec(py, p.lut).reshape([p.groups, p.entries])?;
+        let indices = PyArray1::from_vec(py, p.indices).reshape([rows, cols])?;
+        Ok((lut, indices))
+    }
+}
+
+/// Runs pytest inside this binary's interpreter, where `chunkforge_native` is
+/// importable (the hidden `selftest-python` command; plain `python -m pytest`
+/// skips the tests that need the kernel). Returns pytest's exit code.
+pub fn run_pytest(args: &[String], verbose: bool) -> anyhow::Result<i32> {
+    crate::pyenv::activate(verbose)?;
+    Python::attach(|py| -> PyResult<i32> {
+        py.import("pytest")?
+            .call_method1("main", (args.to_vec(),))?
+            .extract()
+    })
+    .map_err(|e| anyhow::anyhow!(crate::pyenv::render_error(e, verbose)))
+}
