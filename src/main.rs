@@ -548,8 +548,8 @@ fn run(cli: Cli) -> Result<()> {
             };
             let ok = parity::run(&dir, &cfg, &ckpt, &opts)?;
             println!(
-                "bench parity --mode {:?} --steps {steps}: wall {:.1}s (including interpreter start and imports), peak RSS {:.0} MiB, {}",
-                mode,
+                "bench parity --mode {} --steps {steps}: wall {:.1}s (including interpreter start and imports), peak RSS {:.0} MiB, {}",
+                format!("{mode:?}").to_lowercase(),
                 started.elapsed().as_secs_f64(),
                 fsutil::peak_rss_bytes() as f64 / (1024.0 * 1024.0),
                 if ok { "passed" } else { "FAILED" }
