@@ -341,23 +341,7 @@ pub fn compare(old: &Path, fresh_dir: &Path, fresh: &Value) -> Result<bool> {
         }
         same = false;
         println!("{pkg}: DIFFERS");
-        let files = |root: &Path| -> Result<BTreeMap<String, String>> {
-            let mut m = BTreeMap::new();
-            for e in walkdir::WalkDir::new(root) {
-                let e = e?;
-                if e.file_type().is_file() {
-                    let rel = e
-                        .path()
-                        .strip_prefix(root)
-                        .unwrap_or(e.path())
-                        .to_string_lossy()
-                        .to_string();
-                    m.insert(rel, fsutil::sha256_file(e.path())?);
-                }
-            }
-            Ok(m)
-        };
-        let (fa, fb) = (files(&a)?, files(&b)?);
+        let (fa, fb) = (fsutil::file_digests(&a)?, fsutil::file_digests(&b)?);
         for (rel, h) in &fa {
             match fb.get(rel) {
                 Some(h2) if h2 == h => {}

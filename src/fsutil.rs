@@ -185,11 +185,10 @@ pub fn sha256_file(path: &Path) -> Result<String> {
     Ok(hex(&h.finalize()))
 }
 
-/// Digest of a folder tree: SHA-256 over `path\0sha256\n` lines of every file,
-/// sorted by relative path.
-pub fn tree_digest(root: &Path) -> Result<String> {
-    let mut lines = Vec::new();
-    for e in walkdir::WalkDir::new(root).sort_by_file_name() {
+/// SHA-256 of every regular file below `root`, by relative path.
+pub fn file_digests(root: &Path) -> Result<std::collections::BTreeMap<String, String>> {
+    let mut files = std::collections::BTreeMap::new();
+    for e in walkdir::WalkDir::new(root) {
         let e = e.with_context(|| format!("walking {}", root.display()))?;
         if e.file_type().is_file() {
             let rel = e
@@ -198,11 +197,20 @@ pub fn tree_digest(root: &Path) -> Result<String> {
                 .unwrap_or(e.path())
                 .to_string_lossy()
                 .to_string();
-            lines.push(format!("{rel}\0{}\n", sha256_file(e.path())?));
+            files.insert(rel, sha256_file(e.path())?);
         }
     }
-    lines.sort();
-    Ok(hex(&Sha256::digest(lines.concat().as_bytes())))
+    Ok(files)
+}
+
+/// Digest of a folder tree: SHA-256 over `path\0sha256\n` lines of every file,
+/// sorted by relative path.
+pub fn tree_digest(root: &Path) -> Result<String> {
+    let lines: String = file_digests(root)?
+        .iter()
+        .map(|(rel, h)| format!("{rel}\0{h}\n"))
+        .collect();
+    Ok(hex(&Sha256::digest(lines.as_bytes())))
 }
 
 /// Peak resident memory of this process (which embeds Python) in bytes.
