@@ -189,6 +189,13 @@ pub fn activate(verbose: bool) -> Result<()> {
             .call_method1("addsitedir", (site_dir.to_string_lossy().to_string(),))?;
         let path = sys.getattr("path")?.cast_into::<PyList>()?;
         path.insert(0, pkg.to_string_lossy().to_string())?;
+        // For helpers that must run a plain interpreter of the same environment
+        // (e.g. to fork worker pools away from this multi-threaded process).
+        let python = venv.join("bin").join("python");
+        py.import("os")?.getattr("environ")?.set_item(
+            "CHUNKFORGE_VENV_PYTHON",
+            python.to_string_lossy().to_string(),
+        )?;
         py.import("chunkforge_py.runtime")?
             .call_method1("configure", (verbose,))?;
         Ok(())

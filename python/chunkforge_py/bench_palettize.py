@@ -18,12 +18,17 @@ interpreter starts.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from .runtime import ChunkforgeError
 
 GROUP = 32
 NBITS = 4
@@ -60,10 +65,12 @@ def dequantized_mse(weight: np.ndarray, lut: np.ndarray, indices: np.ndarray, gr
     return total / weight.size
 
 
-def run_chunkforge(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def run_chunkforge(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     import chunkforge_native
 
-    return chunkforge_native.palettize_int4(weight, GROUP, NBITS)
+    t = time.perf_counter()
+    lut, indices = chunkforge_native.palettize_int4(weight, GROUP, NBITS)
+    return lut, indices, time.perf_counter() - t
 
 
 class _NoPool:
@@ -86,7 +93,7 @@ def _reset_pool() -> None:
     palettize_weights._compress_pool = None
 
 
-def run_coremltools(weight: np.ndarray, workers: int, kmeans1d: bool) -> tuple[np.ndarray, np.ndarray]:
+def _coremltools_in_process(weight: np.ndarray, workers: int, kmeans1d: bool) -> tuple[np.ndarray, np.ndarray, float]:
     import coremltools.models.neural_network.quantization_utils as qu
     from coremltools.optimize.coreml._quantization_passes import palettize_weights
 
@@ -96,12 +103,47 @@ def run_coremltools(weight: np.ndarray, workers: int, kmeans1d: bool) -> tuple[n
     # setting with a fresh one so the worker count is the one asked for.
     _reset_pool()
     try:
+        t = time.perf_counter()
         params = palettize_weights.blockwise_compress(weight, "KMEANS", NBITS, [GROUP, 0], num_kmeans_workers=workers)
+        seconds = time.perf_counter() - t
     finally:
         qu._HAS_KMEANS1D = saved
         _reset_pool()
         palettize_weights._compress_pool = _NoPool()
-    return params.lut, params.indices
+    return params.lut, params.indices, seconds
+
+
+def run_coremltools(weight: np.ndarray, workers: int, kmeans1d: bool) -> tuple[np.ndarray, np.ndarray, float]:
+    """coremltools' k-means in a separate, plain Python process of the same
+    environment. coremltools forks its k-means workers; forking the chunkforge
+    process itself (torch and rayon threads alive) can deadlock the children,
+    so the fork happens in a process that only ever ran numpy and coremltools.
+    Returns the LUT, indices and the seconds measured inside that process
+    around the compression call (interpreter start-up is not counted)."""
+    python = os.environ.get("CHUNKFORGE_VENV_PYTHON")
+    if not python:
+        return _coremltools_in_process(weight, workers, kmeans1d)
+    with tempfile.TemporaryDirectory(prefix="chunkforge-bench-") as tmp:
+        src = os.path.join(tmp, "weight.npy")
+        dst = os.path.join(tmp, "result.npz")
+        np.save(src, weight)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+        code = (
+            "import sys, numpy as np\n"
+            "from chunkforge_py.bench_palettize import _coremltools_in_process\n"
+            "lut, idx, s = _coremltools_in_process(np.load(sys.argv[1]), int(sys.argv[3]), sys.argv[4] == '1')\n"
+            "np.savez(sys.argv[2], lut=lut, indices=idx, seconds=np.array(s))\n"
+        )
+        proc = subprocess.run(
+            [python, "-c", code, src, dst, str(workers), "1" if kmeans1d else "0"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise ChunkforgeError(f"coremltools benchmark process failed:\n{proc.stderr[-2000:]}")
+        with np.load(dst) as r:
+            return r["lut"], r["indices"], float(r["seconds"])
 
 
 def implementations(shape: tuple[int, int]) -> list[tuple[str, Callable[[np.ndarray], Any]]]:
@@ -133,9 +175,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     for i, shape in enumerate(shapes):
         weight = make_weight(shape, seed + i)
         for impl, fn in implementations(shape):
-            t = time.perf_counter()
-            lut, indices = fn(weight)
-            seconds = time.perf_counter() - t
+            lut, indices, seconds = fn(weight)
             if show:
                 print(f"  {impl:<26} {shape[0]}x{shape[1]}: {seconds:.2f}s", file=sys.stderr, flush=True)
             results.append(
