@@ -65,9 +65,18 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
     let mut r = Report::default();
     let p = &mut r.problems;
     let sig_path = dir.join(SIG_FILE);
-    if sig_path.is_symlink() {
-        p.push(format!("{SIG_FILE}: is a symlink"));
-        return Ok(r);
+    // Never open a model.sig that is not a regular file: opening a FIFO blocks
+    // until someone writes to it, and a symlink could point anywhere.
+    match std::fs::symlink_metadata(&sig_path).map(|m| m.file_type()) {
+        Ok(t) if t.is_symlink() => {
+            p.push(format!("{SIG_FILE}: is a symlink"));
+            return Ok(r);
+        }
+        Ok(t) if !t.is_file() => {
+            p.push(format!("{SIG_FILE}: is not a regular file"));
+            return Ok(r);
+        }
+        _ => {}
     }
     let v = match sign::verify_bundle(&sig_path, &key) {
         Ok(v) => v,
@@ -174,7 +183,17 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
     let mpath = dir.join(MANIFEST_FILE);
     if signed.contains_key(MANIFEST_FILE) || mpath.is_file() {
         r.has_manifest = true;
-        check_manifest(&mpath, &signed, &actual, p);
+        // A manifest.json that is a symlink, FIFO or folder is not opened:
+        // reading it could block forever (FIFO) or read anything (a symlink
+        // to /dev/zero).
+        let not_a_file = std::fs::symlink_metadata(&mpath).is_ok_and(|m| !m.file_type().is_file());
+        if not_a_file {
+            p.push(format!(
+                "{MANIFEST_FILE}: is not a regular file, so it was not read"
+            ));
+        } else {
+            check_manifest(&mpath, &signed, &actual, p);
+        }
     }
 
     if let Some(zip) = &a.archive {
@@ -191,7 +210,9 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
     Ok(r)
 }
 
-fn check_manifest(
+/// Checks `manifest.json` at `mpath` against the signed list and the files
+/// on disk, appending every problem to `p`. Public for the fuzz targets.
+pub fn check_manifest(
     mpath: &Path,
     signed: &BTreeMap<String, [u8; 32]>,
     actual: &BTreeMap<String, hashing::FileDigest>,
