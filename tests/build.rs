@@ -23,34 +23,31 @@ fn plan_chunk<'a>(build: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("{name} not in plan"))
 }
 
+/// (name, shape, dtype) of every tensor listed under `key` ("inputs"/"outputs").
+fn io_list(v: &Value, key: &str) -> Vec<(String, Value, String)> {
+    v[key]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["name"].as_str().unwrap().into(),
+                t["shape"].clone(),
+                t["dtype"].as_str().unwrap().into(),
+            )
+        })
+        .collect()
+}
+
 /// The package's spec I/O equals the plan's contract: names, order, shapes, dtypes.
 fn assert_contract(pkg: &Value, chunk: &Value) {
     for key in ["inputs", "outputs"] {
-        let got: Vec<(String, Value, String)> = pkg[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| {
-                (
-                    t["name"].as_str().unwrap().into(),
-                    t["shape"].clone(),
-                    t["dtype"].as_str().unwrap().into(),
-                )
-            })
-            .collect();
-        let want: Vec<(String, Value, String)> = chunk[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| {
-                (
-                    t["name"].as_str().unwrap().into(),
-                    t["shape"].clone(),
-                    t["dtype"].as_str().unwrap().into(),
-                )
-            })
-            .collect();
-        assert_eq!(got, want, "{key} of {}", chunk["name"]);
+        assert_eq!(
+            io_list(pkg, key),
+            io_list(chunk, key),
+            "{key} of {}",
+            chunk["name"]
+        );
     }
 }
 
