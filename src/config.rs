@@ -264,7 +264,10 @@ impl TextConfig {
                 return Err(bad(format!("{name} is 0")));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(bad(format!(
                 "num_attention_heads={} is not a multiple of num_key_value_heads={}",
                 self.num_attention_heads, self.num_key_value_heads

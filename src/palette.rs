@@ -15,6 +15,18 @@
 //! so the best split `i` is monotone in `j` and divide and conquer finds each
 //! layer in `O(n log n)`.
 //!
+//! What makes it fast (each step keeps the result exact and identical):
+//! - **Level-order divide and conquer** (`Layer::solve`): all rows of one
+//!   recursion level are independent, so their searches overlap in the CPU.
+//! - **Row floors** (`Dp::layers`, `Dp::coarse_floors`): the final answer only
+//!   depends on layer `m` at rows `j >= opt[m][floor[m+1]]`. A pass over
+//!   every 16th split point estimates those floors, the full programme then
+//!   skips about half the rows, and a cheap check after each layer proves the
+//!   floors were low enough (otherwise the full programme runs).
+//! - **Vector searches** (`avx2`, `avx512`): branch-free windows of 4 or 8
+//!   splits and one-pass minimum-and-index loops, with the same roundings as
+//!   the portable code.
+//!
 //! Exactness: every fp16 value is an integer multiple of 2^-24 (the smallest
 //! subnormal), so values, counts and prefix sums are kept as integers (`q =
 //! v * 2^24`, `i128` sums). A run's cost is `(W*S2 - S1^2) / W` with the
@@ -22,7 +34,7 @@
 //! away from its true value (no cancellation between large prefix sums).
 //! Ties go to the smallest split index, which makes the result a function of
 //! the input alone: same bytes in, same LUT and indices out, whatever the
-//! thread count.
+//! thread count or vector build.
 //!
 //! The LUT is stored in fp16: each cluster's mean is rounded to the nearest
 //! fp16 (which, for a fixed cluster, is the fp16 value with the least squared
@@ -144,6 +156,10 @@ struct Prefix {
     s1l: Vec<f64>,
     s2h: Vec<f64>,
     s2l: Vec<f64>,
+    /// Narrow groups: `s1` and `s2` as integers, padded like the f64 views
+    /// (the AVX-512 search subtracts them exactly, then converts once).
+    s1i: Vec<i64>,
+    s2u: Vec<u64>,
 }
 
 const TWO32: f64 = 4294967296.0;
@@ -154,6 +170,8 @@ impl Prefix {
             w: Vec::new(),
             s1: Vec::new(),
             s2_wide: Vec::new(),
+            s1i: Vec::new(),
+            s2u: Vec::new(),
             narrow: true,
             fw: Vec::new(),
             s1h: Vec::new(),
@@ -165,6 +183,39 @@ impl Prefix {
 
     fn len(&self) -> usize {
         self.w.len() - 1
+    }
+
+    /// The prefix of the points merged into runs of `step` (the last run
+    /// may be shorter): the prefix sums at split points `0, step, 2*step, ...,
+    /// n`. Costs on it are exactly those of the original at those splits.
+    fn sample(&self, step: usize, out: &mut Prefix) {
+        let n = self.len();
+        let at: Vec<usize> = (0..n.div_ceil(step)).map(|t| t * step).chain([n]).collect();
+        out.narrow = self.narrow;
+        out.w = at.iter().map(|&i| self.w[i]).collect();
+        out.s1 = at.iter().map(|&i| self.s1[i]).collect();
+        if self.narrow {
+            out.s2_wide.clear();
+            for (dst, src) in [
+                (&mut out.fw, &self.fw),
+                (&mut out.s1h, &self.s1h),
+                (&mut out.s1l, &self.s1l),
+                (&mut out.s2h, &self.s2h),
+                (&mut out.s2l, &self.s2l),
+            ] {
+                dst.clear();
+                dst.extend(at.iter().map(|&i| src[i]));
+                dst.extend(std::iter::repeat_n(src[n], PAD));
+            }
+            out.s1i.clear();
+            out.s1i.extend(at.iter().map(|&i| self.s1i[i]));
+            out.s1i.extend(std::iter::repeat_n(self.s1i[n], PAD));
+            out.s2u.clear();
+            out.s2u.extend(at.iter().map(|&i| self.s2u[i]));
+            out.s2u.extend(std::iter::repeat_n(self.s2u[n], PAD));
+        } else {
+            out.s2_wide = at.iter().map(|&i| self.s2_wide[i]).collect();
+        }
     }
 
     fn fill(&mut self, q: &[i64], counts: &[u32]) {
@@ -187,28 +238,59 @@ impl Prefix {
         self.w.clear();
         self.s1.clear();
         self.s2_wide.clear();
-        let (mut w, mut s1, mut s2) = (0i64, 0i64, 0i128);
-        let split = |x: i128| ((x >> 32) as f64, (x & 0xffff_ffff) as f64);
-        for t in 0..=q.len() {
-            if t > 0 {
-                let (v, c) = (q[t - 1], counts[t - 1]);
-                w += i64::from(c);
-                s1 += i64::from(c) * v;
-                s2 += i128::from(c) * i128::from(v) * i128::from(v);
-            }
-            self.w.push(w);
-            self.s1.push(s1);
-            if self.narrow {
+        self.s1i.clear();
+        self.s2u.clear();
+        let (mut w, mut s1) = (0i64, 0i64);
+        if self.narrow {
+            // Every count * q^2 and every prefix of them is below 2^64.
+            let mut s2 = 0u64;
+            for t in 0..=q.len() {
+                if t > 0 {
+                    let (v, c) = (q[t - 1], counts[t - 1]);
+                    w += i64::from(c);
+                    s1 += i64::from(c) * v;
+                    s2 += u64::from(c) * (v.unsigned_abs() * v.unsigned_abs());
+                }
+                self.w.push(w);
+                self.s1.push(s1);
                 self.fw.push(w as f64);
-                let (h, l) = split(i128::from(s1));
-                self.s1h.push(h);
-                self.s1l.push(l);
-                let (h, l) = split(s2);
-                self.s2h.push(h);
-                self.s2l.push(l);
-            } else {
+                // Arithmetic shift: h * 2^32 + l == s1 with 0 <= l < 2^32.
+                self.s1h.push((s1 >> 32) as f64);
+                self.s1l.push((s1 & 0xffff_ffff) as f64);
+                self.s2h.push((s2 >> 32) as f64);
+                self.s2l.push((s2 & 0xffff_ffff) as f64);
+                self.s2u.push(s2);
+            }
+        } else {
+            let mut s2 = 0i128;
+            for t in 0..=q.len() {
+                if t > 0 {
+                    let (v, c) = (q[t - 1], counts[t - 1]);
+                    w += i64::from(c);
+                    s1 += i64::from(c) * v;
+                    s2 += i128::from(c) * i128::from(v) * i128::from(v);
+                }
+                self.w.push(w);
+                self.s1.push(s1);
                 self.s2_wide.push(s2);
             }
+        }
+        if self.narrow {
+            // Fixed-width windows may read up to PAD entries past the end.
+            for v in [
+                &mut self.fw,
+                &mut self.s1h,
+                &mut self.s1l,
+                &mut self.s2h,
+                &mut self.s2l,
+            ] {
+                let last = *v.last().unwrap_or(&0.0);
+                v.extend(std::iter::repeat_n(last, PAD));
+            }
+            self.s1i.extend_from_slice(&self.s1);
+            self.s1i.extend(std::iter::repeat_n(s1, PAD));
+            self.s2u
+                .extend(std::iter::repeat_n(*self.s2u.last().unwrap_or(&0), PAD));
         }
     }
 
@@ -252,22 +334,32 @@ impl Prefix {
         }
     }
 
-    /// Leftmost `i` in `[a, b]` minimising `prev[i] + cost(i, j)`, and the
-    /// minimum; the same arithmetic as `row`.
-    #[inline]
-    fn row_min(&self, prev: &[f64], j: usize, a: usize, b: usize) -> (usize, f64) {
-        let mut out = [0.0; SHORT_ROW];
-        let out = &mut out[..=b - a];
-        if self.narrow {
-            self.row_narrow(prev, j, a, out);
-        } else {
-            self.row(prev, j, a, out, false);
+    /// Leftmost `i` in `[a, a + w)` minimising `prev[i] + cost(i, j)` for a
+    /// narrow group, `1 <= w <= L`, with the same arithmetic as `row`. All
+    /// `L` lanes are computed without branches (reads past the last split land
+    /// in the padding of `prev` and the prefix views) and lanes from `w` on are
+    /// masked before the minimum.
+    #[inline(always)]
+    fn small_min<const L: usize>(
+        &self,
+        prev: &[f64],
+        j: usize,
+        a: usize,
+        w: usize,
+    ) -> (usize, f64) {
+        let mut v = [0.0; L];
+        self.row_narrow(prev, j, a, &mut v);
+        for (t, x) in v.iter_mut().enumerate() {
+            if t >= w {
+                *x = f64::INFINITY;
+            }
         }
-        let (t, v) = argmin(out);
-        (a + t, v)
+        let (t, m) = argmin_fixed(&v);
+        (a + t, m)
     }
 
     /// `out[t] = prev[a + t] + cost(a + t, j)`.
+    #[cfg(test)]
     fn row(&self, prev: &[f64], j: usize, a: usize, out: &mut [f64], avx2: bool) {
         if self.narrow {
             #[cfg(target_arch = "x86_64")]
@@ -279,24 +371,102 @@ impl Prefix {
             let _ = avx2;
             self.row_narrow(prev, j, a, out);
         } else {
-            for (t, o) in out.iter_mut().enumerate() {
-                *o = prev[a + t] + self.cost_wide(a + t, j);
+            self.row_wide(prev, j, a, out);
+        }
+    }
+
+    #[inline(always)]
+    fn row_wide(&self, prev: &[f64], j: usize, a: usize, out: &mut [f64]) {
+        for (t, o) in out.iter_mut().enumerate() {
+            *o = prev[a + t] + self.cost_wide(a + t, j);
+        }
+    }
+
+    /// `out[j] = cost(0, j)` for `j` in `1..out.len()`: the first layer (one
+    /// cluster over the first `j` points), with the arithmetic of `row`.
+    #[inline(always)]
+    fn first_column(&self, out: &mut [f64]) {
+        if self.narrow {
+            let (w0, h10, l10, h20, l20) = (
+                self.fw[0],
+                self.s1h[0],
+                self.s1l[0],
+                self.s2h[0],
+                self.s2l[0],
+            );
+            let m = out.len();
+            let it = out[1..]
+                .iter_mut()
+                .zip(&self.fw[1..m])
+                .zip(self.s1h[1..m].iter().zip(&self.s1l[1..m]))
+                .zip(self.s2h[1..m].iter().zip(&self.s2l[1..m]));
+            for (((o, &wj), (&h1, &l1)), (&h2, &l2)) in it {
+                let dw = wj - w0;
+                let d1 = (h1 - h10) * TWO32 + (l1 - l10);
+                let d2 = (h2 - h20) * TWO32 + (l2 - l20);
+                *o = 0.0 + (d2 - d1 * d1 / dw);
+            }
+        } else {
+            for (j, o) in out.iter_mut().enumerate().skip(1) {
+                *o = 0.0 + self.cost_wide(0, j);
             }
         }
     }
 }
 
-/// Rows shorter than this are searched with scalar code fused with the
-/// minimum (most rows of a divide and conquer are a handful of columns).
-const SHORT_ROW: usize = 16;
+/// Windows of at most this many splits are searched with fixed-width,
+/// branch-free code: most windows of a divide and conquer hold a handful.
+const SMALL: usize = 8;
+/// Entries appended to `prev` and to the f64 prefix views so a fixed-width
+/// window never reads past the end.
+const PAD: usize = SMALL - 1;
 
 /// `Prefix::row_narrow` compiled for AVX2 (four f64 lanes).
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(test, target_arch = "x86_64"))]
 #[target_feature(enable = "avx2")]
 unsafe fn row_narrow_avx2(p: &Prefix, prev: &[f64], j: usize, a: usize, out: &mut [f64]) {
     p.row_narrow(prev, j, a, out)
 }
 
+/// Which search code `Dp` runs (a const parameter, so each build is
+/// compiled separately with its target features).
+const ISA_PORTABLE: u8 = 0;
+const ISA_AVX2: u8 = 1;
+const ISA_AVX512: u8 = 2;
+
+/// The search builds this CPU can run, slowest first.
+fn available_isas() -> Vec<u8> {
+    let mut isas = vec![ISA_PORTABLE];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            isas.push(ISA_AVX2);
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512dq")
+            {
+                isas.push(ISA_AVX512);
+            }
+        }
+    }
+    isas
+}
+
+/// The fastest build this CPU runs. `CHUNKFORGE_PALETTE_ISA=portable|avx2`
+/// caps it (for comparisons; every build gives the same bytes).
+fn best_isa() -> u8 {
+    let cap = match std::env::var("CHUNKFORGE_PALETTE_ISA").as_deref() {
+        Ok("portable") => ISA_PORTABLE,
+        Ok("avx2") => ISA_AVX2,
+        _ => ISA_AVX512,
+    };
+    available_isas()
+        .into_iter()
+        .filter(|&i| i <= cap)
+        .max()
+        .unwrap_or(ISA_PORTABLE)
+}
+
+#[cfg(test)]
 fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -308,18 +478,242 @@ fn has_avx2() -> bool {
     }
 }
 
-/// Leftmost minimum of `v` (index, value); `v` is never empty.
-#[inline]
-fn argmin(v: &[f64]) -> (usize, f64) {
-    let mut bi = 0;
-    let mut best = v[0];
-    for (t, &x) in v.iter().enumerate().skip(1) {
-        if x < best {
-            best = x;
-            bi = t;
+/// `if x < m { x } else { m }`: the minimum of two non-NaN values (exact, so
+/// any order of reduction gives the same result), one `minpd` lane.
+#[inline(always)]
+fn min2(m: f64, x: f64) -> f64 {
+    if x < m {
+        x
+    } else {
+        m
+    }
+}
+
+/// Leftmost minimum of a power-of-two-sized array (index, value): a lane-wise
+/// reduction tree for the value, then the first lane equal to it.
+#[inline(always)]
+fn argmin_fixed<const L: usize>(v: &[f64; L]) -> (usize, f64) {
+    let mut m = *v;
+    let mut len = L;
+    while len > 1 {
+        len /= 2;
+        for t in 0..len {
+            m[t] = min2(m[t], m[t + len]);
         }
     }
-    (bi, best)
+    let min = m[0];
+    let mut mask = 0u32;
+    for (t, &x) in v.iter().enumerate() {
+        mask |= u32::from(x == min) << t;
+    }
+    (mask.trailing_zeros() as usize, min)
+}
+
+/// Leftmost minimum of `v` (index, value); `v` is never empty and holds no
+/// NaN. Eight-lane minimum, then the first element equal to it.
+#[inline(always)]
+fn argmin(v: &[f64]) -> (usize, f64) {
+    let mut acc = [f64::INFINITY; SMALL];
+    let mut chunks = v.chunks_exact(SMALL);
+    for c in &mut chunks {
+        for t in 0..SMALL {
+            acc[t] = min2(acc[t], c[t]);
+        }
+    }
+    for (t, &x) in chunks.remainder().iter().enumerate() {
+        acc[t] = min2(acc[t], x);
+    }
+    let (_, min) = argmin_fixed(&acc);
+    let at = v.iter().position(|&x| x == min).unwrap_or(0);
+    (at, min)
+}
+
+/// The narrow search written with AVX2 intrinsics: the same operations in
+/// the same order as `Prefix::row_narrow` (so the same roundings), with the
+/// lane-wise minimum and the leftmost-lane search kept in vector registers.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Prefix, SMALL, TWO32};
+    use std::arch::x86_64::*;
+
+    /// `prev[i] + cost(i, j)` for the four splits `i = a..a + 4`.
+    #[inline(always)]
+    unsafe fn eval4(p: &Prefix, prev: &[f64], j: usize, a: usize) -> __m256d {
+        assert!(a + 4 <= prev.len() && a + 4 <= p.fw.len());
+        // SAFETY: the assert keeps every four-lane load inside the arrays
+        // (the prefix views all have the length of `fw`).
+        let ld = |v: &[f64]| unsafe { _mm256_loadu_pd(v.as_ptr().add(a)) };
+        let two32 = _mm256_set1_pd(TWO32);
+        let dw = _mm256_sub_pd(_mm256_set1_pd(p.fw[j]), ld(&p.fw));
+        let d1 = _mm256_add_pd(
+            _mm256_mul_pd(_mm256_sub_pd(_mm256_set1_pd(p.s1h[j]), ld(&p.s1h)), two32),
+            _mm256_sub_pd(_mm256_set1_pd(p.s1l[j]), ld(&p.s1l)),
+        );
+        let d2 = _mm256_add_pd(
+            _mm256_mul_pd(_mm256_sub_pd(_mm256_set1_pd(p.s2h[j]), ld(&p.s2h)), two32),
+            _mm256_sub_pd(_mm256_set1_pd(p.s2l[j]), ld(&p.s2l)),
+        );
+        let cost = _mm256_sub_pd(d2, _mm256_div_pd(_mm256_mul_pd(d1, d1), dw));
+        _mm256_add_pd(ld(prev), cost)
+    }
+
+    /// Lanes at or past `w` (counting from `base`) set to +inf.
+    #[inline(always)]
+    unsafe fn mask_from(v: __m256d, base: usize, w: usize) -> __m256d {
+        let lane = _mm256_set_pd(3.0, 2.0, 1.0, 0.0);
+        let limit = _mm256_set1_pd(w as f64 - base as f64);
+        let keep = _mm256_cmp_pd::<_CMP_LT_OQ>(lane, limit);
+        _mm256_blendv_pd(_mm256_set1_pd(f64::INFINITY), v, keep)
+    }
+
+    /// The minimum of the four lanes, in every lane (exact, order-free).
+    #[inline(always)]
+    unsafe fn hmin(v: __m256d) -> __m256d {
+        let m = _mm256_min_pd(v, _mm256_permute2f128_pd::<1>(v, v));
+        _mm256_min_pd(m, _mm256_shuffle_pd::<0b0101>(m, m))
+    }
+
+    /// Bit `t` set when lane `t` equals the broadcast minimum.
+    #[inline(always)]
+    unsafe fn hits(v: __m256d, m: __m256d) -> u32 {
+        _mm256_movemask_pd(_mm256_cmp_pd::<_CMP_EQ_OQ>(v, m)) as u32
+    }
+
+    /// Leftmost `i` in `[a, a + w)` minimising `prev[i] + cost(i, j)`, and
+    /// the minimum. Short windows are one or two masked vectors (reads past
+    /// the end land in the padding); long ones go through `row`.
+    #[inline(always)]
+    pub(super) unsafe fn best_split(
+        p: &Prefix,
+        prev: &[f64],
+        j: usize,
+        a: usize,
+        w: usize,
+        row: &mut [f64],
+    ) -> (usize, f64) {
+        if w <= 4 {
+            let v = mask_from(eval4(p, prev, j, a), 0, w);
+            let m = hmin(v);
+            (
+                a + hits(v, m).trailing_zeros() as usize,
+                _mm256_cvtsd_f64(m),
+            )
+        } else if w <= SMALL {
+            let v0 = eval4(p, prev, j, a);
+            let v1 = mask_from(eval4(p, prev, j, a + 4), 4, w);
+            let m = hmin(_mm256_min_pd(v0, v1));
+            let bits = hits(v0, m) | hits(v1, m) << 4;
+            (a + bits.trailing_zeros() as usize, _mm256_cvtsd_f64(m))
+        } else {
+            // One pass: each lane keeps its lowest value and the first
+            // split holding it (strict `<`); the answer is the lowest index
+            // among the lanes holding the overall minimum. The last vector is
+            // masked.
+            let _ = row;
+            let chunks = w.div_ceil(4);
+            let mut acc = _mm256_set1_pd(f64::INFINITY);
+            let mut idx = _mm256_setzero_pd();
+            let mut lane = _mm256_set_pd(3.0, 2.0, 1.0, 0.0);
+            let four = _mm256_set1_pd(4.0);
+            for c in 0..chunks - 1 {
+                let v = eval4(p, prev, j, a + 4 * c);
+                let lt = _mm256_cmp_pd::<_CMP_LT_OQ>(v, acc);
+                acc = _mm256_blendv_pd(acc, v, lt);
+                idx = _mm256_blendv_pd(idx, lane, lt);
+                lane = _mm256_add_pd(lane, four);
+            }
+            let c = chunks - 1;
+            let v = mask_from(eval4(p, prev, j, a + 4 * c), 4 * c, w);
+            let lt = _mm256_cmp_pd::<_CMP_LT_OQ>(v, acc);
+            acc = _mm256_blendv_pd(acc, v, lt);
+            idx = _mm256_blendv_pd(idx, lane, lt);
+            let m = hmin(acc);
+            let at_min = _mm256_cmp_pd::<_CMP_EQ_OQ>(acc, m);
+            let first = hmin(_mm256_blendv_pd(_mm256_set1_pd(f64::INFINITY), idx, at_min));
+            (a + _mm256_cvtsd_f64(first) as usize, _mm256_cvtsd_f64(m))
+        }
+    }
+}
+
+/// The narrow search in AVX-512, eight lanes. Prefix differences are taken
+/// exactly in 64-bit integers and converted once (`vcvtqq2pd` rounds the
+/// exact difference, as the split f64 form does), then the remaining
+/// operations are those of `Prefix::row_narrow` in the same order: the same
+/// value for every split as the other builds.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Prefix, SMALL};
+    use std::arch::x86_64::*;
+
+    /// `prev[i] + cost(i, j)` for the eight splits `i = a..a + 8`.
+    #[inline(always)]
+    unsafe fn eval8(p: &Prefix, prev: &[f64], j: usize, a: usize) -> __m512d {
+        assert!(a + 8 <= prev.len() && a + 8 <= p.fw.len());
+        debug_assert!(p.s1i.len() == p.fw.len() && p.s2u.len() == p.fw.len());
+        let dw = _mm512_sub_pd(
+            _mm512_set1_pd(p.fw[j]),
+            _mm512_loadu_pd(p.fw.as_ptr().add(a)),
+        );
+        let d1 = _mm512_cvtepi64_pd(_mm512_sub_epi64(
+            _mm512_set1_epi64(p.s1i[j]),
+            _mm512_loadu_epi64(p.s1i.as_ptr().add(a)),
+        ));
+        // Wraps only in lanes with i > j, which are masked.
+        let d2 = _mm512_cvtepu64_pd(_mm512_sub_epi64(
+            _mm512_set1_epi64(p.s2u[j] as i64),
+            _mm512_loadu_epi64(p.s2u.as_ptr().add(a).cast::<i64>()),
+        ));
+        let cost = _mm512_sub_pd(d2, _mm512_div_pd(_mm512_mul_pd(d1, d1), dw));
+        _mm512_add_pd(_mm512_loadu_pd(prev.as_ptr().add(a)), cost)
+    }
+
+    /// Lanes `0..valid` of `v`, +inf in the others (`1 <= valid <= 8`).
+    #[inline(always)]
+    unsafe fn keep(v: __m512d, valid: usize) -> __m512d {
+        let k = (0xffu32 >> (8 - valid)) as __mmask8;
+        _mm512_mask_blend_pd(k, _mm512_set1_pd(f64::INFINITY), v)
+    }
+
+    /// Leftmost `i` in `[a, a + w)` minimising `prev[i] + cost(i, j)`, and
+    /// the minimum.
+    #[inline(always)]
+    pub(super) unsafe fn best_split(
+        p: &Prefix,
+        prev: &[f64],
+        j: usize,
+        a: usize,
+        w: usize,
+    ) -> (usize, f64) {
+        if w <= SMALL {
+            let v = keep(eval8(p, prev, j, a), w);
+            let m = _mm512_reduce_min_pd(v);
+            let hits = _mm512_cmpeq_pd_mask(v, _mm512_set1_pd(m));
+            (a + hits.trailing_zeros() as usize, m)
+        } else {
+            // One pass: each lane keeps its lowest value and the first split
+            // holding it (strict `<`); the answer is the lowest index among
+            // the lanes holding the overall minimum.
+            let chunks = w.div_ceil(8);
+            let mut acc = _mm512_set1_pd(f64::INFINITY);
+            let mut idx = _mm512_setzero_pd();
+            let mut lane = _mm512_set_pd(7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0);
+            let eight = _mm512_set1_pd(8.0);
+            for c in 0..chunks {
+                let mut v = eval8(p, prev, j, a + 8 * c);
+                if c + 1 == chunks {
+                    v = keep(v, w - 8 * c);
+                }
+                let lt = _mm512_cmp_pd_mask::<_CMP_LT_OQ>(v, acc);
+                acc = _mm512_mask_blend_pd(lt, acc, v);
+                idx = _mm512_mask_blend_pd(lt, idx, lane);
+                lane = _mm512_add_pd(lane, eight);
+            }
+            let m = _mm512_reduce_min_pd(acc);
+            let at = _mm512_cmpeq_pd_mask(acc, _mm512_set1_pd(m));
+            let first = _mm512_mask_reduce_min_pd(at, idx);
+            (a + first as usize, m)
+        }
+    }
 }
 
 /// The layered dynamic programme `D[k][j] = min_i D[k-1][i] + cost(i, j)`.
@@ -329,7 +723,10 @@ struct Dp {
     /// `opt[(k - 1) * (n + 1) + j]`: best last split for `j` points in `k` clusters.
     opt: Vec<u32>,
     row: Vec<f64>,
-    avx2: bool,
+    /// `ISA_*`: the search code this programme runs.
+    isa: u8,
+    /// The coarse pass's prefix and programme (see `coarse_floors`).
+    coarse: Option<Box<(Prefix, Dp)>>,
 }
 
 impl Dp {
@@ -339,8 +736,15 @@ impl Dp {
             cur: Vec::new(),
             opt: Vec::new(),
             row: Vec::new(),
-            avx2: has_avx2(),
+            isa: best_isa(),
+            coarse: None,
         }
+    }
+
+    #[cfg(test)]
+    fn with_isa(isa: u8) -> Self {
+        assert!(available_isas().contains(&isa));
+        Dp { isa, ..Dp::new() }
     }
 
     /// Split points `0 = b[0] < b[1] < ... < b[k] = n` of the optimal
@@ -352,52 +756,126 @@ impl Dp {
         if k == n {
             return (0..=n).collect();
         }
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == ISA_AVX512 {
+            // SAFETY: `isa` is ISA_AVX512 only when the CPU reports AVX-512 F
+            // and DQ (`best_isa`, `available_isas`).
+            return unsafe { self.solve_avx512(p, k) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.isa == ISA_AVX2 {
+            // SAFETY: `isa` is ISA_AVX2 only when the CPU reports AVX2.
+            return unsafe { self.solve_avx2(p, k) };
+        }
+        self.solve_body::<ISA_PORTABLE>(p, k)
+    }
+
+    /// `solve_body` with the narrow searches in AVX-512 (eight lanes, integer
+    /// prefix differences converted once). The same roundings as the other
+    /// builds: see `avx512`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,avx512f,avx512dq")]
+    unsafe fn solve_avx512(&mut self, p: &Prefix, k: usize) -> Vec<usize> {
+        self.solve_body::<ISA_AVX512>(p, k)
+    }
+
+    /// `solve_body` with every inlined loop compiled for AVX2. No FMA: the
+    /// roundings are those of the portable build, so results do not depend
+    /// on the CPU.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn solve_avx2(&mut self, p: &Prefix, k: usize) -> Vec<usize> {
+        self.solve_body::<ISA_AVX2>(p, k)
+    }
+
+    #[inline(always)]
+    fn solve_body<const ISA: u8>(&mut self, p: &Prefix, k: usize) -> Vec<usize> {
+        let n = p.len();
+        if k > 2 && n >= COARSE_MIN * k {
+            if let Some(floors) = self.coarse_floors::<ISA>(p, k) {
+                if self.layers::<ISA>(p, k, &floors) {
+                    return self.backtrack(n, k);
+                }
+            }
+        }
+        // Every row of every layer: nothing to check.
+        let mut floors: Vec<usize> = (0..=k).collect();
+        floors[k] = n;
+        let complete = self.layers::<ISA>(p, k, &floors);
+        debug_assert!(complete);
+        self.backtrack(n, k)
+    }
+
+    /// The layered programme, computing layer `m` only for rows `j >=
+    /// floors[m]` (`floors[m] >= m`, non-decreasing, `floors[k] = n`).
+    ///
+    /// Layer `m + 1` searches its rows `j >= floors[m + 1]` over splits `i >=
+    /// floors[m]`, so it is exact when its best splits are never below
+    /// `floors[m]`. They are not below `opt[m][j] >= opt[m][floors[m + 1]]`
+    /// (one more cluster never lengthens the last one; best splits grow with
+    /// `j`), so after each layer that one value is checked. Returns false,
+    /// with the tables unusable, when a check fails.
+    #[inline(always)]
+    fn layers<const ISA: u8>(&mut self, p: &Prefix, k: usize, floors: &[usize]) -> bool {
+        let n = p.len();
         let stride = n + 1;
         self.prev.clear();
-        self.prev.resize(stride, 0.0);
+        self.prev.resize(stride + PAD, f64::INFINITY);
         self.cur.clear();
-        self.cur.resize(stride, f64::INFINITY);
+        self.cur.resize(stride + PAD, f64::INFINITY);
         self.opt.clear();
         self.opt.resize(k * stride, 0);
-        self.row.resize(stride, 0.0);
-        // One cluster over the first j points (prev[0] = 0 turns `row` into
-        // plain costs); only j <= n-(k-1) leaves a point for every later cluster.
+        self.row.resize(stride + SMALL, 0.0);
+        // One cluster over the first j points; only j <= n-(k-1) leaves a
+        // point for every later cluster.
         let last = n - (k - 1);
-        let mut one = [0.0];
-        for j in 1..=last {
-            p.row(&self.prev, j, 0, &mut one, false);
-            self.cur[j] = one[0];
-        }
+        p.first_column(&mut self.cur[..=last]);
         std::mem::swap(&mut self.prev, &mut self.cur);
-        self.cur.fill(f64::INFINITY);
         for layer in 2..=k {
             let (done, rest) = self.opt.split_at_mut((layer - 1) * stride);
             let lower = &done[(layer - 2) * stride..];
             let opt = &mut rest[..stride];
             if layer == k {
                 // The last cluster ends at n: one row.
-                let (a, b) = (k - 1, n - 1);
-                let row = &mut self.row[..=b - a];
-                p.row(&self.prev, n, a, row, self.avx2);
-                let (t, v) = argmin(row);
-                opt[n] = (a + t) as u32;
-                self.cur[n] = v;
-            } else {
-                // Rows j in [layer, n-(k-layer)], splits i in [layer-1, j-1].
-                let hi = n - (k - layer);
-                let mut ctx = Layer {
+                let ctx = Layer::<ISA> {
                     p,
                     prev: &self.prev,
-                    cur: &mut self.cur,
-                    opt,
-                    lower: if layer > 2 { Some(lower) } else { None },
-                    row: &mut self.row,
-                    avx2: self.avx2,
+                    lower: None,
                 };
-                ctx.solve(layer, hi, layer - 1, hi - 1);
+                let (t, v) = ctx.best_split(n, floors[k - 1], n - 1, &mut self.row);
+                opt[n] = t as u32;
+                self.cur[n] = v;
+            } else {
+                // Rows j in [floors[layer], n-(k-layer)], splits i in
+                // [floors[layer-1], j-1].
+                let hi = n - (k - layer);
+                self.cur.fill(f64::INFINITY);
+                let lower = if layer > 2 { Some(lower) } else { None };
+                let ctx = Layer::<ISA> {
+                    p,
+                    prev: &self.prev,
+                    lower,
+                };
+                ctx.solve(
+                    &mut self.cur,
+                    opt,
+                    &mut self.row,
+                    (floors[layer], hi),
+                    (floors[layer - 1], hi - 1),
+                );
+                let demand = floors[layer + 1].min(hi);
+                if floors[layer] > layer && (opt[demand] as usize) < floors[layer] {
+                    return false;
+                }
             }
             std::mem::swap(&mut self.prev, &mut self.cur);
         }
+        true
+    }
+
+    /// Split points of the optimum from the tables of `layers`.
+    fn backtrack(&self, n: usize, k: usize) -> Vec<usize> {
+        let stride = n + 1;
         let mut b = vec![0usize; k + 1];
         b[k] = n;
         for layer in (2..=k).rev() {
@@ -405,52 +883,146 @@ impl Dp {
         }
         b
     }
+
+    /// Row floors for `layers`, estimated from the same programme on every
+    /// `COARSE`-th split point (about 1/16 of the work): the chain of best
+    /// splits `L[k] = n`, `L[m] = opt[m][L[m + 1]]` marks the first row of each
+    /// layer that the final answer can depend on. The estimate is moved down
+    /// by a margin; `layers` verifies it and a wrong one costs a second pass.
+    #[inline(always)]
+    fn coarse_floors<const ISA: u8>(&mut self, p: &Prefix, k: usize) -> Option<Vec<usize>> {
+        let n = p.len();
+        let (cp, cdp) = &mut **self
+            .coarse
+            .get_or_insert_with(|| Box::new((Prefix::new(), Dp::new())));
+        p.sample(COARSE, cp);
+        let nc = cp.len();
+        let mut floors: Vec<usize> = (0..=k).collect();
+        floors[k] = n;
+        if !cdp.layers::<ISA>(
+            cp,
+            k,
+            &floors.iter().map(|&f| f.min(nc)).collect::<Vec<_>>(),
+        ) {
+            return None;
+        }
+        let pos = |t: usize| (t * COARSE).min(n);
+        for m in (2..k).rev() {
+            // The coarse row at or below the next layer's (already lowered)
+            // floor, so margins do not compound down the chain.
+            let row = (floors[m + 1] / COARSE).min(nc - (k - m));
+            let split = cdp.opt[(m - 1) * (nc + 1) + row] as usize;
+            let est = pos(split).saturating_sub(COARSE_SLACK);
+            floors[m] = est.max(m).min(floors[m + 1]).min(n - (k - m));
+        }
+        Some(floors)
+    }
 }
 
-/// One layer of the programme, by divide and conquer over rows: the best
+/// Split-point step of the coarse pass that estimates row floors.
+const COARSE: usize = 16;
+/// Groups with at least this many distinct values per cluster get the
+/// coarse pass.
+const COARSE_MIN: usize = 64;
+/// How far below the coarse estimate a layer's first row is put.
+const COARSE_SLACK: usize = 8 * COARSE;
+
+/// One layer of the programme by divide and conquer over rows: the best
 /// split of row `j` is monotone in `j` (quadrangle inequality) and is never
 /// before the best split of the previous layer at the same `j` (one more
 /// cluster never lengthens the last one).
-struct Layer<'a> {
+///
+/// The divide and conquer runs level by level rather than recursively: at
+/// step `s` the rows at odd multiples of `s` are searched between the best
+/// splits of their neighbours at `s` either side, found at the levels above.
+/// Rows of one level do not depend on each other, so the processor overlaps
+/// their searches instead of waiting on each one in turn.
+struct Layer<'a, const ISA: u8> {
     p: &'a Prefix,
     prev: &'a [f64],
-    cur: &'a mut [f64],
-    opt: &'a mut [u32],
     lower: Option<&'a [u32]>,
-    row: &'a mut [f64],
-    avx2: bool,
 }
 
-impl Layer<'_> {
+impl<const ISA: u8> Layer<'_, ISA> {
     /// Leftmost `i` in `[a, b]` minimising `prev[i] + cost(i, j)`, and the minimum.
-    #[inline]
-    fn best_split(&mut self, j: usize, a: usize, b: usize) -> (usize, f64) {
-        if b - a < SHORT_ROW {
-            self.p.row_min(self.prev, j, a, b)
+    #[inline(always)]
+    fn best_split(&self, j: usize, a: usize, b: usize, row: &mut [f64]) -> (usize, f64) {
+        let w = b - a + 1;
+        #[cfg(target_arch = "x86_64")]
+        if ISA == ISA_AVX512 && self.p.narrow {
+            // SAFETY: `ISA_AVX512` is used only inside `Dp::solve_avx512`,
+            // which runs when the CPU reports AVX-512 F and DQ.
+            return unsafe { avx512::best_split(self.p, self.prev, j, a, w) };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if ISA == ISA_AVX2 && self.p.narrow {
+            // SAFETY: `ISA_AVX2` is used only inside `Dp::solve_avx2`, which
+            // runs when the CPU reports AVX2.
+            return unsafe { avx2::best_split(self.p, self.prev, j, a, w, row) };
+        }
+        if self.p.narrow && w <= SMALL / 2 {
+            self.p.small_min::<{ SMALL / 2 }>(self.prev, j, a, w)
+        } else if self.p.narrow && w <= SMALL {
+            self.p.small_min::<SMALL>(self.prev, j, a, w)
         } else {
-            let row = &mut self.row[..=b - a];
-            self.p.row(self.prev, j, a, row, self.avx2);
+            let row = &mut row[..w];
+            if self.p.narrow {
+                self.p.row_narrow(self.prev, j, a, row);
+            } else {
+                self.p.row_wide(self.prev, j, a, row);
+            }
             let (t, v) = argmin(row);
             (a + t, v)
         }
     }
 
-    fn solve(&mut self, jlo: usize, jhi: usize, ilo: usize, ihi: usize) {
+    /// Rows `j` in `jlo..=jhi` with splits in `ilo..=ihi` (and below `j`).
+    #[inline(always)]
+    fn solve(
+        &self,
+        cur: &mut [f64],
+        opt: &mut [u32],
+        row: &mut [f64],
+        (jlo, jhi): (usize, usize),
+        (ilo, ihi): (usize, usize),
+    ) {
         if jlo > jhi {
             return;
         }
-        let mid = jlo + (jhi - jlo) / 2;
-        let b = ihi.min(mid - 1);
-        let floor = self.lower.map_or(0, |l| l[mid] as usize);
-        let a = ilo.max(floor).min(b);
-        let (best, v) = self.best_split(mid, a, b);
-        self.cur[mid] = v;
-        self.opt[mid] = best as u32;
-        if mid > jlo {
-            self.solve(jlo, mid - 1, ilo, best);
+        let rows = jhi - jlo + 1;
+        // Row u (1-based) is j = jlo + u - 1; the largest step is the highest
+        // power of two not above `rows`.
+        let mut s = 1usize << (usize::BITS - 1 - rows.leading_zeros());
+        loop {
+            let mut u = s;
+            while u <= rows {
+                let j = jlo + u - 1;
+                let left = if u > s { opt[j - s] as usize } else { ilo };
+                let right = if u + s <= rows {
+                    opt[j + s] as usize
+                } else {
+                    ihi
+                };
+                let b = right.min(j - 1);
+                let floor = self.lower.map_or(0, |l| l[j] as usize);
+                let a = left.max(floor).min(b);
+                let (best, v) = self.best_split(j, a, b, row);
+                cur[j] = v;
+                opt[j] = best as u32;
+                u += 2 * s;
+            }
+            if s == 1 {
+                break;
+            }
+            s /= 2;
         }
-        self.solve(mid + 1, jhi, best, ihi);
     }
+}
+
+thread_local! {
+    /// Each worker thread's buffers, kept across groups and calls: a fresh
+    /// set per rayon job costs page faults on every call.
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::new());
 }
 
 /// Per-thread buffers, reused across groups.
@@ -478,7 +1050,9 @@ impl Scratch {
     }
 
     /// Palettizes one group (`w`: fp16 bits) into `lut` and `idx`.
-    fn group(&mut self, w: &[u16], idx: &mut [u8], lut: &mut [f16]) {
+    /// Returns false, leaving `idx` and `lut` unspecified, when the group
+    /// holds a NaN or an infinity.
+    fn group(&mut self, w: &[u16], idx: &mut [u8], lut: &mut [f16]) -> bool {
         let (mut kmin, mut kmax) = (u16::MAX, 0u16);
         for &b in w {
             let k = key(b);
@@ -496,6 +1070,11 @@ impl Scratch {
                 self.counts.push(c);
                 self.q.push(fixed(unkey(k)));
             }
+        }
+        // Keys of -inf and negative NaNs are at most 0x03ff, those of +inf
+        // and positive NaNs at least 0xfc00; every finite value lies between.
+        if kmin <= 0x03ff || kmax >= 0xfc00 {
+            return false;
         }
         let n = self.keys.len();
         let k = lut.len().min(n);
@@ -535,6 +1114,7 @@ impl Scratch {
         for (o, &b) in idx.iter_mut().zip(w) {
             *o = self.slot[key(b) as usize];
         }
+        true
     }
 }
 
@@ -561,7 +1141,7 @@ pub fn palettize(
             len: weight.len(),
         });
     }
-    if rows % group_size != 0 {
+    if !rows.is_multiple_of(group_size) {
         return Err(PaletteError::GroupMismatch { rows, group_size });
     }
     let per_group = group_size * cols;
@@ -569,24 +1149,31 @@ pub fn palettize(
         return Err(PaletteError::GroupTooLarge(per_group));
     }
     let bits: &[u16] = half::slice::HalfFloatSliceExt::reinterpret_cast(weight);
-    // The first non-finite element in row-major order, whatever the threads.
-    if let Some(e) = bits.par_iter().position_first(|&b| !is_finite_bits(b)) {
-        return Err(PaletteError::NonFinite {
-            row: e / cols.max(1),
-            col: e % cols.max(1),
-            value: weight[e].to_f32(),
-        });
-    }
     let entries = 1usize << nbits;
     let groups = rows / group_size;
     let mut lut = vec![f16::ZERO; groups * entries];
     let mut indices = vec![0u8; rows * cols];
     if per_group > 0 {
-        indices
+        // Non-finite values are found by each group's histogram, so the
+        // weight is read once; the error names the first one in row-major
+        // order, whatever the threads.
+        let finite = indices
             .par_chunks_mut(per_group)
             .zip(lut.par_chunks_mut(entries))
             .zip(bits.par_chunks(per_group))
-            .for_each_init(Scratch::new, |s, ((idx, l), w)| s.group(w, idx, l));
+            .map(|((idx, l), w)| SCRATCH.with(|s| s.borrow_mut().group(w, idx, l)))
+            .reduce(|| true, |a, b| a & b);
+        if !finite {
+            let e = bits
+                .iter()
+                .position(|&b| !is_finite_bits(b))
+                .expect("a group reported a non-finite value");
+            return Err(PaletteError::NonFinite {
+                row: e / cols.max(1),
+                col: e % cols.max(1),
+                value: weight[e].to_f32(),
+            });
+        }
     }
     Ok(Palette {
         lut,
@@ -998,5 +1585,153 @@ mod tests {
             palettize(&w, 48, 1, 0, 4).unwrap_err(),
             PaletteError::ZeroGroup
         );
+    }
+
+    /// Exact optimum by the plain O(k n^2) programme over exact i128 costs
+    /// (no monotonicity, no floors, no vectors): the total cost in units of
+    /// 2^-48.
+    fn quadratic_optimum(qs: &[i64], cs: &[u32], k: usize) -> f64 {
+        let n = qs.len();
+        let (mut w, mut s1, mut s2) = (vec![0i128], vec![0i128], vec![0i128]);
+        for (&q, &c) in qs.iter().zip(cs) {
+            let (q, c) = (i128::from(q), i128::from(c));
+            w.push(w.last().unwrap() + c);
+            s1.push(s1.last().unwrap() + c * q);
+            s2.push(s2.last().unwrap() + c * q * q);
+        }
+        let cost = |i: usize, j: usize| {
+            let (dw, d1, d2) = (w[j] - w[i], s1[j] - s1[i], s2[j] - s2[i]);
+            (dw * d2 - d1 * d1) as f64 / dw as f64
+        };
+        let mut prev: Vec<f64> = (0..=n)
+            .map(|j| if j == 0 { 0.0 } else { cost(0, j) })
+            .collect();
+        for m in 2..=k {
+            let cur: Vec<f64> = (0..=n)
+                .map(|j| {
+                    (m - 1..j)
+                        .map(|i| prev[i] + cost(i, j))
+                        .fold(f64::INFINITY, f64::min)
+                })
+                .collect();
+            prev = cur;
+        }
+        prev[n]
+    }
+
+    /// Weighted points of one of several shapes: normal fp16 weights,
+    /// heavy duplicates, a uniform spread, or large values (i128 path).
+    fn random_points(rng: &mut Rng, kind: u64, len: usize) -> Vec<f16> {
+        (0..len)
+            .map(|_| match kind {
+                0 => h(rng.normal(0.02)),
+                1 => h((rng.below(40) as f64 - 20.0) * 0.001),
+                2 => h((rng.below(1 << 20) as f64 / (1u64 << 20) as f64 - 0.5) * 0.2),
+                _ => h(rng.normal(2000.0)),
+            })
+            .collect()
+    }
+
+    fn partition_of(qs: &[i64], cs: &[u32], k: usize, isa: u8) -> Vec<usize> {
+        let mut prefix = Prefix::new();
+        prefix.fill(qs, cs);
+        Dp::with_isa(isa).solve(&prefix, k)
+    }
+
+    #[test]
+    fn fast_programme_matches_quadratic_reference() {
+        // Medium groups, where the coarse pass, the row floors, the level-
+        // order divide and conquer and the vector searches all take part.
+        let mut rng = Rng(0xfeed_beef);
+        let mut coarse = 0;
+        for trial in 0..16 {
+            let len = 400 + rng.below(4000) as usize;
+            let w = random_points(&mut rng, trial % 4, len);
+            let (xs, cs, qs) = distinct(&w);
+            for k in [3, 8, 16] {
+                if k > xs.len() {
+                    continue;
+                }
+                coarse += usize::from(k > 2 && xs.len() >= COARSE_MIN * k);
+                let best = quadratic_optimum(&qs, &cs, k);
+                let got = partition_of(&qs, &cs, k, best_isa());
+                let mine = partition_cost(&xs, &cs, &got) * (1u64 << 48) as f64;
+                assert!(
+                    mine <= best * (1.0 + 1e-9) + 1e-6,
+                    "trial {trial} n {} k {k}: {mine:e} > optimum {best:e}",
+                    xs.len()
+                );
+            }
+        }
+        assert!(coarse >= 5, "the coarse pass ran {coarse} times");
+    }
+
+    #[test]
+    fn every_search_build_gives_the_same_partition() {
+        // Portable, AVX2 and AVX-512 evaluate every split with the same
+        // roundings, so they agree bit for bit (on whatever this CPU has).
+        let isas = available_isas();
+        let mut rng = Rng(77);
+        for trial in 0..40 {
+            let len = 64 + rng.below(20000) as usize;
+            let w = random_points(&mut rng, trial % 4, len);
+            let (xs, cs, qs) = distinct(&w);
+            for k in [2, 4, 16] {
+                if k > xs.len() {
+                    continue;
+                }
+                let first = partition_of(&qs, &cs, k, isas[0]);
+                for &isa in &isas[1..] {
+                    assert_eq!(
+                        partition_of(&qs, &cs, k, isa),
+                        first,
+                        "trial {trial} k {k}: build {isa} differs from the portable one"
+                    );
+                }
+            }
+        }
+        // And the whole group (LUT and indices) through `Scratch`.
+        let w: Vec<u16> = random_points(&mut rng, 0, 32 * 1536)
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let mut want = None;
+        for &isa in &isas {
+            let mut s = Scratch::new();
+            s.dp = Dp::with_isa(isa);
+            let (mut idx, mut lut) = (vec![0u8; w.len()], vec![f16::ZERO; 16]);
+            assert!(s.group(&w, &mut idx, &mut lut));
+            match &want {
+                None => want = Some((idx, lut)),
+                Some(first) => assert!(*first == (idx, lut), "build {isa} differs"),
+            }
+        }
+    }
+
+    #[test]
+    fn row_floors_that_are_too_high_are_caught() {
+        // `layers` checks that no layer needs a row below its floor; floors
+        // set at the top of every layer must fail that check, and `solve`
+        // (coarse floors, with the full programme behind them) stays optimal.
+        let mut rng = Rng(5);
+        let w = random_points(&mut rng, 0, 20000);
+        let (xs, cs, qs) = distinct(&w);
+        let k = 16;
+        let mut prefix = Prefix::new();
+        prefix.fill(&qs, &cs);
+        let n = prefix.len();
+        let mut floors: Vec<usize> = (0..=k).map(|m| n - (k - m)).collect();
+        floors[1] = 1;
+        let mut dp = Dp::with_isa(ISA_PORTABLE);
+        assert!(!dp.layers::<ISA_PORTABLE>(&prefix, k, &floors));
+        let floors = dp
+            .coarse_floors::<ISA_PORTABLE>(&prefix, k)
+            .expect("the coarse pass runs");
+        assert!(floors.windows(2).all(|f| f[0] <= f[1]));
+        assert!(floors[k - 1] > n / 2, "floors {floors:?} do not prune");
+        let got = Dp::with_isa(ISA_PORTABLE).solve(&prefix, k);
+        let mine = partition_cost(&xs, &cs, &got) * (1u64 << 48) as f64;
+        let best = quadratic_optimum(&qs, &cs, k);
+        assert!(mine <= best * (1.0 + 1e-9) + 1e-6);
     }
 }
