@@ -12,6 +12,9 @@ pub fn run(json_out: bool, quick: bool, seed: u64, verbose: bool) -> Result<()> 
     // its OpenMP runtime) starts. The Rust kernel uses rayon, not OpenMP.
     if std::env::var_os("OMP_NUM_THREADS").is_none() {
         std::env::set_var("OMP_NUM_THREADS", "1");
+        // Lets the one-worker coremltools runs (in their own process, no
+        // fork) go back to OpenMP's default thread count.
+        std::env::set_var("CHUNKFORGE_OMP_DEFAULTED", "1");
     }
     pyenv::activate(verbose)?;
     eprintln!(

@@ -1060,23 +1060,34 @@ impl Scratch {
             kmin = kmin.min(k);
             kmax = kmax.max(k);
         }
-        self.keys.clear();
-        self.counts.clear();
-        self.q.clear();
-        for k in kmin..=kmax {
-            let c = std::mem::take(&mut self.hist[k as usize]);
-            if c != 0 {
-                self.keys.push(k);
-                self.counts.push(c);
-                self.q.push(fixed(unkey(k)));
-            }
+        // Occupied keys in order, compacted without branches (about half the
+        // keys in the range are occupied, so a branch would guess wrong often).
+        let span = if kmin <= kmax {
+            usize::from(kmax - kmin) + 1
+        } else {
+            0
+        };
+        self.keys.resize(span, 0);
+        self.counts.resize(span, 0);
+        let mut n = 0;
+        for (t, c) in self.hist[usize::from(kmin)..usize::from(kmin) + span]
+            .iter_mut()
+            .enumerate()
+        {
+            let count = std::mem::take(c);
+            self.keys[n] = kmin + t as u16;
+            self.counts[n] = count;
+            n += usize::from(count != 0);
         }
+        self.keys.truncate(n);
+        self.counts.truncate(n);
+        self.q.clear();
+        self.q.extend(self.keys.iter().map(|&k| fixed(unkey(k))));
         // Keys of -inf and negative NaNs are at most 0x03ff, those of +inf
         // and positive NaNs at least 0xfc00; every finite value lies between.
         if kmin <= 0x03ff || kmax >= 0xfc00 {
             return false;
         }
-        let n = self.keys.len();
         let k = lut.len().min(n);
         self.prefix.fill(&self.q, &self.counts);
         let bounds = self.dp.solve(&self.prefix, k);

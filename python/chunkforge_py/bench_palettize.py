@@ -11,8 +11,10 @@ per element) against the original, in float64.
 coremltools 9.0 ships its own `coremltools._deps.kmeans1d` and uses it for fp16
 weights; "without kmeans1d" switches that off so it falls back to
 scikit-learn. scikit-learn's k-means deadlocks in forked workers unless
-OpenMP is single-threaded: the Rust side sets OMP_NUM_THREADS=1 before the
-interpreter starts.
+OpenMP is single-threaded, so the two-worker runs get OMP_NUM_THREADS=1; the
+one-worker runs do not fork (coremltools runs k-means in-process) and keep
+OpenMP's default, all cores, as a user would. Each coremltools measurement
+runs in its own plain interpreter process (see `run_coremltools`).
 """
 
 from __future__ import annotations
@@ -127,7 +129,14 @@ def run_coremltools(weight: np.ndarray, workers: int, kmeans1d: bool) -> tuple[n
         src = os.path.join(tmp, "weight.npy")
         dst = os.path.join(tmp, "result.npz")
         np.save(src, weight)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+        if workers > 1:
+            # scikit-learn's OpenMP deadlocks in coremltools' forked workers.
+            env["OMP_NUM_THREADS"] = "1"
+        elif os.environ.get("CHUNKFORGE_OMP_DEFAULTED") == "1":
+            # One worker runs k-means in-process: scikit-learn gets OpenMP's
+            # default (all cores), as it would for a user.
+            env.pop("OMP_NUM_THREADS", None)
         code = (
             "import sys, numpy as np\n"
             "from chunkforge_py.bench_palettize import _coremltools_in_process\n"

@@ -33,7 +33,7 @@ import numpy as np
 from .runtime import ChunkforgeError
 
 # Bump when the kernel's output for the same input could change.
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 
 _CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
