@@ -819,16 +819,17 @@ impl Dp {
     fn layers<const ISA: u8>(&mut self, p: &Prefix, k: usize, floors: &[usize]) -> bool {
         let n = p.len();
         let stride = n + 1;
-        self.prev.clear();
+        // No clearing: every entry a layer reads was written by the layer
+        // before it, except one `opt` entry per layer, set below (window
+        // lanes past the end are masked whatever they hold).
         self.prev.resize(stride + PAD, f64::INFINITY);
-        self.cur.clear();
         self.cur.resize(stride + PAD, f64::INFINITY);
-        self.opt.clear();
         self.opt.resize(k * stride, 0);
         self.row.resize(stride + SMALL, 0.0);
         // One cluster over the first j points; only j <= n-(k-1) leaves a
         // point for every later cluster.
         let last = n - (k - 1);
+        self.cur[0] = f64::INFINITY;
         p.first_column(&mut self.cur[..=last]);
         std::mem::swap(&mut self.prev, &mut self.cur);
         for layer in 2..=k {
@@ -849,7 +850,6 @@ impl Dp {
                 // Rows j in [floors[layer], n-(k-layer)], splits i in
                 // [floors[layer-1], j-1].
                 let hi = n - (k - layer);
-                self.cur.fill(f64::INFINITY);
                 let lower = if layer > 2 { Some(lower) } else { None };
                 let ctx = Layer::<ISA> {
                     p,
@@ -863,6 +863,9 @@ impl Dp {
                     (floors[layer], hi),
                     (floors[layer - 1], hi - 1),
                 );
+                // The next layer's last row, hi + 1, reads this layer's best
+                // split there as its floor; 0 is always a valid one.
+                opt[hi + 1] = 0;
                 let demand = floors[layer + 1].min(hi);
                 if floors[layer] > layer && (opt[demand] as usize) < floors[layer] {
                     return false;
