@@ -649,7 +649,7 @@ mod avx512 {
     #[inline(always)]
     unsafe fn eval8(p: &Prefix, prev: &[f64], j: usize, a: usize) -> __m512d {
         assert!(a + 8 <= prev.len() && a + 8 <= p.fw.len());
-        debug_assert!(p.s1i.len() == p.fw.len() && p.s2u.len() == p.fw.len());
+        assert!(p.s1i.len() == p.fw.len() && p.s2u.len() == p.fw.len());
         let dw = _mm512_sub_pd(
             _mm512_set1_pd(p.fw[j]),
             _mm512_loadu_pd(p.fw.as_ptr().add(a)),
@@ -913,7 +913,13 @@ impl Dp {
         for m in (2..k).rev() {
             // The coarse row at or below the next layer's (already lowered)
             // floor, so margins do not compound down the chain.
+            // Coarse layer m holds rows m..=nc-(k-m) only: below that there
+            // is no estimate (and the table holds another group's entries).
             let row = (floors[m + 1] / COARSE).min(nc - (k - m));
+            if row < m {
+                floors[m] = m;
+                continue;
+            }
             let split = cdp.opt[(m - 1) * (nc + 1) + row] as usize;
             let est = pos(split).saturating_sub(COARSE_SLACK);
             floors[m] = est.max(m).min(floors[m + 1]).min(n - (k - m));
@@ -1747,5 +1753,45 @@ mod tests {
         let mine = partition_cost(&xs, &cs, &got) * (1u64 << 48) as f64;
         let best = quadratic_optimum(&qs, &cs, k);
         assert!(mine <= best * (1.0 + 1e-9) + 1e-6);
+    }
+
+    #[test]
+    fn reused_buffers_give_the_same_answer_as_fresh_ones() {
+        // Tables are not cleared between groups: one programme (and one
+        // `Scratch`) run over groups of changing size and k must give what a
+        // fresh one gives, on every build. Small groups after large ones
+        // leave the most stale entries behind; skewed data puts the first
+        // clusters below the coarse pass's resolution.
+        let mut rng = Rng(0x5eed);
+        for &isa in &available_isas() {
+            let mut reused = Dp::with_isa(isa);
+            for trial in 0..60 {
+                let len = [20000, 300, 4096, 9000, 1200][trial % 5] + rng.below(500) as usize;
+                let mut w = random_points(&mut rng, trial as u64 % 4, len);
+                if trial % 3 == 0 {
+                    // A few low outliers: tiny first clusters.
+                    for v in w.iter_mut().take(5) {
+                        *v = h(-0.5 - rng.below(100) as f64 * 1e-3);
+                    }
+                }
+                let (_, cs, qs) = distinct(&w);
+                let k = [16, 4, 16, 8, 2][trial % 5].min(qs.len());
+                let mut prefix = Prefix::new();
+                prefix.fill(&qs, &cs);
+                assert_eq!(
+                    reused.solve(&prefix, k),
+                    Dp::with_isa(isa).solve(&prefix, k),
+                    "build {isa}, trial {trial}: a reused programme differs from a fresh one"
+                );
+                if isa == ISA_PORTABLE && k > 2 && qs.len() >= COARSE_MIN * k {
+                    // The floors themselves are a function of the group.
+                    assert_eq!(
+                        reused.coarse_floors::<ISA_PORTABLE>(&prefix, k),
+                        Dp::with_isa(isa).coarse_floors::<ISA_PORTABLE>(&prefix, k),
+                        "trial {trial}: coarse floors depend on the previous group"
+                    );
+                }
+            }
+        }
     }
 }
