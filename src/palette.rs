@@ -581,7 +581,7 @@ mod avx2 {
 
     /// Leftmost `i` in `[a, a + w)` minimising `prev[i] + cost(i, j)`, and
     /// the minimum. Short windows are one or two masked vectors (reads past
-    /// the end land in the padding); long ones go through `row`.
+    /// the end land in the padding); long ones one pass over vectors.
     #[inline(always)]
     pub(super) unsafe fn best_split(
         p: &Prefix,
@@ -589,7 +589,6 @@ mod avx2 {
         j: usize,
         a: usize,
         w: usize,
-        row: &mut [f64],
     ) -> (usize, f64) {
         if w <= 4 {
             let v = mask_from(eval4(p, prev, j, a), 0, w);
@@ -609,7 +608,6 @@ mod avx2 {
             // split holding it (strict `<`); the answer is the lowest index
             // among the lanes holding the overall minimum. The last vector is
             // masked.
-            let _ = row;
             let chunks = w.div_ceil(4);
             let mut acc = _mm256_set1_pd(f64::INFINITY);
             let mut idx = _mm256_setzero_pd();
@@ -967,7 +965,7 @@ impl<const ISA: u8> Layer<'_, ISA> {
         if ISA == ISA_AVX2 && self.p.narrow {
             // SAFETY: `ISA_AVX2` is used only inside `Dp::solve_avx2`, which
             // runs when the CPU reports AVX2.
-            return unsafe { avx2::best_split(self.p, self.prev, j, a, w, row) };
+            return unsafe { avx2::best_split(self.p, self.prev, j, a, w) };
         }
         if self.p.narrow && w <= SMALL / 2 {
             self.p.small_min::<{ SMALL / 2 }>(self.prev, j, a, w)
