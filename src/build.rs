@@ -97,9 +97,11 @@ pub fn run(
         "prefix": ckpt.prefix,
         "files": ckpt.files.iter().map(|(k, v)| (k.clone(), Value::String(v.to_string_lossy().into()))).collect::<serde_json::Map<_, _>>(),
     });
+    // `layouts`: each layout holds every weight once, so the palettization
+    // cache keeps a result until that many packages have used it.
     let settings_json = json!({
         "nbits": settings.nbits, "group_size": settings.group_size, "kmeans_workers": settings.kmeans_workers,
-        "palettizer": settings.palettizer,
+        "palettizer": settings.palettizer, "layouts": plan.layouts.len(),
     });
     let verbose = settings.verbose;
 

@@ -152,10 +152,13 @@ struct Prefix {
     fw: Vec<f64>,
     /// `s1 = h * 2^32 + l` with `0 <= l < 2^32`: both parts exact in f64, so
     /// a difference of prefixes is recovered exactly before one rounding.
+    /// (Only when `split`: the AVX-512 search reads the integer views.)
     s1h: Vec<f64>,
     s1l: Vec<f64>,
     s2h: Vec<f64>,
     s2l: Vec<f64>,
+    /// Whether the split views above are filled (narrow groups only).
+    split: bool,
     /// Narrow groups: `s1` and `s2` as integers, padded like the f64 views
     /// (the AVX-512 search subtracts them exactly, then converts once).
     s1i: Vec<i64>,
@@ -173,6 +176,7 @@ impl Prefix {
             s1i: Vec::new(),
             s2u: Vec::new(),
             narrow: true,
+            split: true,
             fw: Vec::new(),
             s1h: Vec::new(),
             s1l: Vec::new(),
@@ -192,6 +196,7 @@ impl Prefix {
         let n = self.len();
         let at: Vec<usize> = (0..n.div_ceil(step)).map(|t| t * step).chain([n]).collect();
         out.narrow = self.narrow;
+        out.split = self.split;
         out.w = at.iter().map(|&i| self.w[i]).collect();
         out.s1 = at.iter().map(|&i| self.s1[i]).collect();
         if self.narrow {
@@ -204,8 +209,10 @@ impl Prefix {
                 (&mut out.s2l, &self.s2l),
             ] {
                 dst.clear();
-                dst.extend(at.iter().map(|&i| src[i]));
-                dst.extend(std::iter::repeat_n(src[n], PAD));
+                if !src.is_empty() {
+                    dst.extend(at.iter().map(|&i| src[i]));
+                    dst.extend(std::iter::repeat_n(src[n], PAD));
+                }
             }
             out.s1i.clear();
             out.s1i.extend(at.iter().map(|&i| self.s1i[i]));
@@ -218,7 +225,17 @@ impl Prefix {
         }
     }
 
+    /// Prefix sums of the sorted distinct values `q` with their counts, and
+    /// every view a search build reads.
+    #[cfg(test)]
     fn fill(&mut self, q: &[i64], counts: &[u32]) {
+        self.fill_for(q, counts, true);
+    }
+
+    /// As `fill`; the split f64 views (read by the portable and AVX2
+    /// searches) only when `split`.
+    fn fill_for(&mut self, q: &[i64], counts: &[u32], split: bool) {
+        self.split = split;
         let total: u128 = counts.iter().map(|&c| u128::from(c)).sum();
         let qmax = q
             .iter()
@@ -255,10 +272,12 @@ impl Prefix {
                 self.s1.push(s1);
                 self.fw.push(w as f64);
                 // Arithmetic shift: h * 2^32 + l == s1 with 0 <= l < 2^32.
-                self.s1h.push((s1 >> 32) as f64);
-                self.s1l.push((s1 & 0xffff_ffff) as f64);
-                self.s2h.push((s2 >> 32) as f64);
-                self.s2l.push((s2 & 0xffff_ffff) as f64);
+                if split {
+                    self.s1h.push((s1 >> 32) as f64);
+                    self.s1l.push((s1 & 0xffff_ffff) as f64);
+                    self.s2h.push((s2 >> 32) as f64);
+                    self.s2l.push((s2 & 0xffff_ffff) as f64);
+                }
                 self.s2u.push(s2);
             }
         } else {
@@ -284,8 +303,9 @@ impl Prefix {
                 &mut self.s2h,
                 &mut self.s2l,
             ] {
-                let last = *v.last().unwrap_or(&0.0);
-                v.extend(std::iter::repeat_n(last, PAD));
+                if let Some(&last) = v.last() {
+                    v.extend(std::iter::repeat_n(last, PAD));
+                }
             }
             self.s1i.extend_from_slice(&self.s1);
             self.s1i.extend(std::iter::repeat_n(s1, PAD));
@@ -387,23 +407,18 @@ impl Prefix {
     #[inline(always)]
     fn first_column(&self, out: &mut [f64]) {
         if self.narrow {
-            let (w0, h10, l10, h20, l20) = (
-                self.fw[0],
-                self.s1h[0],
-                self.s1l[0],
-                self.s2h[0],
-                self.s2l[0],
-            );
+            // The exact integer differences rounded once: the values the
+            // split views give (see `row_narrow`).
             let m = out.len();
+            let (w0, s10, s20) = (self.fw[0], self.s1i[0], self.s2u[0]);
             let it = out[1..]
                 .iter_mut()
                 .zip(&self.fw[1..m])
-                .zip(self.s1h[1..m].iter().zip(&self.s1l[1..m]))
-                .zip(self.s2h[1..m].iter().zip(&self.s2l[1..m]));
-            for (((o, &wj), (&h1, &l1)), (&h2, &l2)) in it {
+                .zip(self.s1i[1..m].iter().zip(&self.s2u[1..m]));
+            for ((o, &wj), (&s1, &s2)) in it {
                 let dw = wj - w0;
-                let d1 = (h1 - h10) * TWO32 + (l1 - l10);
-                let d2 = (h2 - h20) * TWO32 + (l2 - l20);
+                let d1 = (s1 - s10) as f64;
+                let d2 = s2.wrapping_sub(s20) as f64;
                 *o = 0.0 + (d2 - d1 * d1 / dw);
             }
         } else {
@@ -540,8 +555,9 @@ mod avx2 {
     #[inline(always)]
     unsafe fn eval4(p: &Prefix, prev: &[f64], j: usize, a: usize) -> __m256d {
         assert!(a + 4 <= prev.len() && a + 4 <= p.fw.len());
-        // SAFETY: the assert keeps every four-lane load inside the arrays
-        // (the prefix views all have the length of `fw`).
+        assert!(p.s1h.len() == p.fw.len() && p.s1l.len() == p.fw.len());
+        assert!(p.s2h.len() == p.fw.len() && p.s2l.len() == p.fw.len());
+        // SAFETY: the asserts keep every four-lane load inside the arrays.
         let ld = |v: &[f64]| unsafe { _mm256_loadu_pd(v.as_ptr().add(a)) };
         let two32 = _mm256_set1_pd(TWO32);
         let dw = _mm256_sub_pd(_mm256_set1_pd(p.fw[j]), ld(&p.fw));
@@ -1096,7 +1112,8 @@ impl Scratch {
             return false;
         }
         let k = lut.len().min(n);
-        self.prefix.fill(&self.q, &self.counts);
+        let split = self.dp.isa != ISA_AVX512;
+        self.prefix.fill_for(&self.q, &self.counts, split);
         let bounds = self.dp.solve(&self.prefix, k);
 
         // Cluster means rounded to fp16; unused entries stay +0.

@@ -15,17 +15,20 @@ is the kind coremltools would write, with our LUT in it unchanged. (The
 alternative, snapping the weight to the LUT and using mode "unique", would
 let coremltools re-derive and re-order the table and re-scan every group.)
 
-Every result is cached for the life of the process (one build = one
-interpreter), keyed by SHA-256 of the fp16 weight bytes, its shape and the
-settings: `--mode both` palettizes merged_full's weights (exactly those of
-merged_chunk1 + merged_chunk2) once, and because the kernel is deterministic
-every layout's copy of a weight is byte-identical.
+Results are cached within a build (one build = one interpreter), keyed by
+SHA-256 of the fp16 weight bytes, its shape and the settings: `--mode both`
+palettizes merged_full's weights (exactly those of merged_chunk1 +
+merged_chunk2) once, and because the kernel is deterministic every layout's
+copy of a weight is byte-identical. Every layout holds each weight once, so a
+build of L layouts uses a weight L times: an entry is dropped after its last
+use, and a one-layout build caches (and hashes) nothing. The cache would
+otherwise keep one index byte per weight element to the end of the build,
+about 2 GB for E2B.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,7 +38,8 @@ from .runtime import ChunkforgeError
 # Bump when the kernel's output for the same input could change.
 KERNEL_VERSION = 2
 
-_CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+# key -> [lut, indices, uses left]
+_CACHE: dict[str, list[Any]] = {}
 
 
 def cache_key(weight: np.ndarray, nbits: int, group_size: int) -> str:
@@ -45,15 +49,24 @@ def cache_key(weight: np.ndarray, nbits: int, group_size: int) -> str:
     return h.hexdigest()
 
 
-def palettize_weight(weight: np.ndarray, nbits: int, group_size: int, name: str) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(lut [groups, 2**nbits] fp16, indices [rows, cols] uint8, cache hit) for one weight."""
+def palettize_weight(
+    weight: np.ndarray, nbits: int, group_size: int, name: str, uses: int = 2
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(lut [groups, 2**nbits] fp16, indices [rows, cols] uint8, cache hit) for one weight.
+
+    `uses`: how many times this build will ask for the weight (its number of
+    layouts); the cached result is dropped after the last. 1 skips the cache.
+    """
     import chunkforge_native
 
     if weight.dtype != np.float16 or weight.ndim != 2:
         raise ChunkforgeError(f"{name}: expected a 2-D float16 weight, got {weight.dtype} {weight.shape}")
-    key = cache_key(weight, nbits, group_size)
-    hit = _CACHE.get(key)
+    key = cache_key(weight, nbits, group_size) if uses > 1 else None
+    hit = _CACHE.get(key) if key is not None else None
     if hit is not None:
+        hit[2] -= 1
+        if hit[2] <= 0:
+            del _CACHE[key]
         return hit[0], hit[1], True
     try:
         lut, indices = chunkforge_native.palettize_int4(np.ascontiguousarray(weight), group_size, nbits, name)
@@ -62,40 +75,54 @@ def palettize_weight(weight: np.ndarray, nbits: int, group_size: int, name: str)
     # Read-only: cached arrays are shared between packages.
     lut.flags.writeable = False
     indices.flags.writeable = False
-    _CACHE[key] = (lut, indices)
+    if key is not None:
+        _CACHE[key] = [lut, indices, uses - 1]
     return lut, indices, False
 
 
-def _feeder(
-    name: str, weight: np.ndarray, lut: np.ndarray, indices: np.ndarray, group: int
-) -> tuple[Callable, Callable[[], None]]:
-    """A coremltools `lut_function` handing out our per-group results in order,
-    and a check that every group was taken exactly once."""
-    groups = lut.shape[0]
-    # First row of each group, to confirm coremltools asks for the groups in
-    # the order we computed them.
-    probe = np.ascontiguousarray(weight[::group, : min(8, weight.shape[1])])
-    state = {"next": 0}
+class _Feeder:
+    """A coremltools `lut_function` for one weight, handing out our per-group
+    results in order, and a check that every group was taken exactly once.
 
-    def lut_function(val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        g = state["next"]
+    The kernel runs when coremltools asks for the first group and the result
+    is let go after the last, so one weight's indices are alive at a time
+    (coremltools compresses the weights one after another), not the whole
+    package's."""
+
+    def __init__(self, name: str, weight: np.ndarray, nbits: int, group: int, uses: int, counts: dict[str, int]):
+        self.name, self.weight, self.nbits, self.group, self.uses = name, weight, nbits, group, uses
+        self.counts = counts
+        self.groups = weight.shape[0] // group
+        # First row of each group, to confirm coremltools asks for the groups
+        # in the order we computed them.
+        self.probe = np.ascontiguousarray(weight[::group, : min(8, weight.shape[1])])
+        self.next = 0
+        self.result: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __call__(self, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        g = self.next
         if (
-            g >= groups
-            or val.shape != (group, weight.shape[1])
-            or not np.array_equal(val[0, : probe.shape[1]], probe[g])
+            g >= self.groups
+            or val.shape != (self.group, self.weight.shape[1])
+            or not np.array_equal(val[0, : self.probe.shape[1]], self.probe[g])
         ):
             raise ChunkforgeError(
-                f"{name}: coremltools asked for channel group {g} of {groups} with shape {val.shape}, "
+                f"{self.name}: coremltools asked for channel group {g} of {self.groups} with shape {val.shape}, "
                 "which is not the group palettized for it (coremltools changed how it splits groups?)"
             )
-        state["next"] = g + 1
-        return lut[g], indices[g * group : (g + 1) * group].reshape(-1)
+        if self.result is None:
+            lut, indices, hit = palettize_weight(self.weight, self.nbits, self.group, self.name, self.uses)
+            self.counts["hits" if hit else "misses"] += 1
+            self.result = (lut, indices)
+        lut, indices = self.result
+        self.next = g + 1
+        if self.next == self.groups:
+            self.result = None
+        return lut[g], indices[g * self.group : (g + 1) * self.group].reshape(-1)
 
-    def finished() -> None:
-        if state["next"] != groups:
-            raise ChunkforgeError(f"{name}: coremltools used {state['next']} of {groups} channel groups")
-
-    return lut_function, finished
+    def finished(self) -> None:
+        if self.next != self.groups:
+            raise ChunkforgeError(f"{self.name}: coremltools used {self.next} of {self.groups} channel groups")
 
 
 def palettize_model(
@@ -109,39 +136,45 @@ def palettize_model(
 
     nbits = int(settings["nbits"])
     group = int(settings["group_size"])
+    uses = int(settings.get("layouts", 2))
     consts = {}
     for op in mlmodel._mil_program.functions["main"].operations:
         if op.op_type == "const":
             consts[op.name] = op
     configs = {}
-    checks = []
-    hits = misses = 0
+    feeders = []
+    counts = {"hits": 0, "misses": 0}
     for wname, _shape in dict.fromkeys(weights):
         op = consts.get(wname)
         if op is None:
             raise ChunkforgeError(f"{name}: weight {wname} is not a const in the converted program")
         weight = op.outputs[0].val
-        lut, indices, hit = palettize_weight(weight, nbits, group, f"{name}: weight {wname}")
-        hits += hit
-        misses += not hit
-        fn, done = _feeder(wname, weight, lut, indices, group)
-        checks.append(done)
+        if weight.dtype != np.float16 or weight.ndim != 2:
+            raise ChunkforgeError(
+                f"{name}: weight {wname}: expected a 2-D float16 weight, got {weight.dtype} {weight.shape}"
+            )
+        feeder = _Feeder(f"{name}: weight {wname}", weight, nbits, group, uses, counts)
+        feeders.append(feeder)
         configs[wname] = OpPalettizerConfig(
             mode="custom",
-            lut_function=fn,
+            lut_function=feeder,
             granularity="per_grouped_channel",
             group_size=group,
             channel_axis=0,
             weight_threshold=0,
         )
     out = palettize_weights(mlmodel, OptimizationConfig(op_name_configs=configs))
-    for done in checks:
-        done()
-    return out, {"palettize_cache_hits": hits, "palettize_cache_misses": misses}
+    for feeder in feeders:
+        feeder.finished()
+    return out, {"palettize_cache_hits": counts["hits"], "palettize_cache_misses": counts["misses"]}
 
 
 def cache_size() -> int:
     return len(_CACHE)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
 
 
 def read_palettized(path: str) -> list[dict[str, Any]]:

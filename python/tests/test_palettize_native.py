@@ -53,6 +53,24 @@ def test_deterministic_and_cached():
     assert not hit3
 
 
+def test_cache_drops_entries_after_their_last_use():
+    palettize.clear_cache()
+    w = weight(64, 40, seed=12)
+    # One layout: nothing is kept.
+    assert palettize.palettize_weight(w, 4, 32, "w", uses=1)[2] is False
+    assert palettize.cache_size() == 0
+    assert palettize.palettize_weight(w, 4, 32, "w", uses=1)[2] is False
+    # Three layouts: two hits, then the entry is gone.
+    first = palettize.palettize_weight(w, 4, 32, "w", uses=3)
+    assert palettize.cache_size() == 1
+    hits = [palettize.palettize_weight(w.copy(), 4, 32, "w", uses=3) for _ in range(2)]
+    assert [h[2] for h in hits] == [True, True]
+    assert all(h[1].tobytes() == first[1].tobytes() for h in hits)
+    assert palettize.cache_size() == 0
+    assert palettize.palettize_weight(w, 4, 32, "w", uses=3)[2] is False
+    palettize.clear_cache()
+
+
 def test_non_finite_weight_names_weight_and_position():
     w = weight(64, 8, seed=1)
     w[40, 3] = np.inf
