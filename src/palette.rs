@@ -332,6 +332,7 @@ impl Prefix {
     /// identically (no fused multiply-add), so results do not depend on the CPU.
     #[inline(always)]
     fn row_narrow(&self, prev: &[f64], j: usize, a: usize, out: &mut [f64]) {
+        debug_assert!(self.split, "the split views were not filled");
         let b = a + out.len();
         let (wj, s1hj, s1lj, s2hj, s2lj) = (
             self.fw[j],
@@ -555,9 +556,9 @@ mod avx2 {
     #[inline(always)]
     unsafe fn eval4(p: &Prefix, prev: &[f64], j: usize, a: usize) -> __m256d {
         assert!(a + 4 <= prev.len() && a + 4 <= p.fw.len());
-        assert!(p.s1h.len() == p.fw.len() && p.s1l.len() == p.fw.len());
-        assert!(p.s2h.len() == p.fw.len() && p.s2l.len() == p.fw.len());
-        // SAFETY: the asserts keep every four-lane load inside the arrays.
+        // SAFETY: the assert keeps every four-lane load inside the arrays
+        // (`best_split`, the only caller, checks that the split views have
+        // the length of `fw`).
         let ld = |v: &[f64]| unsafe { _mm256_loadu_pd(v.as_ptr().add(a)) };
         let two32 = _mm256_set1_pd(TWO32);
         let dw = _mm256_sub_pd(_mm256_set1_pd(p.fw[j]), ld(&p.fw));
@@ -606,6 +607,12 @@ mod avx2 {
         a: usize,
         w: usize,
     ) -> (usize, f64) {
+        assert!(
+            p.split
+                && [&p.s1h, &p.s1l, &p.s2h, &p.s2l]
+                    .iter()
+                    .all(|v| v.len() == p.fw.len())
+        );
         if w <= 4 {
             let v = mask_from(eval4(p, prev, j, a), 0, w);
             let m = hmin(v);
@@ -1423,6 +1430,33 @@ mod tests {
             }
             assert_eq!(Dp::new().solve(&narrow, 16), Dp::new().solve(&wide, 16));
         }
+    }
+
+    #[test]
+    fn first_column_rounds_like_the_split_views() {
+        // `first_column` reads the integer views; the portable and AVX2
+        // searches read the split f64 views. Every build relies on the two
+        // giving the same bits.
+        let mut rng = Rng(17);
+        let mut checked = 0;
+        for kind in 0..4 {
+            let (_, cs, qs) = distinct(&random_points(&mut rng, kind, 3000));
+            let mut p = Prefix::new();
+            p.fill(&qs, &cs);
+            if !p.narrow {
+                continue;
+            }
+            let mut out = vec![0.0; qs.len() + 1];
+            p.first_column(&mut out);
+            for (j, &got) in out.iter().enumerate().skip(1) {
+                let d1 = (p.s1h[j] - p.s1h[0]) * TWO32 + (p.s1l[j] - p.s1l[0]);
+                let d2 = (p.s2h[j] - p.s2h[0]) * TWO32 + (p.s2l[j] - p.s2l[0]);
+                let want = 0.0 + (d2 - d1 * d1 / (p.fw[j] - p.fw[0]));
+                assert_eq!(got.to_bits(), want.to_bits(), "kind {kind}, j = {j}");
+                checked += 1;
+            }
+        }
+        assert!(checked > 3000, "{checked}");
     }
 
     #[test]

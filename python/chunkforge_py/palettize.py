@@ -23,7 +23,9 @@ copy of a weight is byte-identical. Every layout holds each weight once, so a
 build of L layouts uses a weight L times: an entry is dropped after its last
 use, and a one-layout build caches (and hashes) nothing. The cache would
 otherwise keep one index byte per weight element to the end of the build,
-about 2 GB for E2B.
+over 2 GB for E2B. (Two different weights with identical bytes share one
+entry and use its count up early: later uses recompute them, with the same
+result.)
 """
 
 from __future__ import annotations
@@ -50,23 +52,25 @@ def cache_key(weight: np.ndarray, nbits: int, group_size: int) -> str:
 
 
 def palettize_weight(
-    weight: np.ndarray, nbits: int, group_size: int, name: str, uses: int = 2
+    weight: np.ndarray, nbits: int, group_size: int, name: str, uses: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """(lut [groups, 2**nbits] fp16, indices [rows, cols] uint8, cache hit) for one weight.
 
     `uses`: how many times this build will ask for the weight (its number of
-    layouts); the cached result is dropped after the last. 1 skips the cache.
+    layouts); the cached result is dropped after the last, and 1 skips the
+    cache. None keeps the result for the life of the process.
     """
     import chunkforge_native
 
     if weight.dtype != np.float16 or weight.ndim != 2:
         raise ChunkforgeError(f"{name}: expected a 2-D float16 weight, got {weight.dtype} {weight.shape}")
-    key = cache_key(weight, nbits, group_size) if uses > 1 else None
+    key = cache_key(weight, nbits, group_size) if uses is None or uses > 1 else None
     hit = _CACHE.get(key) if key is not None else None
     if hit is not None:
-        hit[2] -= 1
-        if hit[2] <= 0:
-            del _CACHE[key]
+        if hit[2] is not None:
+            hit[2] -= 1
+            if hit[2] <= 0:
+                del _CACHE[key]
         return hit[0], hit[1], True
     try:
         lut, indices = chunkforge_native.palettize_int4(np.ascontiguousarray(weight), group_size, nbits, name)
@@ -76,7 +80,7 @@ def palettize_weight(
     lut.flags.writeable = False
     indices.flags.writeable = False
     if key is not None:
-        _CACHE[key] = [lut, indices, uses - 1]
+        _CACHE[key] = [lut, indices, None if uses is None else uses - 1]
     return lut, indices, False
 
 
@@ -84,12 +88,12 @@ class _Feeder:
     """A coremltools `lut_function` for one weight, handing out our per-group
     results in order, and a check that every group was taken exactly once.
 
-    The kernel runs when coremltools asks for the first group and the result
-    is let go after the last, so one weight's indices are alive at a time
-    (coremltools compresses the weights one after another), not the whole
-    package's."""
+    The kernel runs when coremltools asks for the first group and the feeder
+    lets go of the result after the last (coremltools compresses the weights
+    one after another), so outside the cache one weight's indices are alive
+    at a time rather than the whole package's."""
 
-    def __init__(self, name: str, weight: np.ndarray, nbits: int, group: int, uses: int, counts: dict[str, int]):
+    def __init__(self, name: str, weight: np.ndarray, nbits: int, group: int, uses: int | None, counts: dict[str, int]):
         self.name, self.weight, self.nbits, self.group, self.uses = name, weight, nbits, group, uses
         self.counts = counts
         self.groups = weight.shape[0] // group
@@ -136,7 +140,8 @@ def palettize_model(
 
     nbits = int(settings["nbits"])
     group = int(settings["group_size"])
-    uses = int(settings.get("layouts", 2))
+    # Layouts in this build (each holds every weight once); absent: keep all.
+    uses = int(settings["layouts"]) if settings.get("layouts") is not None else None
     consts = {}
     for op in mlmodel._mil_program.functions["main"].operations:
         if op.op_type == "const":

@@ -132,3 +132,33 @@ def test_custom_lut_function_round_trips_through_coremltools(tmp_path):
     lut, idx = native.palettize_int4(w, 32, 4)
     np.testing.assert_array_equal(op["lut"].reshape(3, 16), lut)
     np.testing.assert_array_equal(op["indices"], idx)
+
+
+def test_palettize_model_counts_uses_per_layout():
+    from chunkforge_py.convert import linear_weights
+
+    palettize.clear_cache()
+    w = weight(64, 48, seed=21)
+    ml = _one_linear_model(w)
+    settings = {"nbits": 4, "group_size": 32}
+
+    def run(layouts: int) -> tuple[int, int]:
+        _, stats = palettize.palettize_model(ml, linear_weights(ml), "t", {**settings, "layouts": layouts})
+        return stats["palettize_cache_hits"], stats["palettize_cache_misses"]
+
+    # One layout: never cached.
+    assert [run(1), run(1)] == [(0, 1), (0, 1)] and palettize.cache_size() == 0
+    # Three layouts: paid once, served twice, then dropped.
+    assert [run(3), run(3), run(3)] == [(0, 1), (1, 0), (1, 0)]
+    assert palettize.cache_size() == 0
+    palettize.clear_cache()
+
+
+def test_kernel_errors_inside_coremltools_name_the_weight():
+    from chunkforge_py.convert import linear_weights
+
+    w = weight(64, 24, seed=22)
+    w[33, 5] = np.inf
+    ml = _one_linear_model(w)
+    with pytest.raises(ChunkforgeError, match=r"t: weight .*row 33, column 5"):
+        palettize.palettize_model(ml, linear_weights(ml), "t", {"nbits": 4, "group_size": 32, "layouts": 1})
