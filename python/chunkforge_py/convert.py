@@ -68,13 +68,24 @@ def trace(module: Chunk) -> torch.jit.ScriptModule:
         return torch.jit.trace(module, tuple(example_inputs(module.chunk)), check_trace=False, strict=False)
 
 
-def convert(traced: torch.jit.ScriptModule, plan: dict[str, Any], name: str) -> Any:
+def convert(
+    traced: torch.jit.ScriptModule, plan: dict[str, Any], name: str, palettize: dict[str, Any] | None = None
+) -> Any:
+    """ct.convert with the shipped settings. With `palettize` (the settings
+    of `palettize` below), the Rust kernel's INT4 palettization runs as the
+    last pass of the conversion itself (see `palettize.conversion_pipeline`);
+    its counts and kernel seconds are attached to the model for `save`."""
     import coremltools as ct
 
     chunk = find_chunk(plan, name)
     inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=NP_DTYPES[t["dtype"]]) for t in chunk["inputs"]]
     outputs = [ct.TensorType(name=t["name"], dtype=NP_DTYPES[t["dtype"]]) for t in chunk["outputs"]]
-    return ct.convert(
+    pipeline = dispatcher = None
+    if palettize is not None:
+        from .palettize import conversion_pipeline
+
+        pipeline, dispatcher = conversion_pipeline(traced, name, palettize)
+    mlmodel = ct.convert(
         traced,
         inputs=inputs,
         outputs=outputs,
@@ -82,7 +93,32 @@ def convert(traced: torch.jit.ScriptModule, plan: dict[str, Any], name: str) -> 
         minimum_deployment_target=ct.target.iOS18,
         compute_precision=ct.precision.FLOAT16,
         compute_units=ct.ComputeUnit.CPU_AND_NE,
+        pass_pipeline=pipeline,
     )
+    if dispatcher is not None:
+        dispatcher.finished()
+        check_palettized(mlmodel, name, int(palettize["group_size"]))
+        mlmodel._chunkforge_palettize_stats = dispatcher.stats()
+    return mlmodel
+
+
+def check_palettized(mlmodel: Any, name: str, group: int) -> None:
+    """Every linear weight must have come out palettized: coremltools skips a
+    weight it cannot group (with a log line), which would silently ship a
+    larger, slower model than asked for."""
+    for op in mlmodel._mil_program.functions["main"].operations:
+        if op.op_type != "linear":
+            continue
+        w = op.weight
+        if w.op is not None and w.op.op_type == "constexpr_lut_to_dense":
+            continue
+        wname = w.op.name if w.op is not None else w.name
+        if w.shape[0] % group != 0:
+            raise ChunkforgeError(
+                f"{name}: weight {wname} has {w.shape[0]} output channels, not a multiple of the "
+                f"palettization group size {group}; use --no-quantize or a checkpoint with compatible widths"
+            )
+        raise ChunkforgeError(f"{name}: weight {wname} {tuple(w.shape)} was not palettized by coremltools")
 
 
 def linear_weights(mlmodel: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -97,31 +133,23 @@ def linear_weights(mlmodel: Any) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def palettize(mlmodel: Any, plan: dict[str, Any], name: str, settings: dict[str, Any]) -> Any:
-    """INT4 per_grouped_channel palettization of every projection weight.
+    """coremltools' own INT4 per_grouped_channel k-means palettization of every
+    linear weight (`--palettizer coremltools`, for comparison; `--kmeans-workers`
+    processes). The Rust kernel runs inside `convert` instead.
 
     A weight whose output-channel count is not a multiple of the group size is
     an error naming it: leaving it unquantized would silently ship a larger,
-    slower model than the user asked for. `settings["palettizer"]`:
-    "chunkforge" (default) uses the Rust kernel through `palettize.py`,
-    "coremltools" coremltools' own k-means.
+    slower model than the user asked for.
     """
     from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, palettize_weights
 
     group = int(settings["group_size"])
-    weights = linear_weights(mlmodel)
-    for wname, shape in weights:
+    for wname, shape in linear_weights(mlmodel):
         if shape[0] % group != 0:
             raise ChunkforgeError(
                 f"{name}: weight {wname} has {shape[0]} output channels, not a multiple of the "
                 f"palettization group size {group}; use --no-quantize or a checkpoint with compatible widths"
             )
-    # palette: the Rust kernel (default) or coremltools' own k-means (--palettizer coremltools).
-    if settings.get("palettizer", "chunkforge") == "chunkforge":
-        from .palettize import palettize_model
-
-        out, stats = palettize_model(mlmodel, weights, name, settings)
-        out._chunkforge_palettize_stats = stats
-        return out
     cfg = OpPalettizerConfig(
         mode="kmeans",
         nbits=int(settings["nbits"]),
@@ -197,6 +225,8 @@ def save(mlmodel: Any, path: str) -> dict[str, Any]:
     pal = getattr(mlmodel, "_chunkforge_palettize_stats", None) or {}
     stats["palettize_cache_hits"] = pal.get("palettize_cache_hits")
     stats["palettize_cache_misses"] = pal.get("palettize_cache_misses")
+    stats["palettize_unmatched_groups"] = pal.get("palettize_unmatched_groups")
+    stats["palettize_seconds"] = pal.get("palettize_seconds")
     return stats
 
 

@@ -3,17 +3,22 @@
 The kernel (`chunkforge_native.palettize_int4`, registered by the chunkforge
 binary before the interpreter starts) computes, for every group of 32 output
 channels, the least-squares 16-entry fp16 LUT and 4-bit indices. This module
-hands exactly those to coremltools through its public API:
-`OpPalettizerConfig(mode="custom", lut_function=...)`, one config per weight
-(`OptimizationConfig.op_name_configs`, keyed by the weight's const name), with
+hands exactly those to coremltools through its public API, during
+conversion: `ct.convert(pass_pipeline=...)` with the default pipeline plus
+coremltools' `compression::palettize_weights` pass (`PassPipeline.append_pass`
+and `set_options`, as `PassPipeline.DEFAULT_PALETTIZATION` does), configured
+with `OpPalettizerConfig(mode="custom", lut_function=...)` for linear weights,
 `granularity="per_grouped_channel"`, `group_size=32`, `channel_axis=0`. In
-custom mode coremltools splits the weight into its channel groups, calls
+custom mode coremltools splits each weight into its channel groups, calls
 `lut_function(group)` for each in order and expects `(lut[16], indices)` back;
 it then builds the same `constexpr_lut_to_dense` op (iOS18: lut
 `[rows/32, 1, 16, 1]`, uint4 indices) as its own k-means mode. So the package
 is the kind coremltools would write, with our LUT in it unchanged. (The
 alternative, snapping the weight to the LUT and using mode "unique", would
 let coremltools re-derive and re-order the table and re-scan every group.)
+Running the pass inside the conversion, rather than `palettize_weights` on the
+converted model, saves a second pass pipeline and serialization of the whole
+program, which is most of the palettization time at small widths.
 
 Results are cached within a build (one build = one interpreter), keyed by
 SHA-256 of the fp16 weight bytes, its shape and the settings: `--mode both`
@@ -31,6 +36,7 @@ result.)
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 import numpy as np
@@ -129,49 +135,106 @@ class _Feeder:
             raise ChunkforgeError(f"{self.name}: coremltools used {self.next} of {self.groups} channel groups")
 
 
-def palettize_model(
-    mlmodel: Any, weights: list[tuple[str, tuple[int, ...]]], name: str, settings: dict[str, Any]
-) -> tuple[Any, dict[str, int]]:
-    """Palettizes the given linear weights (const name, shape) of `mlmodel` with the kernel.
+def _head_key(group: np.ndarray) -> bytes:
+    return hashlib.sha256(np.ascontiguousarray(group, dtype=np.float16).data).digest() + repr(group.shape).encode()
 
-    Returns the palettized model and {"palettize_cache_hits", "palettize_cache_misses"}.
-    """
-    from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, palettize_weights
+
+class Dispatcher:
+    """The `lut_function` of a conversion's palettization pass (every linear
+    weight shares one config there, so the pass does not name the weight).
+
+    A call with no weight in progress is a weight's first channel group: it
+    is matched by content against the traced module's 2-D fp16 tensors, and
+    that weight's `_Feeder` (kernel on the whole weight, the build cache)
+    serves its groups. A first group that matches nothing is palettized on
+    its own: groups are independent, so the result is the same, only without
+    the cache and the threads (counted in `unmatched_groups`)."""
+
+    def __init__(self, name: str, tensors: list[tuple[str, np.ndarray]], nbits: int, group: int, uses: int | None):
+        self.name, self.nbits, self.group, self.uses = name, nbits, group, uses
+        self.heads: dict[bytes, list[tuple[str, np.ndarray]]] = {}
+        for tname, t in tensors:
+            if t.ndim == 2 and t.dtype == np.float16 and t.shape[0] >= group and t.shape[0] % group == 0:
+                self.heads.setdefault(_head_key(t[:group]), []).append((tname, t))
+        self.feeder: _Feeder | None = None
+        self.counts = {"hits": 0, "misses": 0}
+        self.unmatched_groups = 0
+        self.seconds = 0.0
+
+    def __call__(self, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        import chunkforge_native
+
+        started = time.perf_counter()
+        try:
+            if self.feeder is None:
+                head = np.ascontiguousarray(val, dtype=np.float16)
+                found = next(
+                    (nt for nt in self.heads.get(_head_key(head), []) if np.array_equal(nt[1][: self.group], head)),
+                    None,
+                )
+                if found is None:
+                    self.unmatched_groups += 1
+                    try:
+                        lut, indices = chunkforge_native.palettize_int4(
+                            head, self.group, self.nbits, f"{self.name}: a weight group"
+                        )
+                    except ValueError as e:
+                        raise ChunkforgeError(f"palettizing {e}") from None
+                    return lut[0], indices.reshape(-1)
+                tname, weight = found
+                label = f"{self.name}: weight {tname}"
+                self.feeder = _Feeder(label, weight, self.nbits, self.group, self.uses, self.counts)
+            out = self.feeder(val)
+            if self.feeder.next == self.feeder.groups:
+                self.feeder = None
+            return out
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def finished(self) -> None:
+        if self.feeder is not None:
+            self.feeder.finished()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "palettize_cache_hits": self.counts["hits"],
+            "palettize_cache_misses": self.counts["misses"],
+            "palettize_unmatched_groups": self.unmatched_groups,
+            "palettize_seconds": self.seconds,
+        }
+
+
+def conversion_pipeline(traced: Any, name: str, settings: dict[str, Any]) -> tuple[Any, Dispatcher]:
+    """ct.convert's default pass pipeline with coremltools' palettization pass
+    appended (public API: `PassPipeline.append_pass` / `set_options`, as in
+    `PassPipeline.DEFAULT_PALETTIZATION`), in custom mode with our LUTs, for
+    every linear weight. Palettizing during conversion spares the program a
+    second trip through the pipeline and serialization, which is what
+    `palettize_weights` on a converted model costs."""
+    import coremltools as ct
+    from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig
 
     nbits = int(settings["nbits"])
     group = int(settings["group_size"])
-    # Layouts in this build (each holds every weight once); absent: keep all.
     uses = int(settings["layouts"]) if settings.get("layouts") is not None else None
-    consts = {}
-    for op in mlmodel._mil_program.functions["main"].operations:
-        if op.op_type == "const":
-            consts[op.name] = op
-    configs = {}
-    feeders = []
-    counts = {"hits": 0, "misses": 0}
-    for wname, _shape in dict.fromkeys(weights):
-        op = consts.get(wname)
-        if op is None:
-            raise ChunkforgeError(f"{name}: weight {wname} is not a const in the converted program")
-        weight = op.outputs[0].val
-        if weight.dtype != np.float16 or weight.ndim != 2:
-            raise ChunkforgeError(
-                f"{name}: weight {wname}: expected a 2-D float16 weight, got {weight.dtype} {weight.shape}"
+    tensors = [(n, t.detach().numpy()) for n, t in list(traced.named_parameters()) + list(traced.named_buffers())]
+    dispatcher = Dispatcher(name, tensors, nbits, group, uses)
+    config = OptimizationConfig(
+        op_type_configs={
+            "linear": OpPalettizerConfig(
+                mode="custom",
+                lut_function=dispatcher,
+                granularity="per_grouped_channel",
+                group_size=group,
+                channel_axis=0,
+                weight_threshold=0,
             )
-        feeder = _Feeder(f"{name}: weight {wname}", weight, nbits, group, uses, counts)
-        feeders.append(feeder)
-        configs[wname] = OpPalettizerConfig(
-            mode="custom",
-            lut_function=feeder,
-            granularity="per_grouped_channel",
-            group_size=group,
-            channel_axis=0,
-            weight_threshold=0,
-        )
-    out = palettize_weights(mlmodel, OptimizationConfig(op_name_configs=configs))
-    for feeder in feeders:
-        feeder.finished()
-    return out, {"palettize_cache_hits": counts["hits"], "palettize_cache_misses": counts["misses"]}
+        }
+    )
+    pipeline = ct.PassPipeline.DEFAULT
+    pipeline.append_pass("compression::palettize_weights")
+    pipeline.set_options("compression::palettize_weights", {"config": config})
+    return pipeline, dispatcher
 
 
 def cache_size() -> int:

@@ -100,32 +100,40 @@ def test_degenerate_groups_exact():
     assert lut[0, 0] == np.float16(0.5) and (idx[:32] == 0).all()
 
 
-def _one_linear_model(w: np.ndarray):
-    import coremltools as ct
+def _one_linear_model(w: np.ndarray, settings: dict | None = None):
+    """A one-linear torch model converted like a build converts a chunk: with
+    `settings`, palettized by the kernel inside the conversion."""
     import torch
+    from chunkforge_py import convert
 
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).half().eval()
     with torch.no_grad():
         lin.weight.copy_(torch.from_numpy(w))
     traced = torch.jit.trace(lin, (torch.zeros(1, w.shape[1], dtype=torch.float16),))
-    return ct.convert(
-        traced,
-        inputs=[ct.TensorType(name="x", shape=(1, w.shape[1]), dtype=np.float16)],
-        convert_to="mlprogram",
-        minimum_deployment_target=ct.target.iOS18,
-        compute_precision=ct.precision.FLOAT16,
-    )
+    plan = {
+        "layouts": [
+            {
+                "chunks": [
+                    {
+                        "name": "t",
+                        "inputs": [{"name": "x", "shape": [1, w.shape[1]], "dtype": "fp16"}],
+                        "outputs": [{"name": "y", "dtype": "fp16"}],
+                    }
+                ]
+            }
+        ]
+    }
+    return convert.convert(traced, plan, "t", settings)
 
 
-def test_custom_lut_function_round_trips_through_coremltools(tmp_path):
-    from chunkforge_py.convert import linear_weights
-
+def test_kernel_palettizes_inside_the_conversion(tmp_path):
     w = weight(96, 64, seed=3)
-    ml = _one_linear_model(w)
-    out, stats = palettize.palettize_model(ml, linear_weights(ml), "test", {"nbits": 4, "group_size": 32})
-    assert stats["palettize_cache_hits"] + stats["palettize_cache_misses"] == 1
+    ml = _one_linear_model(w, {"nbits": 4, "group_size": 32, "layouts": 1})
+    stats = ml._chunkforge_palettize_stats
+    assert (stats["palettize_cache_hits"], stats["palettize_cache_misses"]) == (0, 1)
+    assert stats["palettize_unmatched_groups"] == 0 and stats["palettize_seconds"] > 0
     path = str(tmp_path / "one.mlpackage")
-    out.save(path)
+    ml.save(path)
     [op] = palettize.read_palettized(path)
     assert op["indices_dtype"] == "uint4"
     assert op["lut"].shape == (3, 1, 16, 1) and op["lut"].dtype == np.float16
@@ -134,16 +142,12 @@ def test_custom_lut_function_round_trips_through_coremltools(tmp_path):
     np.testing.assert_array_equal(op["indices"], idx)
 
 
-def test_palettize_model_counts_uses_per_layout():
-    from chunkforge_py.convert import linear_weights
-
+def test_conversions_count_uses_per_layout():
     palettize.clear_cache()
     w = weight(64, 48, seed=21)
-    ml = _one_linear_model(w)
-    settings = {"nbits": 4, "group_size": 32}
 
     def run(layouts: int) -> tuple[int, int]:
-        _, stats = palettize.palettize_model(ml, linear_weights(ml), "t", {**settings, "layouts": layouts})
+        stats = _one_linear_model(w, {"nbits": 4, "group_size": 32, "layouts": layouts})._chunkforge_palettize_stats
         return stats["palettize_cache_hits"], stats["palettize_cache_misses"]
 
     # One layout: never cached.
@@ -154,11 +158,27 @@ def test_palettize_model_counts_uses_per_layout():
     palettize.clear_cache()
 
 
-def test_kernel_errors_inside_coremltools_name_the_weight():
-    from chunkforge_py.convert import linear_weights
+def test_a_first_group_matching_no_module_tensor_is_palettized_alone():
+    # The dispatcher as coremltools drives it, for a weight it cannot match:
+    # each group on its own gives the whole-weight result (groups are
+    # independent).
+    w = weight(96, 40, seed=23)
+    d = palettize.Dispatcher("t", [("other", weight(64, 40, seed=24))], 4, 32, None)
+    got = [d(w[g * 32 : (g + 1) * 32]) for g in range(3)]
+    lut, idx = native.palettize_int4(w, 32, 4)
+    for g, (glut, gidx) in enumerate(got):
+        np.testing.assert_array_equal(glut, lut[g])
+        np.testing.assert_array_equal(gidx, idx[g * 32 : (g + 1) * 32].reshape(-1))
+    assert d.unmatched_groups == 3 and d.counts == {"hits": 0, "misses": 0}
 
+
+def test_kernel_errors_inside_coremltools_name_the_weight():
     w = weight(64, 24, seed=22)
     w[33, 5] = np.inf
-    ml = _one_linear_model(w)
-    with pytest.raises(ChunkforgeError, match=r"t: weight .*row 33, column 5"):
-        palettize.palettize_model(ml, linear_weights(ml), "t", {"nbits": 4, "group_size": 32, "layouts": 1})
+    with pytest.raises(ChunkforgeError, match=r"t: weight weight .*row 33, column 5"):
+        _one_linear_model(w, {"nbits": 4, "group_size": 32, "layouts": 1})
+
+
+def test_weights_coremltools_cannot_group_are_errors():
+    with pytest.raises(ChunkforgeError, match="48 output channels, not a multiple of the palettization group size 32"):
+        _one_linear_model(weight(48, 16, seed=25), {"nbits": 4, "group_size": 32, "layouts": 1})
