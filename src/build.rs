@@ -176,7 +176,8 @@ pub fn run(
             let stats = pyenv::from_py(&stats)?;
             if let Some(k) = stats["palettize_seconds"].as_f64() {
                 // Kernel time inside the conversion: reported as palettize.
-                *secs.entry(PHASES[2]).or_default() -= k;
+                let convert = secs.entry(PHASES[2]).or_default();
+                *convert = (*convert - k).max(0.0);
                 secs.insert(PHASES[3], k);
             }
             Ok((stats, secs))

@@ -96,7 +96,6 @@ def convert(
         pass_pipeline=pipeline,
     )
     if dispatcher is not None:
-        dispatcher.finished()
         check_palettized(mlmodel, name, int(palettize["group_size"]))
         mlmodel._chunkforge_palettize_stats = dispatcher.stats()
     return mlmodel

@@ -5,8 +5,9 @@ binary before the interpreter starts) computes, for every group of 32 output
 channels, the least-squares 16-entry fp16 LUT and 4-bit indices. This module
 hands exactly those to coremltools through its public API, during
 conversion: `ct.convert(pass_pipeline=...)` with the default pipeline plus
-coremltools' `compression::palettize_weights` pass (`PassPipeline.append_pass`
-and `set_options`, as `PassPipeline.DEFAULT_PALETTIZATION` does), configured
+coremltools' `compression::palettize_weights` pass appended last
+(`PassPipeline.append_pass`; its config through `set_options`, the way
+`PassPipeline.DEFAULT_PALETTIZATION` sets it), configured
 with `OpPalettizerConfig(mode="custom", lut_function=...)` for linear weights,
 `granularity="per_grouped_channel"`, `group_size=32`, `channel_axis=0`. In
 custom mode coremltools splits each weight into its channel groups, calls
@@ -103,19 +104,20 @@ class _Feeder:
         self.name, self.weight, self.nbits, self.group, self.uses = name, weight, nbits, group, uses
         self.counts = counts
         self.groups = weight.shape[0] // group
-        # First row of each group, to confirm coremltools asks for the groups
-        # in the order we computed them.
-        self.probe = np.ascontiguousarray(weight[::group, : min(8, weight.shape[1])])
         self.next = 0
         self.result: tuple[np.ndarray, np.ndarray] | None = None
 
+    def takes(self, val: np.ndarray) -> bool:
+        """Whether `val` is, value for value, this weight's next group: only
+        then is our result for that group the right one for it."""
+        g = self.next
+        rows = slice(g * self.group, (g + 1) * self.group)
+        shape = (self.group, self.weight.shape[1])
+        return g < self.groups and val.shape == shape and np.array_equal(val, self.weight[rows])
+
     def __call__(self, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         g = self.next
-        if (
-            g >= self.groups
-            or val.shape != (self.group, self.weight.shape[1])
-            or not np.array_equal(val[0, : self.probe.shape[1]], self.probe[g])
-        ):
+        if not self.takes(val):
             raise ChunkforgeError(
                 f"{self.name}: coremltools asked for channel group {g} of {self.groups} with shape {val.shape}, "
                 "which is not the group palettized for it (coremltools changed how it splits groups?)"
@@ -130,10 +132,6 @@ class _Feeder:
             self.result = None
         return lut[g], indices[g * self.group : (g + 1) * self.group].reshape(-1)
 
-    def finished(self) -> None:
-        if self.next != self.groups:
-            raise ChunkforgeError(f"{self.name}: coremltools used {self.next} of {self.groups} channel groups")
-
 
 def _head_key(group: np.ndarray) -> bytes:
     return hashlib.sha256(np.ascontiguousarray(group, dtype=np.float16).data).digest() + repr(group.shape).encode()
@@ -146,9 +144,14 @@ class Dispatcher:
     A call with no weight in progress is a weight's first channel group: it
     is matched by content against the traced module's 2-D fp16 tensors, and
     that weight's `_Feeder` (kernel on the whole weight, the build cache)
-    serves its groups. A first group that matches nothing is palettized on
-    its own: groups are independent, so the result is the same, only without
-    the cache and the threads (counted in `unmatched_groups`)."""
+    serves its groups, each checked value for value against the tensor. A
+    group that matches nothing is palettized on its own: groups are
+    independent, so the result is the same, only without the cache and the
+    threads (counted in `unmatched_groups`).
+
+    Only linear weights are configured: a const that also fed another op (a
+    tied embedding's gather, which no chunk holds) would make coremltools
+    refuse the config as a conflict."""
 
     def __init__(self, name: str, tensors: list[tuple[str, np.ndarray]], nbits: int, group: int, uses: int | None):
         self.name, self.nbits, self.group, self.uses = name, nbits, group, uses
@@ -166,8 +169,16 @@ class Dispatcher:
 
         started = time.perf_counter()
         try:
+            if val.dtype != np.float16:
+                raise ChunkforgeError(f"{self.name}: coremltools passed a {val.dtype} weight group; expected float16")
+            if self.feeder is not None and not self.feeder.takes(val):
+                # The weight in progress was matched by its first group only
+                # (another tensor starts with the same rows): every group
+                # served so far was equal to ours, so those stay right; this
+                # one starts over as a first group.
+                self.feeder = None
             if self.feeder is None:
-                head = np.ascontiguousarray(val, dtype=np.float16)
+                head = np.ascontiguousarray(val)
                 found = next(
                     (nt for nt in self.heads.get(_head_key(head), []) if np.array_equal(nt[1][: self.group], head)),
                     None,
@@ -191,10 +202,6 @@ class Dispatcher:
         finally:
             self.seconds += time.perf_counter() - started
 
-    def finished(self) -> None:
-        if self.feeder is not None:
-            self.feeder.finished()
-
     def stats(self) -> dict[str, Any]:
         return {
             "palettize_cache_hits": self.counts["hits"],
@@ -206,9 +213,9 @@ class Dispatcher:
 
 def conversion_pipeline(traced: Any, name: str, settings: dict[str, Any]) -> tuple[Any, Dispatcher]:
     """ct.convert's default pass pipeline with coremltools' palettization pass
-    appended (public API: `PassPipeline.append_pass` / `set_options`, as in
-    `PassPipeline.DEFAULT_PALETTIZATION`), in custom mode with our LUTs, for
-    every linear weight. Palettizing during conversion spares the program a
+    appended last (public API: `PassPipeline.append_pass`, and `set_options`
+    for its config, as `PassPipeline.DEFAULT_PALETTIZATION` sets it), in
+    custom mode with our LUTs, for every linear weight. Palettizing during conversion spares the program a
     second trip through the pipeline and serialization, which is what
     `palettize_weights` on a converted model costs."""
     import coremltools as ct

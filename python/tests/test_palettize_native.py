@@ -172,6 +172,42 @@ def test_a_first_group_matching_no_module_tensor_is_palettized_alone():
     assert d.unmatched_groups == 3 and d.counts == {"hits": 0, "misses": 0}
 
 
+def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path):
+    import torch
+    from chunkforge_py import convert
+
+    a, b, c = weight(64, 48, seed=31), weight(96, 48, seed=32), weight(32, 48, seed=33)
+    b[:32] = a[:32]  # b's first group matches a: a's result serves it, then b's own groups go alone
+
+    class Three(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2, self.l3 = (torch.nn.Linear(48, w.shape[0], bias=False).half() for w in (a, b, c))
+            with torch.no_grad():
+                for lin, w in zip((self.l1, self.l2, self.l3), (a, b, c), strict=True):
+                    lin.weight.copy_(torch.from_numpy(w))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return self.l1(x), self.l2(x), self.l3(x)
+
+    traced = torch.jit.trace(Three().eval(), (torch.zeros(1, 48, dtype=torch.float16),))
+    chunk = {
+        "name": "t",
+        "inputs": [{"name": "x", "shape": [1, 48], "dtype": "fp16"}],
+        "outputs": [{"name": f"y{i}", "dtype": "fp16"} for i in range(3)],
+    }
+    ml = convert.convert(traced, {"layouts": [{"chunks": [chunk]}]}, "t", {"nbits": 4, "group_size": 32})
+    stats = ml._chunkforge_palettize_stats
+    assert stats["palettize_unmatched_groups"] == 2
+    ml.save(str(tmp_path / "three.mlpackage"))
+    ops = {op["indices"].shape: op for op in palettize.read_palettized(str(tmp_path / "three.mlpackage"))}
+    assert len(ops) == 3
+    for w in (a, b, c):
+        lut, idx = native.palettize_int4(w, 32, 4)
+        np.testing.assert_array_equal(ops[w.shape]["lut"].reshape(-1, 16), lut)
+        np.testing.assert_array_equal(ops[w.shape]["indices"], idx)
+
+
 def test_kernel_errors_inside_coremltools_name_the_weight():
     w = weight(64, 24, seed=22)
     w[33, 5] = np.inf
