@@ -137,35 +137,23 @@ pub fn run(
             // out of the conversion's below); coremltools' k-means runs on
             // the converted model.
             let in_convert = settings.quantize && settings.palettizer == "chunkforge";
-            let (mut ml, s) = if in_convert {
-                let sp = pyenv::to_py(py, &settings_json)?;
-                phase(
-                    &progress,
-                    format!(
-                        "{name}: convert + palettize (ct.convert, iOS18, FP16, INT4 per_grouped_channel, group {})",
-                        settings.group_size
-                    ),
-                    || conv.call_method1("convert", (&traced, &plan_py, name, &sp)),
-                )?
+            let sp = pyenv::to_py(py, &settings_json)?;
+            let int4 = format!("INT4 per_grouped_channel, group {}", settings.group_size);
+            let label = if in_convert {
+                format!("{name}: convert + palettize (ct.convert, iOS18, FP16, {int4})")
             } else {
-                phase(
-                    &progress,
-                    format!("{name}: convert (ct.convert, iOS18, FP16)"),
-                    || conv.call_method1("convert", (&traced, &plan_py, name)),
-                )?
+                format!("{name}: convert (ct.convert, iOS18, FP16)")
             };
+            let (mut ml, s) = phase(&progress, label, || {
+                let palettize = in_convert.then_some(&sp);
+                conv.call_method1("convert", (&traced, &plan_py, name, palettize))
+            })?;
             secs.insert(PHASES[2], s);
             drop(traced);
             if settings.quantize && !in_convert {
-                let sp = pyenv::to_py(py, &settings_json)?;
-                let (p, s) = phase(
-                    &progress,
-                    format!(
-                        "{name}: palettize (INT4 per_grouped_channel, group {})",
-                        settings.group_size
-                    ),
-                    || conv.call_method1("palettize", (&ml, &plan_py, name, &sp)),
-                )?;
+                let (p, s) = phase(&progress, format!("{name}: palettize ({int4})"), || {
+                    conv.call_method1("palettize", (&ml, &plan_py, name, &sp))
+                })?;
                 ml = p;
                 secs.insert(PHASES[3], s);
             }

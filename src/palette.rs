@@ -152,13 +152,12 @@ struct Prefix {
     fw: Vec<f64>,
     /// `s1 = h * 2^32 + l` with `0 <= l < 2^32`: both parts exact in f64, so
     /// a difference of prefixes is recovered exactly before one rounding.
-    /// (Only when `split`: the AVX-512 search reads the integer views.)
+    /// (Only filled for the portable and AVX2 searches, see `has_split_views`;
+    /// the AVX-512 search reads the integer views.)
     s1h: Vec<f64>,
     s1l: Vec<f64>,
     s2h: Vec<f64>,
     s2l: Vec<f64>,
-    /// Whether the split views above are filled (narrow groups only).
-    split: bool,
     /// Narrow groups: `s1` and `s2` as integers, padded like the f64 views
     /// (the AVX-512 search subtracts them exactly, then converts once).
     s1i: Vec<i64>,
@@ -176,7 +175,6 @@ impl Prefix {
             s1i: Vec::new(),
             s2u: Vec::new(),
             narrow: true,
-            split: true,
             fw: Vec::new(),
             s1h: Vec::new(),
             s1l: Vec::new(),
@@ -189,6 +187,14 @@ impl Prefix {
         self.w.len() - 1
     }
 
+    /// Whether the split f64 views are filled, as long as `fw` (narrow
+    /// groups filled with `split`, and their samples).
+    fn has_split_views(&self) -> bool {
+        [&self.s1h, &self.s1l, &self.s2h, &self.s2l]
+            .iter()
+            .all(|v| v.len() == self.fw.len())
+    }
+
     /// The prefix of the points merged into runs of `step` (the last run
     /// may be shorter): the prefix sums at split points `0, step, 2*step, ...,
     /// n`. Costs on it are exactly those of the original at those splits.
@@ -196,7 +202,6 @@ impl Prefix {
         let n = self.len();
         let at: Vec<usize> = (0..n.div_ceil(step)).map(|t| t * step).chain([n]).collect();
         out.narrow = self.narrow;
-        out.split = self.split;
         out.w = at.iter().map(|&i| self.w[i]).collect();
         out.s1 = at.iter().map(|&i| self.s1[i]).collect();
         if self.narrow {
@@ -235,7 +240,6 @@ impl Prefix {
     /// As `fill`; the split f64 views (read by the portable and AVX2
     /// searches) only when `split`.
     fn fill_for(&mut self, q: &[i64], counts: &[u32], split: bool) {
-        self.split = split;
         let total: u128 = counts.iter().map(|&c| u128::from(c)).sum();
         let qmax = q
             .iter()
@@ -332,7 +336,7 @@ impl Prefix {
     /// identically (no fused multiply-add), so results do not depend on the CPU.
     #[inline(always)]
     fn row_narrow(&self, prev: &[f64], j: usize, a: usize, out: &mut [f64]) {
-        debug_assert!(self.split, "the split views were not filled");
+        debug_assert!(self.has_split_views(), "the split views were not filled");
         let b = a + out.len();
         let (wj, s1hj, s1lj, s2hj, s2lj) = (
             self.fw[j],
@@ -607,12 +611,7 @@ mod avx2 {
         a: usize,
         w: usize,
     ) -> (usize, f64) {
-        assert!(
-            p.split
-                && [&p.s1h, &p.s1l, &p.s2h, &p.s2l]
-                    .iter()
-                    .all(|v| v.len() == p.fw.len())
-        );
+        assert!(p.has_split_views());
         if w <= 4 {
             let v = mask_from(eval4(p, prev, j, a), 0, w);
             let m = hmin(v);

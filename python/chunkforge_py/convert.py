@@ -101,6 +101,13 @@ def convert(
     return mlmodel
 
 
+def group_size_error(name: str, wname: str, rows: int, group: int) -> ChunkforgeError:
+    return ChunkforgeError(
+        f"{name}: weight {wname} has {rows} output channels, not a multiple of the "
+        f"palettization group size {group}; use --no-quantize or a checkpoint with compatible widths"
+    )
+
+
 def check_palettized(mlmodel: Any, name: str, group: int) -> None:
     """Every linear weight must have come out palettized: coremltools skips a
     weight it cannot group (with a log line), which would silently ship a
@@ -113,10 +120,7 @@ def check_palettized(mlmodel: Any, name: str, group: int) -> None:
             continue
         wname = w.op.name if w.op is not None else w.name
         if w.shape[0] % group != 0:
-            raise ChunkforgeError(
-                f"{name}: weight {wname} has {w.shape[0]} output channels, not a multiple of the "
-                f"palettization group size {group}; use --no-quantize or a checkpoint with compatible widths"
-            )
+            raise group_size_error(name, wname, w.shape[0], group)
         raise ChunkforgeError(f"{name}: weight {wname} {tuple(w.shape)} was not palettized by coremltools")
 
 
@@ -145,10 +149,7 @@ def palettize(mlmodel: Any, plan: dict[str, Any], name: str, settings: dict[str,
     group = int(settings["group_size"])
     for wname, shape in linear_weights(mlmodel):
         if shape[0] % group != 0:
-            raise ChunkforgeError(
-                f"{name}: weight {wname} has {shape[0]} output channels, not a multiple of the "
-                f"palettization group size {group}; use --no-quantize or a checkpoint with compatible widths"
-            )
+            raise group_size_error(name, wname, shape[0], group)
     cfg = OpPalettizerConfig(
         mode="kmeans",
         nbits=int(settings["nbits"]),

@@ -91,14 +91,18 @@ def palettize_weight(
     return lut, indices, False
 
 
-class _Feeder:
-    """A coremltools `lut_function` for one weight, handing out our per-group
-    results in order, and a check that every group was taken exactly once.
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal shapes and float16 bit patterns (numpy compares float16 values
+    slowly, in float32)."""
+    return a.shape == b.shape and np.array_equal(a.view(np.uint16), b.view(np.uint16))
 
-    The kernel runs when coremltools asks for the first group and the feeder
-    lets go of the result after the last (coremltools compresses the weights
-    one after another), so outside the cache one weight's indices are alive
-    at a time rather than the whole package's."""
+
+class _Feeder:
+    """One weight's results, handed out group by group in order. The kernel
+    runs when the first group is asked for and the feeder lets go of the
+    result after the last (coremltools compresses the weights one after
+    another), so outside the cache one weight's indices are alive at a time
+    rather than the whole package's."""
 
     def __init__(self, name: str, weight: np.ndarray, nbits: int, group: int, uses: int | None, counts: dict[str, int]):
         self.name, self.weight, self.nbits, self.group, self.uses = name, weight, nbits, group, uses
@@ -107,33 +111,29 @@ class _Feeder:
         self.next = 0
         self.result: tuple[np.ndarray, np.ndarray] | None = None
 
-    def takes(self, val: np.ndarray) -> bool:
-        """Whether `val` is, value for value, this weight's next group: only
-        then is our result for that group the right one for it."""
-        g = self.next
-        rows = slice(g * self.group, (g + 1) * self.group)
-        shape = (self.group, self.weight.shape[1])
-        if g >= self.groups or val.shape != shape or val.dtype != np.float16:
-            return False
-        # Bit patterns (numpy compares float16 values slowly, in float32).
-        return np.array_equal(val.view(np.uint16), self.weight[rows].view(np.uint16))
+    def rows(self, g: int) -> slice:
+        return slice(g * self.group, (g + 1) * self.group)
 
-    def __call__(self, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        g = self.next
-        if not self.takes(val):
-            raise ChunkforgeError(
-                f"{self.name}: coremltools asked for channel group {g} of {self.groups} with shape {val.shape}, "
-                "which is not the group palettized for it (coremltools changed how it splits groups?)"
-            )
+    def takes(self, val: np.ndarray) -> bool:
+        """Whether `val` is, bit for bit, this weight's next group: only then
+        is our result for that group the right one for it."""
+        return self.next < self.groups and _same_bits(val, self.weight[self.rows(self.next)])
+
+    def done(self) -> bool:
+        return self.next == self.groups
+
+    def serve(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next group's LUT and flat indices."""
         if self.result is None:
             lut, indices, hit = palettize_weight(self.weight, self.nbits, self.group, self.name, self.uses)
             self.counts["hits" if hit else "misses"] += 1
             self.result = (lut, indices)
         lut, indices = self.result
-        self.next = g + 1
-        if self.next == self.groups:
+        g = self.next
+        self.next += 1
+        if self.done():
             self.result = None
-        return lut[g], indices[g * self.group : (g + 1) * self.group].reshape(-1)
+        return lut[g], indices[self.rows(g)].reshape(-1)
 
 
 def _head_key(group: np.ndarray) -> bytes:
@@ -144,13 +144,16 @@ class Dispatcher:
     """The `lut_function` of a conversion's palettization pass (every linear
     weight shares one config there, so the pass does not name the weight).
 
-    A call with no weight in progress is a weight's first channel group: it
-    is matched by content against the traced module's 2-D fp16 tensors, and
-    that weight's `_Feeder` (kernel on the whole weight, the build cache)
-    serves its groups, each checked value for value against the tensor. A
-    group that matches nothing is palettized on its own: groups are
-    independent, so the result is the same, only without the cache and the
-    threads (counted in `unmatched_groups`).
+    A group that is not the next one of the weight in progress is a weight's
+    first channel group: it is matched by content against the traced
+    module's 2-D fp16 tensors, and that weight's `_Feeder` (kernel on the
+    whole weight, the build cache) serves its groups, each checked bit for
+    bit against the tensor. (A weight matched by its first group only, when
+    another tensor starts with the same rows, thus starts over at the first
+    group that differs; every group served before was equal, so stays
+    right.) A group that matches nothing is palettized on its own: groups
+    are independent, so the result is the same, only without the cache and
+    the threads (counted in `unmatched_groups`).
 
     Only linear weights are configured: a const that also fed another op (a
     tied embedding's gather, which no chunk holds) would make coremltools
@@ -167,39 +170,26 @@ class Dispatcher:
         self.unmatched_groups = 0
         self.seconds = 0.0
 
-    def __call__(self, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        import chunkforge_native
+    def _match(self, head: np.ndarray) -> _Feeder | None:
+        for tname, t in self.heads.get(_head_key(head), []):
+            if _same_bits(t[: self.group], head):
+                return _Feeder(f"{self.name}: weight {tname}", t, self.nbits, self.group, self.uses, self.counts)
+        return None
 
+    def __call__(self, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         started = time.perf_counter()
         try:
             if val.dtype != np.float16:
                 raise ChunkforgeError(f"{self.name}: coremltools passed a {val.dtype} weight group; expected float16")
-            if self.feeder is not None and not self.feeder.takes(val):
-                # The weight in progress was matched by its first group only
-                # (another tensor starts with the same rows): every group
-                # served so far was equal to ours, so those stay right; this
-                # one starts over as a first group.
-                self.feeder = None
+            if self.feeder is None or not self.feeder.takes(val):
+                self.feeder = self._match(val)
             if self.feeder is None:
-                head = np.ascontiguousarray(val)
-                found = next(
-                    (nt for nt in self.heads.get(_head_key(head), []) if np.array_equal(nt[1][: self.group], head)),
-                    None,
-                )
-                if found is None:
-                    self.unmatched_groups += 1
-                    try:
-                        lut, indices = chunkforge_native.palettize_int4(
-                            head, self.group, self.nbits, f"{self.name}: a weight group"
-                        )
-                    except ValueError as e:
-                        raise ChunkforgeError(f"palettizing {e}") from None
-                    return lut[0], indices.reshape(-1)
-                tname, weight = found
-                label = f"{self.name}: weight {tname}"
-                self.feeder = _Feeder(label, weight, self.nbits, self.group, self.uses, self.counts)
-            out = self.feeder(val)
-            if self.feeder.next == self.feeder.groups:
+                self.unmatched_groups += 1
+                label = f"{self.name}: a weight group"
+                lut, indices, _ = palettize_weight(np.ascontiguousarray(val), self.nbits, self.group, label, uses=1)
+                return lut[0], indices.reshape(-1)
+            out = self.feeder.serve()
+            if self.feeder.done():
                 self.feeder = None
             return out
         finally:
