@@ -36,7 +36,12 @@ impl BuildProgress {
         BuildProgress { multi, bar }
     }
 
+    /// A spinner for one phase; when stderr is not a terminal (CI logs), the
+    /// phase's start is logged as a plain line instead.
     pub fn phase(&self, msg: String) -> ProgressBar {
+        if self.multi.is_hidden() {
+            eprintln!("{msg} ...");
+        }
         let pb = self.multi.add(ProgressBar::new_spinner());
         pb.set_style(
             ProgressStyle::with_template("  {spinner:.cyan} [{elapsed:>4}] {msg}")

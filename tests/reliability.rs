@@ -4,9 +4,11 @@
 mod common;
 
 use std::fs;
+use std::io::{BufRead, BufReader};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -51,6 +53,38 @@ fn spawn(args: &[&str]) -> std::process::Child {
         .unwrap()
 }
 
+/// Spawns `args`, waits for a stderr line containing `cue`, then `delay`
+/// seconds more, and returns the child, checked to be still running, and its
+/// later stderr lines. Cues rather than fixed sleeps keep the signal inside
+/// the phase it is meant for on a machine of any speed.
+fn spawn_until(args: &[&str], cue: &str, delay: f64) -> (Child, mpsc::Receiver<String>) {
+    let mut child = spawn(args);
+    let (tx, rx) = mpsc::channel();
+    let err = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_secs(600)) {
+            Ok(line) if line.contains(cue) => break,
+            Ok(line) => seen.push(line),
+            Err(e) => panic!("no `{cue}` on stderr ({e}); saw:\n{}", seen.join("\n")),
+        }
+    }
+    std::thread::sleep(Duration::from_secs_f64(delay));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "{args:?} ended before the signal `{cue}` + {delay}s was meant for"
+    );
+    (child, rx)
+}
+
 #[test]
 fn sigkill_during_build_leaves_the_previous_result_and_the_next_run_cleans_up() {
     let ck = fixture("e2b", &[]);
@@ -65,10 +99,14 @@ fn sigkill_during_build_leaves_the_previous_result_and_the_next_run_cleans_up() 
         "--output",
         out.to_str().unwrap(),
     ];
-    // Early (interpreter start), during conversion of the first package, during the second.
-    for delay in [0.3, 4.0, 20.0] {
-        let mut child = spawn(&args);
-        std::thread::sleep(Duration::from_secs_f64(delay));
+    // Early (Python loading the first chunk), during the conversion of the
+    // first package, during the second's.
+    for (cue, delay) in [
+        ("merged_chunk1: load weights", 0.0),
+        ("merged_chunk1: convert", 2.0),
+        ("merged_chunk2: convert", 2.0),
+    ] {
+        let (mut child, _stderr) = spawn_until(&args, cue, delay);
         let _ = child.kill(); // SIGKILL
         let _ = child.wait();
         assert_previous(&out);
@@ -108,23 +146,26 @@ fn ctrl_c_stops_cleanly_with_a_message() {
     let ck = fixture("e2b", &[]);
     let out = tempdir("sigint-build");
     previous(&out);
-    let child = spawn(&[
-        "build",
-        "--hf-dir",
-        ck.to_str().unwrap(),
-        "--mode",
-        "two",
-        "--output",
-        out.to_str().unwrap(),
-    ]);
-    std::thread::sleep(Duration::from_secs(6));
+    let (mut child, stderr) = spawn_until(
+        &[
+            "build",
+            "--hf-dir",
+            ck.to_str().unwrap(),
+            "--mode",
+            "two",
+            "--output",
+            out.to_str().unwrap(),
+        ],
+        "merged_chunk1: convert",
+        1.0,
+    );
     unsafe_kill(child.id(), "INT");
-    let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(130));
+    assert_eq!(child.wait().unwrap().code(), Some(130));
+    let rest: Vec<String> = stderr.into_iter().collect();
     assert!(
-        String::from_utf8_lossy(&o.stderr).contains("interrupted"),
+        rest.iter().any(|l| l.contains("interrupted")),
         "{}",
-        String::from_utf8_lossy(&o.stderr)
+        rest.join("\n")
     );
     assert_previous(&out);
     assert!(fs::read_dir(&out).unwrap().all(|e| !e
