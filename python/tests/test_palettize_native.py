@@ -218,3 +218,13 @@ def test_kernel_errors_inside_coremltools_name_the_weight():
 def test_weights_coremltools_cannot_group_are_errors():
     with pytest.raises(ChunkforgeError, match="48 output channels, not a multiple of the palettization group size 32"):
         _one_linear_model(weight(48, 16, seed=25), {"nbits": 4, "group_size": 32, "layouts": 1})
+
+
+def test_a_linear_weight_left_unpalettized_is_an_error():
+    # What coremltools would hand back if it skipped a well-shaped weight: the
+    # same one-linear model converted without palettization.
+    from chunkforge_py import convert
+
+    ml = _one_linear_model(weight(64, 16, seed=26))
+    with pytest.raises(ChunkforgeError, match=r"t: weight .* \(64, 16\) was not palettized by coremltools"):
+        convert.check_palettized(ml, "t", 32)
