@@ -15,6 +15,19 @@ pub mod chunkforge_native {
 
     use crate::palette;
 
+    /// The array's elements in memory order, or an error naming `label`.
+    fn contiguous<'a>(
+        a: &'a PyReadonlyArray2<'_, f16>,
+        label: &str,
+        func: &str,
+    ) -> PyResult<&'a [f16]> {
+        a.as_slice().map_err(|_| {
+            PyValueError::new_err(format!(
+                "{label}: {func} needs C-contiguous float16 arrays (use numpy.ascontiguousarray)"
+            ))
+        })
+    }
+
     /// `(lut [groups, 2**nbits] float16, indices [rows, cols] uint8)`.
     type Palettized<'py> = (Bound<'py, PyArray2<f16>>, Bound<'py, PyArray2<u8>>);
 
@@ -37,17 +50,38 @@ pub mod chunkforge_native {
     ) -> PyResult<Palettized<'py>> {
         let (rows, cols) = (weight.shape()[0], weight.shape()[1]);
         let label = name.unwrap_or("weight");
-        let data = weight.as_slice().map_err(|_| {
-            PyValueError::new_err(format!(
-                "{label}: palettize_int4 needs a C-contiguous float16 array (use numpy.ascontiguousarray)"
-            ))
-        })?;
+        let data = contiguous(&weight, label, "palettize_int4")?;
         let p = py
             .detach(|| palette::palettize(data, rows, cols, group_size, nbits))
             .map_err(|e| PyValueError::new_err(format!("{label} [{rows}, {cols}]: {e}")))?;
         let lut = PyArray1::from_vec(py, p.lut).reshape([p.groups, p.entries])?;
         let indices = PyArray1::from_vec(py, p.indices).reshape([rows, cols])?;
         Ok((lut, indices))
+    }
+
+    /// indices_int4(weight, lut, group_size=32, nbits=4, name=None) -> indices
+    ///
+    /// The `indices` `palettize_int4` returns for `weight` when it returned
+    /// `lut`, byte for byte, in one cheap pass (no LUT search): a build keeps
+    /// only the LUTs of weights later layouts will ask for again.
+    #[pyfunction]
+    #[pyo3(signature = (weight, lut, group_size = 32, nbits = 4, name = None))]
+    fn indices_int4<'py>(
+        py: Python<'py>,
+        weight: PyReadonlyArray2<'py, f16>,
+        lut: PyReadonlyArray2<'py, f16>,
+        group_size: usize,
+        nbits: u32,
+        name: Option<&str>,
+    ) -> PyResult<Bound<'py, PyArray2<u8>>> {
+        let (rows, cols) = (weight.shape()[0], weight.shape()[1]);
+        let label = name.unwrap_or("weight");
+        let data = contiguous(&weight, label, "indices_int4")?;
+        let table = contiguous(&lut, label, "indices_int4")?;
+        let indices = py
+            .detach(|| palette::indices_for(data, rows, cols, group_size, nbits, table))
+            .map_err(|e| PyValueError::new_err(format!("{label} [{rows}, {cols}]: {e}")))?;
+        PyArray1::from_vec(py, indices).reshape([rows, cols])
     }
 }
 

@@ -67,6 +67,14 @@ pub enum PaletteError {
     ZeroGroup,
     #[error("a group holds {0} elements; at most {max} are supported", max = MAX_GROUP_ELEMENTS)]
     GroupTooLarge(usize),
+    #[error("a LUT of {len} entries for {groups} groups of {entries}")]
+    LutShape {
+        len: usize,
+        groups: usize,
+        entries: usize,
+    },
+    #[error("group {0}'s LUT is not one the kernel made (its entries must be finite and sorted)")]
+    LutNotKernels(usize),
 }
 
 /// A palettized weight: `lut` is `[groups, entries]` fp16, `indices` is
@@ -1082,6 +1090,43 @@ impl Scratch {
     /// Returns false, leaving `idx` and `lut` unspecified, when the group
     /// holds a NaN or an infinity.
     fn group(&mut self, w: &[u16], idx: &mut [u8], lut: &mut [f16]) -> bool {
+        if !self.distinct(w) {
+            return false;
+        }
+        let k = lut.len().min(self.keys.len());
+        let split = self.dp.isa != ISA_AVX512;
+        self.prefix.fill_for(&self.q, &self.counts, split);
+        let bounds = self.dp.solve(&self.prefix, k);
+
+        // Cluster means rounded to fp16; unused entries stay +0.
+        lut.fill(f16::ZERO);
+        let scale = (-24f64).exp2();
+        for c in 0..k {
+            let (i, j) = (bounds[c], bounds[c + 1]);
+            let p = &self.prefix;
+            let mean = (p.s1[j] - p.s1[i]) as f64 / (p.w[j] - p.w[i]) as f64;
+            lut[c] = f16::from_f64(mean * scale);
+        }
+        self.assign(w, idx, &lut[..k]);
+        true
+    }
+
+    /// The indices `group` gives `w` with this `lut` (its own output), without
+    /// solving for the LUT again: the same distinct values and the same
+    /// nearest-entry pass, so the same bytes. False on a NaN or infinity.
+    fn reassign(&mut self, w: &[u16], idx: &mut [u8], lut: &[f16]) -> bool {
+        if !self.distinct(w) {
+            return false;
+        }
+        let k = lut.len().min(self.keys.len());
+        self.assign(w, idx, &lut[..k]);
+        true
+    }
+
+    /// The group's distinct values in ascending order (`keys`), their counts
+    /// and fixed-point values (`q`); false if one is a NaN or an infinity.
+    /// Leaves the histogram zeroed for the next group.
+    fn distinct(&mut self, w: &[u16]) -> bool {
         let (mut kmin, mut kmax) = (u16::MAX, 0u16);
         for &b in w {
             let k = key(b);
@@ -1114,28 +1159,17 @@ impl Scratch {
         self.q.extend(self.keys.iter().map(|&k| fixed(unkey(k))));
         // Keys of -inf and negative NaNs are at most 0x03ff, those of +inf
         // and positive NaNs at least 0xfc00; every finite value lies between.
-        if kmin <= 0x03ff || kmax >= 0xfc00 {
-            return false;
-        }
-        let k = lut.len().min(n);
-        let split = self.dp.isa != ISA_AVX512;
-        self.prefix.fill_for(&self.q, &self.counts, split);
-        let bounds = self.dp.solve(&self.prefix, k);
+        !(kmin <= 0x03ff || kmax >= 0xfc00)
+    }
 
-        // Cluster means rounded to fp16; unused entries stay +0.
-        lut.fill(f16::ZERO);
+    /// Every element's index: the nearest entry of `cents` (sorted; lower
+    /// index on a tie) to its value. Sorted values and sorted entries, so the
+    /// nearest index only moves forward; runs of equal entries are skipped so
+    /// a tie keeps the lowest index.
+    fn assign(&mut self, w: &[u16], idx: &mut [u8], cents: &[f16]) {
         let scale = (-24f64).exp2();
-        for c in 0..k {
-            let (i, j) = (bounds[c], bounds[c + 1]);
-            let p = &self.prefix;
-            let mean = (p.s1[j] - p.s1[i]) as f64 / (p.w[j] - p.w[i]) as f64;
-            lut[c] = f16::from_f64(mean * scale);
-        }
-
-        // Nearest LUT entry for every distinct value (sorted values and sorted
-        // entries: the nearest index only moves forward). Runs of equal entries
-        // are skipped so a tie keeps the lowest index.
-        let cents: Vec<f64> = lut[..k].iter().map(|c| c.to_f64()).collect();
+        let cents: Vec<f64> = cents.iter().map(|c| c.to_f64()).collect();
+        let k = cents.len();
         let mut t = 0usize;
         for (&kk, &qv) in self.keys.iter().zip(&self.q) {
             let x = qv as f64 * scale;
@@ -1155,20 +1189,24 @@ impl Scratch {
         for (o, &b) in idx.iter_mut().zip(w) {
             *o = self.slot[key(b) as usize];
         }
-        true
     }
 }
 
-/// Palettizes a row-major fp16 weight `[rows, cols]` with one LUT of
-/// `2^nbits` entries per `group_size` consecutive rows. Groups run in
-/// parallel on the current rayon pool; the result does not depend on it.
-pub fn palettize(
+/// The checked shape of one palettization: fp16 bits, entries per LUT,
+/// elements per group.
+struct Shape<'a> {
+    bits: &'a [u16],
+    entries: usize,
+    per_group: usize,
+}
+
+fn shape(
     weight: &[f16],
     rows: usize,
     cols: usize,
     group_size: usize,
     nbits: u32,
-) -> Result<Palette, PaletteError> {
+) -> Result<Shape<'_>, PaletteError> {
     if !(1..=8).contains(&nbits) {
         return Err(PaletteError::BadNbits(nbits));
     }
@@ -1189,15 +1227,48 @@ pub fn palettize(
     if per_group > MAX_GROUP_ELEMENTS {
         return Err(PaletteError::GroupTooLarge(per_group));
     }
-    let bits: &[u16] = half::slice::HalfFloatSliceExt::reinterpret_cast(weight);
-    let entries = 1usize << nbits;
+    Ok(Shape {
+        bits: half::slice::HalfFloatSliceExt::reinterpret_cast(weight),
+        entries: 1usize << nbits,
+        per_group,
+    })
+}
+
+/// The error for a group that reported a non-finite value: the first one in
+/// row-major order, whatever the threads.
+fn non_finite(weight: &[f16], bits: &[u16], cols: usize) -> PaletteError {
+    let e = bits
+        .iter()
+        .position(|&b| !is_finite_bits(b))
+        .expect("a group reported a non-finite value");
+    PaletteError::NonFinite {
+        row: e / cols.max(1),
+        col: e % cols.max(1),
+        value: weight[e].to_f32(),
+    }
+}
+
+/// Palettizes a row-major fp16 weight `[rows, cols]` with one LUT of
+/// `2^nbits` entries per `group_size` consecutive rows. Groups run in
+/// parallel on the current rayon pool; the result does not depend on it.
+pub fn palettize(
+    weight: &[f16],
+    rows: usize,
+    cols: usize,
+    group_size: usize,
+    nbits: u32,
+) -> Result<Palette, PaletteError> {
+    let Shape {
+        bits,
+        entries,
+        per_group,
+    } = shape(weight, rows, cols, group_size, nbits)?;
     let groups = rows / group_size;
     let mut lut = vec![f16::ZERO; groups * entries];
     let mut indices = vec![0u8; rows * cols];
     if per_group > 0 {
         // Non-finite values are found by each group's histogram, so the
-        // weight is read once; the error names the first one in row-major
-        // order, whatever the threads.
+        // weight is read once.
         let finite = indices
             .par_chunks_mut(per_group)
             .zip(lut.par_chunks_mut(entries))
@@ -1205,15 +1276,7 @@ pub fn palettize(
             .map(|((idx, l), w)| SCRATCH.with(|s| s.borrow_mut().group(w, idx, l)))
             .reduce(|| true, |a, b| a & b);
         if !finite {
-            let e = bits
-                .iter()
-                .position(|&b| !is_finite_bits(b))
-                .expect("a group reported a non-finite value");
-            return Err(PaletteError::NonFinite {
-                row: e / cols.max(1),
-                col: e % cols.max(1),
-                value: weight[e].to_f32(),
-            });
+            return Err(non_finite(weight, bits, cols));
         }
     }
     Ok(Palette {
@@ -1222,6 +1285,59 @@ pub fn palettize(
         groups,
         entries,
     })
+}
+
+/// The indices [`palettize`] gives `weight` when it produced `lut` (`[groups,
+/// 2^nbits]`), without solving for the LUT: a cheap pass over the weight, so
+/// a build can keep just the LUTs of weights it will see again. Byte-identical
+/// to `palettize(..).indices` for that LUT. A LUT that is not sorted within a
+/// group, or not finite, cannot be one of the kernel's and is refused.
+pub fn indices_for(
+    weight: &[f16],
+    rows: usize,
+    cols: usize,
+    group_size: usize,
+    nbits: u32,
+    lut: &[f16],
+) -> Result<Vec<u8>, PaletteError> {
+    let Shape {
+        bits,
+        entries,
+        per_group,
+    } = shape(weight, rows, cols, group_size, nbits)?;
+    let groups = rows / group_size;
+    if lut.len() != groups * entries {
+        return Err(PaletteError::LutShape {
+            len: lut.len(),
+            groups,
+            entries,
+        });
+    }
+    // The kernel's tables: sorted, then +0 in the entries a group with fewer
+    // distinct values than entries leaves unused.
+    let kernels = |l: &[f16]| {
+        let used = l
+            .iter()
+            .rposition(|c| c.to_bits() != 0)
+            .map_or(0, |u| u + 1);
+        l.iter().all(|c| c.is_finite()) && l[..used].windows(2).all(|p| p[0] <= p[1])
+    };
+    if let Some(g) = lut.chunks(entries).position(|l| !kernels(l)) {
+        return Err(PaletteError::LutNotKernels(g));
+    }
+    let mut indices = vec![0u8; rows * cols];
+    if per_group > 0 {
+        let finite = indices
+            .par_chunks_mut(per_group)
+            .zip(lut.par_chunks(entries))
+            .zip(bits.par_chunks(per_group))
+            .map(|((idx, l), w)| SCRATCH.with(|s| s.borrow_mut().reassign(w, idx, l)))
+            .reduce(|| true, |a, b| a & b);
+        if !finite {
+            return Err(non_finite(weight, bits, cols));
+        }
+    }
+    Ok(indices)
 }
 
 #[cfg(test)]
@@ -1526,6 +1642,71 @@ mod tests {
         assert_eq!(
             first,
             sorted.iter().map(|&v| h(v).to_f64()).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn indices_for_the_kernels_lut_are_the_kernels_indices() {
+        let mut rng = Rng(0x1dec_0de5);
+        let mut cases: Vec<(Vec<f16>, usize, usize)> = (0..8)
+            .map(|kind| (random_points(&mut rng, kind % 4, 64 * 96), 64, 96))
+            .collect();
+        // Degenerate groups: all equal, fewer distinct values than entries,
+        // signed zeros, subnormals, and exact ties between two entries.
+        cases.push((vec![h(0.125); 32 * 8], 32, 8));
+        cases.push((
+            (0..32 * 7).map(|i| h([-0.5, 0.0, 0.75][i % 3])).collect(),
+            32,
+            7,
+        ));
+        cases.push((
+            (0..32 * 4)
+                .map(|i| [f16::ZERO, f16::NEG_ZERO, h(1.0), h(-1.0)][i % 4])
+                .collect(),
+            32,
+            4,
+        ));
+        cases.push((
+            (0..32 * 40)
+                .map(|i| f16::from_bits((i % 40 + 1) as u16))
+                .collect(),
+            32,
+            40,
+        ));
+        cases.push(((0..32 * 17).map(|i| h((i % 17) as f64)).collect(), 32, 17));
+        for (n, (w, rows, cols)) in cases.iter().enumerate() {
+            for nbits in [1, 2, 4] {
+                let p = palettize(w, *rows, *cols, 32, nbits).unwrap();
+                let got = indices_for(w, *rows, *cols, 32, nbits, &p.lut).unwrap();
+                assert_eq!(got, p.indices, "case {n}, {nbits} bits");
+            }
+        }
+        // Bad input: a non-finite weight, a LUT of the wrong size, one out of order.
+        let (w, rows, cols) = &cases[0];
+        let lut = palettize(w, *rows, *cols, 32, 4).unwrap().lut;
+        let mut bad = w.clone();
+        bad[40 * 96 + 3] = f16::NAN;
+        assert!(matches!(
+            indices_for(&bad, *rows, *cols, 32, 4, &lut),
+            Err(PaletteError::NonFinite {
+                row: 40,
+                col: 3,
+                ..
+            })
+        ));
+        assert_eq!(
+            indices_for(w, *rows, *cols, 32, 4, &lut[..16]),
+            Err(PaletteError::LutShape {
+                len: 16,
+                groups: 2,
+                entries: 16
+            })
+        );
+        let mut shuffled = lut.clone();
+        shuffled.swap(17, 18);
+        assert_eq!(
+            indices_for(w, *rows, *cols, 32, 4, &shuffled),
+            Err(PaletteError::LutNotKernels(1))
         );
     }
 

@@ -25,13 +25,15 @@ Results are cached within a build (one build = one interpreter), keyed by
 SHA-256 of the fp16 weight bytes, its shape and the settings: `--mode both`
 palettizes merged_full's weights (exactly those of merged_chunk1 +
 merged_chunk2) once, and because the kernel is deterministic every layout's
-copy of a weight is byte-identical. Every layout holds each weight once, so a
-build of L layouts uses a weight L times: an entry is dropped after its last
-use, and a one-layout build caches (and hashes) nothing. The cache would
-otherwise keep one index byte per weight element to the end of the build,
-over 2 GB for E2B. (Two different weights with identical bytes share one
-entry and use its count up early: later uses recompute them, with the same
-result.)
+copy of a weight is byte-identical. The cache holds only the LUTs (32 bytes
+per 32 rows): a later use re-derives the indices from the weight and its LUT
+(`indices_int4`, one cheap pass that gives the kernel's indices byte for
+byte), where keeping the indices would hold one byte per weight element,
+about 2 GB for E2B, through the next layout's conversion. Every layout holds
+each weight once, so a build of L layouts uses a weight L times: an entry is
+dropped after its last use, and a one-layout build caches (and hashes)
+nothing. (Two different weights with identical bytes share one entry and use
+its count up early: later uses recompute them, with the same result.)
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from .runtime import ChunkforgeError
 # Bump when the kernel's output for the same input could change.
 KERNEL_VERSION = 2
 
-# key -> [lut, indices, uses left]
+# key -> [lut, uses left]
 _CACHE: dict[str, list[Any]] = {}
 
 
@@ -71,23 +73,24 @@ def palettize_weight(
 
     if weight.dtype != np.float16 or weight.ndim != 2:
         raise ChunkforgeError(f"{name}: expected a 2-D float16 weight, got {weight.dtype} {weight.shape}")
+    weight = np.ascontiguousarray(weight)
     key = cache_key(weight, nbits, group_size) if uses is None or uses > 1 else None
     hit = _CACHE.get(key) if key is not None else None
-    if hit is not None:
-        if hit[2] is not None:
-            hit[2] -= 1
-            if hit[2] <= 0:
-                del _CACHE[key]
-        return hit[0], hit[1], True
     try:
-        lut, indices = chunkforge_native.palettize_int4(np.ascontiguousarray(weight), group_size, nbits, name)
+        if hit is not None:
+            if hit[1] is not None:
+                hit[1] -= 1
+                if hit[1] <= 0:
+                    del _CACHE[key]
+            lut = hit[0]
+            return lut, chunkforge_native.indices_int4(weight, lut, group_size, nbits, name), True
+        lut, indices = chunkforge_native.palettize_int4(weight, group_size, nbits, name)
     except ValueError as e:
         raise ChunkforgeError(f"palettizing {e}") from None
-    # Read-only: cached arrays are shared between packages.
+    # Read-only: a cached LUT is shared between packages.
     lut.flags.writeable = False
-    indices.flags.writeable = False
     if key is not None:
-        _CACHE[key] = [lut, indices, None if uses is None else uses - 1]
+        _CACHE[key] = [lut, None if uses is None else uses - 1]
     return lut, indices, False
 
 
@@ -99,10 +102,10 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 class _Feeder:
     """One weight's results, handed out group by group in order. The kernel
-    runs when the first group is asked for and the feeder lets go of the
-    result after the last (coremltools compresses the weights one after
-    another), so outside the cache one weight's indices are alive at a time
-    rather than the whole package's."""
+    (or, on a cache hit, the index pass) runs when the first group is asked
+    for and the feeder lets go of the result after the last (coremltools
+    compresses the weights one after another), so one weight's indices are
+    alive at a time rather than the whole package's."""
 
     def __init__(self, name: str, weight: np.ndarray, nbits: int, group: int, uses: int | None, counts: dict[str, int]):
         self.name, self.weight, self.nbits, self.group, self.uses = name, weight, nbits, group, uses

@@ -228,3 +228,22 @@ def test_a_linear_weight_left_unpalettized_is_an_error():
     ml = _one_linear_model(weight(64, 16, seed=26))
     with pytest.raises(ChunkforgeError, match=r"t: weight .* \(64, 16\) was not palettized by coremltools"):
         convert.check_palettized(ml, "t", 32)
+
+
+def test_indices_from_a_cached_lut_are_the_kernels():
+    # What a cache hit returns: the indices re-derived from the weight and
+    # its LUT, byte for byte the kernel's, also for degenerate groups.
+    few = np.resize(np.array([-0.5, 0.0, -0.0, 0.75], dtype=np.float16), (64, 24))
+    for w in (weight(96, 200, seed=41), few, np.full((32, 8), 0.125, dtype=np.float16)):
+        lut, idx = native.palettize_int4(w, 32, 4)
+        np.testing.assert_array_equal(native.indices_int4(w, lut, 32, 4), idx)
+    w = weight(64, 16, seed=42)
+    lut, _ = native.palettize_int4(w, 32, 4)
+    with pytest.raises(ValueError, match=r"w \[64, 16\]: a LUT of 16 entries for 2 groups of 16"):
+        native.indices_int4(w, lut[:1], 32, 4, "w")
+    unsorted = lut.copy()
+    unsorted[1] = unsorted[1, ::-1]
+    with pytest.raises(ValueError, match=r"w \[64, 16\]: group 1's LUT is not one the kernel made"):
+        native.indices_int4(w, unsorted, 32, 4, "w")
+    with pytest.raises(ValueError, match="w: indices_int4 needs C-contiguous float16 arrays"):
+        native.indices_int4(w, lut[:, ::-1], 32, 4, "w")
