@@ -77,7 +77,14 @@ pub mod chunkforge_native {
         let (rows, cols) = (weight.shape()[0], weight.shape()[1]);
         let label = name.unwrap_or("weight");
         let data = contiguous(&weight, label, "indices_int4")?;
-        let table = contiguous(&lut, label, "indices_int4")?;
+        let table = contiguous(&lut, &format!("{label} LUT"), "indices_int4")?;
+        let entries = lut.shape()[1];
+        if (1..=8).contains(&nbits) && entries != 1 << nbits {
+            return Err(PyValueError::new_err(format!(
+                "{label}: a LUT of {entries} entries per group; nbits {nbits} needs {}",
+                1 << nbits
+            )));
+        }
         let indices = py
             .detach(|| palette::indices_for(data, rows, cols, group_size, nbits, table))
             .map_err(|e| PyValueError::new_err(format!("{label} [{rows}, {cols}]: {e}")))?;

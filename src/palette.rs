@@ -126,6 +126,9 @@ fn is_finite_bits(bits: u16) -> bool {
     bits & 0x7c00 != 0x7c00
 }
 
+/// The value of one unit of [`fixed`].
+const FIXED_UNIT: f64 = 1.0 / (1u64 << 24) as f64;
+
 /// The fp16 value as an integer multiple of 2^-24 (exact; |q| < 2^40).
 #[inline]
 fn fixed(bits: u16) -> i64 {
@@ -1066,6 +1069,7 @@ thread_local! {
 struct Scratch {
     hist: Vec<u32>,
     slot: Vec<u8>,
+    cents: Vec<f64>,
     keys: Vec<u16>,
     counts: Vec<u32>,
     q: Vec<i64>,
@@ -1078,6 +1082,7 @@ impl Scratch {
         Scratch {
             hist: vec![0; 1 << 16],
             slot: vec![0; 1 << 16],
+            cents: Vec::new(),
             keys: Vec::new(),
             counts: Vec::new(),
             q: Vec::new(),
@@ -1086,12 +1091,11 @@ impl Scratch {
         }
     }
 
-    /// Palettizes one group (`w`: fp16 bits) into `lut` and `idx`.
-    /// Returns false, leaving `idx` and `lut` unspecified, when the group
-    /// holds a NaN or an infinity.
-    fn group(&mut self, w: &[u16], idx: &mut [u8], lut: &mut [f16]) -> bool {
+    /// Palettizes one group (`w`: fp16 bits) into `lut` and `idx`; on a NaN or
+    /// an infinity, `idx` and `lut` are left unspecified.
+    fn group(&mut self, w: &[u16], idx: &mut [u8], lut: &mut [f16]) -> Check {
         if !self.distinct(w) {
-            return false;
+            return Check::NonFinite;
         }
         let k = lut.len().min(self.keys.len());
         let split = self.dp.isa != ISA_AVX512;
@@ -1100,27 +1104,33 @@ impl Scratch {
 
         // Cluster means rounded to fp16; unused entries stay +0.
         lut.fill(f16::ZERO);
-        let scale = (-24f64).exp2();
         for c in 0..k {
             let (i, j) = (bounds[c], bounds[c + 1]);
             let p = &self.prefix;
             let mean = (p.s1[j] - p.s1[i]) as f64 / (p.w[j] - p.w[i]) as f64;
-            lut[c] = f16::from_f64(mean * scale);
+            lut[c] = f16::from_f64(mean * FIXED_UNIT);
         }
         self.assign(w, idx, &lut[..k]);
-        true
+        Check::Ok
     }
 
     /// The indices `group` gives `w` with this `lut` (its own output), without
-    /// solving for the LUT again: the same distinct values and the same
-    /// nearest-entry pass, so the same bytes. False on a NaN or infinity.
-    fn reassign(&mut self, w: &[u16], idx: &mut [u8], lut: &[f16]) -> bool {
+    /// solving for the LUT again: the same distinct values, the same number
+    /// of used entries and the same nearest-entry pass, so the same bytes.
+    /// A `lut` that `group` could not have made for `w` is refused: used
+    /// entries not finite and sorted, or unused ones not +0.
+    fn reassign(&mut self, w: &[u16], idx: &mut [u8], lut: &[f16]) -> Check {
         if !self.distinct(w) {
-            return false;
+            return Check::NonFinite;
         }
-        let k = lut.len().min(self.keys.len());
-        self.assign(w, idx, &lut[..k]);
-        true
+        let (used, unused) = lut.split_at(lut.len().min(self.keys.len()));
+        if !(used.iter().all(|c| c.is_finite()) && used.is_sorted())
+            || unused.iter().any(|c| c.to_bits() != 0)
+        {
+            return Check::NotKernels;
+        }
+        self.assign(w, idx, used);
+        Check::Ok
     }
 
     /// The group's distinct values in ascending order (`keys`), their counts
@@ -1166,13 +1176,14 @@ impl Scratch {
     /// index on a tie) to its value. Sorted values and sorted entries, so the
     /// nearest index only moves forward; runs of equal entries are skipped so
     /// a tie keeps the lowest index.
-    fn assign(&mut self, w: &[u16], idx: &mut [u8], cents: &[f16]) {
-        let scale = (-24f64).exp2();
-        let cents: Vec<f64> = cents.iter().map(|c| c.to_f64()).collect();
+    fn assign(&mut self, w: &[u16], idx: &mut [u8], entries: &[f16]) {
+        let cents = &mut self.cents;
+        cents.clear();
+        cents.extend(entries.iter().map(|c| c.to_f64()));
         let k = cents.len();
         let mut t = 0usize;
         for (&kk, &qv) in self.keys.iter().zip(&self.q) {
-            let x = qv as f64 * scale;
+            let x = qv as f64 * FIXED_UNIT;
             loop {
                 let mut nx = t + 1;
                 while nx < k && cents[nx] == cents[t] {
@@ -1234,6 +1245,36 @@ fn shape(
     })
 }
 
+/// How one group went.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Check {
+    Ok,
+    NonFinite,
+    /// A LUT the kernel could not have made for the group.
+    NotKernels,
+}
+
+/// Runs `f` on every group in parallel, with its fp16 bits, its indices and
+/// its item of `luts`; returns the first group, in order, that did not pass.
+fn each_group<L: Send>(
+    bits: &[u16],
+    indices: &mut [u8],
+    per_group: usize,
+    luts: impl IndexedParallelIterator<Item = L>,
+    f: impl Fn(&mut Scratch, &[u16], &mut [u8], L) -> Check + Sync + Send,
+) -> Option<(usize, Check)> {
+    if per_group == 0 {
+        return None;
+    }
+    indices
+        .par_chunks_mut(per_group)
+        .zip(luts)
+        .zip(bits.par_chunks(per_group))
+        .map(|((idx, l), w)| SCRATCH.with(|s| f(&mut s.borrow_mut(), w, idx, l)))
+        .enumerate()
+        .find_first(|&(_, c)| c != Check::Ok)
+}
+
 /// The error for a group that reported a non-finite value: the first one in
 /// row-major order, whatever the threads.
 fn non_finite(weight: &[f16], bits: &[u16], cols: usize) -> PaletteError {
@@ -1266,18 +1307,11 @@ pub fn palettize(
     let groups = rows / group_size;
     let mut lut = vec![f16::ZERO; groups * entries];
     let mut indices = vec![0u8; rows * cols];
-    if per_group > 0 {
-        // Non-finite values are found by each group's histogram, so the
-        // weight is read once.
-        let finite = indices
-            .par_chunks_mut(per_group)
-            .zip(lut.par_chunks_mut(entries))
-            .zip(bits.par_chunks(per_group))
-            .map(|((idx, l), w)| SCRATCH.with(|s| s.borrow_mut().group(w, idx, l)))
-            .reduce(|| true, |a, b| a & b);
-        if !finite {
-            return Err(non_finite(weight, bits, cols));
-        }
+    // Non-finite values are found by each group's histogram, so the weight is
+    // read once.
+    let luts = lut.par_chunks_mut(entries);
+    if each_group(bits, &mut indices, per_group, luts, Scratch::group).is_some() {
+        return Err(non_finite(weight, bits, cols));
     }
     Ok(Palette {
         lut,
@@ -1290,8 +1324,9 @@ pub fn palettize(
 /// The indices [`palettize`] gives `weight` when it produced `lut` (`[groups,
 /// 2^nbits]`), without solving for the LUT: a cheap pass over the weight, so
 /// a build can keep just the LUTs of weights it will see again. Byte-identical
-/// to `palettize(..).indices` for that LUT. A LUT that is not sorted within a
-/// group, or not finite, cannot be one of the kernel's and is refused.
+/// to `palettize(..).indices` for that LUT. A group's LUT that the kernel
+/// could not have made for it (used entries not finite and sorted, unused
+/// ones not +0) is refused.
 pub fn indices_for(
     weight: &[f16],
     rows: usize,
@@ -1313,31 +1348,13 @@ pub fn indices_for(
             entries,
         });
     }
-    // The kernel's tables: sorted, then +0 in the entries a group with fewer
-    // distinct values than entries leaves unused.
-    let kernels = |l: &[f16]| {
-        let used = l
-            .iter()
-            .rposition(|c| c.to_bits() != 0)
-            .map_or(0, |u| u + 1);
-        l.iter().all(|c| c.is_finite()) && l[..used].windows(2).all(|p| p[0] <= p[1])
-    };
-    if let Some(g) = lut.chunks(entries).position(|l| !kernels(l)) {
-        return Err(PaletteError::LutNotKernels(g));
-    }
     let mut indices = vec![0u8; rows * cols];
-    if per_group > 0 {
-        let finite = indices
-            .par_chunks_mut(per_group)
-            .zip(lut.par_chunks(entries))
-            .zip(bits.par_chunks(per_group))
-            .map(|((idx, l), w)| SCRATCH.with(|s| s.borrow_mut().reassign(w, idx, l)))
-            .reduce(|| true, |a, b| a & b);
-        if !finite {
-            return Err(non_finite(weight, bits, cols));
-        }
+    let luts = lut.par_chunks(entries);
+    match each_group(bits, &mut indices, per_group, luts, Scratch::reassign) {
+        None => Ok(indices),
+        Some((_, Check::NonFinite)) => Err(non_finite(weight, bits, cols)),
+        Some((g, _)) => Err(PaletteError::LutNotKernels(g)),
     }
-    Ok(indices)
 }
 
 #[cfg(test)]
@@ -1651,14 +1668,21 @@ mod tests {
         let mut cases: Vec<(Vec<f16>, usize, usize)> = (0..8)
             .map(|kind| (random_points(&mut rng, kind % 4, 64 * 96), 64, 96))
             .collect();
-        // Degenerate groups: all equal, fewer distinct values than entries,
-        // signed zeros, subnormals, and exact ties between two entries.
-        cases.push((vec![h(0.125); 32 * 8], 32, 8));
-        cases.push((
-            (0..32 * 7).map(|i| h([-0.5, 0.0, 0.75][i % 3])).collect(),
-            32,
-            7,
-        ));
+        // Degenerate groups: all equal, all zero, fewer distinct values than
+        // entries (with +0 as the largest used entry, and negatives only),
+        // signed zeros, subnormals, and a cluster mean that rounds to -0.
+        let from = |vals: &[f64], cols: usize| -> (Vec<f16>, usize, usize) {
+            (
+                (0..32 * cols).map(|i| h(vals[i % vals.len()])).collect(),
+                32,
+                cols,
+            )
+        };
+        cases.push(from(&[0.125], 8));
+        cases.push(from(&[0.0], 8));
+        cases.push(from(&[-0.5, 0.0, 0.75], 7));
+        cases.push(from(&[-1.0, 0.0], 6));
+        cases.push(from(&[-3.0, -0.25, -1.5], 5));
         cases.push((
             (0..32 * 4)
                 .map(|i| [f16::ZERO, f16::NEG_ZERO, h(1.0), h(-1.0)][i % 4])
@@ -1673,21 +1697,38 @@ mod tests {
             32,
             40,
         ));
-        cases.push(((0..32 * 17).map(|i| h((i % 17) as f64)).collect(), 32, 17));
+        let mut neg_zero_mean = vec![f16::ZERO; 32 * 8];
+        neg_zero_mean[0] = f16::from_bits(0x8001); // -2^-24 among zeros
+        neg_zero_mean[1..128].fill(h(1.0));
+        cases.push((neg_zero_mean, 32, 8));
         for (n, (w, rows, cols)) in cases.iter().enumerate() {
-            for nbits in [1, 2, 4] {
+            for nbits in [1, 2, 4, 8] {
                 let p = palettize(w, *rows, *cols, 32, nbits).unwrap();
                 let got = indices_for(w, *rows, *cols, 32, nbits, &p.lut).unwrap();
                 assert_eq!(got, p.indices, "case {n}, {nbits} bits");
             }
         }
-        // Bad input: a non-finite weight, a LUT of the wrong size, one out of order.
-        let (w, rows, cols) = &cases[0];
-        let lut = palettize(w, *rows, *cols, 32, 4).unwrap().lut;
+        let p = palettize(&cases.last().unwrap().0, 32, 8, 32, 1).unwrap();
+        assert_eq!(p.lut[0].to_bits(), 0x8000, "the -0 mean case lost its -0");
+    }
+
+    #[test]
+    fn indices_for_keeps_the_lowest_index_on_a_tie_and_refuses_foreign_luts() {
+        // 1 is as far from entry 0 as from entry 2: the lower index wins, as in
+        // the kernel's own pass; a run of equal entries answers with its first.
+        let w: Vec<f16> = [0.0, 1.0, 2.0, 1.0].iter().map(|&v| h(v)).collect();
+        let got = indices_for(&w, 1, 4, 1, 1, &[h(0.0), h(2.0)]).unwrap();
+        assert_eq!(got, [0, 0, 1, 0]);
+        let w: Vec<f16> = (0..4).map(|i| h(f64::from(i))).collect();
+        let lut = [h(0.0), h(2.0), h(2.0), h(3.0)];
+        assert_eq!(indices_for(&w, 1, 4, 1, 2, &lut).unwrap(), [0, 0, 1, 3]);
+
+        let (w, rows, cols) = (random_points(&mut Rng(7), 0, 64 * 96), 64, 96);
+        let lut = palettize(&w, rows, cols, 32, 4).unwrap().lut;
         let mut bad = w.clone();
         bad[40 * 96 + 3] = f16::NAN;
         assert!(matches!(
-            indices_for(&bad, *rows, *cols, 32, 4, &lut),
+            indices_for(&bad, rows, cols, 32, 4, &lut),
             Err(PaletteError::NonFinite {
                 row: 40,
                 col: 3,
@@ -1695,18 +1736,35 @@ mod tests {
             })
         ));
         assert_eq!(
-            indices_for(w, *rows, *cols, 32, 4, &lut[..16]),
+            indices_for(&w, rows, cols, 32, 4, &lut[..16]),
             Err(PaletteError::LutShape {
                 len: 16,
                 groups: 2,
                 entries: 16
             })
         );
+        // Out of order; two positive entries then +0 as if unused, for a
+        // group with more distinct values than entries; not finite.
         let mut shuffled = lut.clone();
         shuffled.swap(17, 18);
+        let mut short = lut.clone();
+        short.copy_within(14..16, 0);
+        short[2..16].fill(f16::ZERO);
+        let mut infinite = lut.clone();
+        infinite[31] = f16::INFINITY;
+        for (bad, group) in [(shuffled, 1), (short, 0), (infinite, 1)] {
+            assert_eq!(
+                indices_for(&w, rows, cols, 32, 4, &bad),
+                Err(PaletteError::LutNotKernels(group))
+            );
+        }
+        // Unused entries must be +0.
+        let few: Vec<f16> = (0..32 * 3).map(|i| h([-1.0, 0.5][i % 2])).collect();
+        let mut lut = palettize(&few, 32, 3, 32, 4).unwrap().lut;
+        lut[5] = h(4.0);
         assert_eq!(
-            indices_for(w, *rows, *cols, 32, 4, &shuffled),
-            Err(PaletteError::LutNotKernels(1))
+            indices_for(&few, 32, 3, 32, 4, &lut),
+            Err(PaletteError::LutNotKernels(0))
         );
     }
 
@@ -1949,7 +2007,7 @@ mod tests {
             let mut s = Scratch::new();
             s.dp = Dp::with_isa(isa);
             let (mut idx, mut lut) = (vec![0u8; w.len()], vec![f16::ZERO; 16]);
-            assert!(s.group(&w, &mut idx, &mut lut));
+            assert_eq!(s.group(&w, &mut idx, &mut lut), Check::Ok);
             match &want {
                 None => want = Some((idx, lut)),
                 Some(first) => assert!(*first == (idx, lut), "build {isa} differs"),

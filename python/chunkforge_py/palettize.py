@@ -54,9 +54,10 @@ _CACHE: dict[str, list[Any]] = {}
 
 
 def cache_key(weight: np.ndarray, nbits: int, group_size: int) -> str:
+    """`weight` must be C-contiguous."""
     h = hashlib.sha256()
     h.update(f"chunkforge-palette/{KERNEL_VERSION};{weight.dtype.str};{weight.shape};{nbits};{group_size};".encode())
-    h.update(np.ascontiguousarray(weight).data)
+    h.update(weight.data)
     return h.hexdigest()
 
 

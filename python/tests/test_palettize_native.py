@@ -245,5 +245,8 @@ def test_indices_from_a_cached_lut_are_the_kernels():
     unsorted[1] = unsorted[1, ::-1]
     with pytest.raises(ValueError, match=r"w \[64, 16\]: group 1's LUT is not one the kernel made"):
         native.indices_int4(w, unsorted, 32, 4, "w")
-    with pytest.raises(ValueError, match="w: indices_int4 needs C-contiguous float16 arrays"):
+    with pytest.raises(ValueError, match="w LUT: indices_int4 needs C-contiguous float16 arrays"):
         native.indices_int4(w, lut[:, ::-1], 32, 4, "w")
+    # A LUT of the same size made with other settings: 2 groups of 16 is not 1 of 32.
+    with pytest.raises(ValueError, match="w: a LUT of 16 entries per group; nbits 5 needs 32"):
+        native.indices_int4(w, lut, 64, 5, "w")
