@@ -18,11 +18,14 @@
 //! What makes it fast (each step keeps the result exact and identical):
 //! - **Level-order divide and conquer** (`Layer::solve`): all rows of one
 //!   recursion level are independent, so their searches overlap in the CPU.
-//! - **Row floors** (`Dp::layers`, `Dp::coarse_floors`): the final answer only
-//!   depends on layer `m` at rows `j >= opt[m][floor[m+1]]`. A pass over
-//!   every 16th split point estimates those floors, the full programme then
-//!   skips about half the rows, and a cheap check after each layer proves the
-//!   floors were low enough (otherwise the full programme runs).
+//! - **Row floors and ceilings** (`Dp::layers`, `Dp::coarse_bounds`): the
+//!   final answer only depends on layer `m` at rows `j >= opt[m][floor[m+1]]`,
+//!   and only up to the first row whose value reaches the layer above's at
+//!   its own ceiling (values never fall as rows grow, costs are not
+//!   negative). A pass over every 16th split point estimates both, the full
+//!   programme then skips about 60% of the rows, and a cheap check after each
+//!   layer proves the bounds were wide enough (otherwise the full programme
+//!   runs).
 //! - **Vector searches** (`avx2`, `avx512`): branch-free windows of 4 or 8
 //!   splits and one-pass minimum-and-index loops, with the same roundings as
 //!   the portable code.
@@ -196,6 +199,17 @@ impl Prefix {
 
     fn len(&self) -> usize {
         self.w.len() - 1
+    }
+
+    /// The sum of every point's `count * q^2`: no cost or programme value
+    /// exceeds it.
+    fn s2_total(&self) -> f64 {
+        let n = self.len();
+        if self.narrow {
+            self.s2u[n] as f64
+        } else {
+            self.s2_wide[n] as f64
+        }
     }
 
     /// Whether the split f64 views are filled, as long as `fw` (narrow
@@ -754,9 +768,13 @@ struct Dp {
     /// `opt[(k - 1) * (n + 1) + j]`: best last split for `j` points in `k` clusters.
     opt: Vec<u32>,
     row: Vec<f64>,
+    /// `vals[(k - 1) * (n + 1) + j]`: the programme's value for `j` points in
+    /// `k` clusters, kept only by the coarse pass (`keep_values`).
+    vals: Vec<f64>,
+    keep_values: bool,
     /// `ISA_*`: the search code this programme runs.
     isa: u8,
-    /// The coarse pass's prefix and programme (see `coarse_floors`).
+    /// The coarse pass's prefix and programme (see `coarse_bounds`).
     coarse: Option<Box<(Prefix, Dp)>>,
 }
 
@@ -767,6 +785,8 @@ impl Dp {
             cur: Vec::new(),
             opt: Vec::new(),
             row: Vec::new(),
+            vals: Vec::new(),
+            keep_values: false,
             isa: best_isa(),
             coarse: None,
         }
@@ -823,50 +843,72 @@ impl Dp {
     fn solve_body<const ISA: u8>(&mut self, p: &Prefix, k: usize) -> Vec<usize> {
         let n = p.len();
         if k > 2 && n >= COARSE_MIN * k {
-            if let Some(floors) = self.coarse_floors::<ISA>(p, k) {
-                if self.layers::<ISA>(p, k, &floors) {
+            if let Some(bounds) = self.coarse_bounds::<ISA>(p, k) {
+                if self.layers::<ISA>(p, k, &bounds) {
                     return self.backtrack(n, k);
                 }
             }
         }
         // Every row of every layer: nothing to check.
-        let mut floors: Vec<usize> = (0..=k).collect();
-        floors[k] = n;
-        let complete = self.layers::<ISA>(p, k, &floors);
+        let complete = self.layers::<ISA>(p, k, &Rows::all(n, k));
         debug_assert!(complete);
         self.backtrack(n, k)
     }
 
-    /// The layered programme, computing layer `m` only for rows `j >=
-    /// floors[m]` (`floors[m] >= m`, non-decreasing, `floors[k] = n`).
+    /// The layered programme, computing layer `m` only for the rows
+    /// `rows.floors[m] ..= rows.ceils[m]` (see [`Rows`]).
     ///
-    /// Layer `m + 1` searches its rows `j >= floors[m + 1]` over splits `i >=
-    /// floors[m]`, so it is exact when its best splits are never below
-    /// `floors[m]`. They are not below `opt[m][j] >= opt[m][floors[m + 1]]`
-    /// (one more cluster never lengthens the last one; best splits grow with
-    /// `j`), so after each layer that one value is checked. Returns false,
-    /// with the tables unusable, when a check fails.
+    /// Floors: layer `m + 1` searches its rows `j >= floors[m + 1]` over
+    /// splits `i >= floors[m]`, so it is exact when its best splits are never
+    /// below `floors[m]`. They are not below `opt[m][j] >= opt[m][floors[m +
+    /// 1]]` (one more cluster never lengthens the last one; best splits grow
+    /// with `j`), so after each layer that one value is checked.
+    ///
+    /// Ceilings: layer `m + 1` searches splits `i <= ceils[m]`, so it is
+    /// exact when no split above would do better for its top row `c =
+    /// ceils[m + 1]` (best splits grow with `j`: then none would for lower
+    /// rows either). Any such split costs at least `D[m][i] >= D[m][ceils[m]]`
+    /// (`D[m][i]` never falls as `i` grows: dropping the last point cannot
+    /// raise a partition's cost), so `D[m][ceils[m]]`, less a margin for
+    /// rounding, at or above the top row's value proves it.
+    ///
+    /// Returns false, with the tables unusable, when a check fails.
     #[inline(always)]
-    fn layers<const ISA: u8>(&mut self, p: &Prefix, k: usize, floors: &[usize]) -> bool {
+    fn layers<const ISA: u8>(&mut self, p: &Prefix, k: usize, rows: &Rows) -> bool {
+        let Rows { floors, ceils } = rows;
         let n = p.len();
         let stride = n + 1;
+        // Far above any accumulated rounding of costs and sums (each a few
+        // units in the last place of at most `s2_total`).
+        let margin = p.s2_total() * (-36f64).exp2();
         // No clearing: every entry a layer reads was written by the layer
-        // before it, except one `opt` entry per layer, set below (window
-        // lanes past the end are masked whatever they hold).
+        // before it, except the `opt` entries above a layer's ceiling that
+        // the next layer reads, set below (window lanes past the end are
+        // masked whatever they hold).
         self.prev.resize(stride + PAD, f64::INFINITY);
         self.cur.resize(stride + PAD, f64::INFINITY);
         self.opt.resize(k * stride, 0);
         self.row.resize(stride + SMALL, 0.0);
+        if self.keep_values {
+            self.vals.resize(k * stride, f64::INFINITY);
+        }
         // One cluster over the first j points; only j <= n-(k-1) leaves a
         // point for every later cluster.
         let last = n - (k - 1);
         self.cur[0] = f64::INFINITY;
         p.first_column(&mut self.cur[..=last]);
+        if self.keep_values {
+            self.vals[..=last].copy_from_slice(&self.cur[..=last]);
+        }
         std::mem::swap(&mut self.prev, &mut self.cur);
         for layer in 2..=k {
             let (done, rest) = self.opt.split_at_mut((layer - 1) * stride);
             let lower = &done[(layer - 2) * stride..];
             let opt = &mut rest[..stride];
+            // Rows j in [floors[layer], ceils[layer]], splits i in
+            // [floors[layer-1], min(ceils[layer-1], j-1)].
+            let (lo, hi) = (floors[layer], ceils[layer]);
+            let ihi = ceils[layer - 1].min(hi - 1);
             if layer == k {
                 // The last cluster ends at n: one row.
                 let ctx = Layer::<ISA> {
@@ -874,13 +916,10 @@ impl Dp {
                     prev: &self.prev,
                     lower: None,
                 };
-                let (t, v) = ctx.best_split(n, floors[k - 1], n - 1, &mut self.row);
+                let (t, v) = ctx.best_split(n, floors[k - 1], ihi, &mut self.row);
                 opt[n] = t as u32;
                 self.cur[n] = v;
             } else {
-                // Rows j in [floors[layer], n-(k-layer)], splits i in
-                // [floors[layer-1], j-1].
-                let hi = n - (k - layer);
                 let lower = if layer > 2 { Some(lower) } else { None };
                 let ctx = Layer::<ISA> {
                     p,
@@ -891,16 +930,24 @@ impl Dp {
                     &mut self.cur,
                     opt,
                     &mut self.row,
-                    (floors[layer], hi),
-                    (floors[layer - 1], hi - 1),
+                    (lo, hi),
+                    (floors[layer - 1], ihi),
                 );
-                // The next layer's last row, hi + 1, reads this layer's best
-                // split there as its floor; 0 is always a valid one.
-                opt[hi + 1] = 0;
+                // The next layer's rows above this one's ceiling read this
+                // layer's best split there as their floor; 0 is always a
+                // valid one.
+                opt[hi + 1..=ceils[layer + 1]].fill(0);
                 let demand = floors[layer + 1].min(hi);
-                if floors[layer] > layer && (opt[demand] as usize) < floors[layer] {
+                if lo > layer && (opt[demand] as usize) < lo {
                     return false;
                 }
+            }
+            if ihi < hi - 1 && self.prev[ihi] - margin < self.cur[hi] {
+                return false;
+            }
+            if self.keep_values {
+                let at = (layer - 1) * stride;
+                self.vals[at + lo..=at + hi].copy_from_slice(&self.cur[lo..=hi]);
             }
             std::mem::swap(&mut self.prev, &mut self.cur);
         }
@@ -918,28 +965,34 @@ impl Dp {
         b
     }
 
-    /// Row floors for `layers`, estimated from the same programme on every
-    /// `COARSE`-th split point (about 1/16 of the work): the chain of best
-    /// splits `L[k] = n`, `L[m] = opt[m][L[m + 1]]` marks the first row of each
-    /// layer that the final answer can depend on. The estimate is moved down
-    /// by a margin; `layers` verifies it and a wrong one costs a second pass.
+    /// Row floors and ceilings for `layers`, estimated from the same
+    /// programme on every `COARSE`-th split point (about 1/16 of the work).
+    ///
+    /// Floors: the chain of best splits `L[k] = n`, `L[m] = opt[m][L[m +
+    /// 1]]` marks the first row of each layer that the final answer can
+    /// depend on. Ceilings, top down from `ceils[k] = n`: layer `m` is needed
+    /// up to the first row whose value reaches that of layer `m + 1`'s top
+    /// row (see `layers`). Both are moved outwards by a margin; `layers`
+    /// verifies them and a wrong one costs a second pass.
     #[inline(always)]
-    fn coarse_floors<const ISA: u8>(&mut self, p: &Prefix, k: usize) -> Option<Vec<usize>> {
+    fn coarse_bounds<const ISA: u8>(&mut self, p: &Prefix, k: usize) -> Option<Rows> {
         let n = p.len();
-        let (cp, cdp) = &mut **self
-            .coarse
-            .get_or_insert_with(|| Box::new((Prefix::new(), Dp::new())));
+        let (cp, cdp) = &mut **self.coarse.get_or_insert_with(|| {
+            let dp = Dp {
+                keep_values: true,
+                ..Dp::new()
+            };
+            Box::new((Prefix::new(), dp))
+        });
         p.sample(COARSE, cp);
         let nc = cp.len();
-        let mut floors: Vec<usize> = (0..=k).collect();
-        floors[k] = n;
-        if !cdp.layers::<ISA>(
-            cp,
-            k,
-            &floors.iter().map(|&f| f.min(nc)).collect::<Vec<_>>(),
-        ) {
+        if !cdp.layers::<ISA>(cp, k, &Rows::all(nc, k)) {
             return None;
         }
+        let Rows {
+            mut floors,
+            mut ceils,
+        } = Rows::all(n, k);
         let pos = |t: usize| (t * COARSE).min(n);
         for m in (2..k).rev() {
             // The coarse row at or below the next layer's (already lowered)
@@ -955,10 +1008,51 @@ impl Dp {
             let est = pos(split).saturating_sub(COARSE_SLACK);
             floors[m] = est.max(m).min(floors[m + 1]).min(n - (k - m));
         }
-        Some(floors)
+        // `top`: the coarse value of the layer above at its ceiling, which
+        // (coarser splits, later rows) is at or above the full programme's.
+        let mut top = cdp.vals[(k - 1) * (nc + 1) + nc];
+        for m in (1..k).rev() {
+            let vals = &cdp.vals[(m - 1) * (nc + 1)..][..=nc - (k - m)];
+            let target = top * (1.0 + CEIL_REL);
+            let Some(t) = (m..vals.len()).find(|&t| vals[t] >= target) else {
+                // Needed to the end: this layer and every one below it.
+                break;
+            };
+            let c = (pos(t) + COARSE_SLACK)
+                .min(n - (k - m))
+                .min(ceils[m + 1] - 1)
+                .max(floors[m]);
+            ceils[m] = c;
+            top = vals[c.div_ceil(COARSE).min(vals.len() - 1)];
+        }
+        Some(Rows { floors, ceils })
     }
 }
 
+/// The rows of each layer `m` (`1..=k`) that `Dp::layers` computes:
+/// `floors[m] ..= ceils[m]`, with `m <= floors[m] <= ceils[m] <= n - (k -
+/// m)`, both non-decreasing in `m`, and `floors[k] = ceils[k] = n`.
+#[derive(Debug, PartialEq)]
+struct Rows {
+    floors: Vec<usize>,
+    ceils: Vec<usize>,
+}
+
+impl Rows {
+    /// Every row of every layer: nothing to check.
+    fn all(n: usize, k: usize) -> Self {
+        let mut floors: Vec<usize> = (0..=k).collect();
+        floors[k] = n;
+        Rows {
+            floors,
+            ceils: (0..=k).map(|m| n - (k - m)).collect(),
+        }
+    }
+}
+
+/// How far above the value of the layer above a ceiling's coarse value must
+/// be (relative): room for the coarse pass's coarser splits.
+const CEIL_REL: f64 = 1.0 / 64.0;
 /// Split-point step of the coarse pass that estimates row floors.
 const COARSE: usize = 16;
 /// Groups with at least this many distinct values per cluster get the
@@ -2016,10 +2110,11 @@ mod tests {
     }
 
     #[test]
-    fn row_floors_that_are_too_high_are_caught() {
-        // `layers` checks that no layer needs a row below its floor; floors
-        // set at the top of every layer must fail that check, and `solve`
-        // (coarse floors, with the full programme behind them) stays optimal.
+    fn row_bounds_that_are_too_tight_are_caught() {
+        // `layers` checks that no layer needs a row below its floor or above
+        // its ceiling; floors at the top of every layer, or ceilings at the
+        // bottom, must fail those checks, and `solve` (coarse bounds, with the
+        // full programme behind them) stays optimal.
         let mut rng = Rng(5);
         let w = random_points(&mut rng, 0, 20000);
         let (xs, cs, qs) = distinct(&w);
@@ -2027,19 +2122,64 @@ mod tests {
         let mut prefix = Prefix::new();
         prefix.fill(&qs, &cs);
         let n = prefix.len();
-        let mut floors: Vec<usize> = (0..=k).map(|m| n - (k - m)).collect();
-        floors[1] = 1;
         let mut dp = Dp::with_isa(ISA_PORTABLE);
-        assert!(!dp.layers::<ISA_PORTABLE>(&prefix, k, &floors));
-        let floors = dp
-            .coarse_floors::<ISA_PORTABLE>(&prefix, k)
+        let all = Rows::all(n, k);
+        let mut high = Rows::all(n, k);
+        high.floors = (0..=k).map(|m| n - (k - m)).collect();
+        high.floors[1] = 1;
+        assert!(!dp.layers::<ISA_PORTABLE>(&prefix, k, &high));
+        let mut low = Rows::all(n, k);
+        low.ceils[1..k].copy_from_slice(&all.floors[1..k]);
+        assert!(!dp.layers::<ISA_PORTABLE>(&prefix, k, &low));
+        let bounds = dp
+            .coarse_bounds::<ISA_PORTABLE>(&prefix, k)
             .expect("the coarse pass runs");
-        assert!(floors.windows(2).all(|f| f[0] <= f[1]));
-        assert!(floors[k - 1] > n / 2, "floors {floors:?} do not prune");
+        for rows in [&bounds.floors, &bounds.ceils] {
+            assert!(rows[1..].windows(2).all(|f| f[0] <= f[1]), "{bounds:?}");
+        }
+        assert!((1..=k).all(|m| bounds.floors[m] <= bounds.ceils[m]));
+        assert!(
+            bounds.floors[k - 1] > n / 2,
+            "floors {bounds:?} do not prune"
+        );
+        assert!(bounds.ceils[2] < n / 2, "ceilings {bounds:?} do not prune");
         let got = Dp::with_isa(ISA_PORTABLE).solve(&prefix, k);
         let mine = partition_cost(&xs, &cs, &got) * (1u64 << 48) as f64;
         let best = quadratic_optimum(&qs, &cs, k);
         assert!(mine <= best * (1.0 + 1e-9) + 1e-6);
+    }
+
+    #[test]
+    fn bounded_rows_give_the_full_programmes_answer() {
+        // The coarse bounds skip rows, never change the answer: on groups of
+        // every shape and size, with and without the bounds, on every build.
+        let mut rng = Rng(0xce11);
+        let mut bounded = 0;
+        for trial in 0..24u64 {
+            let len = [30000, 6000, 12000, 2500][trial as usize % 4] + rng.below(3000) as usize;
+            let w = random_points(&mut rng, trial % 4, len);
+            let (_, cs, qs) = distinct(&w);
+            let mut prefix = Prefix::new();
+            prefix.fill(&qs, &cs);
+            let n = prefix.len();
+            for k in [4, 16] {
+                if n < COARSE_MIN * k {
+                    continue;
+                }
+                let mut full = Dp::with_isa(ISA_PORTABLE);
+                assert!(full.layers::<ISA_PORTABLE>(&prefix, k, &Rows::all(n, k)));
+                let want = full.backtrack(n, k);
+                let mut dp = Dp::with_isa(ISA_PORTABLE);
+                if let Some(rows) = dp.coarse_bounds::<ISA_PORTABLE>(&prefix, k) {
+                    bounded += usize::from(dp.layers::<ISA_PORTABLE>(&prefix, k, &rows));
+                }
+                for &isa in &available_isas() {
+                    let got = Dp::with_isa(isa).solve(&prefix, k);
+                    assert_eq!(got, want, "trial {trial}, k {k}, build {isa}");
+                }
+            }
+        }
+        assert!(bounded >= 20, "the bounds held {bounded} times");
     }
 
     #[test]
@@ -2073,9 +2213,9 @@ mod tests {
                 if isa == ISA_PORTABLE && k > 2 && qs.len() >= COARSE_MIN * k {
                     // The floors themselves are a function of the group.
                     assert_eq!(
-                        reused.coarse_floors::<ISA_PORTABLE>(&prefix, k),
-                        Dp::with_isa(isa).coarse_floors::<ISA_PORTABLE>(&prefix, k),
-                        "trial {trial}: coarse floors depend on the previous group"
+                        reused.coarse_bounds::<ISA_PORTABLE>(&prefix, k),
+                        Dp::with_isa(isa).coarse_bounds::<ISA_PORTABLE>(&prefix, k),
+                        "trial {trial}: coarse bounds depend on the previous group"
                     );
                 }
             }
