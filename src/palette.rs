@@ -201,15 +201,18 @@ impl Prefix {
         self.w.len() - 1
     }
 
-    /// The sum of every point's `count * q^2`: no cost or programme value
-    /// exceeds it.
-    fn s2_total(&self) -> f64 {
+    /// A bound on the rounding in any programme value, far above what
+    /// accumulates: every cost is a few units in the last place of at most
+    /// the sum of every point's `count * q^2` (which no cost or value
+    /// exceeds), and each layer adds one more rounding.
+    fn rounding_margin(&self) -> f64 {
         let n = self.len();
-        if self.narrow {
+        let s2 = if self.narrow {
             self.s2u[n] as f64
         } else {
             self.s2_wide[n] as f64
-        }
+        };
+        s2 * (-36f64).exp2()
     }
 
     /// Whether the split f64 views are filled, as long as `fw` (narrow
@@ -877,10 +880,9 @@ impl Dp {
     fn layers<const ISA: u8>(&mut self, p: &Prefix, k: usize, rows: &Rows) -> bool {
         let Rows { floors, ceils } = rows;
         let n = p.len();
+        debug_assert!(rows.valid(n, k), "{rows:?}");
         let stride = n + 1;
-        // Far above any accumulated rounding of costs and sums (each a few
-        // units in the last place of at most `s2_total`).
-        let margin = p.s2_total() * (-36f64).exp2();
+        let margin = p.rounding_margin();
         // No clearing: every entry a layer reads was written by the layer
         // before it, except the `opt` entries above a layer's ceiling that
         // the next layer reads, set below (window lanes past the end are
@@ -1010,22 +1012,30 @@ impl Dp {
         }
         // `top`: the coarse value of the layer above at its ceiling, which
         // (coarser splits, later rows) is at or above the full programme's.
+        // Ceilings pay only when that value's relative gap `CEIL_REL` clears
+        // the rounding margin (not so for values far from zero compared with
+        // their spread, whose squares dwarf their deviations).
         let mut top = cdp.vals[(k - 1) * (nc + 1) + nc];
+        let mut bounded = top * CEIL_REL > 8.0 * p.rounding_margin();
         for m in (1..k).rev() {
             let vals = &cdp.vals[(m - 1) * (nc + 1)..][..=nc - (k - m)];
             let target = top * (1.0 + CEIL_REL);
-            let Some(t) = (m..vals.len()).find(|&t| vals[t] >= target) else {
-                // Needed to the end: this layer and every one below it.
-                break;
-            };
-            let c = (pos(t) + COARSE_SLACK)
-                .min(n - (k - m))
-                .min(ceils[m + 1] - 1)
-                .max(floors[m]);
+            // Without a ceiling, a layer is needed up to the row below the
+            // layer above's ceiling (the last split that row can read).
+            let mut c = n - (k - m);
+            if bounded {
+                match (m..vals.len()).find(|&t| vals[t] >= target) {
+                    Some(t) => c = pos(t) + COARSE_SLACK,
+                    None => bounded = false,
+                }
+            }
+            c = c.min(n - (k - m)).min(ceils[m + 1] - 1).max(floors[m]);
             ceils[m] = c;
             top = vals[c.div_ceil(COARSE).min(vals.len() - 1)];
         }
-        Some(Rows { floors, ceils })
+        let rows = Rows { floors, ceils };
+        debug_assert!(rows.valid(n, k), "{rows:?}");
+        Some(rows)
     }
 }
 
@@ -1039,6 +1049,15 @@ struct Rows {
 }
 
 impl Rows {
+    /// The invariants above.
+    fn valid(&self, n: usize, k: usize) -> bool {
+        let Rows { floors, ceils } = self;
+        (1..=k).all(|m| m <= floors[m] && floors[m] <= ceils[m] && ceils[m] <= n - (k - m))
+            && (1..k).all(|m| floors[m] <= floors[m + 1] && ceils[m] <= ceils[m + 1])
+            && floors[k] == n
+            && ceils[k] == n
+    }
+
     /// Every row of every layer: nothing to check.
     fn all(n: usize, k: usize) -> Self {
         let mut floors: Vec<usize> = (0..=k).collect();
@@ -1053,12 +1072,12 @@ impl Rows {
 /// How far above the value of the layer above a ceiling's coarse value must
 /// be (relative): room for the coarse pass's coarser splits.
 const CEIL_REL: f64 = 1.0 / 64.0;
-/// Split-point step of the coarse pass that estimates row floors.
+/// Split-point step of the coarse pass that estimates row floors and ceilings.
 const COARSE: usize = 16;
 /// Groups with at least this many distinct values per cluster get the
 /// coarse pass.
 const COARSE_MIN: usize = 64;
-/// How far below the coarse estimate a layer's first row is put.
+/// How far below (above) the coarse estimate a layer's first (last) row is put.
 const COARSE_SLACK: usize = 8 * COARSE;
 
 /// One layer of the programme by divide and conquer over rows: the best
@@ -2134,6 +2153,19 @@ mod tests {
         let bounds = dp
             .coarse_bounds::<ISA_PORTABLE>(&prefix, k)
             .expect("the coarse pass runs");
+        assert!(dp.layers::<ISA_PORTABLE>(&prefix, k, &bounds));
+        // One middle layer cut to its first rows (the layers below it with it,
+        // as the bounds require): caught by the next layer's check.
+        let m = k / 2;
+        let mut cut = Rows {
+            floors: bounds.floors.clone(),
+            ceils: bounds.ceils.clone(),
+        };
+        for j in 1..=m {
+            cut.ceils[j] = cut.ceils[j].min(cut.floors[m] + 8).max(cut.floors[j]);
+        }
+        assert!(cut.valid(n, k) && cut.ceils[m] + 1 < cut.ceils[m + 1]);
+        assert!(!dp.layers::<ISA_PORTABLE>(&prefix, k, &cut));
         for rows in [&bounds.floors, &bounds.ceils] {
             assert!(rows[1..].windows(2).all(|f| f[0] <= f[1]), "{bounds:?}");
         }
@@ -2152,26 +2184,54 @@ mod tests {
     #[test]
     fn bounded_rows_give_the_full_programmes_answer() {
         // The coarse bounds skip rows, never change the answer: on groups of
-        // every shape and size, with and without the bounds, on every build.
+        // every shape and size (including clumps with gaps between them, and
+        // values far from zero), for few and many clusters, with and without
+        // the bounds, on every build; the bounds always keep their invariants.
         let mut rng = Rng(0xce11);
-        let mut bounded = 0;
-        for trial in 0..24u64 {
-            let len = [30000, 6000, 12000, 2500][trial as usize % 4] + rng.below(3000) as usize;
-            let w = random_points(&mut rng, trial % 4, len);
+        let (mut bounded, mut rows, mut kept) = (0, 0, 0);
+        for trial in 0..40u64 {
+            let len =
+                [30000, 6000, 12000, 2500, 9000][trial as usize % 5] + rng.below(3000) as usize;
+            let w: Vec<f16> = match trial % 6 {
+                4 => {
+                    // A few clumps of random sizes and spreads.
+                    let centres: Vec<f64> = (0..2 + rng.below(5))
+                        .map(|_| (rng.below(2000) as f64 - 1000.0) * 1e-4)
+                        .collect();
+                    (0..len)
+                        .map(|_| {
+                            let c = centres[rng.below(centres.len() as u64) as usize];
+                            h(c + rng.normal(0.002 * (1.0 + c.abs() * 50.0)))
+                        })
+                        .collect()
+                }
+                5 => (0..len).map(|_| h(1.0 + rng.normal(0.002))).collect(),
+                kind => random_points(&mut rng, kind, len),
+            };
             let (_, cs, qs) = distinct(&w);
             let mut prefix = Prefix::new();
             prefix.fill(&qs, &cs);
             let n = prefix.len();
-            for k in [4, 16] {
+            for k in [3, 16, 32] {
                 if n < COARSE_MIN * k {
                     continue;
                 }
                 let mut full = Dp::with_isa(ISA_PORTABLE);
-                assert!(full.layers::<ISA_PORTABLE>(&prefix, k, &Rows::all(n, k)));
+                let all = Rows::all(n, k);
+                assert!(full.layers::<ISA_PORTABLE>(&prefix, k, &all));
                 let want = full.backtrack(n, k);
                 let mut dp = Dp::with_isa(ISA_PORTABLE);
-                if let Some(rows) = dp.coarse_bounds::<ISA_PORTABLE>(&prefix, k) {
-                    bounded += usize::from(dp.layers::<ISA_PORTABLE>(&prefix, k, &rows));
+                if let Some(b) = dp.coarse_bounds::<ISA_PORTABLE>(&prefix, k) {
+                    assert!(b.valid(n, k), "trial {trial}, k {k}: {b:?}");
+                    bounded += usize::from(dp.layers::<ISA_PORTABLE>(&prefix, k, &b));
+                    // Rows the floors alone keep, and those floors and
+                    // ceilings keep, on normal weights with 16 clusters.
+                    if trial % 6 == 0 && k == 16 {
+                        rows += (1..k)
+                            .map(|m| all.ceils[m] + 1 - b.floors[m])
+                            .sum::<usize>();
+                        kept += (1..k).map(|m| b.ceils[m] + 1 - b.floors[m]).sum::<usize>();
+                    }
                 }
                 for &isa in &available_isas() {
                     let got = Dp::with_isa(isa).solve(&prefix, k);
@@ -2179,7 +2239,58 @@ mod tests {
                 }
             }
         }
-        assert!(bounded >= 20, "the bounds held {bounded} times");
+        assert!(bounded >= 40, "the bounds held {bounded} times");
+        assert!(
+            kept * 5 < rows * 4,
+            "on normal weights the ceilings kept {kept} of {rows} rows"
+        );
+    }
+
+    #[test]
+    fn coarse_bounds_keep_their_invariants() {
+        // Many small groups near the coarse pass's threshold, where the
+        // ceilings' search can run out of rows part-way down the layers.
+        let mut rng = Rng(0xb0b5);
+        let mut checked = 0;
+        for trial in 0..300u64 {
+            let w: Vec<f16> = match trial % 3 {
+                0 => {
+                    let len = 1500 + rng.below(5000) as usize;
+                    random_points(&mut rng, 0, len)
+                }
+                1 => {
+                    let centres: Vec<f64> = (0..2 + rng.below(4))
+                        .map(|_| (rng.below(200) as f64 - 100.0) * 1e-3)
+                        .collect();
+                    (0..2000 + rng.below(6000) as usize)
+                        .map(|_| {
+                            let c = centres[rng.below(centres.len() as u64) as usize];
+                            h(c + rng.normal(0.003))
+                        })
+                        .collect()
+                }
+                _ => (1..1200 + rng.below(2500) as u16)
+                    .flat_map(|b| {
+                        std::iter::repeat_n(f16::from_bits(b), 1 + rng.below(20) as usize)
+                    })
+                    .collect(),
+            };
+            let (_, cs, qs) = distinct(&w);
+            let mut prefix = Prefix::new();
+            prefix.fill(&qs, &cs);
+            let n = prefix.len();
+            for k in [16, 24, 32] {
+                if n < COARSE_MIN * k {
+                    continue;
+                }
+                let mut dp = Dp::with_isa(ISA_PORTABLE);
+                let b = dp.coarse_bounds::<ISA_PORTABLE>(&prefix, k).unwrap();
+                assert!(b.valid(n, k), "trial {trial}, n {n}, k {k}: {b:?}");
+                dp.layers::<ISA_PORTABLE>(&prefix, k, &b);
+                checked += 1;
+            }
+        }
+        assert!(checked >= 200, "{checked} groups checked");
     }
 
     #[test]
