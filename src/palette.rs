@@ -2052,6 +2052,28 @@ mod tests {
             .collect()
     }
 
+    /// 2 to 6 clumps at random places in (-0.1, 0.1), with gaps between
+    /// them; a clump at `c` has spread `sd * (1 + |c| * growth)`.
+    fn clumps(rng: &mut Rng, len: usize, sd: f64, growth: f64) -> Vec<f16> {
+        let centres: Vec<f64> = (0..2 + rng.below(5))
+            .map(|_| (rng.below(2000) as f64 - 1000.0) * 1e-4)
+            .collect();
+        (0..len)
+            .map(|_| {
+                let c = centres[rng.below(centres.len() as u64) as usize];
+                h(c + rng.normal(sd * (1.0 + c.abs() * growth)))
+            })
+            .collect()
+    }
+
+    /// The prefix sums of a group's distinct values.
+    fn prefix_of(w: &[f16]) -> Prefix {
+        let (_, cs, qs) = distinct(w);
+        let mut prefix = Prefix::new();
+        prefix.fill(&qs, &cs);
+        prefix
+    }
+
     fn partition_of(qs: &[i64], cs: &[u32], k: usize, isa: u8) -> Vec<usize> {
         let mut prefix = Prefix::new();
         prefix.fill(qs, cs);
@@ -2193,24 +2215,11 @@ mod tests {
             let len =
                 [30000, 6000, 12000, 2500, 9000][trial as usize % 5] + rng.below(3000) as usize;
             let w: Vec<f16> = match trial % 6 {
-                4 => {
-                    // A few clumps of random sizes and spreads.
-                    let centres: Vec<f64> = (0..2 + rng.below(5))
-                        .map(|_| (rng.below(2000) as f64 - 1000.0) * 1e-4)
-                        .collect();
-                    (0..len)
-                        .map(|_| {
-                            let c = centres[rng.below(centres.len() as u64) as usize];
-                            h(c + rng.normal(0.002 * (1.0 + c.abs() * 50.0)))
-                        })
-                        .collect()
-                }
+                4 => clumps(&mut rng, len, 0.002, 50.0),
                 5 => (0..len).map(|_| h(1.0 + rng.normal(0.002))).collect(),
                 kind => random_points(&mut rng, kind, len),
             };
-            let (_, cs, qs) = distinct(&w);
-            let mut prefix = Prefix::new();
-            prefix.fill(&qs, &cs);
+            let prefix = prefix_of(&w);
             let n = prefix.len();
             for k in [3, 16, 32] {
                 if n < COARSE_MIN * k {
@@ -2259,15 +2268,8 @@ mod tests {
                     random_points(&mut rng, 0, len)
                 }
                 1 => {
-                    let centres: Vec<f64> = (0..2 + rng.below(4))
-                        .map(|_| (rng.below(200) as f64 - 100.0) * 1e-3)
-                        .collect();
-                    (0..2000 + rng.below(6000) as usize)
-                        .map(|_| {
-                            let c = centres[rng.below(centres.len() as u64) as usize];
-                            h(c + rng.normal(0.003))
-                        })
-                        .collect()
+                    let len = 2000 + rng.below(6000) as usize;
+                    clumps(&mut rng, len, 0.003, 0.0)
                 }
                 _ => (1..1200 + rng.below(2500) as u16)
                     .flat_map(|b| {
@@ -2275,9 +2277,7 @@ mod tests {
                     })
                     .collect(),
             };
-            let (_, cs, qs) = distinct(&w);
-            let mut prefix = Prefix::new();
-            prefix.fill(&qs, &cs);
+            let prefix = prefix_of(&w);
             let n = prefix.len();
             for k in [16, 24, 32] {
                 if n < COARSE_MIN * k {

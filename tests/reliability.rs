@@ -43,6 +43,20 @@ fn assert_previous(out: &Path) {
     );
 }
 
+/// `build --mode two` of checkpoint `ck` into `out`.
+fn build_two<'a>(ck: &'a Path, out: &'a Path) -> [&'a str; 7] {
+    let path = |p: &'a Path| p.to_str().unwrap();
+    [
+        "build",
+        "--hf-dir",
+        path(ck),
+        "--mode",
+        "two",
+        "--output",
+        path(out),
+    ]
+}
+
 fn spawn(args: &[&str]) -> std::process::Child {
     Command::new(bin())
         .args(args)
@@ -90,15 +104,7 @@ fn sigkill_during_build_leaves_the_previous_result_and_the_next_run_cleans_up() 
     let ck = fixture("e2b", &[]);
     let out = tempdir("kill-build");
     previous(&out);
-    let args = [
-        "build",
-        "--hf-dir",
-        ck.to_str().unwrap(),
-        "--mode",
-        "two",
-        "--output",
-        out.to_str().unwrap(),
-    ];
+    let args = build_two(&ck, &out);
     // Early (Python loading the first chunk), during the conversion of the
     // first package, during the second's.
     for (cue, delay) in [
@@ -146,19 +152,7 @@ fn ctrl_c_stops_cleanly_with_a_message() {
     let ck = fixture("e2b", &[]);
     let out = tempdir("sigint-build");
     previous(&out);
-    let (mut child, stderr) = spawn_until(
-        &[
-            "build",
-            "--hf-dir",
-            ck.to_str().unwrap(),
-            "--mode",
-            "two",
-            "--output",
-            out.to_str().unwrap(),
-        ],
-        "merged_chunk1: convert",
-        1.0,
-    );
+    let (mut child, stderr) = spawn_until(&build_two(&ck, &out), "merged_chunk1: convert", 1.0);
     unsafe_kill(child.id(), "INT");
     assert_eq!(child.wait().unwrap().code(), Some(130));
     let rest: Vec<String> = stderr.into_iter().collect();
@@ -224,15 +218,7 @@ fn corpus_case(tag: &str, edit: impl FnOnce(&Path), fragment: &str) {
     edit(&ck);
     let out = tempdir(&format!("{tag}-out"));
     previous(&out);
-    let o = run(&[
-        "build",
-        "--hf-dir",
-        ck.to_str().unwrap(),
-        "--mode",
-        "two",
-        "--output",
-        out.to_str().unwrap(),
-    ]);
+    let o = run(&build_two(&ck, &out));
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{tag}: {err}");
     assert!(
@@ -451,15 +437,7 @@ fn non_utf8_and_overlong_output_paths_are_refused() {
     );
     assert!(!bad.exists());
     let long: PathBuf = base.join("x".repeat(300));
-    let err = fails(&[
-        "build",
-        "--hf-dir",
-        ck.to_str().unwrap(),
-        "--mode",
-        "two",
-        "--output",
-        long.to_str().unwrap(),
-    ]);
+    let err = fails(&build_two(&ck, &long));
     assert!(
         err.contains("cannot create the output folder") && err.contains("too long"),
         "{err}"
@@ -491,15 +469,7 @@ fn read_only_output_folder_is_refused_cleanly() {
     let Some(dir) = tmpfs("ro", "ro,size=1m") else {
         return;
     };
-    let err = fails(&[
-        "build",
-        "--hf-dir",
-        ck.to_str().unwrap(),
-        "--mode",
-        "two",
-        "--output",
-        dir.to_str().unwrap(),
-    ]);
+    let err = fails(&build_two(&ck, &dir));
     umount(&dir);
     assert!(
         err.contains("cannot write into the output folder (read-only?)"),
@@ -516,15 +486,7 @@ fn disk_full_mid_build_publishes_nothing() {
     };
     previous(&dir);
     let started = Instant::now();
-    let o = run(&[
-        "build",
-        "--hf-dir",
-        ck.to_str().unwrap(),
-        "--mode",
-        "two",
-        "--output",
-        dir.to_str().unwrap(),
-    ]);
+    let o = run(&build_two(&ck, &dir));
     let err = stderr(&o);
     let result = std::panic::catch_unwind(|| {
         assert_eq!(o.status.code(), Some(2), "{err}");
