@@ -25,11 +25,12 @@ Results are cached within a build (one build = one interpreter), keyed by
 SHA-256 of the fp16 weight bytes, its shape and the settings: `--mode both`
 palettizes merged_full's weights (exactly those of merged_chunk1 +
 merged_chunk2) once, and because the kernel is deterministic every layout's
-copy of a weight is byte-identical. The cache holds only the LUTs (32 bytes
-per 32 rows): a later use re-derives the indices from the weight and its LUT
-(`indices_int4`, one cheap pass that gives the kernel's indices byte for
-byte), where keeping the indices would hold one byte per weight element,
-about 2 GB for E2B, through the next layout's conversion. Every layout holds
+copy of a weight is byte-identical. The cache holds only the LUTs (2**nbits
+fp16 entries per group: 32 bytes per 32 rows at the defaults): a later use
+re-derives the indices from the weight and its LUT (`indices_int4`, one
+cheap pass that gives the kernel's indices byte for byte), where keeping the
+indices would hold one byte per weight element, about 1.9 GB for E2B's linear
+weights, through the next layout's conversion. Every layout holds
 each weight once, so a build of L layouts uses a weight L times: an entry is
 dropped after its last use, and a one-layout build caches (and hashes)
 nothing. (Two different weights with identical bytes share one entry and use
