@@ -891,15 +891,13 @@ impl Dp {
         self.cur.resize(stride + PAD, f64::INFINITY);
         self.opt.resize(k * stride, 0);
         self.row.resize(stride + SMALL, 0.0);
-        if self.keep_values {
-            self.vals.resize(k * stride, f64::INFINITY);
-        }
         // One cluster over the first j points; only j <= n-(k-1) leaves a
         // point for every later cluster.
         let last = n - (k - 1);
         self.cur[0] = f64::INFINITY;
         p.first_column(&mut self.cur[..=last]);
         if self.keep_values {
+            self.vals.resize(k * stride, f64::INFINITY);
             self.vals[..=last].copy_from_slice(&self.cur[..=last]);
         }
         std::mem::swap(&mut self.prev, &mut self.cur);
@@ -1033,9 +1031,8 @@ impl Dp {
             ceils[m] = c;
             top = vals[c.div_ceil(COARSE).min(vals.len() - 1)];
         }
-        let rows = Rows { floors, ceils };
-        debug_assert!(rows.valid(n, k), "{rows:?}");
-        Some(rows)
+        // `layers` checks `Rows::valid` in debug builds.
+        Some(Rows { floors, ceils })
     }
 }
 

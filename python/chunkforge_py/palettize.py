@@ -191,7 +191,7 @@ class Dispatcher:
             if self.feeder is None:
                 self.unmatched_groups += 1
                 label = f"{self.name}: a weight group"
-                lut, indices, _ = palettize_weight(np.ascontiguousarray(val), self.nbits, self.group, label, uses=1)
+                lut, indices, _ = palettize_weight(val, self.nbits, self.group, label, uses=1)
                 return lut[0], indices.reshape(-1)
             out = self.feeder.serve()
             if self.feeder.done():
@@ -213,9 +213,10 @@ def conversion_pipeline(traced: Any, name: str, settings: dict[str, Any]) -> tup
     """ct.convert's default pass pipeline with coremltools' palettization pass
     appended last (public API: `PassPipeline.append_pass`, and `set_options`
     for its config, as `PassPipeline.DEFAULT_PALETTIZATION` sets it), in
-    custom mode with our LUTs, for every linear weight. Palettizing during conversion spares the program a
-    second trip through the pipeline and serialization, which is what
-    `palettize_weights` on a converted model costs."""
+    custom mode with our LUTs, for every linear weight. Palettizing during
+    conversion spares the program a second trip through the pipeline and
+    serialization, which is what `palettize_weights` on a converted model
+    costs."""
     import coremltools as ct
     from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig
 
