@@ -76,6 +76,12 @@ pub struct Dims {
     /// Full-attention cache length.
     pub ctx: usize,
     pub hidden_size_per_layer_input: usize,
+    /// The runtime feeds `hidden_states = embed_tokens[id] * embed_scale`
+    /// (√hidden_size), rounded to fp16.
+    pub embed_scale: f64,
+    /// The runtime feeds `per_layer_raw = embed_tokens_per_layer[id] *
+    /// per_layer_embed_scale` (√P): already scaled, so no chunk scales it again.
+    pub per_layer_embed_scale: f64,
     pub rms_norm_eps: f64,
     pub final_logit_softcapping: Option<f64>,
     pub rope_theta_sliding: f64,
@@ -189,6 +195,8 @@ pub struct Layout {
 pub struct Plan {
     pub dims: Dims,
     pub layouts: Vec<Layout>,
+    /// How the runtime prepares the per-step inputs every chunk is built for.
+    pub contract_notes: Vec<String>,
     pub warnings: Vec<String>,
 }
 
@@ -311,6 +319,8 @@ pub fn dims(cfg: &TextConfig, ctx: usize) -> Dims {
         sliding_window: cfg.sliding_window,
         ctx,
         hidden_size_per_layer_input: cfg.hidden_size_per_layer_input,
+        embed_scale: (cfg.hidden_size as f64).sqrt(),
+        per_layer_embed_scale: (cfg.hidden_size_per_layer_input as f64).sqrt(),
         rms_norm_eps: cfg.rms_norm_eps,
         final_logit_softcapping: cfg.final_logit_softcapping,
         rope_theta_sliding: cfg.rope_theta_sliding,
@@ -448,9 +458,9 @@ fn contract(
     if has(Attention::Sliding) {
         inp.push(TensorSpec::fp16("causal_mask_sliding", &[1, 1, 1, w]));
     }
-    if !c.full_slots.is_empty() {
-        inp.push(TensorSpec::fp16("update_mask", &[1, 1, ctx, 1]));
-    }
+    // Every decode chunk declares update_mask, KV-shared ones included, as the
+    // runtime binds it to every chunk (upstream's packages all have it).
+    inp.push(TensorSpec::fp16("update_mask", &[1, 1, ctx, 1]));
     if c.computes_per_layer_input {
         inp.push(TensorSpec::fp16("per_layer_raw", &[1, 1, ple]));
     } else {
@@ -591,11 +601,32 @@ pub fn plan(
             }
         }
     }
+    let dims = dims(cfg, ctx);
     Ok(Plan {
-        dims: dims(cfg, ctx),
+        contract_notes: contract_notes(&dims),
+        dims,
         layouts,
         warnings,
     })
+}
+
+/// What the app's runtime feeds, in the plan so that nobody has to guess which
+/// side applies a scale (a scale applied on both sides is 16x off on E2B).
+fn contract_notes(d: &Dims) -> Vec<String> {
+    vec![
+        format!(
+            "hidden_states = embed_tokens[id] * embed_scale ({}, sqrt(hidden_size)), rounded to fp16",
+            d.embed_scale
+        ),
+        format!(
+            "per_layer_raw = embed_tokens_per_layer[id] * per_layer_embed_scale ({}, sqrt(P)), \
+             rounded to fp16; already scaled, the first chunk does not scale it again",
+            d.per_layer_embed_scale
+        ),
+        "causal masks: 0 where visible, fp16 -inf (0xFC00) where blocked".into(),
+        "update_mask: one-hot fp16 write position of the full caches, declared by every decode chunk"
+            .into(),
+    ]
 }
 
 /// Human-readable rendering for `chunkforge plan`.
@@ -681,6 +712,10 @@ pub fn render(plan: &Plan) -> String {
                 );
             }
         }
+    }
+    let _ = writeln!(s, "\nruntime feed:");
+    for n in &plan.contract_notes {
+        let _ = writeln!(s, "  {n}");
     }
     for w in &plan.warnings {
         let _ = writeln!(s, "\nwarning: {w}");
@@ -840,6 +875,26 @@ mod tests {
                 .collect();
             assert_eq!(sliding, (0..12).collect::<Vec<_>>());
         }
+    }
+
+    #[test]
+    fn every_decode_chunk_declares_update_mask_and_the_feed_is_noted() {
+        // The runtime binds update_mask to every decode chunk, KV-shared ones too.
+        let p = plan(&e2b(), 512, Mode::All, None).unwrap();
+        for c in p.layouts.iter().flat_map(|l| &l.chunks) {
+            let m = c.inputs.iter().find(|t| t.name == "update_mask");
+            assert_eq!(
+                m.map(|t| t.shape.clone()),
+                Some(vec![1, 1, 512, 1]),
+                "{}",
+                c.name
+            );
+        }
+        let scale = (p.dims.hidden_size_per_layer_input as f64).sqrt();
+        assert_eq!(p.dims.per_layer_embed_scale, scale);
+        assert!(p.contract_notes.iter().any(|n| n.contains("per_layer_raw")
+            && n.contains(&scale.to_string())
+            && n.contains("does not scale it again")));
     }
 
     #[test]

@@ -8,7 +8,6 @@ order of its inputs and outputs) comes from the plan computed in Rust.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -16,7 +15,10 @@ from torch import nn
 
 from .checkpoint import Checkpoint
 
-MASK_MIN = -30000.0  # additive mask value that stays finite in fp16
+# Blocked positions of the additive masks, as the runtime writes them: fp16
+# -inf (0xFC00). Every row keeps at least one visible position, so softmax
+# never sees a row of -inf.
+MASK_MIN = float("-inf")
 
 
 class RMSNorm(nn.Module):
@@ -192,7 +194,9 @@ class Chunk(nn.Module):
         out: dict[str, torch.Tensor] = {}
 
         if self.chunk["computes_per_layer_input"]:
-            raw = inp["per_layer_raw"].view(1, 1, n_layers, ple) * math.sqrt(ple)
+            # per_layer_raw arrives already multiplied by per_layer_embed_scale (the
+            # runtime scales the looked-up row), so it is used as is.
+            raw = inp["per_layer_raw"].view(1, 1, n_layers, ple)
             proj = self.per_layer_model_projection(h) * (dims["hidden_size"] ** -0.5)
             proj = self.per_layer_projection_norm(proj.view(1, 1, n_layers, ple))
             per_layer = (proj + raw) * (2.0**-0.5)

@@ -52,13 +52,23 @@ def load_hf_model(config_path: str, ckpt: Checkpoint) -> Any:
     return model
 
 
-def teacher_forced(model: Any, prompt: list[int]) -> dict[str, torch.Tensor]:
-    """Final normed hidden and softcapped logits at every prompt position (one causal forward)."""
-    ids = torch.tensor([prompt], dtype=torch.long)
+def teacher_forced(model: Any, prompt: list[int], emb: Any) -> dict[str, torch.Tensor]:
+    """Final normed hidden and softcapped logits at every prompt position (one causal forward).
+
+    transformers gets the embeddings the runtime feeds the chunks (``emb``: scaled
+    rows rounded to fp16), not its own fp32 lookups, so the oracle compares the
+    decoder's math on identical inputs; the rounding itself is the runtime's."""
+    n_layers, ple = model.config.num_hidden_layers, model.config.hidden_size_per_layer_input
+    embeds = torch.cat([emb.hidden(t, torch.float32) for t in prompt], dim=1)
+    per_layer = torch.cat([emb.per_layer_raw(t, torch.float32) for t in prompt], dim=1)
     with torch.no_grad():
         # use_cache=True matters: without a cache, transformers lets KV-shared layers
         # compute their own K/V instead of reading the producer layer's.
-        out = model.model(input_ids=ids, use_cache=True)
+        out = model.model(
+            inputs_embeds=embeds,
+            per_layer_inputs=per_layer.view(1, len(prompt), n_layers, ple),
+            use_cache=True,
+        )
         hidden = out.last_hidden_state[0].float()
         logits = model.lm_head(out.last_hidden_state)[0].float()
         cap = model.config.final_logit_softcapping

@@ -176,7 +176,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     if req.get("oracle", True):
         from .oracle import load_hf_model, teacher_forced
 
-        hf = teacher_forced(load_hf_model(req["config_path"], ckpt), prompt[:steps])
+        hf = teacher_forced(load_hf_model(req["config_path"], ckpt), prompt[:steps], emb)
         for t in range(steps):
             hf_token = int(hf["logits"][t].argmax())
             c = cosine(ref_results[t]["hidden"], hf["hidden"][t])

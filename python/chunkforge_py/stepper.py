@@ -62,11 +62,17 @@ class Embeddings:
         self.per_layer = ckpt.get("embed_tokens_per_layer.weight", None)
 
     def hidden(self, token: int, dtype: torch.dtype) -> torch.Tensor:
-        scale = torch.tensor(self.dims["hidden_size"] ** 0.5, dtype=torch.float32)
-        return (self.embed[token].float() * scale).view(1, 1, -1).to(dtype)
+        """``embed_tokens[id] * embed_scale``, rounded to fp16 as the runtime's input array is."""
+        return self._scaled(self.embed, token, self.dims["embed_scale"], dtype)
 
     def per_layer_raw(self, token: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.per_layer[token].float().view(1, 1, -1).to(dtype)
+        """``embed_tokens_per_layer[id] * per_layer_embed_scale``: the runtime pre-scales it."""
+        return self._scaled(self.per_layer, token, self.dims["per_layer_embed_scale"], dtype)
+
+    @staticmethod
+    def _scaled(table: torch.Tensor, token: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        row = table[token].float() * torch.tensor(scale, dtype=torch.float32)
+        return row.half().view(1, 1, -1).to(dtype)
 
 
 class LayoutRunner:

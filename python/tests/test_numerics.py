@@ -79,3 +79,33 @@ def test_step_masks_follow_transformers_sliding_and_causal_rules(pos: int, windo
     for j in range(ctx):
         assert (float(full.view(-1)[j]) == 0) == bool(causal_mask_function(0, 0, torch.tensor(pos), torch.tensor(j)))
     assert update.view(-1).tolist() == [1.0 if j == pos else 0.0 for j in range(ctx)]
+
+
+class _Tables:
+    """Just the two embedding tables, as the checkpoint reader hands them out."""
+
+    def __init__(self, embed: torch.Tensor, per_layer: torch.Tensor):
+        self.tables = {"embed_tokens.weight": embed, "embed_tokens_per_layer.weight": per_layer}
+
+    def get(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+        return self.tables[name]
+
+
+def test_step_inputs_are_what_the_runtime_feeds() -> None:
+    # The app multiplies the looked-up rows by embed_scale and per_layer_embed_scale and
+    # hands fp16 arrays to the first chunk; the chunk must not scale them again.
+    torch.manual_seed(1)
+    hidden, per_layer = 64, 4 * 32
+    embed = torch.randn(10, hidden, dtype=torch.bfloat16)
+    ple = torch.randn(10, per_layer, dtype=torch.bfloat16)
+    dims = {"embed_scale": math.sqrt(hidden), "per_layer_embed_scale": math.sqrt(32)}
+    emb = stepper.Embeddings(dims, _Tables(embed, ple))
+    want_h = (embed[3].float() * math.sqrt(hidden)).half().float()
+    want_p = (ple[3].float() * math.sqrt(32)).half().float()
+    assert torch.equal(emb.hidden(3, torch.float32).view(-1), want_h)
+    assert torch.equal(emb.per_layer_raw(3, torch.float32).view(-1), want_p)
+
+    full, sliding, _ = stepper.step_masks(16, 8, 2, torch.float16)
+    blocked = torch.cat([full.view(-1)[3:], sliding.view(-1)[:5]])
+    assert blocked.numel() == 13 + 5
+    assert torch.all(blocked.view(torch.int16) == torch.tensor(0xFC00 - 0x10000, dtype=torch.int16))
