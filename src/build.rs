@@ -14,7 +14,7 @@ use sha2::Digest;
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
 use crate::fsutil::{self, Staging};
-use crate::plan::Plan;
+use crate::plan::{ChunkPlan, LayoutKind, Plan};
 use crate::progress::BuildProgress;
 use crate::pyenv;
 
@@ -49,7 +49,7 @@ impl Settings {
     }
 }
 
-const PHASES: [&str; 5] = ["load", "trace", "convert", "palettize", "save"];
+const PHASES: [&str; 6] = ["load", "trace", "convert", "palettize", "save", "bundle"];
 
 /// Runs one Python phase under a spinner and returns its result and seconds.
 fn phase<'py>(
@@ -79,16 +79,9 @@ pub fn run(
 ) -> Result<BuildReport> {
     let started = Instant::now();
     let staging = Staging::new(out)?;
-    let chunks: Vec<(String, String)> = plan
-        .layouts
-        .iter()
-        .flat_map(|l| {
-            l.chunks
-                .iter()
-                .map(move |c| (l.kind.label().to_string(), c.name.clone()))
-        })
-        .collect();
-    let progress = BuildProgress::new(chunks.len() as u64);
+    let units = units(plan);
+    let packages: usize = units.iter().map(Vec::len).sum();
+    let progress = BuildProgress::new(packages as u64);
     for w in &plan.warnings {
         progress.println(format!("warning: {w}"));
     }
@@ -97,108 +90,150 @@ pub fn run(
         "prefix": ckpt.prefix,
         "files": ckpt.files.iter().map(|(k, v)| (k.clone(), Value::String(v.to_string_lossy().into()))).collect::<serde_json::Map<_, _>>(),
     });
-    // `layouts`: each layout holds every weight once, so the palettization
-    // cache keeps a result until that many packages have used it.
+    // `layouts`: each function of each layout holds every weight of its layers
+    // once, so the palettization cache keeps a result until that many
+    // conversions have used it.
     let settings_json = json!({
         "nbits": settings.nbits, "group_size": settings.group_size, "kmeans_workers": settings.kmeans_workers,
-        "palettizer": settings.palettizer, "layouts": plan.layouts.len(),
+        "palettizer": settings.palettizer,
+        "layouts": plan.layouts.iter().map(|l| l.chunks.first().map_or(0, |c| c.functions.len())).sum::<usize>(),
     });
     let verbose = settings.verbose;
 
     let mut records = Vec::new();
-    for (layout, name) in &chunks {
-        let chunk = plan
-            .layouts
-            .iter()
-            .flat_map(|l| &l.chunks)
-            .find(|c| &c.name == name)
-            .expect("chunk from this plan");
-        progress.bar.set_message(format!(
-            "{name} (layers {}-{})",
-            chunk.first_layer, chunk.last_layer
-        ));
-        let pkg = format!("{name}.mlpackage");
-        let tmp_path = staging.dir.join(&pkg);
-        let (stats, seconds) = Python::attach(|py| -> PyResult<(Value, BTreeMap<&str, f64>)> {
-            let conv = py.import("chunkforge_py.convert")?;
-            let plan_py = pyenv::to_py(py, &plan_json)?;
-            let ckpt_py = pyenv::to_py(py, &ckpt_json)?;
-            let mut secs = BTreeMap::new();
-            let (module, s) = phase(&progress, format!("{name}: load weights"), || {
-                conv.call_method1("load", (&plan_py, name, &ckpt_py))
-            })?;
-            secs.insert(PHASES[0], s);
-            let (traced, s) = phase(&progress, format!("{name}: trace"), || {
-                conv.call_method1("trace", (&module,))
-            })?;
-            secs.insert(PHASES[1], s);
-            drop(module);
-            // The kernel palettizes inside ct.convert (its seconds are split
-            // out of the conversion's below); coremltools' k-means runs on
-            // the converted model.
-            let in_convert = settings.quantize && settings.palettizer == "chunkforge";
-            let sp = pyenv::to_py(py, &settings_json)?;
-            let int4 = format!("INT4 per_grouped_channel, group {}", settings.group_size);
-            let label = if in_convert {
-                format!("{name}: convert + palettize (ct.convert, iOS18, FP16, {int4})")
-            } else {
-                format!("{name}: convert (ct.convert, iOS18, FP16)")
-            };
-            let (mut ml, s) = phase(&progress, label, || {
-                let palettize = in_convert.then_some(&sp);
-                conv.call_method1("convert", (&traced, &plan_py, name, palettize))
-            })?;
-            secs.insert(PHASES[2], s);
-            drop(traced);
-            if settings.quantize && !in_convert {
-                let (p, s) = phase(&progress, format!("{name}: palettize ({int4})"), || {
-                    conv.call_method1("palettize", (&ml, &plan_py, name, &sp))
-                })?;
-                ml = p;
-                secs.insert(PHASES[3], s);
+    for unit in &units {
+        let names: Vec<&str> = unit.iter().map(|(_, c)| c.name.as_str()).collect();
+        let (first, last) = (unit[0].1.first_layer, unit[0].1.last_layer);
+        progress
+            .bar
+            .set_message(format!("{} (layers {first}-{last})", names.join(" + ")));
+        // One program per function; a unit of several functions is bundled
+        // from single-function parts (see `convert.combine`).
+        let bundled = unit.len() > 1 || unit[0].1.functions.len() > 1;
+        let part_path = |pkg: &str, f: &str| staging.dir.join(format!(".part-{pkg}-{f}.mlpackage"));
+        let mut parts = Vec::new();
+        let mut done = Vec::new();
+        for (layout, chunk) in unit {
+            let name = &chunk.name;
+            let mut functions = Vec::new();
+            let mut seconds: BTreeMap<&str, f64> = BTreeMap::new();
+            let mut stats = Value::Null;
+            for f in &chunk.functions {
+                let label = if chunk.functions.len() > 1 {
+                    format!("{name}/{}", f.name)
+                } else {
+                    name.clone()
+                };
+                let path = if bundled {
+                    part_path(name, &f.name)
+                } else {
+                    staging.dir.join(format!("{name}.mlpackage"))
+                };
+                let (fstats, fsecs) = convert_function(
+                    &progress,
+                    &label,
+                    &plan_json,
+                    &ckpt_json,
+                    &settings_json,
+                    settings,
+                    name,
+                    (chunk.functions.len() > 1).then_some(f.name.as_str()),
+                    &path,
+                )
+                .map_err(|e| anyhow!("building {label}: {}", pyenv::render_error(e, verbose)))?;
+                for (k, v) in &fsecs {
+                    *seconds.entry(k).or_default() += v;
+                }
+                functions.push(json!({
+                    "name": f.name,
+                    "kind": f.kind,
+                    "tokens": f.tokens,
+                    "mil_ops": fstats["mil_ops"],
+                    "weight_bytes": fstats["weight_bytes"],
+                    "seconds": fsecs,
+                }));
+                stats = merge_stats(stats, fstats);
+                parts.push((path.to_string_lossy().into_owned(), f.name.clone()));
             }
-            let (stats, s) = phase(&progress, format!("{name}: save"), || {
-                conv.call_method1("save", (&ml, tmp_path.to_string_lossy().to_string()))
-            })?;
-            secs.insert(PHASES[4], s);
-            let stats = pyenv::from_py(&stats)?;
-            if let Some(k) = stats["palettize_seconds"].as_f64() {
-                // Kernel time inside the conversion: reported as palettize.
-                let convert = secs.entry(PHASES[2]).or_default();
-                *convert = (*convert - k).max(0.0);
-                secs.insert(PHASES[3], k);
+            done.push((layout, *chunk, functions, seconds, stats));
+        }
+        if bundled {
+            let t = Instant::now();
+            let pb = progress.phase(format!(
+                "{}: bundle {} functions",
+                names.join(" + "),
+                parts.len()
+            ));
+            let targets: Vec<(String, Vec<String>)> = unit
+                .iter()
+                .map(|(_, c)| {
+                    (
+                        staging
+                            .dir
+                            .join(format!("{}.mlpackage", c.name))
+                            .to_string_lossy()
+                            .into_owned(),
+                        c.functions.iter().map(|f| f.name.clone()).collect(),
+                    )
+                })
+                .collect();
+            let sizes = Python::attach(|py| -> PyResult<Value> {
+                let conv = py.import("chunkforge_py.convert")?;
+                pyenv::from_py(&conv.call_method1("combine", (parts.clone(), targets))?)
+            })
+            .map_err(|e| {
+                anyhow!(
+                    "bundling {}: {}",
+                    names.join(" + "),
+                    pyenv::render_error(e, verbose)
+                )
+            });
+            pb.finish_and_clear();
+            let sizes = sizes?;
+            for (path, _) in &parts {
+                std::fs::remove_dir_all(path).with_context(|| format!("{path}: cannot remove"))?;
             }
-            Ok((stats, secs))
-        })
-        .map_err(|e| anyhow!("building {name}: {}", pyenv::render_error(e, verbose)))?;
-        let digest = fsutil::tree_digest(&tmp_path)?;
-        let total: f64 = seconds.values().sum();
-        progress.println(format!(
-            "built {pkg:<28} layers {:>2}-{:<2} {:>5} MIL ops {:>11} weight bytes  {total:>6.1}s",
-            chunk.first_layer, chunk.last_layer, stats["mil_ops"], stats["weight_bytes"]
-        ));
-        records.push(json!({
-            "name": name,
-            "layout": layout,
-            "package": pkg,
-            "first_layer": chunk.first_layer,
-            "last_layer": chunk.last_layer,
-            "layers": chunk.layer_count(),
-            "mil_ops": stats["mil_ops"],
-            "weight_bytes": stats["weight_bytes"],
-            "linear_ops": stats["linear_ops"],
-            "palettized_weights": stats["palettized_weights"],
-            // palette: weights served from the per-build palettization cache.
-            "palettize_cache_hits": stats["palettize_cache_hits"],
-            "palettize_cache_misses": stats["palettize_cache_misses"],
-            // Groups of weights not matched to a module tensor (palettized
-            // one by one, uncached); 0 for every Gemma 4 chunk.
-            "palettize_unmatched_groups": stats["palettize_unmatched_groups"],
-            "op_counts": stats["op_counts"],
-            "sha256_tree": digest,
-            "seconds": seconds,
-        }));
-        progress.bar.inc(1);
+            // The bundle's seconds are shared by its packages.
+            let share = t.elapsed().as_secs_f64() / unit.len() as f64;
+            for d in &mut done {
+                d.4["weight_bytes"] = sizes["weight_bytes"].clone();
+                d.3.insert(PHASES[5], share);
+            }
+        }
+        for (layout, chunk, functions, seconds, stats) in done {
+            let pkg = format!("{}.mlpackage", chunk.name);
+            let digest = fsutil::tree_digest(&staging.dir.join(&pkg))?;
+            let total: f64 = seconds.values().sum();
+            progress.println(format!(
+                "built {pkg:<28} layers {:>2}-{:<2} {:>5} MIL ops {:>11} weight bytes  {total:>6.1}s",
+                chunk.first_layer, chunk.last_layer, stats["mil_ops"], stats["weight_bytes"]
+            ));
+            records.push(json!({
+                "name": chunk.name,
+                "layout": layout,
+                "package": pkg,
+                "first_layer": chunk.first_layer,
+                "last_layer": chunk.last_layer,
+                "layers": chunk.layer_count(),
+                "mil_ops": stats["mil_ops"],
+                "weight_bytes": stats["weight_bytes"],
+                "linear_ops": stats["linear_ops"],
+                "palettized_weights": stats["palettized_weights"],
+                // palette: weights served from the per-build palettization cache.
+                "palettize_cache_hits": stats["palettize_cache_hits"],
+                "palettize_cache_misses": stats["palettize_cache_misses"],
+                // Groups of weights not matched to a module tensor (palettized
+                // one by one, uncached); 0 for every Gemma 4 chunk.
+                "palettize_unmatched_groups": stats["palettize_unmatched_groups"],
+                "op_counts": stats["op_counts"],
+                // Per function: its own program's ops and single-function blob size
+                // (a multifunction package's blob holds each shared weight once).
+                "functions": functions,
+                "sha256_tree": digest,
+                "seconds": seconds,
+            }));
+            progress.bar.inc(1);
+        }
     }
     progress.bar.finish_and_clear();
 
@@ -261,6 +296,136 @@ pub fn run(
     Ok(BuildReport { json: report })
 }
 
+/// Packages converted together: each alone, except a four-chunk package and
+/// the prefill package of the same layers, which are bundled from one set of
+/// programs so their weight blobs are byte-identical (the runtime's
+/// downloader hard-links `chunkN`'s blob into `prefill_chunkN`).
+fn units(plan: &Plan) -> Vec<Vec<(&'static str, &ChunkPlan)>> {
+    let prefill: Vec<&ChunkPlan> = plan
+        .layouts
+        .iter()
+        .filter(|l| l.kind == LayoutKind::Prefill)
+        .flat_map(|l| &l.chunks)
+        .collect();
+    let partner = |c: &ChunkPlan| {
+        prefill
+            .iter()
+            .copied()
+            .find(|p| (p.first_layer, p.last_layer) == (c.first_layer, c.last_layer))
+    };
+    let has_four = plan.layouts.iter().any(|l| l.kind == LayoutKind::Four);
+    let mut units = Vec::new();
+    for l in &plan.layouts {
+        for c in &l.chunks {
+            match l.kind {
+                LayoutKind::Four => {
+                    let mut unit = vec![(l.kind.label(), c)];
+                    unit.extend(partner(c).map(|p| (LayoutKind::Prefill.label(), p)));
+                    units.push(unit);
+                }
+                LayoutKind::Prefill if has_four => {}
+                _ => units.push(vec![(l.kind.label(), c)]),
+            }
+        }
+    }
+    units
+}
+
+/// Load → trace → convert (→ palettize) → save of one function of `name` into
+/// `path`; returns its stats and seconds per phase.
+#[allow(clippy::too_many_arguments)]
+fn convert_function(
+    progress: &BuildProgress,
+    label: &str,
+    plan_json: &Value,
+    ckpt_json: &Value,
+    settings_json: &Value,
+    settings: &Settings,
+    name: &str,
+    function: Option<&str>,
+    path: &Path,
+) -> PyResult<(Value, BTreeMap<&'static str, f64>)> {
+    Python::attach(|py| {
+        let conv = py.import("chunkforge_py.convert")?;
+        let plan_py = pyenv::to_py(py, plan_json)?;
+        let ckpt_py = pyenv::to_py(py, ckpt_json)?;
+        let mut secs = BTreeMap::new();
+        let (module, s) = phase(progress, format!("{label}: load weights"), || {
+            conv.call_method1("load", (&plan_py, name, &ckpt_py, function))
+        })?;
+        secs.insert(PHASES[0], s);
+        let (traced, s) = phase(progress, format!("{label}: trace"), || {
+            conv.call_method1("trace", (&module,))
+        })?;
+        secs.insert(PHASES[1], s);
+        drop(module);
+        // The kernel palettizes inside ct.convert (its seconds are split
+        // out of the conversion's below); coremltools' k-means runs on
+        // the converted model.
+        let in_convert = settings.quantize && settings.palettizer == "chunkforge";
+        let sp = pyenv::to_py(py, settings_json)?;
+        let int4 = format!("INT4 per_grouped_channel, group {}", settings.group_size);
+        let what = if in_convert {
+            format!("{label}: convert + palettize (ct.convert, iOS18, FP16, {int4})")
+        } else {
+            format!("{label}: convert (ct.convert, iOS18, FP16)")
+        };
+        let (mut ml, s) = phase(progress, what, || {
+            let palettize = in_convert.then_some(&sp);
+            conv.call_method1("convert", (&traced, &plan_py, name, palettize, function))
+        })?;
+        secs.insert(PHASES[2], s);
+        drop(traced);
+        if settings.quantize && !in_convert {
+            let (p, s) = phase(progress, format!("{label}: palettize ({int4})"), || {
+                conv.call_method1("palettize", (&ml, &plan_py, name, &sp))
+            })?;
+            ml = p;
+            secs.insert(PHASES[3], s);
+        }
+        let (stats, s) = phase(progress, format!("{label}: save"), || {
+            conv.call_method1("save", (&ml, path.to_string_lossy().to_string()))
+        })?;
+        secs.insert(PHASES[4], s);
+        let stats = pyenv::from_py(&stats)?;
+        if let Some(k) = stats["palettize_seconds"].as_f64() {
+            // Kernel time inside the conversion: reported as palettize.
+            let convert = secs.entry(PHASES[2]).or_default();
+            *convert = (*convert - k).max(0.0);
+            secs.insert(PHASES[3], k);
+        }
+        Ok((stats, secs))
+    })
+}
+
+/// A package's counts over its functions: ops, palettized weights and cache
+/// counts add up; the weight blob is the bundle's, set by the caller.
+fn merge_stats(acc: Value, f: Value) -> Value {
+    if acc.is_null() {
+        return f;
+    }
+    let mut acc = acc;
+    for key in [
+        "mil_ops",
+        "linear_ops",
+        "palettized_weights",
+        "palettize_cache_hits",
+        "palettize_cache_misses",
+        "palettize_unmatched_groups",
+    ] {
+        if let (Some(a), Some(b)) = (acc[key].as_u64(), f[key].as_u64()) {
+            acc[key] = json!(a + b);
+        }
+    }
+    let mut counts = acc["op_counts"].as_object().cloned().unwrap_or_default();
+    for (op, n) in f["op_counts"].as_object().into_iter().flatten() {
+        let prev = counts.get(op).and_then(Value::as_u64).unwrap_or(0);
+        counts.insert(op.clone(), json!(prev + n.as_u64().unwrap_or(0)));
+    }
+    acc["op_counts"] = Value::Object(counts);
+    acc
+}
+
 /// Total of a phase across chunks, for the summary line.
 pub fn summary(report: &Value, out: &Path) -> String {
     let secs = &report["seconds"];
@@ -308,6 +473,7 @@ pub fn request_of(
         .ok_or_else(|| bad("request.mode"))?
     {
         "four" => crate::plan::Mode::Four,
+        "three" => crate::plan::Mode::Three,
         "two" => crate::plan::Mode::Two,
         "one" => crate::plan::Mode::One,
         "both" => crate::plan::Mode::Both,
@@ -334,6 +500,24 @@ pub fn request_of(
         .unwrap_or("chunkforge")
         .to_string();
     Ok((hf, (mode, split, ctx), quantize, palettizer))
+}
+
+/// The verify and prefill requests of an earlier build (absent in builds
+/// from before they existed: none asked for).
+pub fn functions_of(build_json: &Path) -> Result<(Option<usize>, Option<Vec<usize>>)> {
+    let text = std::fs::read(build_json)
+        .with_context(|| format!("{}: cannot read", build_json.display()))?;
+    let v: Value = serde_json::from_slice(&text)
+        .with_context(|| format!("{}: not valid JSON", build_json.display()))?;
+    let request = &v["request"];
+    let verify_k = request["verify_k"].as_u64().map(|k| k as usize);
+    let prefill = request["prefill_len"].as_array().map(|a| {
+        a.iter()
+            .filter_map(Value::as_u64)
+            .map(|n| n as usize)
+            .collect()
+    });
+    Ok((verify_k, prefill))
 }
 
 /// Compares the packages of `old` with a fresh build in `fresh_dir`, printing

@@ -12,6 +12,8 @@ pub enum InputError {
     Checkpoint { path: PathBuf, message: String },
     #[error("--split {split}: {message}")]
     Split { split: String, message: String },
+    #[error("{message}")]
+    Functions { message: String },
     #[error("{}: could not {action}: {source}", path.display())]
     Io {
         path: PathBuf,

@@ -38,7 +38,8 @@ struct ModelArgs {
 
 #[derive(Args, Clone)]
 struct LayoutArgs {
-    /// Layouts: four (chunk1..4 reference), two (merged_chunk1/2), one (merged_full), both (two+one), all.
+    /// Layouts: four (chunk1..4 reference), three (chunk1..3_3way), two (merged_chunk1/2),
+    /// one (merged_full), both (two+one), all (four with verify, three, two, one, prefill).
     #[arg(long, value_enum, default_value = "both")]
     mode: Mode,
     /// Custom split instead of --mode: contiguous layer ranges covering every layer, e.g. 0-11,12-23,24-34.
@@ -47,6 +48,25 @@ struct LayoutArgs {
     /// Full-attention context length (KV cache entries).
     #[arg(long, default_value_t = 2048)]
     ctx: usize,
+    #[command(flatten)]
+    functions: FunctionArgs,
+}
+
+#[derive(Args, Clone)]
+struct FunctionArgs {
+    /// Draft tokens of chunk1..4's verify_qK function (default with --mode all: 3).
+    #[arg(long)]
+    verify_k: Option<usize>,
+    /// Tokens per batched prefill call of prefill_chunk1..4, one function per value,
+    /// e.g. 64,128,512 (default with --mode all: 512).
+    #[arg(long, value_delimiter = ',')]
+    prefill_len: Option<Vec<usize>>,
+}
+
+impl FunctionArgs {
+    fn resolve(&self, mode: Mode) -> plan::Functions {
+        plan::Functions::resolve(mode, self.verify_k, self.prefill_len.as_deref())
+    }
 }
 
 #[derive(Subcommand)]
@@ -100,9 +120,12 @@ enum Cmd {
     Parity {
         #[command(flatten)]
         model: ModelArgs,
-        /// Layouts to check: two, one, both, all (four checks only the reference against transformers).
+        /// Layouts to check: three, two, one, both, all (four checks only the reference against
+        /// transformers; all also checks verify_qK and the prefill functions).
         #[arg(long, value_enum, default_value = "both")]
         mode: Mode,
+        #[command(flatten)]
+        functions: FunctionArgs,
         /// A custom split to check instead of --mode, e.g. 0-11,12-23,24-34.
         #[arg(long)]
         split: Option<String>,
@@ -147,6 +170,9 @@ enum Cmd {
         /// Testing aid: corrupt one weight of this layer in the compared layouts.
         #[arg(long, hide = true)]
         corrupt_layer: Option<usize>,
+        /// Testing aid: with --corrupt-layer, corrupt the verify or prefill modules instead.
+        #[arg(long, hide = true, value_parser = ["verify", "prefill"], requires = "corrupt_layer")]
+        corrupt_function: Option<String>,
     },
     /// Write a random-weight Gemma 4 checkpoint in the Hugging Face layout.
     Fixture {
@@ -287,7 +313,14 @@ fn plan_for(dir: &Path, layout: &LayoutArgs) -> Result<(config::TextConfig, plan
     if layout.ctx == 0 {
         anyhow::bail!("--ctx must be at least 1");
     }
-    let plan = plan::plan(&cfg, layout.ctx, layout.mode, layout.split.as_deref())?;
+    let functions = layout.functions.resolve(layout.mode);
+    let plan = plan::plan(
+        &cfg,
+        layout.ctx,
+        layout.mode,
+        layout.split.as_deref(),
+        &functions,
+    )?;
     Ok((cfg, plan))
 }
 
@@ -322,6 +355,8 @@ fn do_build(
         "mode": format!("{:?}", layout.mode).to_lowercase(),
         "split": layout.split,
         "ctx": layout.ctx,
+        "verify_k": layout.functions.verify_k,
+        "prefill_len": layout.functions.prefill_len,
     });
     let report = build::run(&dir, &cfg, &ckpt, &plan, args, out, &settings)?;
     Ok(report.json)
@@ -364,10 +399,15 @@ fn run(cli: Cli) -> Result<()> {
             let (model, layout, quantize, palettizer) =
                 build::request_of(&dir.join("build.json"), &model.hf_dir)?;
             let model = ModelArgs { hf_dir: model };
+            let (verify_k, prefill_len) = build::functions_of(&dir.join("build.json"))?;
             let layout = LayoutArgs {
                 mode: layout.0,
                 split: layout.1,
                 ctx: layout.2,
+                functions: FunctionArgs {
+                    verify_k,
+                    prefill_len,
+                },
             };
             let tmp = std::env::temp_dir().join(format!("chunkforge-check-{}", std::process::id()));
             let result = do_build(
@@ -419,6 +459,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Parity {
             model,
             mode,
+            functions,
             split,
             steps,
             tol_cos,
@@ -433,6 +474,7 @@ fn run(cli: Cli) -> Result<()> {
             no_oracle,
             skip_prefill_copy,
             corrupt_layer,
+            corrupt_function,
         } => {
             let dir = resolve_checkpoint(&model, verbose)?;
             let cfg = config::TextConfig::load(&dir)?;
@@ -440,6 +482,7 @@ fn run(cli: Cli) -> Result<()> {
             pyenv::activate(verbose)?;
             let opts = parity::ParityOptions {
                 mode,
+                functions: functions.resolve(mode),
                 split,
                 steps,
                 tol_cos,
@@ -457,6 +500,7 @@ fn run(cli: Cli) -> Result<()> {
                 report,
                 oracle: !no_oracle,
                 corrupt_layer,
+                corrupt_function,
                 verbose,
             };
             if parity::run(&dir, &cfg, &ckpt, &opts)? {
@@ -530,6 +574,7 @@ fn run(cli: Cli) -> Result<()> {
             pyenv::activate(verbose)?;
             let opts = parity::ParityOptions {
                 mode,
+                functions: plan::Functions::resolve(mode, None, None),
                 split: None,
                 steps,
                 tol_cos: 0.9999,
@@ -544,6 +589,7 @@ fn run(cli: Cli) -> Result<()> {
                 report: None,
                 oracle: true,
                 corrupt_layer: None,
+                corrupt_function: None,
                 verbose,
             };
             let ok = parity::run(&dir, &cfg, &ckpt, &opts)?;
@@ -625,14 +671,26 @@ fn print_inspect(d: &serde_json::Value) {
         d["specification_version"],
         d["opset"].as_str().unwrap_or("?")
     );
-    for (label, key) in [("in ", "inputs"), ("out", "outputs")] {
-        for t in d[key].as_array().into_iter().flatten() {
+    let functions = d["functions"].as_array().cloned().unwrap_or_default();
+    for f in &functions {
+        if functions.len() > 1 {
+            let default = f["name"] == d["default_function"];
             println!(
-                "  {label} {:<24} {:<20} {}",
-                t["name"].as_str().unwrap_or(""),
-                t["shape"].to_string(),
-                t["dtype"].as_str().unwrap_or("")
+                "  function {}{}: {} MIL ops",
+                f["name"].as_str().unwrap_or(""),
+                if default { " (default)" } else { "" },
+                f["mil_ops"]
             );
+        }
+        for (label, key) in [("in ", "inputs"), ("out", "outputs")] {
+            for t in f[key].as_array().into_iter().flatten() {
+                println!(
+                    "  {label} {:<24} {:<20} {}",
+                    t["name"].as_str().unwrap_or(""),
+                    t["shape"].to_string(),
+                    t["dtype"].as_str().unwrap_or("")
+                );
+            }
         }
     }
     let luts = d["palettized"].as_array().map_or(0, Vec::len);

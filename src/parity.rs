@@ -17,6 +17,8 @@ use crate::pyenv;
 /// Options of one parity run.
 pub struct ParityOptions {
     pub mode: Mode,
+    /// verify_qK and prefill functions to check (`--mode all` asks for both).
+    pub functions: plan::Functions,
     pub split: Option<String>,
     pub steps: usize,
     pub tol_cos: f64,
@@ -31,6 +33,7 @@ pub struct ParityOptions {
     pub report: Option<PathBuf>,
     pub oracle: bool,
     pub corrupt_layer: Option<usize>,
+    pub corrupt_function: Option<String>,
     pub verbose: bool,
 }
 
@@ -72,23 +75,43 @@ pub fn run(
     if opts.steps == 0 {
         bail!("--steps must be at least 1");
     }
-    let four = plan::plan_layout(
-        cfg,
-        opts.ctx,
-        LayoutKind::Four,
-        &plan::layout_spans(cfg, LayoutKind::Four),
-    );
-    let requested: Plan = plan::plan(cfg, opts.ctx, opts.mode, opts.split.as_deref())?;
+    // `--prefill N` without prefill functions in the request checks one of exactly N tokens.
+    let mut functions = opts.functions.clone();
+    if opts.prefill > 0 && functions.prefill_lens.is_empty() {
+        functions.prefill_lens = vec![opts.prefill];
+    }
+    let requested: Plan = plan::plan(cfg, opts.ctx, opts.mode, opts.split.as_deref(), &functions)?;
+    let four = match requested
+        .layouts
+        .iter()
+        .find(|l| l.kind == LayoutKind::Four)
+    {
+        Some(l) => l.clone(),
+        None => plan::plan_layout(
+            cfg,
+            opts.ctx,
+            LayoutKind::Four,
+            &plan::layout_spans(cfg, LayoutKind::Four),
+        ),
+    };
+    let decode = |l: &&plan::Layout| l.kind != LayoutKind::Prefill;
     let compared: Vec<&plan::Layout> = requested
         .layouts
         .iter()
+        .filter(decode)
         .filter(|l| l.kind != LayoutKind::Four)
         .collect();
+    let prefill_layout = requested
+        .layouts
+        .iter()
+        .find(|l| l.kind == LayoutKind::Prefill)
+        .map(layout_json);
     let mut layouts = vec![layout_json(&four)];
     layouts.extend(compared.iter().map(|l| layout_json(l)));
     let artifact_layouts: serde_json::Map<String, Value> = requested
         .layouts
         .iter()
+        .filter(decode)
         .map(|l| (l.kind.label().to_string(), layout_json(l)))
         .collect();
     let prompt = match &opts.prompt_ids {
@@ -108,9 +131,11 @@ pub fn run(
         "steps": opts.steps,
         "tol_cos": opts.tol_cos,
         "prefill": opts.prefill,
+        "prefill_layout": prefill_layout,
         "skip_prefill_copy": opts.skip_prefill_copy,
         "oracle": opts.oracle,
         "corrupt_layer": opts.corrupt_layer,
+        "corrupt_function": opts.corrupt_function,
         "artifacts": opts.artifacts.as_ref().map(|p| p.to_string_lossy().to_string()),
         "artifact_layouts": artifact_layouts,
         "tol_cos_int4": opts.tol_cos_int4,

@@ -27,13 +27,15 @@ pub fn alias_of(kind: Attention) -> &'static str {
 pub enum Mode {
     /// The four-chunk reference (chunk1..chunk4).
     Four,
+    /// chunk1_3way..chunk3_3way: four's chunk1, chunk2 ∪ chunk3, chunk4.
+    Three,
     /// merged_chunk1 + merged_chunk2.
     Two,
     /// merged_full.
     One,
     /// two and one.
     Both,
-    /// four, two and one.
+    /// four (decode_q1 + verify_qK), three, two, one, and prefill_chunk1..4.
     All,
 }
 
@@ -41,18 +43,58 @@ pub enum Mode {
 #[serde(rename_all = "snake_case")]
 pub enum LayoutKind {
     Four,
+    Three,
     Two,
     One,
     Split,
+    /// prefill_chunk1..4: the four-chunk spans as batched prefill functions.
+    Prefill,
 }
 
 impl LayoutKind {
     pub fn label(self) -> &'static str {
         match self {
             LayoutKind::Four => "four",
+            LayoutKind::Three => "three",
             LayoutKind::Two => "two",
             LayoutKind::One => "one",
             LayoutKind::Split => "split",
+            LayoutKind::Prefill => "prefill",
+        }
+    }
+}
+
+impl Mode {
+    /// The decode layouts this mode builds, in build order.
+    pub fn kinds(self) -> Vec<LayoutKind> {
+        use LayoutKind as K;
+        match self {
+            Mode::Four => vec![K::Four],
+            Mode::Three => vec![K::Three],
+            Mode::Two => vec![K::Two],
+            Mode::One => vec![K::One],
+            Mode::Both => vec![K::Two, K::One],
+            Mode::All => vec![K::Four, K::Three, K::Two, K::One],
+        }
+    }
+}
+
+impl Functions {
+    /// `--mode all` adds verify (K = `verify_k` or 3) and prefill (`prefill_lens`
+    /// or 512); other modes add only what is asked for explicitly.
+    pub fn resolve(mode: Mode, verify_k: Option<usize>, prefill_lens: Option<&[usize]>) -> Self {
+        let all = mode == Mode::All;
+        let mut lens: Vec<usize> = match prefill_lens {
+            Some(l) => l.to_vec(),
+            None if all => vec![DEFAULT_PREFILL_LEN],
+            None => Vec::new(),
+        };
+        // Longest first: it is the package's default function.
+        lens.sort_unstable_by(|a, b| b.cmp(a));
+        lens.dedup();
+        Functions {
+            verify_k: verify_k.or(all.then_some(DEFAULT_VERIFY_K)),
+            prefill_lens: lens,
         }
     }
 }
@@ -141,7 +183,56 @@ impl TensorSpec {
             dtype: "fp16",
         }
     }
+
+    fn int32(name: &str, shape: &[usize]) -> Self {
+        TensorSpec {
+            dtype: "int32",
+            ..TensorSpec::fp16(name, shape)
+        }
+    }
 }
+
+/// What one function of a package computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FunctionKind {
+    /// One token against the chunk's caches; returns the updated caches.
+    Decode,
+    /// K draft tokens against read-only caches; returns the K new K/V rows so
+    /// the runtime commits only the accepted ones.
+    Verify,
+    /// The first N prompt tokens from empty caches; returns every layer's K/V.
+    Prefill,
+}
+
+/// One function of a package: its name in the package, what it computes for
+/// how many tokens, and its input/output contract.
+#[derive(Clone, Debug, Serialize)]
+pub struct FunctionPlan {
+    /// `main` for single-function packages; `decode_q1`, `verify_q3`,
+    /// `prefill_b512` in multifunction ones.
+    pub name: String,
+    pub kind: FunctionKind,
+    pub tokens: usize,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+    /// Prefill: the layer whose K/V each `K{i}`/`V{i}` output holds.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kv_layers: Vec<usize>,
+}
+
+/// The functions a build adds beyond decode: `verify_qK` in chunk1..4 and the
+/// prefill lengths of prefill_chunk1..4 (empty: no prefill packages).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Functions {
+    pub verify_k: Option<usize>,
+    pub prefill_lens: Vec<usize>,
+}
+
+/// The runtime's speculative-verify draft count (upstream default).
+pub const DEFAULT_VERIFY_K: usize = 3;
+/// Batched prefill tokens per call (the merged-runtime branch's N).
+pub const DEFAULT_PREFILL_LEN: usize = 512;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ChunkPlan {
@@ -162,13 +253,32 @@ pub struct ChunkPlan {
     pub computes_per_layer_input: bool,
     /// Last chunk: final norm, tied LM head, softcap and in-model argmax.
     pub has_head: bool,
+    /// The default function's contract (decode for decode packages, the
+    /// longest prefill for prefill packages).
     pub inputs: Vec<TensorSpec>,
     pub outputs: Vec<TensorSpec>,
+    /// Every function of the package, the default first.
+    pub functions: Vec<FunctionPlan>,
 }
 
 impl ChunkPlan {
     pub fn layer_count(&self) -> usize {
         self.last_layer - self.first_layer + 1
+    }
+
+    /// Own-KV layers whose K/V prefill hands out as `K{i}`/`V{i}` (producers
+    /// hand theirs out as kv13/kv14 when a later chunk reads them).
+    pub fn prefill_kv_layers(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .filter(|l| match l.kv {
+                KvSource::Own { alias, .. } => {
+                    alias.is_none_or(|a| !self.emits.iter().any(|e| e.alias == a))
+                }
+                KvSource::Shared { .. } => false,
+            })
+            .map(|l| l.index)
+            .collect()
     }
 }
 
@@ -286,6 +396,13 @@ pub fn layout_spans(cfg: &TextConfig, kind: LayoutKind) -> Vec<Span> {
             let q = n.div_ceil(4);
             (0..n).step_by(q).map(|s| (s, (s + q).min(n) - 1)).collect()
         }
+        // The runtime's three-chunk layout: four's chunk1, chunk2 ∪ chunk3, chunk4
+        // (E2B 0-7 / 8-24 / 25-34), so the prefill chunks' weights still pair up.
+        LayoutKind::Three => {
+            let f = layout_spans(cfg, LayoutKind::Four);
+            vec![f[0], (f[1].0, f[2].1), f[3]]
+        }
+        LayoutKind::Prefill => layout_spans(cfg, LayoutKind::Four),
         LayoutKind::Split => unreachable!("split spans come from --split"),
     }
 }
@@ -297,6 +414,8 @@ fn chunk_names(kind: LayoutKind, spans: &[Span], n: usize) -> Vec<String> {
         .enumerate()
         .map(|(i, &(a, b))| match kind {
             LayoutKind::Four => format!("chunk{}", i + 1),
+            LayoutKind::Three => format!("chunk{}_3way", i + 1),
+            LayoutKind::Prefill => format!("prefill_chunk{}", i + 1),
             LayoutKind::Two => format!("merged_chunk{}", i + 1),
             LayoutKind::One => "merged_full".to_string(),
             LayoutKind::Split => format!("layers_{a:0width$}-{b:0width$}"),
@@ -414,10 +533,17 @@ pub fn plan_layout(cfg: &TextConfig, ctx: usize, kind: LayoutKind, spans: &[Span
                 has_head: ci == last,
                 inputs: Vec::new(),
                 outputs: Vec::new(),
+                functions: Vec::new(),
             };
             let (inputs, outputs) = contract(cfg, ctx, &chunk, spans.len() > 1);
-            chunk.inputs = inputs;
-            chunk.outputs = outputs;
+            chunk.functions.push(FunctionPlan {
+                name: "main".into(),
+                kind: FunctionKind::Decode,
+                tokens: 1,
+                inputs,
+                outputs,
+                kv_layers: Vec::new(),
+            });
             chunk
         })
         .collect::<Vec<_>>();
@@ -426,7 +552,7 @@ pub fn plan_layout(cfg: &TextConfig, ctx: usize, kind: LayoutKind, spans: &[Span
         chunks,
         kv_slot_map: Vec::new(),
     };
-    if kind != LayoutKind::Four {
+    if !matches!(kind, LayoutKind::Four | LayoutKind::Prefill) {
         let four = plan_layout(
             cfg,
             ctx,
@@ -436,6 +562,204 @@ pub fn plan_layout(cfg: &TextConfig, ctx: usize, kind: LayoutKind, spans: &[Span
         layout.kv_slot_map = slot_map(&four, &layout);
     }
     layout
+}
+
+/// Gives each chunk of `layout` its functions: prefill packages get one
+/// `prefill_bN` per length (longest first, the default); four-chunk decode
+/// packages get `decode_q1` + `verify_qK` when verify is asked for. The
+/// chunk's own `inputs`/`outputs` are its default function's.
+fn attach_functions(cfg: &TextConfig, ctx: usize, layout: &mut Layout, f: &Functions) {
+    for c in &mut layout.chunks {
+        match layout.kind {
+            LayoutKind::Prefill => {
+                c.functions = f
+                    .prefill_lens
+                    .iter()
+                    .map(|&n| {
+                        let (inputs, outputs) = prefill_contract(cfg, c, n);
+                        FunctionPlan {
+                            name: format!("prefill_b{n}"),
+                            kind: FunctionKind::Prefill,
+                            tokens: n,
+                            inputs,
+                            outputs,
+                            kv_layers: c.prefill_kv_layers(),
+                        }
+                    })
+                    .collect();
+            }
+            LayoutKind::Four => {
+                if let Some(k) = f.verify_k {
+                    c.functions[0].name = "decode_q1".into();
+                    let (inputs, outputs) = verify_contract(cfg, ctx, c, k);
+                    c.functions.push(FunctionPlan {
+                        name: format!("verify_q{k}"),
+                        kind: FunctionKind::Verify,
+                        tokens: k,
+                        inputs,
+                        outputs,
+                        kv_layers: Vec::new(),
+                    });
+                }
+            }
+            _ => {}
+        }
+        c.inputs = c.functions[0].inputs.clone();
+        c.outputs = c.functions[0].outputs.clone();
+    }
+}
+
+/// Per-step inputs every function takes in the same order: hidden states,
+/// masks, the per-layer input, RoPE rows; `t` tokens each.
+struct Rows<'a> {
+    cfg: &'a TextConfig,
+    c: &'a ChunkPlan,
+    t: usize,
+}
+
+impl Rows<'_> {
+    fn has(&self, k: Attention) -> bool {
+        self.c.layers.iter().any(|l| l.attention == k)
+    }
+
+    fn per_layer(&self) -> TensorSpec {
+        let ple = self.cfg.num_hidden_layers * self.cfg.hidden_size_per_layer_input;
+        let name = if self.c.computes_per_layer_input {
+            "per_layer_raw"
+        } else {
+            "per_layer_combined"
+        };
+        TensorSpec::fp16(name, &[1, self.t, ple])
+    }
+
+    fn rope(&self) -> Vec<TensorSpec> {
+        let mut v = Vec::new();
+        for (k, s, hd) in [
+            (Attention::Sliding, "s", self.cfg.head_dim),
+            (Attention::Full, "f", self.cfg.global_head_dim),
+        ] {
+            if self.has(k) {
+                v.push(TensorSpec::fp16(&format!("cos_{s}"), &[1, 1, self.t, hd]));
+                v.push(TensorSpec::fp16(&format!("sin_{s}"), &[1, 1, self.t, hd]));
+            }
+        }
+        v
+    }
+
+    /// kv13/kv14 of `len(attention)` positions, in or out.
+    fn aliases(&self, uses: &[AliasUse], len: impl Fn(Attention) -> usize) -> Vec<TensorSpec> {
+        let mut v = Vec::new();
+        for u in uses {
+            let shape = [
+                1,
+                self.cfg.kv_heads_of(u.attention),
+                len(u.attention),
+                self.cfg.head_dim_of(u.attention),
+            ];
+            v.push(TensorSpec::fp16(&format!("{}_k", u.alias), &shape));
+            v.push(TensorSpec::fp16(&format!("{}_v", u.alias), &shape));
+        }
+        v
+    }
+}
+
+/// `verify_qK`: K draft tokens at positions p..p+K-1 against the caches as
+/// they stand (read, never written); `new_K/V_*` are the K new rows per slot
+/// at the layer's own head dim, for the runtime to commit the accepted prefix.
+fn verify_contract(
+    cfg: &TextConfig,
+    ctx: usize,
+    c: &ChunkPlan,
+    k: usize,
+) -> (Vec<TensorSpec>, Vec<TensorSpec>) {
+    let r = Rows { cfg, c, t: k };
+    let (h, w) = (cfg.hidden_size, cfg.sliding_window);
+    let decode = &c.functions[0];
+    let mut inp = vec![TensorSpec::fp16("hidden_states", &[1, k, h])];
+    if r.has(Attention::Full) {
+        inp.push(TensorSpec::fp16("causal_mask_full", &[1, 1, k, ctx]));
+    }
+    if r.has(Attention::Sliding) {
+        inp.push(TensorSpec::fp16("causal_mask_sliding", &[1, 1, k, w]));
+    }
+    if !c.full_slots.is_empty() {
+        inp.push(TensorSpec::fp16("update_indicator", &[1, 1, ctx, k]));
+    }
+    inp.push(r.per_layer());
+    inp.extend(r.rope());
+    // The caches and producer KV are the decode function's inputs, unchanged.
+    inp.extend(
+        decode
+            .inputs
+            .iter()
+            .filter(|t| t.name.ends_with("_in") || t.name.starts_with("kv1"))
+            .cloned(),
+    );
+    let mut out = Vec::new();
+    if c.has_head {
+        out.push(TensorSpec::int32("token_ids", &[1, k]));
+    }
+    out.push(TensorSpec::fp16("hidden_states_out", &[1, k, h]));
+    if c.computes_per_layer_input {
+        let mut p = r.per_layer();
+        p.name = "per_layer_combined_out".into();
+        out.push(p);
+    }
+    for (kind, label, slots) in [
+        (Attention::Sliding, "sliding", &c.sliding_slots),
+        (Attention::Full, "full", &c.full_slots),
+    ] {
+        if !slots.is_empty() {
+            let shape = [slots.len(), cfg.kv_heads_of(kind), k, cfg.head_dim_of(kind)];
+            out.push(TensorSpec::fp16(&format!("new_K_{label}"), &shape));
+            out.push(TensorSpec::fp16(&format!("new_V_{label}"), &shape));
+        }
+    }
+    out.extend(r.aliases(&c.emits, |a| if a == Attention::Sliding { w } else { ctx }));
+    (inp, out)
+}
+
+/// `prefill_bN`: the first N prompt tokens (positions 0..N-1) from empty
+/// caches. One causal mask serves every layer (sliding layers add the window
+/// band inside the graph); every own-KV layer hands out its N K/V rows.
+fn prefill_contract(
+    cfg: &TextConfig,
+    c: &ChunkPlan,
+    n: usize,
+) -> (Vec<TensorSpec>, Vec<TensorSpec>) {
+    let r = Rows { cfg, c, t: n };
+    let h = cfg.hidden_size;
+    let mut inp = vec![
+        TensorSpec::fp16("hidden_states", &[1, n, h]),
+        TensorSpec::fp16("causal_mask", &[1, 1, n, n]),
+        r.per_layer(),
+    ];
+    inp.extend(r.rope());
+    inp.extend(r.aliases(&c.consumes, |_| n));
+    if c.has_head {
+        inp.push(TensorSpec::fp16("last_position_mask", &[1, n, 1]));
+        return (
+            inp,
+            vec![
+                TensorSpec::int32("token_id", &[1]),
+                TensorSpec::fp16("token_logit", &[1]),
+            ],
+        );
+    }
+    let mut out = vec![TensorSpec::fp16("hidden_states_out", &[1, n, h])];
+    if c.computes_per_layer_input {
+        let mut p = r.per_layer();
+        p.name = "per_layer_combined_out".into();
+        out.push(p);
+    }
+    for (i, layer) in c.prefill_kv_layers().into_iter().enumerate() {
+        let a = cfg.layer_types[layer];
+        let shape = [1, cfg.kv_heads_of(a), n, cfg.head_dim_of(a)];
+        out.push(TensorSpec::fp16(&format!("K{i}"), &shape));
+        out.push(TensorSpec::fp16(&format!("V{i}"), &shape));
+    }
+    out.extend(r.aliases(&c.emits, |_| n));
+    (inp, out)
 }
 
 /// The chunk's input and output tensors, named as the runtime names them.
@@ -570,22 +894,41 @@ pub fn plan(
     ctx: usize,
     mode: Mode,
     split: Option<&str>,
+    functions: &Functions,
 ) -> Result<Plan, InputError> {
     let mut layouts = Vec::new();
     if let Some(text) = split {
         let spans = parse_split(text, cfg.num_hidden_layers)?;
         layouts.push(plan_layout(cfg, ctx, LayoutKind::Split, &spans));
     } else {
-        let kinds: &[LayoutKind] = match mode {
-            Mode::Four => &[LayoutKind::Four],
-            Mode::Two => &[LayoutKind::Two],
-            Mode::One => &[LayoutKind::One],
-            Mode::Both => &[LayoutKind::Two, LayoutKind::One],
-            Mode::All => &[LayoutKind::Four, LayoutKind::Two, LayoutKind::One],
-        };
-        for &k in kinds {
+        for k in mode.kinds() {
             layouts.push(plan_layout(cfg, ctx, k, &layout_spans(cfg, k)));
         }
+    }
+    let bad = |message: String| InputError::Functions { message };
+    if functions.verify_k.is_some() && !layouts.iter().any(|l| l.kind == LayoutKind::Four) {
+        return Err(bad(
+            "verify_qK lives in chunk1..4: add the four-chunk layout (--mode four or all)".into(),
+        ));
+    }
+    if functions.verify_k == Some(0) {
+        return Err(bad("--verify-k must be at least 1".into()));
+    }
+    if let Some(&n) = functions.prefill_lens.iter().find(|&&n| n == 0 || n > ctx) {
+        return Err(bad(format!(
+            "--prefill-len {n}: a prefill call takes 1 to ctx ({ctx}) tokens"
+        )));
+    }
+    if !functions.prefill_lens.is_empty() {
+        layouts.push(plan_layout(
+            cfg,
+            ctx,
+            LayoutKind::Prefill,
+            &layout_spans(cfg, LayoutKind::Prefill),
+        ));
+    }
+    for l in &mut layouts {
+        attach_functions(cfg, ctx, l, functions);
     }
     let mut warnings = Vec::new();
     for l in &layouts {
@@ -763,13 +1106,29 @@ mod tests {
 
     #[test]
     fn e2b_layouts_match_the_shipped_boundaries() {
-        let p = plan(&e2b(), 2048, Mode::All, None).unwrap();
+        let p = plan(
+            &e2b(),
+            2048,
+            Mode::All,
+            None,
+            &Functions::resolve(Mode::All, None, None),
+        )
+        .unwrap();
+        let kind = |k: LayoutKind| p.layouts.iter().find(|l| l.kind == k).unwrap();
         assert_eq!(
-            spans(&p.layouts[0]),
+            spans(kind(LayoutKind::Four)),
             vec![(0, 7), (8, 14), (15, 24), (25, 34)]
         );
-        assert_eq!(spans(&p.layouts[1]), vec![(0, 14), (15, 34)]);
-        assert_eq!(spans(&p.layouts[2]), vec![(0, 34)]);
+        assert_eq!(
+            spans(kind(LayoutKind::Three)),
+            vec![(0, 7), (8, 24), (25, 34)]
+        );
+        assert_eq!(spans(kind(LayoutKind::Two)), vec![(0, 14), (15, 34)]);
+        assert_eq!(spans(kind(LayoutKind::One)), vec![(0, 34)]);
+        assert_eq!(
+            spans(kind(LayoutKind::Prefill)),
+            spans(kind(LayoutKind::Four))
+        );
         let names: Vec<_> = p
             .layouts
             .iter()
@@ -782,17 +1141,37 @@ mod tests {
                 "chunk2",
                 "chunk3",
                 "chunk4",
+                "chunk1_3way",
+                "chunk2_3way",
+                "chunk3_3way",
                 "merged_chunk1",
                 "merged_chunk2",
-                "merged_full"
+                "merged_full",
+                "prefill_chunk1",
+                "prefill_chunk2",
+                "prefill_chunk3",
+                "prefill_chunk4"
             ]
         );
+        // chunk1..4 carry decode_q1 (default) + verify_q3; the others decode only.
+        for l in &p.layouts {
+            for c in &l.chunks {
+                let f: Vec<_> = c.functions.iter().map(|f| f.name.as_str()).collect();
+                let want: &[&str] = match l.kind {
+                    LayoutKind::Four => &["decode_q1", "verify_q3"],
+                    LayoutKind::Prefill => &["prefill_b512"],
+                    _ => &["main"],
+                };
+                assert_eq!(f, want, "{}", c.name);
+            }
+        }
     }
 
     #[test]
     fn e2b_kv_slots_and_producers() {
-        let p = plan(&e2b(), 2048, Mode::All, None).unwrap();
-        let four = &p.layouts[0].chunks;
+        let p = plan(&e2b(), 2048, Mode::All, None, &Functions::default()).unwrap();
+        let kind = |k: LayoutKind| p.layouts.iter().find(|l| l.kind == k).unwrap();
+        let four = &kind(LayoutKind::Four).chunks;
         assert_eq!(
             (four[0].sliding_slots.len(), four[0].full_slots.len()),
             (7, 1)
@@ -801,7 +1180,7 @@ mod tests {
             (four[1].sliding_slots.len(), four[1].full_slots.len()),
             (5, 2)
         );
-        let merged = &p.layouts[1].chunks[0];
+        let merged = &kind(LayoutKind::Two).chunks[0];
         assert_eq!(
             (merged.sliding_slots.len(), merged.full_slots.len()),
             (12, 3)
@@ -814,15 +1193,24 @@ mod tests {
                 .collect::<Vec<_>>(),
             [("kv13", 13), ("kv14", 14)]
         );
-        assert_eq!(p.layouts[1].chunks[1].consumes.len(), 2);
+        assert_eq!(kind(LayoutKind::Two).chunks[1].consumes.len(), 2);
         // merged_full keeps the producers internal: nothing emitted or consumed.
-        let full = &p.layouts[2].chunks[0];
+        let full = &kind(LayoutKind::One).chunks[0];
         assert!(full.emits.is_empty() && full.consumes.is_empty());
         assert!(full.outputs.iter().all(|t| !t.name.starts_with("kv1")));
         assert!(full
             .outputs
             .iter()
             .all(|t| t.name != "per_layer_combined_out"));
+        // The three-chunk middle chunk owns L8-14's KV and reads L13/L14 internally.
+        let three = &kind(LayoutKind::Three).chunks;
+        assert_eq!(
+            (three[1].sliding_slots.len(), three[1].full_slots.len()),
+            (5, 2)
+        );
+        assert!(three[1].consumes.is_empty());
+        assert_eq!(three[2].consumes.len(), 2);
+        assert_eq!(kind(LayoutKind::Three).kv_slot_map.len(), 15);
     }
 
     #[test]
@@ -830,7 +1218,7 @@ mod tests {
         let cfg = config(42, 6, 18, 2);
         assert_eq!(cfg.producer(Attention::Sliding), Some(22));
         assert_eq!(cfg.producer(Attention::Full), Some(23));
-        let p = plan(&cfg, 1024, Mode::Two, None).unwrap();
+        let p = plan(&cfg, 1024, Mode::Two, None, &Functions::default()).unwrap();
         assert_eq!(spans(&p.layouts[0]), vec![(0, 23), (24, 41)]);
         let emits: Vec<_> = p.layouts[0].chunks[0]
             .emits
@@ -880,7 +1268,7 @@ mod tests {
     #[test]
     fn every_decode_chunk_declares_update_mask_and_the_feed_is_noted() {
         // The runtime binds update_mask to every decode chunk, KV-shared ones too.
-        let p = plan(&e2b(), 512, Mode::All, None).unwrap();
+        let p = plan(&e2b(), 512, Mode::All, None, &Functions::default()).unwrap();
         for c in p.layouts.iter().flat_map(|l| &l.chunks) {
             let m = c.inputs.iter().find(|t| t.name == "update_mask");
             assert_eq!(
@@ -899,7 +1287,14 @@ mod tests {
 
     #[test]
     fn split_contracts_chain() {
-        let p = plan(&e2b(), 512, Mode::Both, Some("0-11,12-23,24-34")).unwrap();
+        let p = plan(
+            &e2b(),
+            512,
+            Mode::Both,
+            Some("0-11,12-23,24-34"),
+            &Functions::default(),
+        )
+        .unwrap();
         let chunks = &p.layouts[0].chunks;
         assert_eq!(
             chunks.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
@@ -1009,10 +1404,10 @@ mod tests {
 
     #[test]
     fn long_chunks_warn_with_the_device_finding() {
-        let p = plan(&e2b(), 2048, Mode::Both, None).unwrap();
+        let p = plan(&e2b(), 2048, Mode::Both, None, &Functions::default()).unwrap();
         assert_eq!(p.warnings.len(), 2, "{:?}", p.warnings); // merged_chunk2 (20) and merged_full (35)
         assert!(p.warnings[1].contains("merged_full holds 35 layers"));
-        let four = plan(&e2b(), 2048, Mode::Four, None).unwrap();
+        let four = plan(&e2b(), 2048, Mode::Four, None, &Functions::default()).unwrap();
         assert!(four.warnings.is_empty());
     }
 }

@@ -33,12 +33,20 @@ def find_chunk(plan: dict[str, Any], name: str) -> dict[str, Any]:
     raise ChunkforgeError(f"chunk {name} is not in the plan")
 
 
-def load(plan: dict[str, Any], name: str, ckpt_info: dict[str, Any]) -> Chunk:
-    """Build the chunk's torch module in fp16 with its weights from the checkpoint."""
+def find_function(chunk: dict[str, Any], function: str | None) -> dict[str, Any]:
+    """The chunk's function called ``function`` (None: its default, the first)."""
+    for f in chunk["functions"]:
+        if function is None or f["name"] == function:
+            return f
+    raise ChunkforgeError(f"chunk {chunk['name']} has no function {function}")
+
+
+def load(plan: dict[str, Any], name: str, ckpt_info: dict[str, Any], function: str | None = None) -> Chunk:
+    """Build the torch module of one of the chunk's functions in fp16 with its weights from the checkpoint."""
     chunk = find_chunk(plan, name)
     ckpt = Checkpoint(ckpt_info)
     try:
-        module = build_chunk(plan["dims"], chunk, ckpt, torch.float16)
+        module = build_chunk(plan["dims"], chunk, ckpt, torch.float16, function=find_function(chunk, function))
     finally:
         ckpt.close()
     check_finite(module, ckpt_info["prefix"])
@@ -55,9 +63,9 @@ def check_finite(module: Chunk, prefix: str) -> None:
             )
 
 
-def example_inputs(chunk: dict[str, Any], dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
+def example_inputs(function: dict[str, Any], dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
     out = []
-    for spec in chunk["inputs"]:
+    for spec in function["inputs"]:
         t = torch.zeros(spec["shape"], dtype=TORCH_DTYPES[spec["dtype"]] if spec["dtype"] != "fp16" else dtype)
         out.append(t)
     return out
@@ -65,11 +73,15 @@ def example_inputs(chunk: dict[str, Any], dtype: torch.dtype = torch.float16) ->
 
 def trace(module: Chunk) -> torch.jit.ScriptModule:
     with torch.no_grad():
-        return torch.jit.trace(module, tuple(example_inputs(module.chunk)), check_trace=False, strict=False)
+        return torch.jit.trace(module, tuple(example_inputs(module.function)), check_trace=False, strict=False)
 
 
 def convert(
-    traced: torch.jit.ScriptModule, plan: dict[str, Any], name: str, palettize: dict[str, Any] | None = None
+    traced: torch.jit.ScriptModule,
+    plan: dict[str, Any],
+    name: str,
+    palettize: dict[str, Any] | None = None,
+    function: str | None = None,
 ) -> Any:
     """ct.convert with the shipped settings. With `palettize` (the settings
     of `palettize` below), the Rust kernel's INT4 palettization runs as the
@@ -77,9 +89,9 @@ def convert(
     its counts and kernel seconds are attached to the model for `save`."""
     import coremltools as ct
 
-    chunk = find_chunk(plan, name)
-    inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=NP_DTYPES[t["dtype"]]) for t in chunk["inputs"]]
-    outputs = [ct.TensorType(name=t["name"], dtype=NP_DTYPES[t["dtype"]]) for t in chunk["outputs"]]
+    spec = find_function(find_chunk(plan, name), function)
+    inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=NP_DTYPES[t["dtype"]]) for t in spec["inputs"]]
+    outputs = [ct.TensorType(name=t["name"], dtype=NP_DTYPES[t["dtype"]]) for t in spec["outputs"]]
     pipeline = dispatcher = None
     if palettize is not None:
         from .palettize import conversion_pipeline
@@ -207,6 +219,11 @@ def serialize_spec_deterministically(path: str) -> None:
         f.write(spec.SerializeToString(deterministic=True))
 
 
+def weight_bytes(path: str) -> int:
+    weights = os.path.join(path, "Data", "com.apple.CoreML", "weights", "weight.bin")
+    return os.path.getsize(weights) if os.path.exists(weights) else 0
+
+
 def save(mlmodel: Any, path: str) -> dict[str, Any]:
     """Write the package to ``path`` (a temporary name chosen by Rust) and return its stats."""
     stats = mil_stats(mlmodel)
@@ -217,8 +234,7 @@ def save(mlmodel: Any, path: str) -> dict[str, Any]:
     mlmodel.save(path)
     serialize_spec_deterministically(path)
     normalize_manifest(path)
-    weights = os.path.join(path, "Data", "com.apple.CoreML", "weights", "weight.bin")
-    stats["weight_bytes"] = os.path.getsize(weights) if os.path.exists(weights) else 0
+    stats["weight_bytes"] = weight_bytes(path)
     stats["palettized_weights"] = stats["op_counts"].get("constexpr_lut_to_dense", 0)
     stats["linear_ops"] = stats["op_counts"].get("linear", 0)
     # palette: weight-cache counts of the Rust palettizer (None when it did not run).
@@ -228,6 +244,51 @@ def save(mlmodel: Any, path: str) -> dict[str, Any]:
     stats["palettize_unmatched_groups"] = pal.get("palettize_unmatched_groups")
     stats["palettize_seconds"] = pal.get("palettize_seconds")
     return stats
+
+
+def combine(parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]]) -> dict[str, Any]:
+    """Bundle single-function packages ``(package path, function name)`` into the
+    packages ``targets`` (``(path, [function, ...])``, each target's first
+    function its default).
+
+    All parts go into one multifunction program first: coremltools'
+    ``save_multifunction`` stores a weight that several functions hold (same
+    values) once, and the kernel's palettization is deterministic and cached
+    within the build, so every function's copy of a weight is the same bytes
+    and the blob is the size of one function's. Each target is then that
+    package with the other targets' functions removed from its spec, so all
+    targets share one weight blob byte for byte (the runtime hard-links
+    ``chunkN``'s blob into ``prefill_chunkN``)."""
+    import shutil
+    import tempfile
+
+    from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+    from coremltools.proto import Model_pb2
+
+    desc = MultiFunctionDescriptor()
+    for part, function in parts:
+        desc.add_function(part, src_function_name="main", target_function_name=function)
+    desc.default_function_name = parts[0][1]
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(targets[0][0])) as tmp:
+        whole = os.path.join(tmp, "whole.mlpackage")
+        save_multifunction(desc, whole)
+        spec_rel = os.path.join("Data", "com.apple.CoreML", "model.mlmodel")
+        for path, functions in targets:
+            shutil.copytree(whole, path)
+            spec = Model_pb2.Model()
+            with open(os.path.join(path, spec_rel), "rb") as f:
+                spec.ParseFromString(f.read())
+            for name in list(spec.mlProgram.functions):
+                if name not in functions:
+                    del spec.mlProgram.functions[name]
+            kept = [fd for fd in spec.description.functions if fd.name in functions]
+            del spec.description.functions[:]
+            spec.description.functions.extend(sorted(kept, key=lambda fd: functions.index(fd.name)))
+            spec.description.defaultFunctionName = functions[0]
+            with open(os.path.join(path, spec_rel), "wb") as f:
+                f.write(spec.SerializeToString(deterministic=True))
+            normalize_manifest(path)
+    return {"weight_bytes": weight_bytes(targets[0][0])}
 
 
 def timed(fn: Any, *args: Any) -> tuple[Any, float]:

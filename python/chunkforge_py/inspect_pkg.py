@@ -35,17 +35,27 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
             for f in features
         ]
 
+    desc = spec.description
+    # A multifunction package describes each function; its top-level I/O is
+    # the default function's.
+    functions = [{"name": f.name, "inputs": io(f.input), "outputs": io(f.output)} for f in desc.functions]
+    default = desc.defaultFunctionName or "main"
+    top = next((f for f in functions if f["name"] == default), None)
     out: dict[str, Any] = {
         "path": path,
         "specification_version": int(spec.specificationVersion),
         "model_type": kind,
-        "inputs": io(spec.description.input),
-        "outputs": io(spec.description.output),
+        "default_function": default,
+        "inputs": top["inputs"] if top else io(desc.input),
+        "outputs": top["outputs"] if top else io(desc.output),
+        "functions": functions or [{"name": "main", "inputs": io(desc.input), "outputs": io(desc.output)}],
     }
     if kind != "mlProgram":
         return out
     prog = mil_load(spec, specification_version=spec.specificationVersion, file_weights_dir=model.weights_dir)
-    main = prog.functions["main"]
+    for f in out["functions"]:
+        f["mil_ops"] = len(list(prog.functions[f["name"]].operations))
+    main = prog.functions[default]
     out["opset"] = main.opset_version.name if hasattr(main.opset_version, "name") else str(main.opset_version)
     ops = list(main.operations)
     luts = []

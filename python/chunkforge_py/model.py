@@ -68,11 +68,13 @@ class Attention(nn.Module):
             self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
         self.o_proj = linear(self.heads * self.head_dim, hidden)
 
-    def new_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This token's K and V, shaped [1, kv_heads, 1, head_dim], K roped, both normed."""
-        k = self.k_norm(self.k_proj(x).view(1, 1, self.kv_heads, self.head_dim))
+    def new_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, t: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``t`` tokens' K and V, shaped [1, kv_heads, t, head_dim], K roped, both normed."""
+        k = self.k_norm(self.k_proj(x).view(1, t, self.kv_heads, self.head_dim))
         k = k * cos + rotate_half(k, self.head_dim) * sin
-        v = self.v_norm(self.v_proj(x).view(1, 1, self.kv_heads, self.head_dim))
+        v = self.v_norm(self.v_proj(x).view(1, t, self.kv_heads, self.head_dim))
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(
@@ -83,17 +85,29 @@ class Attention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         mask: torch.Tensor,
+        t: int = 1,
     ) -> torch.Tensor:
-        """Attention of this token's query over ``keys``/``values`` [1, kv_heads, L, head_dim]."""
-        q = self.q_norm(self.q_proj(x).view(1, 1, self.heads, self.head_dim))
+        """Attention of the ``t`` queries over ``keys``/``values`` [1, kv_heads, L, head_dim];
+        ``mask`` is [1, 1, t, L]."""
+        q = self.q_norm(self.q_proj(x).view(1, t, self.heads, self.head_dim))
         q = q * cos + rotate_half(q, self.head_dim) * sin
         # Grouped-query attention without repeating K/V: fold the query heads
-        # that share a KV head into the row dimension of one matmul.
+        # that share a KV head (and the t tokens) into the row dimension of one
+        # matmul. Head h = kv * groups + g, so row g * t + i is head g's token i.
         groups = self.heads // self.kv_heads
-        q = q.view(1, self.kv_heads, groups, self.head_dim)
+        if t == 1:
+            q = q.view(1, self.kv_heads, groups, self.head_dim)
+        else:
+            q = q.transpose(1, 2).reshape(1, self.kv_heads, groups * t, self.head_dim)
+            if groups > 1:
+                mask = mask.repeat(1, 1, groups, 1)
         scores = torch.matmul(q, keys.transpose(2, 3))  # Gemma 4 attention scale is 1.0
         probs = torch.softmax(scores.float() + mask.float(), dim=-1).to(x.dtype)
-        out = torch.matmul(probs, values).reshape(1, 1, self.heads * self.head_dim)
+        out = torch.matmul(probs, values)
+        if t == 1:
+            out = out.reshape(1, 1, self.heads * self.head_dim)
+        else:
+            out = out.view(1, self.heads, t, self.head_dim).transpose(1, 2).reshape(1, t, self.heads * self.head_dim)
         return self.o_proj(out)
 
 
@@ -138,17 +152,24 @@ class DecoderLayer(nn.Module):
 
 
 class Chunk(nn.Module):
-    """Decoder layers ``first_layer..=last_layer`` as one decode step.
+    """Decoder layers ``first_layer..=last_layer`` as one function of a package.
 
-    ``forward`` takes the plan's inputs in plan order and returns its outputs in
-    plan order. With ``trace_layers`` set, it also records the hidden state after
-    every layer (used by parity to localise a divergence).
+    ``function`` is one of the chunk plan's functions (default: its first):
+    ``decode`` runs one token against the caches and returns them updated,
+    ``verify`` runs K tokens against read-only caches and returns their new K/V
+    rows, ``prefill`` runs the first N tokens from empty caches and returns
+    every layer's K/V. ``forward`` takes the function's inputs in plan order
+    and returns its outputs in plan order. With ``trace_layers`` set, it also
+    records the hidden state after every layer (parity localises with it).
     """
 
-    def __init__(self, dims: dict[str, Any], chunk: dict[str, Any]):
+    def __init__(self, dims: dict[str, Any], chunk: dict[str, Any], function: dict[str, Any] | None = None):
         super().__init__()
         self.dims = dims
         self.chunk = chunk
+        self.function = function or chunk["functions"][0]
+        self.kind: str = self.function["kind"]
+        self.tokens: int = self.function["tokens"]
         hidden = dims["hidden_size"]
         eps = dims["rms_norm_eps"]
         self.max_head_dim = dims["max_head_dim"]
@@ -156,8 +177,8 @@ class Chunk(nn.Module):
         # Keyed by the global layer index so parameter (and Core ML const) names
         # match the checkpoint's: layers.15.self_attn.q_proj.weight.
         self.layers = nn.ModuleDict({str(spec["index"]): DecoderLayer(dims, spec) for spec in self.layer_specs})
-        self.input_names = [t["name"] for t in chunk["inputs"]]
-        self.output_names = [t["name"] for t in chunk["outputs"]]
+        self.input_names = [t["name"] for t in self.function["inputs"]]
+        self.output_names = [t["name"] for t in self.function["outputs"]]
         n_layers = dims["num_hidden_layers"]
         ple = dims["hidden_size_per_layer_input"]
         if chunk["computes_per_layer_input"]:
@@ -183,37 +204,37 @@ class Chunk(nn.Module):
             return "embed_tokens.weight"  # tie_word_embeddings
         return local
 
-    # ---- one decode step -------------------------------------------------
+    # ---- one call ----------------------------------------------------
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inp = dict(zip(self.input_names, args, strict=False))
         dims = self.dims
         n_layers = dims["num_hidden_layers"]
         ple = dims["hidden_size_per_layer_input"]
+        t = self.tokens
         h = inp["hidden_states"]
         out: dict[str, torch.Tensor] = {}
 
         if self.chunk["computes_per_layer_input"]:
             # per_layer_raw arrives already multiplied by per_layer_embed_scale (the
             # runtime scales the looked-up row), so it is used as is.
-            raw = inp["per_layer_raw"].view(1, 1, n_layers, ple)
+            raw = inp["per_layer_raw"].view(1, t, n_layers, ple)
             proj = self.per_layer_model_projection(h) * (dims["hidden_size"] ** -0.5)
-            proj = self.per_layer_projection_norm(proj.view(1, 1, n_layers, ple))
+            proj = self.per_layer_projection_norm(proj.view(1, t, n_layers, ple))
             per_layer = (proj + raw) * (2.0**-0.5)
-            out["per_layer_combined_out"] = per_layer.reshape(1, 1, n_layers * ple)
+            out["per_layer_combined_out"] = per_layer.reshape(1, t, n_layers * ple)
         else:
-            per_layer = inp["per_layer_combined"].view(1, 1, n_layers, ple)
+            per_layer = inp["per_layer_combined"].view(1, t, n_layers, ple)
 
-        rope = {
-            "sliding": (inp.get("cos_s"), inp.get("sin_s")),
-            "full": (inp.get("cos_f"), inp.get("sin_f")),
-        }
-        masks = {"sliding": inp.get("causal_mask_sliding"), "full": inp.get("causal_mask_full")}
+        rope = {"sliding": self._rope(inp, "s"), "full": self._rope(inp, "f")}
+        masks = self._masks(inp)
         caches = {
             "sliding": (inp.get("K_sliding_in"), inp.get("V_sliding_in")),
             "full": (inp.get("K_full_in"), inp.get("V_full_in")),
         }
+        # decode: updated cache slots; verify: the t new rows; prefill: by layer.
         new_slots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"sliding": [], "full": []}
+        layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Producer KV visible to shared layers: the emitting layer's updated cache
         # (local) or the kv13/kv14 input from an earlier chunk.
         producer_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -229,41 +250,92 @@ class Chunk(nn.Module):
             x = layer.input_layernorm(h)
             kv = spec["kv"]
             if kv["kind"] == "own":
-                k_new, v_new = attn.new_kv(x, cos, sin)
-                keys, values = self.update_cache(kind, caches[kind], kv["slot"], k_new, v_new, attn.head_dim, inp)
-                new_slots[kind].append((keys, values))
-                keys = keys[..., : attn.head_dim]
-                values = values[..., : attn.head_dim]
+                k_new, v_new = attn.new_kv(x, cos, sin, t)
+                if self.kind == "prefill":
+                    keys, values = k_new, v_new
+                    layer_kv[spec["index"]] = (k_new, v_new)
+                else:
+                    keys, values = self.update_cache(kind, caches[kind], kv["slot"], k_new, v_new, attn.head_dim, inp)
+                    new_slots[kind].append((k_new, v_new) if self.kind == "verify" else (keys, values))
+                    keys = keys[..., : attn.head_dim]
+                    values = values[..., : attn.head_dim]
                 if kv.get("alias"):
                     producer_kv[kv["alias"]] = (keys, values)
             else:
                 keys, values = producer_kv[kv["alias"]]
-            a = attn.attend(x, cos, sin, keys, values, masks[kind])
+            a = attn.attend(x, cos, sin, keys, values, masks[kind], t)
             h = h + layer.post_attention_layernorm(a)
             h = layer.feed_forward(h, per_layer[:, :, spec["index"], :])
             trace.append(h)
         self.trace_layers = trace
 
         if self.chunk["has_head"]:
-            h = self.norm(h)
-            logits = self.lm_head(h).float()
-            cap = dims["final_logit_softcapping"]
-            if cap:
-                logits = torch.tanh(logits / cap) * cap
-            logit, token = torch.max(logits.view(-1), dim=0, keepdim=True)
-            out["token_id"] = token.to(torch.int32)
-            out["token_logit"] = logit.to(h.dtype)
-            self.last_logits = logits.view(-1)
-        out["hidden_states_out"] = h
-        for kind, label in (("sliding", "sliding"), ("full", "full")):
-            if new_slots[kind]:
-                out[f"K_{label}_out"] = torch.stack([k[0] for k, _ in new_slots[kind]], dim=0)
-                out[f"V_{label}_out"] = torch.stack([v[0] for _, v in new_slots[kind]], dim=0)
+            self._head(h, inp, out)
+        else:
+            out["hidden_states_out"] = h
+        for label in ("sliding", "full"):
+            if new_slots[label]:
+                if self.kind == "verify":
+                    out[f"new_K_{label}"] = torch.cat([k for k, _ in new_slots[label]], dim=0)
+                    out[f"new_V_{label}"] = torch.cat([v for _, v in new_slots[label]], dim=0)
+                else:
+                    out[f"K_{label}_out"] = torch.stack([k[0] for k, _ in new_slots[label]], dim=0)
+                    out[f"V_{label}_out"] = torch.stack([v[0] for _, v in new_slots[label]], dim=0)
+        for i, index in enumerate(self.function.get("kv_layers", [])):
+            out[f"K{i}"], out[f"V{i}"] = layer_kv[index]
         for alias in self.chunk["emits"]:
             k, v = producer_kv[alias["alias"]]
             out[f"{alias['alias']}_k"] = k
             out[f"{alias['alias']}_v"] = v
         return tuple(out[name] for name in self.output_names)
+
+    def _rope(self, inp: dict[str, torch.Tensor], s: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """cos/sin rows arrive as [1, 1, t, hd]; the t tokens sit on axis 1 of q/k."""
+        cos, sin = inp.get(f"cos_{s}"), inp.get(f"sin_{s}")
+        if self.tokens == 1 or cos is None or sin is None:
+            return cos, sin
+        return cos.transpose(1, 2), sin.transpose(1, 2)
+
+    def _masks(self, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        if self.kind != "prefill":
+            return {"sliding": inp.get("causal_mask_sliding"), "full": inp.get("causal_mask_full")}
+        causal = inp["causal_mask"]
+        n, w = self.tokens, self.dims["sliding_window"]
+        if n <= w:
+            return {"sliding": causal, "full": causal}
+        # One causal mask serves every layer; sliding layers also block keys a
+        # window or more behind the query (i - j >= w). Positions are 0..n-1 in
+        # every prefill call, and causal[j, a] is blocked exactly when a > j, so
+        # row i of the band is row i - w + 1 of causal's transpose (rows before
+        # w - 1 block nothing). Derived from the input rather than stored as an
+        # n x n constant, the prefill program holds the same weights as decode.
+        band = nn.functional.pad(causal.transpose(2, 3)[:, :, : n - w + 1, :], (0, 0, w - 1, 0))
+        return {"sliding": causal + band, "full": causal}
+
+    def _head(self, h: torch.Tensor, inp: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+        """Final norm, tied head, softcap, argmax in the graph."""
+        normed = self.norm(h)
+        if self.kind == "prefill":
+            # The prompt's last real token, picked by the runtime's one-hot mask.
+            last = (normed * inp["last_position_mask"]).sum(dim=1, keepdim=True)
+            logits = self.lm_head(last).float()
+        else:
+            logits = self.lm_head(normed).float()
+        cap = self.dims["final_logit_softcapping"]
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        if self.kind == "verify":
+            # One token per draft position; the hidden state out is the
+            # pre-norm residual stream, as the runtime's verify contract has it.
+            out["token_ids"] = torch.argmax(logits, dim=-1).to(torch.int32)
+            out["hidden_states_out"] = h
+            self.last_logits = logits.view(self.tokens, -1)
+            return
+        logit, token = torch.max(logits.view(-1), dim=0, keepdim=True)
+        out["token_id"] = token.to(torch.int32)
+        out["token_logit"] = logit.to(h.dtype)
+        out["hidden_states_out"] = normed
+        self.last_logits = logits.view(-1)
 
     def update_cache(
         self,
@@ -286,10 +358,18 @@ class Chunk(nn.Module):
             v_new = nn.functional.pad(v_new, (0, pad))
         k_cache = cache[0][slot : slot + 1]
         v_cache = cache[1][slot : slot + 1]
+        t = self.tokens
         if kind == "sliding":
-            # Window cache: drop the oldest entry, append the newest at the end.
-            keys = torch.cat([k_cache[:, :, 1:, :], k_new], dim=2)
-            values = torch.cat([v_cache[:, :, 1:, :], v_new], dim=2)
+            # Window cache: drop the oldest t entries, append the newest at the end.
+            keys = torch.cat([k_cache[:, :, t:, :], k_new], dim=2)
+            values = torch.cat([v_cache[:, :, t:, :], v_new], dim=2)
+        elif self.kind == "verify":
+            # update_indicator [1, 1, ctx, t] scatters the t rows to their
+            # positions; its row sums mark which cache rows they replace.
+            ind = inp["update_indicator"]
+            m = ind.sum(dim=-1, keepdim=True)
+            keys = k_cache * (1 - m) + torch.matmul(ind, k_new)
+            values = v_cache * (1 - m) + torch.matmul(ind, v_new)
         else:
             # Full cache: one-hot update_mask selects this position's row.
             m = inp["update_mask"]
@@ -299,10 +379,16 @@ class Chunk(nn.Module):
 
 
 def build_chunk(
-    dims: dict[str, Any], chunk: dict[str, Any], ckpt: Checkpoint, dtype: torch.dtype, share: bool = False
+    dims: dict[str, Any],
+    chunk: dict[str, Any],
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    share: bool = False,
+    function: dict[str, Any] | None = None,
 ) -> Chunk:
-    """The chunk's module with its weights; ``share`` reuses tensors across modules (parity)."""
+    """The module of one of the chunk's functions (default: the first) with its
+    weights; ``share`` reuses tensors across modules (parity)."""
     with torch.device("meta"):
-        module = Chunk(dims, chunk).eval()
+        module = Chunk(dims, chunk, function).eval()
     module.load(ckpt, dtype, share=share)
     return module

@@ -14,7 +14,7 @@ import torch
 
 from .checkpoint import Checkpoint
 from .runtime import ChunkforgeError
-from .stepper import Embeddings, LayoutRunner
+from .stepper import Embeddings, LayoutRunner, PrefillRunner
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -28,7 +28,12 @@ def margin(logits: torch.Tensor) -> float:
 
 def corrupt(runner: LayoutRunner, layer: int) -> str:
     """Test hook: negate one weight of ``layer`` to break a layout on purpose."""
-    for name, mod in runner.modules.items():
+    return corrupt_modules(runner.modules, layer)
+
+
+def corrupt_modules(modules: dict[str, Any], layer: int) -> str:
+    """Negate one weight of ``layer`` in whichever of ``modules`` holds it."""
+    for name, mod in modules.items():
         if str(layer) in mod.layers:
             w = mod.layers[str(layer)].mlp.down_proj.weight
             # A new tensor, not an in-place edit: checkpoint tensors may share
@@ -46,6 +51,123 @@ def localise(ref: dict[str, Any], got: dict[str, Any], chunks: list[dict[str, An
             chunk = next(ch["name"] for ch in chunks if ch["first_layer"] <= layer <= ch["last_layer"])
             return {"layer": layer, "chunk": chunk, "cos": c}
     return {"layer": None, "chunk": None, "cos": None}
+
+
+def first_divergence(
+    ref_trace: dict[int, torch.Tensor], got_trace: dict[int, torch.Tensor], chunks: list[dict[str, Any]], tol: float
+) -> dict[str, Any]:
+    """The first layer whose hidden state leaves the reference's."""
+    return localise({"trace": ref_trace}, {"trace": got_trace}, chunks, tol)
+
+
+def run_prefill(
+    req: dict[str, Any],
+    dims: dict[str, Any],
+    ckpt: Checkpoint,
+    emb: Embeddings,
+    prompt: list[int],
+    four: dict[str, Any],
+    ref: LayoutRunner,
+    pf: PrefillRunner | None = None,
+) -> tuple[dict[str, Any], PrefillRunner]:
+    """Prefill ``prompt`` with the shortest prefill function that holds it and
+    load its K/V into a fresh four-chunk runner (sharing the reference's modules)."""
+    layout = req["prefill_layout"]
+    lens = sorted(f["tokens"] for f in layout["chunks"][0]["functions"])
+    fits = [n for n in lens if n >= len(prompt)]
+    if not fits:
+        raise ChunkforgeError(f"--prefill {len(prompt)}: the longest prefill function takes {lens[-1]} tokens")
+    pf = pf or PrefillRunner(dims, layout, ckpt, fits[0])
+    res = pf.run(emb, prompt)
+    runner = LayoutRunner(dims, four, ckpt, modules=ref.modules)
+    runner.load_prefill_kv(res["kv"], len(prompt))
+    return {**res, "runner": runner, "function": f"prefill_b{pf.tokens}", "chunks": layout["chunks"]}, pf
+
+
+def cache_cosine(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]) -> float:
+    """Cosine between two sets of caches, all slots of all chunks at once."""
+    names = sorted((c, n) for c in a for n in a[c])
+    return cosine(
+        torch.cat([a[c][n].reshape(-1) for c, n in names]), torch.cat([b[c][n].reshape(-1) for c, n in names])
+    )
+
+
+def prefill_record(
+    records: list[dict[str, Any]],
+    localisation: dict[str, Any],
+    prefilled: dict[str, Any],
+    ref: LayoutRunner,
+    ref_results: list[dict[str, Any]],
+    four: dict[str, Any],
+    tol: float,
+) -> None:
+    """Prefill of n tokens against n reference decode steps: the caches it
+    leaves (all slots, cosine) and the token it predicts after the prompt."""
+    n = len(ref_results)
+    last = ref_results[-1]
+    c = cache_cosine(prefilled["runner"].caches, ref.caches)
+    ok = c >= tol and prefilled["token"] == last["token"]
+    records.append(
+        {
+            "layout": prefilled["function"],
+            "step": n - 1,
+            "cos": c,
+            "ref_token": last["token"],
+            "token": prefilled["token"],
+            "margin": margin(last["logits"]),
+            "ok": ok,
+        }
+    )
+    if not ok:
+        # The first layer whose hidden state at some prompt position leaves the reference's.
+        for layer in sorted(prefilled["trace"]):
+            worst = min(cosine(ref_results[i]["trace"][layer], prefilled["trace"][layer][i]) for i in range(n))
+            if worst < tol:
+                chunk = next(ch["name"] for ch in prefilled["chunks"] if ch["first_layer"] <= layer <= ch["last_layer"])
+                localisation[prefilled["function"]] = {"step": n - 1, "layer": layer, "chunk": chunk, "cos": worst}
+                return
+        localisation[prefilled["function"]] = {"step": n - 1, "layer": None, "chunk": None, "cos": c}
+
+
+def verify_records(
+    records: list[dict[str, Any]],
+    localisation: dict[str, Any],
+    vr: LayoutRunner,
+    emb: Embeddings,
+    prompt: list[int],
+    steps: int,
+    k: int,
+    ref_results: list[dict[str, Any]],
+    four: dict[str, Any],
+    tol: float,
+) -> None:
+    """Speculative decode with every draft accepted: verify_qK on K
+    teacher-forced tokens at a time, then commit its rows. Each position must
+    give the token and the (pre-norm) last-layer hidden state of the
+    reference's sequential decode step."""
+    name = f"verify_q{k}"
+    last_layer = max(ref_results[0]["trace"])
+    for pos in range(0, steps - k + 1, k):
+        got = vr.verify(emb, prompt[pos : pos + k], pos)
+        for i in range(k):
+            ref = ref_results[pos + i]
+            c = cosine(ref["trace"][last_layer], got["hidden"][i])
+            ok = c >= tol and got["tokens"][i] == ref["token"]
+            records.append(
+                {
+                    "layout": name,
+                    "step": pos + i,
+                    "cos": c,
+                    "ref_token": ref["token"],
+                    "token": got["tokens"][i],
+                    "margin": margin(ref["logits"]),
+                    "ok": ok,
+                }
+            )
+            if not ok and name not in localisation:
+                at = {layer: h[i] for layer, h in got["trace"].items()}
+                localisation[name] = {"step": pos + i, **first_divergence(ref["trace"], at, four["chunks"], tol)}
+        vr.commit(got["new"], pos, k)
 
 
 def const_key(name: str) -> str:
@@ -133,7 +255,10 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     ref = LayoutRunner(dims, ref_layout, ckpt)
     runners = {name: LayoutRunner(dims, layout, ckpt) for name, layout in layouts.items()}
     corrupted = None
-    if req.get("corrupt_layer") is not None:
+    # Test hook: break one layer of the compared layouts, or (--corrupt-function)
+    # of the verify or prefill modules only.
+    corrupt_function = req.get("corrupt_function")
+    if req.get("corrupt_layer") is not None and not corrupt_function:
         for r in runners.values():
             corrupted = corrupt(r, int(req["corrupt_layer"]))
 
@@ -144,14 +269,28 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     ref_results: list[dict[str, Any]] = []
     localisation: dict[str, Any] = {}
+    prefilled = None
+    if prefill:
+        # The runtime's start of a prompt: one batched prefill call writes every
+        # layer's K/V into the four-chunk caches; merged layouts copy those by
+        # the slot map before their first decode step.
+        prefilled, pf = run_prefill(req, dims, ckpt, emb, prompt[:prefill], ref_layout, ref)
+        if corrupt_function == "prefill":
+            corrupted = corrupt_modules(pf.modules, int(req["corrupt_layer"]))
+            prefilled, pf = run_prefill(req, dims, ckpt, emb, prompt[:prefill], ref_layout, ref, pf)
+        runners = {"four": prefilled["runner"], **runners}
     for t in range(steps):
         token = prompt[t]
-        if t == prefill and prefill and not req.get("skip_prefill_copy"):
-            # Hand-off: the reference's caches now hold exactly the prefill tokens.
-            for name, r in runners.items():
-                r.load_prefill(ref, layouts[name]["kv_slot_map"])
+        if t == prefill and prefill:
+            prefill_record(records, localisation, prefilled, ref, ref_results, ref_layout, tol)
+            if not req.get("skip_prefill_copy"):
+                for name, r in runners.items():
+                    if name != "four":
+                        r.load_prefill(prefilled["runner"], layouts[name]["kv_slot_map"])
         r_ref = ref.step(emb, token, t)
-        ref_results.append({"token": r_ref["token"], "hidden": r_ref["hidden"], "logits": r_ref["logits"]})
+        ref_results.append(
+            {"token": r_ref["token"], "hidden": r_ref["hidden"], "logits": r_ref["logits"], "trace": r_ref["trace"]}
+        )
         if t < prefill:
             continue
         for name, r in runners.items():
@@ -170,7 +309,15 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
                 }
             )
             if not ok and name not in localisation:
-                localisation[name] = {"step": t, **localise(r_ref, got, layouts[name]["chunks"], tol)}
+                localisation[name] = {"step": t, **localise(r_ref, got, layouts.get(name, ref_layout)["chunks"], tol)}
+
+    verify_k = next((f["tokens"] for f in ref_layout["chunks"][0]["functions"] if f["kind"] == "verify"), None)
+    if verify_k:
+        vr = LayoutRunner(dims, ref_layout, ckpt, modules=ref.modules)
+        vr.verify_modules(ckpt)
+        if corrupt_function == "verify":
+            corrupted = corrupt_modules(vr.verify_modules(), int(req["corrupt_layer"]))
+        verify_records(records, localisation, vr, emb, prompt, steps, verify_k, ref_results, ref_layout, tol)
 
     oracle: list[dict[str, Any]] = []
     if req.get("oracle", True):
@@ -257,7 +404,12 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
             {k: failed_steps[0][k] for k in ("layout", "step", "cos", "ref_token", "token")} if failed_steps else None
         ),
         "localisation": localisation or None,
-        "prefill": {"tokens": prefill, "kv_copied": not req.get("skip_prefill_copy")} if prefill else None,
+        "prefill": (
+            {"tokens": prefill, "function": prefilled["function"], "kv_copied": not req.get("skip_prefill_copy")}
+            if prefilled
+            else None
+        ),
+        "verify_k": verify_k,
         "artifacts": artifact_summary or None,
         "corrupted_chunk": corrupted,
         "seconds": time.perf_counter() - started,
