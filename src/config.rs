@@ -544,21 +544,26 @@ impl TextConfig {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
-    /// The built-in fixture's config as transformers writes it (E2B structure).
-    fn e2b() -> Value {
-        let types: Vec<&str> = (0..35)
+    /// `layer_types` of `n` layers with full attention every `every`th (E2B: 35, 5).
+    pub(crate) fn layer_types(n: usize, every: usize) -> Vec<&'static str> {
+        (0..n)
             .map(|i| {
-                if (i + 1) % 5 == 0 {
+                if (i + 1) % every == 0 {
                     "full_attention"
                 } else {
                     "sliding_attention"
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    /// The built-in fixture's config as transformers writes it (E2B structure).
+    fn e2b() -> Value {
+        let types = layer_types(35, 5);
         json!({
             "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
             "vocab_size": 512, "vocab_size_per_layer_input": 512, "hidden_size": 64,
