@@ -58,38 +58,189 @@ pub struct TextConfig {
     pub partial_rotary_factor_full: f64,
 }
 
-fn field<'a>(obj: &'a Value, key: &str, path: &Path) -> Result<&'a Value, InputError> {
-    obj.get(key).ok_or_else(|| InputError::Config {
-        path: path.to_path_buf(),
-        message: format!("missing field `{key}`"),
-    })
+/// transformers' `Gemma4TextConfig` defaults for fields a config.json may leave
+/// out (`save_pretrained` writes them all, hand-written configs may not):
+/// chunkforge must compute what transformers computes for the same file.
+const DEFAULT_GLOBAL_HEAD_DIM: usize = 512;
+const DEFAULT_ROPE: (f64, f64, f64) = (10_000.0, 1_000_000.0, 0.25);
+/// The only MLP activation chunkforge's modules compute (tanh-approximated GELU).
+const ACTIVATION: &str = "gelu_pytorch_tanh";
+
+/// Reads the fields of one object of config.json, naming each by its dotted
+/// path (`rope_parameters.full_attention.rope_theta`) and its value in errors.
+struct Fields<'a> {
+    obj: &'a Value,
+    prefix: &'a str,
+    path: &'a Path,
 }
 
-fn usize_field(obj: &Value, key: &str, path: &Path) -> Result<usize, InputError> {
-    field(obj, key, path)?
-        .as_u64()
-        .map(|v| v as usize)
-        .ok_or_else(|| InputError::Config {
-            path: path.to_path_buf(),
-            message: format!("field `{key}` must be a non-negative integer"),
-        })
-}
+impl<'a> Fields<'a> {
+    fn err(&self, message: String) -> InputError {
+        InputError::Config {
+            path: self.path.to_path_buf(),
+            message,
+        }
+    }
 
-fn opt_usize(obj: &Value, key: &str, path: &Path) -> Result<Option<usize>, InputError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(None),
-        Some(_) => usize_field(obj, key, path).map(Some),
+    fn bad(&self, key: &str, v: &Value, expected: &str) -> InputError {
+        self.err(format!(
+            "`{}{key}` is {v}, expected {expected}",
+            self.prefix
+        ))
+    }
+
+    /// The value of `key`; `None` when absent or null (transformers' default applies).
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn required(&self, key: &str) -> Result<&'a Value, InputError> {
+        self.get(key)
+            .ok_or_else(|| self.err(format!("missing field `{}{key}`", self.prefix)))
+    }
+
+    fn usize(&self, key: &str) -> Result<usize, InputError> {
+        let v = self.required(key)?;
+        v.as_u64()
+            .map(|n| n as usize)
+            .ok_or_else(|| self.bad(key, v, "a non-negative integer"))
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, InputError> {
+        self.get(key).map(|_| self.usize(key)).transpose()
+    }
+
+    fn bool_or(&self, key: &str, default: bool) -> Result<bool, InputError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| self.bad(key, v, "true or false")),
+        }
+    }
+
+    /// A finite number accepted by `ok` (described by `expected`); `default`
+    /// when absent, an error when absent without one.
+    fn num(
+        &self,
+        key: &str,
+        default: Option<f64>,
+        ok: impl Fn(f64) -> bool,
+        expected: &str,
+    ) -> Result<f64, InputError> {
+        let v = match (self.get(key), default) {
+            (None, Some(d)) => return Ok(d),
+            (None, None) => self.required(key)?,
+            (Some(v), _) => v,
+        };
+        v.as_f64()
+            .filter(|x| x.is_finite() && ok(*x))
+            .ok_or_else(|| self.bad(key, v, expected))
+    }
+
+    /// A string out of `supported`; `default` when absent.
+    fn one_of(
+        &self,
+        key: &str,
+        default: Option<&'static str>,
+        supported: &[&'static str],
+    ) -> Result<&'static str, InputError> {
+        let v = match (self.get(key), default) {
+            (None, Some(d)) => return Ok(d),
+            (None, None) => self.required(key)?,
+            (Some(v), _) => v,
+        };
+        let list = supported
+            .iter()
+            .map(|s| format!("\"{s}\""))
+            .collect::<Vec<_>>()
+            .join(" or ");
+        v.as_str()
+            .and_then(|s| supported.iter().find(|&&x| x == s).copied())
+            .ok_or_else(|| {
+                self.err(format!(
+                    "`{}{key}` is {v}; chunkforge implements only {list}",
+                    self.prefix
+                ))
+            })
     }
 }
 
-fn f64_or(obj: &Value, key: &str, default: f64, path: &Path) -> Result<f64, InputError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(v) => v.as_f64().ok_or_else(|| InputError::Config {
-            path: path.to_path_buf(),
-            message: format!("field `{key}` must be a number"),
-        }),
+/// RoPE of both layer kinds from `rope_parameters`: (sliding theta, full
+/// theta, full partial_rotary_factor). Only what the stepper computes is
+/// accepted: plain RoPE on sliding layers, proportional (or plain, when the
+/// head dims agree) on full layers, no frequency scaling.
+fn rope(
+    text: &Value,
+    layer_types: &[Attention],
+    head_dim: usize,
+    global_head_dim: usize,
+    path: &Path,
+) -> Result<(f64, f64, f64), InputError> {
+    let top = Fields {
+        obj: text,
+        prefix: "",
+        path,
+    };
+    let Some(params) = top.get("rope_parameters") else {
+        return Ok(DEFAULT_ROPE);
+    };
+    if !params.is_object() {
+        return Err(top.bad(
+            "rope_parameters",
+            params,
+            "an object with `sliding_attention` and `full_attention` entries",
+        ));
     }
+    let (mut theta_s, mut theta_f, mut partial) = (0.0, 0.0, 1.0);
+    for kind in [Attention::Sliding, Attention::Full] {
+        if !layer_types.contains(&kind) {
+            continue;
+        }
+        let key = format!("{}_attention", kind.label());
+        let prefix = format!("rope_parameters.{key}.");
+        let entry = params.get(&key).unwrap_or(&Value::Null);
+        if !entry.is_object() {
+            return Err(top.err(format!(
+                "`rope_parameters.{key}` is {entry}, expected an object with `rope_type` and `rope_theta` ({} layers use it)",
+                kind.label()
+            )));
+        }
+        let f = Fields {
+            obj: entry,
+            prefix: &prefix,
+            path,
+        };
+        let supported: &[&str] = match kind {
+            Attention::Sliding => &["default"],
+            Attention::Full => &["proportional", "default"],
+        };
+        let rope_type = f.one_of("rope_type", None, supported)?;
+        let theta = f.num("rope_theta", None, |x| x > 0.0, "a number > 0")?;
+        match kind {
+            Attention::Sliding => theta_s = theta,
+            Attention::Full => theta_f = theta,
+        }
+        if kind == Attention::Full && rope_type == "proportional" {
+            partial = f.num(
+                "partial_rotary_factor",
+                Some(1.0),
+                |x| x > 0.0 && x <= 1.0,
+                "a number in (0, 1]",
+            )?;
+            f.num(
+                "factor",
+                Some(1.0),
+                |x| x == 1.0,
+                "1.0 (chunkforge does not scale RoPE frequencies)",
+            )?;
+        } else if kind == Attention::Full && global_head_dim != head_dim {
+            return Err(f.err(format!(
+                "`{prefix}rope_type` is \"default\", which transformers computes over head_dim={head_dim}, \
+                 not the full layers' global_head_dim={global_head_dim}; chunkforge supports it only when the two \
+                 are equal (use \"proportional\")"
+            )));
+        }
+    }
+    Ok((theta_s, theta_f, partial))
 }
 
 impl TextConfig {
@@ -109,6 +260,11 @@ impl TextConfig {
         Self::from_json(&root, &path)
     }
 
+    /// Reads the text config and checks every field that changes what the
+    /// decoder computes: its type, its range, and that chunkforge implements
+    /// the value (an unimplemented one is an error naming field, value and
+    /// what is supported, never silently replaced). `plan`, `build` and
+    /// `parity` all load the config through here.
     pub fn from_json(root: &Value, path: &Path) -> Result<Self, InputError> {
         let bad = |message: String| InputError::Config {
             path: path.to_path_buf(),
@@ -137,21 +293,36 @@ impl TextConfig {
                  chunkforge only converts Gemma 4 text decoders"
             )));
         }
+        let f = Fields {
+            obj: text,
+            prefix: "",
+            path,
+        };
         for (flag, what) in [
             ("enable_moe_block", "mixture-of-experts layers"),
             (
                 "attention_k_eq_v",
                 "shared K/V projections (attention_k_eq_v)",
             ),
+            ("attention_bias", "bias terms in the attention projections"),
         ] {
-            if text.get(flag).and_then(Value::as_bool).unwrap_or(false) {
+            if f.bool_or(flag, false)? {
                 return Err(bad(format!(
                     "`{flag}` is true: {what} are not supported by chunkforge's decode chunks"
                 )));
             }
         }
+        f.one_of("hidden_activation", Some(ACTIVATION), &[ACTIVATION])?;
+        if let Some(v) = f.get("use_bidirectional_attention") {
+            // "vision" only changes how image tokens attend; text decoding stays causal.
+            if v.as_str() != Some("vision") {
+                return Err(bad(format!(
+                    "`use_bidirectional_attention` is {v}; chunkforge's decode is causal, so only null or \"vision\" is supported"
+                )));
+            }
+        }
 
-        let n = usize_field(text, "num_hidden_layers", path)?;
+        let n = f.usize("num_hidden_layers")?;
         if n == 0 {
             return Err(bad("num_hidden_layers is 0".into()));
         }
@@ -175,65 +346,78 @@ impl TextConfig {
                 layer_types.len()
             )));
         }
-
-        let rope = text.get("rope_parameters");
-        let rope_of = |kind: &str| rope.and_then(|r| r.get(kind));
-        let theta_s = rope_of("sliding_attention")
-            .and_then(|r| r.get("rope_theta"))
-            .and_then(Value::as_f64)
-            .unwrap_or(10_000.0);
-        let full = rope_of("full_attention");
-        let theta_f = full
-            .and_then(|r| r.get("rope_theta"))
-            .and_then(Value::as_f64)
-            .unwrap_or(1_000_000.0);
-        let full_type = full
-            .and_then(|r| r.get("rope_type"))
-            .and_then(Value::as_str)
-            .unwrap_or("proportional");
-        let partial = if full_type == "proportional" {
-            full.and_then(|r| r.get("partial_rotary_factor"))
-                .and_then(Value::as_f64)
-                .unwrap_or(1.0)
-        } else if full_type == "default" {
-            1.0
-        } else {
+        if layer_types[n - 1] != Attention::Full {
             return Err(bad(format!(
-                "rope_parameters.full_attention.rope_type is `{full_type}`; only `proportional` and `default` are supported"
+                "layer_types[{}] (the last layer) is \"sliding_attention\"; transformers runs Gemma 4's last layer \
+                 with full attention whatever the config says, so chunkforge supports only \"full_attention\" there",
+                n - 1
             )));
+        }
+
+        let head_dim = f.usize("head_dim")?;
+        // transformers uses head_dim for full layers when global_head_dim is null.
+        let global_head_dim = match text.get("global_head_dim") {
+            None => DEFAULT_GLOBAL_HEAD_DIM,
+            Some(Value::Null) => head_dim,
+            Some(_) => f.usize("global_head_dim")?,
+        };
+        let (theta_s, theta_f, partial) =
+            rope(text, &layer_types, head_dim, global_head_dim, path)?;
+        let final_logit_softcapping = f
+            .get("final_logit_softcapping")
+            .map(|_| {
+                f.num(
+                    "final_logit_softcapping",
+                    None,
+                    |x| x > 0.0,
+                    "a number > 0, or null for no capping",
+                )
+            })
+            .transpose()?;
+        // The norms compute in fp16 on the device, whose smallest subnormal is ~6e-8.
+        let rms_norm_eps = f.num(
+            "rms_norm_eps",
+            Some(1e-6),
+            |x| (6e-8..=1e-2).contains(&x),
+            "a small positive number (6e-8 <= eps <= 0.01)",
+        )?;
+        // A multimodal checkpoint may record the tie at the top level instead.
+        let tie_word_embeddings = if f.get("tie_word_embeddings").is_some() || !multimodal {
+            f.bool_or("tie_word_embeddings", true)?
+        } else {
+            Fields {
+                obj: root,
+                prefix: "",
+                path,
+            }
+            .bool_or("tie_word_embeddings", true)?
         };
 
-        let kv_heads = usize_field(text, "num_key_value_heads", path)?;
+        let kv_heads = f.usize("num_key_value_heads")?;
+        let vocab_size = f.usize("vocab_size")?;
         let cfg = TextConfig {
             path: path.to_path_buf(),
             architecture,
             multimodal,
-            vocab_size: usize_field(text, "vocab_size", path)?,
-            vocab_size_per_layer_input: opt_usize(text, "vocab_size_per_layer_input", path)?
-                .unwrap_or(usize_field(text, "vocab_size", path)?),
-            hidden_size: usize_field(text, "hidden_size", path)?,
-            intermediate_size: usize_field(text, "intermediate_size", path)?,
+            vocab_size,
+            vocab_size_per_layer_input: f
+                .opt_usize("vocab_size_per_layer_input")?
+                .unwrap_or(vocab_size),
+            hidden_size: f.usize("hidden_size")?,
+            intermediate_size: f.usize("intermediate_size")?,
             num_hidden_layers: n,
-            num_attention_heads: usize_field(text, "num_attention_heads", path)?,
+            num_attention_heads: f.usize("num_attention_heads")?,
             num_key_value_heads: kv_heads,
             num_global_key_value_heads: kv_heads,
-            head_dim: usize_field(text, "head_dim", path)?,
-            global_head_dim: opt_usize(text, "global_head_dim", path)?
-                .unwrap_or(usize_field(text, "head_dim", path)?),
-            sliding_window: usize_field(text, "sliding_window", path)?,
-            hidden_size_per_layer_input: usize_field(text, "hidden_size_per_layer_input", path)?,
-            num_kv_shared_layers: opt_usize(text, "num_kv_shared_layers", path)?.unwrap_or(0),
-            use_double_wide_mlp: text
-                .get("use_double_wide_mlp")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            final_logit_softcapping: text.get("final_logit_softcapping").and_then(Value::as_f64),
-            rms_norm_eps: f64_or(text, "rms_norm_eps", 1e-6, path)?,
-            tie_word_embeddings: text
-                .get("tie_word_embeddings")
-                .or_else(|| root.get("tie_word_embeddings"))
-                .and_then(Value::as_bool)
-                .unwrap_or(true),
+            head_dim,
+            global_head_dim,
+            sliding_window: f.usize("sliding_window")?,
+            hidden_size_per_layer_input: f.usize("hidden_size_per_layer_input")?,
+            num_kv_shared_layers: f.opt_usize("num_kv_shared_layers")?.unwrap_or(0),
+            use_double_wide_mlp: f.bool_or("use_double_wide_mlp", false)?,
+            final_logit_softcapping,
+            rms_norm_eps,
+            tie_word_embeddings,
             layer_types,
             rope_theta_sliding: theta_s,
             rope_theta_full: theta_f,
@@ -259,9 +443,26 @@ impl TextConfig {
                 self.hidden_size_per_layer_input,
             ),
             ("vocab_size", self.vocab_size),
+            (
+                "vocab_size_per_layer_input",
+                self.vocab_size_per_layer_input,
+            ),
+            ("intermediate_size", self.intermediate_size),
+            ("global_head_dim", self.global_head_dim),
         ] {
             if v == 0 {
                 return Err(bad(format!("{name} is 0")));
+            }
+        }
+        // RoPE rotates the two halves of each head against each other.
+        for (name, v) in [
+            ("head_dim", self.head_dim),
+            ("global_head_dim", self.global_head_dim),
+        ] {
+            if !v.is_multiple_of(2) {
+                return Err(bad(format!(
+                    "{name}={v} is odd; RoPE needs an even head dimension"
+                )));
             }
         }
         if !self
@@ -339,5 +540,208 @@ impl TextConfig {
 
     pub fn max_head_dim(&self) -> usize {
         self.head_dim.max(self.global_head_dim)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// `layer_types` of `n` layers with full attention every `every`th (E2B: 35, 5).
+    pub(crate) fn layer_types(n: usize, every: usize) -> Vec<&'static str> {
+        (0..n)
+            .map(|i| {
+                if (i + 1) % every == 0 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+            })
+            .collect()
+    }
+
+    /// The built-in fixture's config as transformers writes it (E2B structure).
+    fn e2b() -> Value {
+        let types = layer_types(35, 5);
+        json!({
+            "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+            "vocab_size": 512, "vocab_size_per_layer_input": 512, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 35, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "num_global_key_value_heads": null, "head_dim": 32,
+            "global_head_dim": 64, "sliding_window": 512, "hidden_size_per_layer_input": 32,
+            "num_kv_shared_layers": 20, "use_double_wide_mlp": true, "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh", "attention_bias": false, "attention_k_eq_v": false,
+            "enable_moe_block": false, "use_bidirectional_attention": null, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": true, "layer_types": types,
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}
+            }
+        })
+    }
+
+    fn load(v: &Value) -> Result<TextConfig, String> {
+        TextConfig::from_json(v, Path::new("config.json")).map_err(|e| e.to_string())
+    }
+
+    /// `edit` applied to the E2B config must be refused with every fragment in the message.
+    fn refused(edit: impl FnOnce(&mut Value), fragments: &[&str]) {
+        let mut v = e2b();
+        edit(&mut v);
+        let err = match load(&v) {
+            Ok(_) => panic!("accepted {fragments:?}"),
+            Err(e) => e,
+        };
+        for f in fragments {
+            assert!(err.contains(f), "expected `{f}` in: {err}");
+        }
+    }
+
+    #[test]
+    fn real_configs_load_with_their_rope() {
+        let c = load(&e2b()).unwrap();
+        assert_eq!(c.final_logit_softcapping, Some(30.0));
+        assert_eq!(
+            (
+                c.rope_theta_sliding,
+                c.rope_theta_full,
+                c.partial_rotary_factor_full
+            ),
+            (10_000.0, 1_000_000.0, 0.25)
+        );
+        // A multimodal checkpoint: the same text config under text_config.
+        let mm = json!({"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+                        "text_config": e2b(), "tie_word_embeddings": true});
+        assert!(load(&mm).unwrap().multimodal);
+        // Fields left out take transformers' defaults, not made-up ones.
+        let mut bare = e2b();
+        for k in [
+            "rope_parameters",
+            "global_head_dim",
+            "rms_norm_eps",
+            "hidden_activation",
+            "final_logit_softcapping",
+        ] {
+            bare.as_object_mut().unwrap().remove(k);
+        }
+        let c = load(&bare).unwrap();
+        assert_eq!(c.partial_rotary_factor_full, 0.25);
+        assert_eq!(c.global_head_dim, 512);
+        assert_eq!(c.final_logit_softcapping, None);
+        let mut null_global = e2b();
+        null_global["global_head_dim"] = Value::Null;
+        assert_eq!(load(&null_global).unwrap().global_head_dim, 32);
+    }
+
+    #[test]
+    fn unimplemented_values_are_refused_naming_field_value_and_support() {
+        refused(
+            |v| v["hidden_activation"] = json!("relu"),
+            &["`hidden_activation` is \"relu\"", "\"gelu_pytorch_tanh\""],
+        );
+        refused(
+            |v| v["rope_parameters"]["sliding_attention"]["rope_type"] = json!("linear"),
+            &[
+                "`rope_parameters.sliding_attention.rope_type` is \"linear\"",
+                "only \"default\"",
+            ],
+        );
+        refused(
+            |v| v["rope_parameters"]["full_attention"]["rope_type"] = json!("yarn"),
+            &["\"yarn\"", "\"proportional\" or \"default\""],
+        );
+        refused(
+            |v| v["final_logit_softcapping"] = json!("30.0"),
+            &[
+                "`final_logit_softcapping` is \"30.0\"",
+                "a number > 0, or null",
+            ],
+        );
+        refused(
+            |v| v["final_logit_softcapping"] = json!(0.0),
+            &["`final_logit_softcapping` is 0.0"],
+        );
+        refused(
+            |v| v["rope_parameters"]["sliding_attention"]["rope_theta"] = json!("10000"),
+            &[
+                "`rope_parameters.sliding_attention.rope_theta` is \"10000\"",
+                "a number > 0",
+            ],
+        );
+        refused(
+            |v| v["rope_parameters"]["full_attention"]["rope_theta"] = json!(-1.0),
+            &["`rope_parameters.full_attention.rope_theta` is -1.0"],
+        );
+        refused(
+            |v| {
+                v["rope_parameters"]["full_attention"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("rope_theta");
+            },
+            &["missing field `rope_parameters.full_attention.rope_theta`"],
+        );
+        refused(
+            |v| {
+                v["rope_parameters"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("full_attention");
+            },
+            &["`rope_parameters.full_attention` is null"],
+        );
+        refused(
+            |v| v["rms_norm_eps"] = json!(-1),
+            &["`rms_norm_eps` is -1", "small positive"],
+        );
+        refused(
+            |v| v["rms_norm_eps"] = json!(0.5),
+            &["`rms_norm_eps` is 0.5"],
+        );
+        refused(
+            |v| v["rope_parameters"]["full_attention"]["partial_rotary_factor"] = json!(5),
+            &[
+                "`rope_parameters.full_attention.partial_rotary_factor` is 5",
+                "(0, 1]",
+            ],
+        );
+        refused(
+            |v| v["rope_parameters"]["full_attention"]["factor"] = json!(8.0),
+            &["`rope_parameters.full_attention.factor` is 8.0"],
+        );
+        refused(
+            |v| v["rope_parameters"]["full_attention"]["rope_type"] = json!("default"),
+            &["head_dim=32", "global_head_dim=64"],
+        );
+        refused(
+            |v| v["attention_bias"] = json!(true),
+            &["`attention_bias` is true"],
+        );
+        refused(
+            |v| v["enable_moe_block"] = json!("true"),
+            &["`enable_moe_block` is \"true\", expected true or false"],
+        );
+        refused(
+            |v| v["use_double_wide_mlp"] = json!(1),
+            &["`use_double_wide_mlp` is 1"],
+        );
+        refused(
+            |v| v["tie_word_embeddings"] = json!("false"),
+            &["`tie_word_embeddings` is \"false\""],
+        );
+        refused(
+            |v| v["use_bidirectional_attention"] = json!("all"),
+            &["`use_bidirectional_attention` is \"all\""],
+        );
+        refused(|v| v["head_dim"] = json!(33), &["head_dim=33 is odd"]);
+        refused(
+            |v| v["hidden_size"] = json!(64.5),
+            &["`hidden_size` is 64.5, expected a non-negative integer"],
+        );
+        refused(
+            |v| v["layer_types"][34] = json!("sliding_attention"),
+            &["layer_types[34] (the last layer)"],
+        );
     }
 }

@@ -21,4 +21,5 @@ pub mod progress;
 pub mod pyenv;
 pub mod release;
 pub mod sign;
+pub mod strict_json;
 pub mod verify;

@@ -7,11 +7,14 @@
 //! Everything here is read out of `build.json` (the plan computed at build
 //! time); nothing is re-derived.
 
+use std::collections::btree_map::Entry;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
 
 use crate::hashing::FileDigest;
+use crate::strict_json;
 
 pub const FORMAT: &str = "chunkforge-release/1";
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -238,6 +241,40 @@ pub fn check_rel_path(p: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// A path as a case-insensitive file system compares it: upper- then
+/// lower-cased, so that `ß`/`SS` and `ſ`/`s` meet as full case folding makes
+/// them. (Unicode normalization, which APFS also ignores, is not applied.)
+fn case_fold(p: &str) -> String {
+    p.to_uppercase().to_lowercase()
+}
+
+/// Pairs of distinct paths that name the same file, or a file and a folder,
+/// on a case-insensitive file system (APFS as the app's devices use it): one
+/// would overwrite or block the other when the release is unpacked there.
+pub fn case_collisions<'a>(paths: impl IntoIterator<Item = &'a str>) -> Vec<(String, String)> {
+    let mut files: BTreeMap<String, &str> = BTreeMap::new();
+    let mut folders: BTreeMap<String, &str> = BTreeMap::new();
+    let mut out = Vec::new();
+    for p in paths {
+        match files.entry(case_fold(p)) {
+            Entry::Occupied(e) if *e.get() != p => out.push((e.get().to_string(), p.to_string())),
+            Entry::Occupied(_) => {}
+            Entry::Vacant(e) => {
+                e.insert(p);
+            }
+        }
+        for (i, _) in p.match_indices('/') {
+            folders.entry(case_fold(&p[..i])).or_insert(&p[..i]);
+        }
+    }
+    for (folded, file) in &files {
+        if let Some(folder) = folders.get(folded) {
+            out.push((file.to_string(), format!("{folder}/...")));
+        }
+    }
+    out
+}
+
 /// Percent-encodes a relative path for a URL (keeps `/` and unreserved characters).
 fn url_path(p: &str) -> String {
     let mut s = String::with_capacity(p.len());
@@ -251,22 +288,106 @@ fn url_path(p: &str) -> String {
     s
 }
 
-/// Reads `--parity-report`: a JSON object whose `summary` object is embedded verbatim.
-pub fn parity_summary(path: &Path) -> Result<Value, ReleaseInputError> {
+/// Reads `--parity-report` and returns its `summary`, to be embedded verbatim.
+/// The report must be about the build's checkpoint (same `config.json`
+/// digest) and must have passed: `summary.ok` true and no failed step, oracle
+/// step or artifact check behind it. With `allow_failed` a failed report is
+/// accepted, and embedded as it is (`ok: false`), never as passed.
+pub fn parity_summary(
+    path: &Path,
+    build: &Build,
+    allow_failed: bool,
+) -> Result<Value, ReleaseInputError> {
     let bad = |message: String| ReleaseInputError::Parity {
         path: path.to_path_buf(),
         message,
     };
     let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read ({e})")))?;
-    let v: Value = serde_json::from_str(&text)
+    let v: Value = strict_json::from_str(&text)
         .map_err(|e| bad(format!("not valid JSON ({e}); expected a parity report")))?;
-    match v.get("summary") {
-        Some(s @ Value::Object(_)) => Ok(s.clone()),
-        Some(_) => Err(bad("`summary` must be a JSON object".into())),
-        None => Err(bad(
-            "no top-level `summary` object; is this a chunkforge parity report?".into(),
-        )),
+    let summary = match v.get("summary") {
+        Some(s @ Value::Object(_)) => s,
+        Some(_) => return Err(bad("`summary` must be a JSON object".into())),
+        None => {
+            return Err(bad(
+                "no top-level `summary` object; is this a chunkforge parity report?".into(),
+            ))
+        }
+    };
+    if v["format"] != PARITY_FORMAT {
+        return Err(bad(format!(
+            "format is {}, expected \"{PARITY_FORMAT}\" (written by `chunkforge parity --report`)",
+            v["format"]
+        )));
     }
+    let theirs = v["checkpoint"]["config_sha256"].as_str().unwrap_or("");
+    let ours = build.json["checkpoint"]["config_sha256"]
+        .as_str()
+        .unwrap_or("");
+    if ours.is_empty() {
+        return Err(build.err(
+            "has no checkpoint.config_sha256, so no parity report can be matched to it".into(),
+        ));
+    }
+    if theirs != ours {
+        return Err(bad(format!(
+            "is about another checkpoint: its config.json digest is {} ({}), the build's is {ours} ({}); run parity on the checkpoint that was built",
+            if theirs.is_empty() { "missing" } else { theirs },
+            v["checkpoint"]["dir"].as_str().unwrap_or("?"),
+            build.json["checkpoint"]["dir"].as_str().unwrap_or("?"),
+        )));
+    }
+    let ok = summary["ok"].as_bool().ok_or_else(|| {
+        bad(format!(
+            "summary.ok is {}, expected true or false",
+            summary["ok"]
+        ))
+    })?;
+    let failed = failed_checks(&v);
+    if ok {
+        if let Some(f) = failed.first() {
+            return Err(bad(format!(
+                "summary.ok is true but {f} failed; the report contradicts itself"
+            )));
+        }
+    } else if !allow_failed {
+        return Err(bad(format!(
+            "parity FAILED (summary.ok is false{}); refusing to sign a failed result (--allow-failed-parity embeds it, marked failed)",
+            failed
+                .first()
+                .map(|f| format!(", first: {f}"))
+                .unwrap_or_default()
+        )));
+    }
+    Ok(summary.clone())
+}
+
+const PARITY_FORMAT: &str = "chunkforge-parity/1";
+
+/// Every check of a parity report whose own `ok` is not true, named.
+fn failed_checks(report: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for list in ["steps", "oracle"] {
+        for (i, r) in report[list].as_array().into_iter().flatten().enumerate() {
+            if r["ok"] != true {
+                out.push(format!(
+                    "{list}[{i}] (layout {}, step {})",
+                    r["layout"].as_str().unwrap_or("reference"),
+                    r["step"]
+                ));
+            }
+        }
+    }
+    for (name, a) in report["summary"]["artifacts"]
+        .as_object()
+        .into_iter()
+        .flatten()
+    {
+        if a["ok"] != true {
+            out.push(format!("the INT4 artifact check of {name}"));
+        }
+    }
+    out
 }
 
 /// Everything the manifest says besides the file list.
@@ -440,6 +561,30 @@ mod tests {
         ] {
             assert!(check_rel_path(good).is_ok(), "{good}");
         }
+    }
+
+    #[test]
+    fn case_insensitive_collisions() {
+        let c = case_collisions([
+            "a/Weight.bin",
+            "a/weight.bin",
+            "b",
+            "b",
+            "STRASSE",
+            "straße",
+        ]);
+        assert_eq!(
+            c,
+            [
+                ("a/Weight.bin".to_string(), "a/weight.bin".to_string()),
+                ("STRASSE".to_string(), "straße".to_string())
+            ]
+        );
+        // A file and a folder that fold to the same name.
+        let c = case_collisions(["Data", "data/x.bin"]);
+        assert_eq!(c, [("Data".to_string(), "data/...".to_string())]);
+        // Folders differing in case merge harmlessly; different files stay apart.
+        assert!(case_collisions(["A/x", "a/y", "w.b", "w/b"]).is_empty());
     }
 
     #[test]

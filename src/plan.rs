@@ -1074,15 +1074,7 @@ mod tests {
 
     /// A config with a released model's layer structure (E2B or E4B) at tiny widths.
     fn config(n: usize, every: usize, shared: usize, kv_heads: usize) -> TextConfig {
-        let types: Vec<&str> = (0..n)
-            .map(|i| {
-                if (i + 1) % every == 0 {
-                    "full_attention"
-                } else {
-                    "sliding_attention"
-                }
-            })
-            .collect();
+        let types = crate::config::tests::layer_types(n, every);
         let v = json!({
             "model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": n, "num_attention_heads": 2, "num_key_value_heads": kv_heads,
@@ -1368,15 +1360,7 @@ mod tests {
     #[test]
     fn config_without_a_producer_is_refused() {
         // 35 layers with 33 shared: layers 0-1 are sliding only, so full layers have no producer.
-        let types: Vec<&str> = (0..35)
-            .map(|i| {
-                if (i + 1) % 5 == 0 {
-                    "full_attention"
-                } else {
-                    "sliding_attention"
-                }
-            })
-            .collect();
+        let types = crate::config::tests::layer_types(35, 5);
         let v = json!({"model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 35, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
             "sliding_window": 512, "hidden_size_per_layer_input": 32, "num_kv_shared_layers": 33, "layer_types": types});

@@ -46,9 +46,13 @@ pub struct PackageArgs {
     /// Base URL the files will be served from; each manifest file entry gets `url`.
     #[arg(long)]
     pub base_url: Option<String>,
-    /// Parity report JSON; its top-level `summary` object is embedded in the manifest.
+    /// Parity report JSON (`chunkforge parity --report`) of the build's checkpoint; its
+    /// top-level `summary` object is embedded in the manifest. A failed report is refused.
     #[arg(long)]
     pub parity_report: Option<PathBuf>,
+    /// Embed a failed parity report anyway, recorded as failed (`ok: false`).
+    #[arg(long, requires = "parity_report")]
+    pub allow_failed_parity: bool,
     /// Also write a deterministic zip of the release folder here, plus FILE.sha256.
     #[arg(long)]
     pub zip: Option<PathBuf>,
@@ -218,8 +222,16 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
     let parity = a
         .parity_report
         .as_deref()
-        .map(manifest::parity_summary)
+        .map(|p| manifest::parity_summary(p, &build, a.allow_failed_parity))
         .transpose()?;
+    if let (Some(p), Some(s)) = (&a.parity_report, &parity) {
+        if s["ok"] == false {
+            eprintln!(
+                "warning: {}: parity FAILED; embedded in the manifest as failed (summary.ok false)",
+                p.display()
+            );
+        }
+    }
     if let Some(u) = &a.base_url {
         if !(u.starts_with("https://") || u.starts_with("http://"))
             || u.contains(char::is_whitespace)
@@ -287,6 +299,13 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
         dirs.extend(d);
         sources.extend(f);
         pkgs.push((n.to_string(), pkg));
+    }
+    if let Some((x, y)) = manifest::case_collisions(sources.iter().map(|(_, r)| r.as_str())).first()
+    {
+        bail!(
+            "{}: '{x}' and '{y}' are the same path on a case-insensitive file system (as on iOS and macOS), so the release could not be unpacked there; rename one",
+            a.build_dir.display()
+        );
     }
     let files = copy_tree(&root, &sources, &dirs)?;
     for (n, pkg) in &pkgs {

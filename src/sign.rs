@@ -31,6 +31,7 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::hashing::{self, hex, FileDigest};
+use crate::strict_json;
 
 pub const BUNDLE_MEDIA_TYPE: &str = "application/vnd.dev.sigstore.bundle.v0.3+json";
 pub const PAYLOAD_TYPE: &str = "application/vnd.in-toto+json";
@@ -277,7 +278,13 @@ pub fn statement(
 /// Signs `statement` and returns the bundle's JSON text (what goes into `model.sig`).
 pub fn sign_bundle(key: &SigningKey, statement: &Value) -> String {
     let payload = serde_json::to_string_pretty(statement).expect("JSON values serialize");
-    let sig: Signature = key.sign(&pae(payload.as_bytes()));
+    sign_payload(key, payload.as_bytes())
+}
+
+/// The bundle's JSON text for a DSSE payload given as bytes. Public so tests
+/// can sign payloads no `Value` can express (duplicate keys).
+pub fn sign_payload(key: &SigningKey, payload: &[u8]) -> String {
+    let sig: Signature = key.sign(&pae(payload));
     let der: DerSignature = sig.to_der();
     let bundle = json!({
         "mediaType": BUNDLE_MEDIA_TYPE,
@@ -286,7 +293,7 @@ pub fn sign_bundle(key: &SigningKey, statement: &Value) -> String {
             "tlogEntries": [],
         },
         "dsseEnvelope": {
-            "payload": B64.encode(payload.as_bytes()),
+            "payload": B64.encode(payload),
             "payloadType": PAYLOAD_TYPE,
             "signatures": [{"sig": B64.encode(der.as_bytes()), "keyid": ""}],
         },
@@ -314,7 +321,7 @@ pub fn verify_bundle(sig_path: &Path, key: &VerifyingKey) -> Result<Verified, Si
         message,
     };
     let text = fs::read_to_string(sig_path).map_err(io_err(sig_path, "read"))?;
-    let bundle: Value = serde_json::from_str(&text).map_err(|e| fmt(format!("not JSON ({e})")))?;
+    let bundle: Value = strict_json::from_str(&text).map_err(|e| fmt(format!("not JSON ({e})")))?;
     let top = bundle
         .as_object()
         .ok_or_else(|| fmt("expected a JSON object".into()))?;
@@ -383,7 +390,7 @@ pub fn verify_bundle(sig_path: &Path, key: &VerifyingKey) -> Result<Verified, Si
         });
     }
 
-    let st: Value = serde_json::from_slice(&payload)
+    let st: Value = strict_json::from_slice(&payload)
         .map_err(|e| fmt(format!("signed payload is not JSON ({e})")))?;
     let get_str = |p: &str| st.pointer(p).and_then(Value::as_str).unwrap_or("");
     if get_str("/_type") != STATEMENT_TYPE {
@@ -433,15 +440,22 @@ pub fn verify_bundle(sig_path: &Path, key: &VerifyingKey) -> Result<Verified, Si
             "serialization method '{method}' with hash '{hash_type}' is not supported (only files/sha256)"
         )));
     }
-    let ignore_paths = ser
-        .get("ignore_paths")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default();
+    // Every entry counts: the verifier judges the list, so nothing is dropped here.
+    let ignore_paths = match ser.get("ignore_paths") {
+        None => Vec::new(),
+        Some(v) => v
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .map(|i| i.as_str().map(str::to_string))
+                    .collect::<Option<Vec<_>>>()
+            })
+            .ok_or_else(|| {
+                fmt(format!(
+                    "serialization.ignore_paths is {v}, expected a list of paths"
+                ))
+            })?,
+    };
     let mut resources = Vec::new();
     for (i, r) in predicate
         .get("resources")

@@ -6,7 +6,11 @@
 //! digest file and the release, and hold no entry that escapes its folder.
 //!
 //! A directory signed by `model_signing sign key` (no manifest.json) verifies
-//! too: its signature and files are checked the same way.
+//! too: its signature and files are checked the same way. The signature must
+//! leave nothing unsigned but itself (and model_signing's default git
+//! entries), a manifest.json on disk must be signed, signed paths must stay
+//! distinct on a case-insensitive file system, and the signed JSON documents
+//! must not repeat a key.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -18,6 +22,7 @@ use crate::archive;
 use crate::hashing::{self, hex};
 use crate::manifest::{self, check_rel_path, MANIFEST_FILE};
 use crate::sign::{self, SIG_FILE};
+use crate::strict_json;
 
 /// Arguments of `chunkforge verify`.
 #[derive(clap::Args, Clone, Debug)]
@@ -50,6 +55,11 @@ pub struct VerifyFailed {
     pub dir: PathBuf,
     pub count: usize,
 }
+
+/// What a signature may leave unsigned: `model.sig`, and the git metadata
+/// `model_signing sign` puts into `ignore_paths` by default (so folders it
+/// signs verify).
+const ALLOWED_IGNORES: &[&str] = &[SIG_FILE, ".git", ".gitattributes", ".github", ".gitignore"];
 
 /// True when `rel` is `ig` or lies below it (model_signing's ignore rule).
 fn under(rel: &str, ig: &str) -> bool {
@@ -103,15 +113,24 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
             ));
         }
     }
-    // Honour the signed ignore list (model_signing's default also skips git
-    // metadata); only plain relative entries count.
-    let mut ignore: Vec<String> = v
-        .ignore_paths
-        .iter()
-        .filter(|i| check_rel_path(i).is_ok())
-        .cloned()
-        .collect();
-    ignore.push(SIG_FILE.to_string());
+    for (a, b) in manifest::case_collisions(signed.keys().map(String::as_str)) {
+        p.push(format!(
+            "{SIG_FILE}: signed paths '{a}' and '{b}' are the same on a case-insensitive file system (as on iOS and macOS); one would overwrite the other"
+        ));
+    }
+    // Whatever ignore_paths covers is left unsigned, so it may cover only the
+    // signature itself and the git metadata model_signing leaves out by
+    // default; anything else (manifest.json above all) would be trusted
+    // unsigned.
+    for i in &v.ignore_paths {
+        if !ALLOWED_IGNORES.contains(&i.as_str()) {
+            p.push(format!(
+                "{SIG_FILE}: ignore_paths lists '{i}', which would leave it unsigned; only {} may be",
+                ALLOWED_IGNORES.join(", ")
+            ));
+        }
+    }
+    let ignore = ALLOWED_IGNORES;
 
     let tree = match hashing::walk(dir, &|rel| ignore.iter().any(|ig| under(rel, ig))) {
         Ok(t) => t,
@@ -174,7 +193,11 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
         }
     }
     for e in extra {
-        if !explained.contains(e) {
+        if e == MANIFEST_FILE {
+            p.push(format!(
+                "{MANIFEST_FILE}: is not among the signed files; the signature must cover it"
+            ));
+        } else if !explained.contains(e) {
             p.push(format!("{e}: extra file (on disk, not in the signature)"));
         }
     }
@@ -220,7 +243,7 @@ pub fn check_manifest(
 ) {
     let m: Value = match std::fs::read_to_string(mpath)
         .map_err(|e| e.to_string())
-        .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+        .and_then(|t| strict_json::from_str(&t).map_err(|e| e.to_string()))
     {
         Ok(m) => m,
         Err(e) => {

@@ -445,6 +445,158 @@ fn chunkforge_verifies_model_signing_signatures() {
     assert!(stdout(&o).contains("no manifest.json"), "{}", stdout(&o));
 }
 
+/// A signature must cover manifest.json and may leave nothing else unsigned:
+/// model_signing itself signs a folder with `--ignore-paths manifest.json`,
+/// after which an edited manifest (new version, new URLs) used to "agree".
+#[test]
+fn verify_refuses_signatures_that_leave_the_manifest_unsigned() {
+    let r = release("unsigned-manifest");
+    let o = model_signing(&[
+        "sign",
+        "key",
+        s(&r.dir),
+        "--private_key",
+        s(&r.private),
+        "--signature",
+        s(&r.dir.join("model.sig")),
+        "--ignore-paths",
+        s(&r.dir.join("manifest.json")),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut m = manifest(&r.dir);
+    m["release"]["version"] = json!("6.6.6");
+    m["files"][0]["url"] = json!("https://evil.example.com/weights.bin");
+    fs::write(
+        r.dir.join("manifest.json"),
+        serde_json::to_vec_pretty(&m).unwrap(),
+    )
+    .unwrap();
+    let o = cf_verify(&r.dir, &r.public);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "accepted: {}", stdout(&o));
+    assert!(
+        err.contains("ignore_paths lists 'manifest.json', which would leave it unsigned"),
+        "{err}"
+    );
+    assert!(
+        err.contains("manifest.json: is not among the signed files"),
+        "{err}"
+    );
+}
+
+/// Signed paths that collide on a case-insensitive file system are refused by
+/// verify (whoever signed them) and by package.
+#[test]
+fn case_insensitive_path_collisions_are_refused() {
+    let w = tempdir("case");
+    let (private, public) = keys(&w, "k");
+    let m = w.join("plain");
+    fs::create_dir_all(m.join("a")).unwrap();
+    fs::write(m.join("a/Weight.bin"), "1").unwrap();
+    fs::write(m.join("a/weight.bin"), "2").unwrap();
+    ms_sign(&m, &private);
+    let o = cf_verify(&m, &public);
+    assert!(!o.status.success(), "accepted: {}", stdout(&o));
+    assert!(
+        stderr(&o).contains(
+            "signed paths 'a/Weight.bin' and 'a/weight.bin' are the same on a case-insensitive file system"
+        ),
+        "{}",
+        stderr(&o)
+    );
+
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    fs::write(
+        build.join("chunk3.mlpackage/Data/com.apple.CoreML/Model.mlmodel"),
+        "x",
+    )
+    .unwrap();
+    let out = w.join("rel");
+    let o = run(&package_args(&build, "four", &private, &out, &[]));
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("chunk3.mlpackage/Data/com.apple.CoreML/Model.mlmodel")
+            && e.contains("case-insensitive"),
+        "{e}"
+    );
+    assert!(!out.exists());
+}
+
+/// Duplicate JSON keys (which a first-wins reader and serde_json's last-wins
+/// read differently) are refused in manifest.json, in the bundle's DSSE
+/// envelope and in the signed in-toto payload, even when validly signed.
+#[test]
+fn duplicate_json_keys_are_refused() {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let r = release("dupkeys");
+    let key = chunkforge::sign::load_private_key(&r.private).unwrap();
+
+    // manifest.json: a first-wins reader sees version 6.6.6.
+    let d = r.work.join("manifest");
+    copy_tree(&r.dir, &d);
+    let text = fs::read_to_string(d.join("manifest.json")).unwrap();
+    let forged = text.replacen(
+        "\"version\": \"1.2.3\"",
+        "\"version\": \"6.6.6\", \"version\": \"1.2.3\"",
+        1,
+    );
+    assert_ne!(forged, text);
+    fs::write(d.join("manifest.json"), forged).unwrap();
+    ms_sign(&d, &r.private);
+    let o = cf_verify(&d, &r.public);
+    assert!(!o.status.success(), "accepted: {}", stdout(&o));
+    assert!(
+        stderr(&o).contains("duplicate key `version` in `release`"),
+        "{}",
+        stderr(&o)
+    );
+
+    // The envelope: a first-wins reader takes an empty payload.
+    let d = r.work.join("envelope");
+    copy_tree(&r.dir, &d);
+    let text = fs::read_to_string(d.join("model.sig")).unwrap();
+    let forged = text.replacen(
+        "\"dsseEnvelope\": {",
+        "\"dsseEnvelope\": {\"payload\": \"e30=\",",
+        1,
+    );
+    assert_ne!(forged, text);
+    fs::write(d.join("model.sig"), forged).unwrap();
+    let o = cf_verify(&d, &r.public);
+    assert!(!o.status.success(), "accepted: {}", stdout(&o));
+    assert!(
+        stderr(&o).contains("duplicate key `payload` in `dsseEnvelope`"),
+        "{}",
+        stderr(&o)
+    );
+
+    // The signed payload: a first-wins reader sees an empty resource list.
+    let d = r.work.join("payload");
+    copy_tree(&r.dir, &d);
+    let bundle: Value = serde_json::from_slice(&fs::read(d.join("model.sig")).unwrap()).unwrap();
+    let payload = String::from_utf8(
+        b64.decode(bundle["dsseEnvelope"]["payload"].as_str().unwrap())
+            .unwrap(),
+    )
+    .unwrap();
+    let forged = payload.replacen("\"predicate\": {", "\"predicate\": {\"resources\": [],", 1);
+    assert_ne!(forged, payload);
+    fs::write(
+        d.join("model.sig"),
+        chunkforge::sign::sign_payload(&key, forged.as_bytes()),
+    )
+    .unwrap();
+    let o = cf_verify(&d, &r.public);
+    assert!(!o.status.success(), "accepted: {}", stdout(&o));
+    assert!(
+        stderr(&o).contains("duplicate key `resources` in `predicate`"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[test]
 fn verify_rejects_symlinks_naming_them() {
     let r = release("symlink");
@@ -747,9 +899,15 @@ fn package_errors_name_the_problem() {
     ]);
     assert!(e.contains("parity.json") && e.contains("summary"), "{e}");
 
+    // A report must be about the build's checkpoint (the synthetic build's
+    // config digest is SHA-256 of "config").
     fs::write(
         &report,
-        r#"{"summary": {"ok": true, "line": "PARITY OK across 16 steps (cos >= 0.9999)."}}"#,
+        parity_report(
+            true,
+            json!({"ok": true, "line": "PARITY OK across 16 steps (cos >= 0.9999)."}),
+        )
+        .to_string(),
     )
     .unwrap();
     ok(&[
@@ -841,6 +999,100 @@ fn package_errors_name_the_problem() {
             .to_string_lossy()
             .starts_with(".chunkforge"))
     );
+}
+
+/// `package BUILD --layout LAYOUT --key KEY --output OUT` plus `extra`.
+fn package_args<'a>(
+    build: &'a Path,
+    layout: &'a str,
+    key: &'a Path,
+    out: &'a Path,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut args = vec![
+        "package",
+        s(build),
+        "--layout",
+        layout,
+        "--key",
+        s(key),
+        "--output",
+        s(out),
+    ];
+    args.extend(extra);
+    args
+}
+
+/// A parity report for the synthetic build's checkpoint with one step whose
+/// `ok` is `step_ok`, and the given summary.
+fn parity_report(step_ok: bool, summary: Value) -> Value {
+    json!({
+        "format": "chunkforge-parity/1",
+        "checkpoint": {"dir": "/models/gemma-4-e2b-tiny", "config_sha256": format!("{:x}", Sha256::digest(b"config"))},
+        "prompt_ids": [2],
+        "steps": [{"layout": "two", "step": 0, "cos": 1.0, "ref_token": 5, "token": if step_ok { 5 } else { 6 }, "margin": 1.0, "ok": step_ok}],
+        "oracle": [], "artifacts": [],
+        "summary": summary,
+        "tool": {"chunkforge": "0.1.0", "python": {}},
+    })
+}
+
+/// `package --parity-report` refuses a failed report, a report about another
+/// checkpoint and one whose summary contradicts its steps; an explicit flag
+/// embeds a failed one, as failed.
+#[test]
+fn package_refuses_failed_and_foreign_parity_reports() {
+    let w = tempdir("parity-reports");
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    let (private, public) = keys(&w, "k");
+    let out = w.join("rel");
+    let report = w.join("parity.json");
+    let package = |extra: &[&str]| {
+        let mut args = vec!["--parity-report", s(&report)];
+        args.extend(extra);
+        run(&package_args(&build, "two", &private, &out, &args))
+    };
+    let failed = json!({"ok": false, "steps": 1, "tol_cos": 0.9999, "layouts": ["two"]});
+    let cases = [
+        (
+            parity_report(false, failed.clone()),
+            "parity FAILED (summary.ok is false, first: steps[0] (layout two, step 0))",
+        ),
+        (
+            {
+                let mut r = parity_report(true, json!({"ok": true}));
+                r["checkpoint"]["config_sha256"] = json!(format!("{:x}", Sha256::digest(b"other")));
+                r
+            },
+            "is about another checkpoint: its config.json digest is",
+        ),
+        (
+            parity_report(false, json!({"ok": true})),
+            "summary.ok is true but steps[0] (layout two, step 0) failed",
+        ),
+        (
+            parity_report(true, json!({"ok": "yes"})),
+            "summary.ok is \"yes\", expected true or false",
+        ),
+    ];
+    for (r, fragment) in cases {
+        fs::write(&report, r.to_string()).unwrap();
+        let o = package(&[]);
+        assert_eq!(o.status.code(), Some(2), "{fragment}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("parity.json") && stderr(&o).contains(fragment),
+            "{fragment}: {}",
+            stderr(&o)
+        );
+        assert!(!out.exists());
+    }
+    // Embedded only on request, and then as failed.
+    fs::write(&report, parity_report(false, failed).to_string()).unwrap();
+    let o = package(&["--allow-failed-parity"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("parity FAILED"), "{}", stderr(&o));
+    assert_eq!(manifest(&out)["parity"]["ok"], json!(false));
+    assert!(cf_verify(&out, &public).status.success());
 }
 
 /// SIGKILL at many points of `package`: the output is always the previous

@@ -250,6 +250,40 @@ fn edit_config(ck: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
 }
 
+/// Config values chunkforge does not implement are refused by plan, build and
+/// parity alike (they share one check), naming the field, the value and what
+/// is supported; before, each of these built something else and exited 0.
+#[test]
+fn unimplemented_config_values_are_refused() {
+    corpus_case(
+        "relu",
+        |ck| edit_config(ck, |c| c["hidden_activation"] = json!("relu")),
+        "`hidden_activation` is \"relu\"; chunkforge implements only \"gelu_pytorch_tanh\"",
+    );
+    corpus_case(
+        "softcap-string",
+        |ck| edit_config(ck, |c| c["final_logit_softcapping"] = json!("30.0")),
+        "`final_logit_softcapping` is \"30.0\", expected a number > 0, or null for no capping",
+    );
+    let ck = copy_checkpoint(&fixture("e2b", &[]), "linear-rope");
+    edit_config(&ck, |c| {
+        c["rope_parameters"]["sliding_attention"]["rope_type"] = json!("linear")
+    });
+    let dir = ck.to_str().unwrap();
+    for args in [
+        vec!["plan", "--hf-dir", dir],
+        vec!["parity", "--hf-dir", dir, "--mode", "two", "--steps", "2"],
+    ] {
+        let o = run(&args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("`rope_parameters.sliding_attention.rope_type` is \"linear\"; chunkforge implements only \"default\""),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn hostile_checkpoint_corpus() {
     corpus_case(
