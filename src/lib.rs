@@ -5,6 +5,7 @@
 pub mod archive;
 pub mod bench_palettize;
 pub mod build;
+pub mod cache_dir;
 pub mod checkpoint;
 pub mod config;
 pub mod error;

@@ -332,13 +332,16 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Cmd::Doctor { venv_python: true } => {
             pyenv::ensure_env(verbose)?;
-            println!("{}", pyenv::venv_dir().join("bin").join("python").display());
+            println!(
+                "{}",
+                pyenv::venv_dir()?.join("bin").join("python").display()
+            );
             Ok(())
         }
         Cmd::Doctor { venv_python: false } => doctor(verbose),
         Cmd::Setup => {
             pyenv::activate(verbose)?;
-            eprintln!("Python environment: {}", pyenv::venv_dir().display());
+            eprintln!("Python environment: {}", pyenv::venv_dir()?.display());
             Ok(())
         }
         Cmd::Plan {
@@ -662,11 +665,15 @@ fn print_inspect(d: &serde_json::Value) {
 
 fn doctor(verbose: bool) -> Result<()> {
     println!("chunkforge {}", env!("CARGO_PKG_VERSION"));
-    println!("cache folder:        {}", pyenv::cache_dir().display());
+    let venv = pyenv::venv_dir()?;
+    println!(
+        "cache folder:        {}",
+        chunkforge::cache_dir::cache_dir()?.display()
+    );
     println!(
         "python environment:  {} ({})",
-        pyenv::venv_dir().display(),
-        if pyenv::env_ready() {
+        venv.display(),
+        if pyenv::env_ready(&venv) {
             "ready"
         } else {
             "not set up yet: created on first use"

@@ -29,9 +29,7 @@ fn s(p: &Path) -> &str {
 // ---------------------------------------------------------------- model_signing
 
 fn cache_dir() -> PathBuf {
-    std::env::var_os("CHUNKFORGE_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/chunkforge"))
+    chunkforge::cache_dir::cache_dir().unwrap()
 }
 
 /// The signing venv's bin folder, set up once per test run by scripts/setup-signing.sh.

@@ -551,3 +551,107 @@ fn sigkill_during_keygen_never_leaves_a_partial_key() {
         "{err}"
     );
 }
+
+// ---- the cache folder: never a shared or current folder, never someone else's ----
+
+/// `chunkforge setup` and scripts/setup-signing.sh under `vars` (None: unset),
+/// both expected to refuse; returns their `error:` lines.
+fn cache_refusals(vars: &[(&str, Option<&str>)]) -> (String, String) {
+    let with_env = |mut c: Command| {
+        for k in ["CHUNKFORGE_CACHE", "XDG_CACHE_HOME", "HOME"] {
+            c.env_remove(k);
+        }
+        for (k, v) in vars {
+            if let Some(v) = v {
+                c.env(k, v);
+            }
+        }
+        let o = c.output().unwrap();
+        assert!(!o.status.success(), "{vars:?}: accepted");
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        err.lines()
+            .find(|l| l.starts_with("error: "))
+            .unwrap_or_else(|| panic!("{vars:?}: no error line in {err}"))
+            .to_string()
+    };
+    let mut cf = Command::new(bin());
+    cf.arg("setup");
+    let mut script = Command::new("bash");
+    script.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-signing.sh"));
+    (with_env(cf), with_env(script))
+}
+
+#[test]
+fn an_unsafe_or_unplaceable_cache_folder_is_refused_by_chunkforge_and_the_signing_script_alike() {
+    let root = tempdir("cache-rules");
+    let open = root.join("open");
+    fs::create_dir(&open).unwrap();
+    fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let group = root.join("group");
+    fs::create_dir(&group).unwrap();
+    fs::set_permissions(&group, std::os::unix::fs::PermissionsExt::from_mode(0o770)).unwrap();
+    let under_open = open.join("cache");
+    let cases: Vec<(Vec<(&str, Option<&str>)>, String)> = vec![
+        (vec![], "HOME is unset".into()),
+        (vec![("HOME", Some(""))], "HOME is empty".into()),
+        (
+            vec![("HOME", Some("")), ("XDG_CACHE_HOME", Some(""))],
+            "HOME is empty".into(),
+        ),
+        (
+            vec![("HOME", Some("rel"))],
+            "HOME is `rel`, not an absolute path".into(),
+        ),
+        (
+            vec![("CHUNKFORGE_CACHE", Some("")), ("HOME", Some("/root"))],
+            "CHUNKFORGE_CACHE is ``, not an absolute path".into(),
+        ),
+        (
+            vec![("CHUNKFORGE_CACHE", Some(open.to_str().unwrap()))],
+            format!(
+                "{}: refusing to use this cache folder: it is writable by others (mode 0777)",
+                open.display()
+            ),
+        ),
+        (
+            vec![("CHUNKFORGE_CACHE", Some(group.to_str().unwrap()))],
+            "it is writable by its group (mode 0770)".into(),
+        ),
+        (
+            vec![("CHUNKFORGE_CACHE", Some(under_open.to_str().unwrap()))],
+            format!(
+                "the folder above it, {}, is writable by everyone",
+                open.display()
+            ),
+        ),
+    ];
+    for (vars, says) in &cases {
+        let (cf, script) = cache_refusals(vars);
+        assert!(cf.contains(says), "{vars:?}: expected `{says}` in {cf}");
+        assert!(
+            cf.contains("set CHUNKFORGE_CACHE to an absolute path"),
+            "{cf}"
+        );
+        assert_eq!(
+            cf, script,
+            "{vars:?}: chunkforge and setup-signing.sh disagree"
+        );
+    }
+    // HOME unset or empty used to mean /tmp/chunkforge or ./.cache: nothing is made here.
+    assert!(!Path::new(".cache").exists());
+    // Someone else's folder (the tests run as root, which can give it away).
+    let theirs = root.join("theirs");
+    fs::create_dir(&theirs).unwrap();
+    let st = Command::new("chown")
+        .arg("4242")
+        .arg(&theirs)
+        .status()
+        .unwrap();
+    assert!(st.success(), "chown");
+    let (cf, script) = cache_refusals(&[("CHUNKFORGE_CACHE", theirs.to_str())]);
+    assert!(
+        cf.contains("it belongs to uid 4242, not to you (uid 0)"),
+        "{cf}"
+    );
+    assert_eq!(cf, script);
+}
