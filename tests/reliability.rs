@@ -388,6 +388,123 @@ fn hostile_checkpoint_corpus() {
     );
 }
 
+/// Replaces model.safetensors' header with `header_text` (raw JSON, so it can
+/// hold what serde_json would not write, like a repeated name).
+fn write_raw_header(ck: &Path, header_text: &str) {
+    let p = ck.join("model.safetensors");
+    let (_, data) = read_safetensors(&p);
+    let mut out = (header_text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header_text.as_bytes());
+    out.extend_from_slice(&data);
+    fs::write(&p, out).unwrap();
+}
+
+/// The tensor whose bytes come last in the data section.
+fn last_tensor(h: &serde_json::Value) -> String {
+    h.as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .max_by_key(|(_, v)| v["data_offsets"][0].as_u64().unwrap())
+        .map(|(k, _)| k.clone())
+        .unwrap()
+}
+
+#[test]
+fn structurally_broken_safetensors_are_named_by_file_and_tensor() {
+    let file = "model.safetensors: ";
+    corpus_case(
+        "header-over-limit",
+        |ck| {
+            let p = ck.join("model.safetensors");
+            let mut b = fs::read(&p).unwrap();
+            b[..8].copy_from_slice(&(200u64 << 20).to_le_bytes());
+            fs::write(&p, b).unwrap();
+        },
+        "safetensors header claims 209715200 bytes, more than the format's limit of 104857600 (100 MiB)",
+    );
+    corpus_case(
+        "shared-bytes",
+        |ck| {
+            edit_header(ck, |h| {
+                let norm = h["model.norm.weight"].clone();
+                h["model.zz_alias.weight"] = norm;
+            })
+        },
+        "overlap: ",
+    );
+    corpus_case(
+        "trailing-bytes",
+        |ck| {
+            let p = ck.join("model.safetensors");
+            let (h, mut data) = read_safetensors(&p);
+            data.extend_from_slice(&[0; 4]);
+            write_safetensors(&p, &h, &data);
+        },
+        "belong to no tensor; the tensors must cover the data section without gaps",
+    );
+    corpus_case(
+        "gap",
+        |ck| {
+            let p = ck.join("model.safetensors");
+            let (mut h, mut data) = read_safetensors(&p);
+            let last = last_tensor(&h);
+            let o = &mut h[&last]["data_offsets"];
+            let (b, e) = (o[0].as_u64().unwrap(), o[1].as_u64().unwrap());
+            *o = json!([b + 4, e + 4]);
+            data.extend_from_slice(&[0; 4]);
+            write_safetensors(&p, &h, &data);
+        },
+        "belong to no tensor (gap before tensor ",
+    );
+    corpus_case(
+        "repeated-name",
+        |ck| {
+            let (h, _) = read_safetensors(&ck.join("model.safetensors"));
+            let text = serde_json::to_string(&h).unwrap();
+            let norm = serde_json::to_string(&h["model.norm.weight"]).unwrap();
+            write_raw_header(
+                ck,
+                &format!("{{\"model.norm.weight\":{norm},{}", &text[1..]),
+            );
+        },
+        &format!("{file}tensor model.norm.weight appears twice in the safetensors header"),
+    );
+    corpus_case(
+        "repeated-field",
+        |ck| {
+            let (h, _) = read_safetensors(&ck.join("model.safetensors"));
+            let text = serde_json::to_string(&h).unwrap().replacen(
+                "\"dtype\":\"F32\"",
+                "\"dtype\":\"F32\",\"dtype\":\"I32\"",
+                1,
+            );
+            write_raw_header(ck, &text);
+        },
+        "field `dtype` appears twice in its header entry",
+    );
+    corpus_case(
+        "metadata-not-strings",
+        |ck| edit_header(ck, |h| h["__metadata__"] = json!({"format": "pt", "step": 7})),
+        &format!("{file}__metadata__ must be an object mapping strings to strings, but `step` is a number"),
+    );
+    corpus_case(
+        "metadata-not-object",
+        |ck| edit_header(ck, |h| h["__metadata__"] = json!(["pt"])),
+        "__metadata__ must be an object mapping strings to strings, but it is an array",
+    );
+    corpus_case(
+        "entry-not-object",
+        |ck| edit_header(ck, |h| h["model.zz.weight"] = json!(5)),
+        &format!("{file}tensor model.zz.weight: header entry is a number, expected an object"),
+    );
+    corpus_case(
+        "shape-not-integers",
+        |ck| edit_header(ck, |h| h["model.norm.weight"]["shape"] = json!([64, "x"])),
+        "tensor model.norm.weight: shape [64,\"x\"] is not a list of non-negative integers",
+    );
+}
+
 #[test]
 fn symlinked_checkpoint_like_the_hugging_face_cache_is_accepted() {
     // snapshots/<rev>/* -> ../../blobs/<sha>, as huggingface_hub lays out its cache.
