@@ -320,7 +320,10 @@ pub fn request_of(
     let split = v["request"]["split"].as_str().map(str::to_string);
     let ctx = v["request"]["ctx"]
         .as_u64()
-        .ok_or_else(|| bad("request.ctx"))? as usize;
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| bad("request.ctx"))?;
+    crate::args::check_ctx(ctx)
+        .map_err(|e| anyhow!("{}: request.ctx {e}", build_json.display()))?;
     let quantize = v["settings"]["quantize"]
         .as_bool()
         .ok_or_else(|| bad("settings.quantize"))?;
@@ -401,14 +404,15 @@ mod tests {
         let out = root.join("out");
         std::fs::create_dir_all(root.join("ck")).unwrap();
         std::fs::create_dir_all(&out).unwrap();
-        let write = |dir: &str| {
+        let write_ctx = |dir: &str, ctx: u64| {
             let v = json!({
-                "request": {"mode": "one", "split": null, "ctx": 64},
+                "request": {"mode": "one", "split": null, "ctx": ctx},
                 "settings": {"quantize": false},
                 "checkpoint": {"dir": dir},
             });
             std::fs::write(out.join("build.json"), v.to_string()).unwrap();
         };
+        let write = |dir: &str| write_ctx(dir, 64);
         write("../ck");
         let (hf, ..) = request_of(&out.join("build.json"), &None).unwrap();
         assert_eq!(hf.unwrap(), out.join("../ck"));
@@ -418,6 +422,15 @@ mod tests {
             .to_string();
         assert!(
             e.contains("checkpoint.dir `../gone`") && e.contains("pass --hf-dir"),
+            "{e}"
+        );
+        // A context no build could have had (--ctx refuses it) is refused here too.
+        write_ctx("../ck", 1 << 40);
+        let e = request_of(&out.join("build.json"), &None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("request.ctx 1099511627776 is out of range"),
             "{e}"
         );
         std::fs::remove_dir_all(&root).unwrap();

@@ -10,8 +10,8 @@ use serde_json::json;
 
 use chunkforge::plan::Mode;
 use chunkforge::{
-    bench_palettize, build, checkpoint, config, fixture, fsutil, hashbench, native, parity, plan,
-    pyenv, release, verify,
+    args, bench_palettize, build, checkpoint, config, fixture, fsutil, hashbench, native, parity,
+    plan, pyenv, release, verify,
 };
 
 #[derive(Parser)]
@@ -44,8 +44,8 @@ struct LayoutArgs {
     /// Custom split instead of --mode: contiguous layer ranges covering every layer, e.g. 0-11,12-23,24-34.
     #[arg(long)]
     split: Option<String>,
-    /// Full-attention context length (KV cache entries).
-    #[arg(long, default_value_t = 2048)]
+    /// Full-attention context length (KV cache entries), at most 131072.
+    #[arg(long, default_value_t = 2048, value_parser = args::ctx)]
     ctx: usize,
 }
 
@@ -110,10 +110,10 @@ enum Cmd {
         #[arg(long, default_value_t = 16)]
         steps: usize,
         /// Minimum cosine of the final normed hidden state per step.
-        #[arg(long, default_value_t = 0.9999)]
+        #[arg(long, default_value_t = 0.9999, value_parser = args::cosine)]
         tol_cos: f64,
-        /// Full-attention context length used for the caches.
-        #[arg(long, default_value_t = 512)]
+        /// Full-attention context length used for the caches, at most 131072.
+        #[arg(long, default_value_t = 512, value_parser = args::ctx)]
         ctx: usize,
         /// Prompt token ids (comma-separated); default: parity/default_prompt.json.
         #[arg(long)]
@@ -127,13 +127,13 @@ enum Cmd {
         #[arg(long)]
         artifacts: Option<PathBuf>,
         /// Minimum cosine per step for the INT4 artifacts.
-        #[arg(long, default_value_t = 0.85)]
+        #[arg(long, default_value_t = 0.85, value_parser = args::cosine)]
         tol_cos_int4: f64,
         /// Minimum fraction of steps whose INT4 token equals the reference's.
-        #[arg(long, default_value_t = 0.75)]
+        #[arg(long, default_value_t = 0.75, value_parser = args::fraction)]
         min_top1_int4: f64,
         /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
-        #[arg(long, default_value_t = 0.03)]
+        #[arg(long, default_value_t = 0.03, value_parser = args::non_negative)]
         max_weight_rel_mse: f64,
         /// Write the JSON report (schema: parity/report.schema.json) here.
         #[arg(long)]
@@ -284,9 +284,6 @@ fn require_utf8(path: &Path, what: &str) -> Result<()> {
 
 fn plan_for(dir: &Path, layout: &LayoutArgs) -> Result<(config::TextConfig, plan::Plan)> {
     let cfg = config::TextConfig::load(dir)?;
-    if layout.ctx == 0 {
-        anyhow::bail!("--ctx must be at least 1");
-    }
     let plan = plan::plan(&cfg, layout.ctx, layout.mode, layout.split.as_deref())?;
     Ok((cfg, plan))
 }
@@ -742,8 +739,23 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<ParityFailed>() => ExitCode::from(1),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", render(&e));
             ExitCode::from(2)
         }
     }
+}
+
+/// The error and its causes, each said once. Several error types end their
+/// own message with their source's (so a `verify` report line stands alone);
+/// printing the whole chain after it would repeat the OS error.
+fn render(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            out.push_str(": ");
+            out.push_str(&c);
+        }
+    }
+    out
 }

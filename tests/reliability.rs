@@ -399,6 +399,14 @@ fn write_raw_header(ck: &Path, header_text: &str) {
     fs::write(&p, out).unwrap();
 }
 
+/// Edits model.safetensors' raw bytes.
+fn edit_data(ck: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+    let p = ck.join("model.safetensors");
+    let mut b = fs::read(&p).unwrap();
+    f(&mut b);
+    fs::write(&p, b).unwrap();
+}
+
 /// The tensor whose bytes come last in the data section.
 fn last_tensor(h: &serde_json::Value) -> String {
     h.as_object()
@@ -415,12 +423,7 @@ fn structurally_broken_safetensors_are_named_by_file_and_tensor() {
     let file = "model.safetensors: ";
     corpus_case(
         "header-over-limit",
-        |ck| {
-            let p = ck.join("model.safetensors");
-            let mut b = fs::read(&p).unwrap();
-            b[..8].copy_from_slice(&(200u64 << 20).to_le_bytes());
-            fs::write(&p, b).unwrap();
-        },
+        |ck| edit_data(ck, |b| b[..8].copy_from_slice(&(200u64 << 20).to_le_bytes())),
         "safetensors header claims 209715200 bytes, more than the format's limit of 104857600 (100 MiB)",
     );
     corpus_case(
@@ -435,12 +438,7 @@ fn structurally_broken_safetensors_are_named_by_file_and_tensor() {
     );
     corpus_case(
         "trailing-bytes",
-        |ck| {
-            let p = ck.join("model.safetensors");
-            let (h, mut data) = read_safetensors(&p);
-            data.extend_from_slice(&[0; 4]);
-            write_safetensors(&p, &h, &data);
-        },
+        |ck| edit_data(ck, |b| b.extend_from_slice(&[0; 4])),
         "belong to no tensor; the tensors must cover the data section without gaps",
     );
     corpus_case(
@@ -671,6 +669,9 @@ fn sigkill_during_keygen_never_leaves_a_partial_key() {
 
 // ---- the cache folder: never a shared or current folder, never someone else's ----
 
+/// Environment settings: (name, value), None for unset.
+type Vars<'a> = Vec<(&'a str, Option<&'a str>)>;
+
 /// `chunkforge setup` and scripts/setup-signing.sh under `vars` (None: unset),
 /// both expected to refuse; returns their `error:` lines.
 fn cache_refusals(vars: &[(&str, Option<&str>)]) -> (String, String) {
@@ -708,7 +709,7 @@ fn an_unsafe_or_unplaceable_cache_folder_is_refused_by_chunkforge_and_the_signin
     fs::create_dir(&group).unwrap();
     fs::set_permissions(&group, std::os::unix::fs::PermissionsExt::from_mode(0o770)).unwrap();
     let under_open = open.join("cache");
-    let cases: Vec<(Vec<(&str, Option<&str>)>, String)> = vec![
+    let cases: Vec<(Vars, String)> = vec![
         (vec![], "HOME is unset".into()),
         (vec![("HOME", Some(""))], "HOME is empty".into()),
         (
@@ -771,4 +772,51 @@ fn an_unsafe_or_unplaceable_cache_folder_is_refused_by_chunkforge_and_the_signin
         "{cf}"
     );
     assert_eq!(cf, script);
+}
+
+#[test]
+fn out_of_range_options_are_refused_while_parsing_naming_the_option() {
+    for (args, says) in [
+        (
+            &["parity", "--tol-cos", "nan"][..],
+            "'--tol-cos <TOL_COS>': `nan` is not a finite number",
+        ),
+        (
+            &["parity", "--tol-cos", "1.5"][..],
+            "1.5 is out of range: a cosine is between -1 and 1",
+        ),
+        (
+            &["parity", "--tol-cos-int4", "inf"][..],
+            "'--tol-cos-int4 <TOL_COS_INT4>': `inf` is not a finite number",
+        ),
+        (
+            &["parity", "--min-top1-int4", "2"][..],
+            "'--min-top1-int4 <MIN_TOP1_INT4>': 2 is out of range: a fraction",
+        ),
+        (
+            &["parity", "--max-weight-rel-mse=-0.5"][..],
+            "'--max-weight-rel-mse <MAX_WEIGHT_REL_MSE>': -0.5 is negative",
+        ),
+        (
+            &["parity", "--ctx", "1000000000000"][..],
+            "'--ctx <CTX>': 1000000000000 is out of range: the context must be 1..=131072",
+        ),
+        (
+            &["build", "--ctx", "131073", "--output", "x"][..],
+            "the context must be 1..=131072",
+        ),
+        (
+            &["plan", "--ctx", "0"][..],
+            "'--ctx <CTX>': 0 is out of range",
+        ),
+    ] {
+        let o = run(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: expected `{says}` in {err}");
+        assert!(
+            !err.contains("Error:") && !err.contains("Traceback"),
+            "{err}"
+        );
+    }
 }
