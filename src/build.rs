@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use pyo3::prelude::*;
 use serde_json::{json, Value};
 use sha2::Digest;
@@ -239,6 +239,9 @@ pub fn run(
 
     let versions = pyenv::call_json("runtime", "versions", &Value::Null, verbose)?;
     let config_sha = fsutil::sha256_file(&hf_dir.join("config.json"))?;
+    // Absolute, so `build --check` finds the same checkpoint from any folder.
+    let recorded_dir = std::path::absolute(hf_dir)
+        .with_context(|| format!("{}: cannot make the path absolute", hf_dir.display()))?;
     let mut phase_totals: BTreeMap<&str, f64> = BTreeMap::new();
     for r in &records {
         for (k, v) in r["seconds"].as_object().into_iter().flatten() {
@@ -262,7 +265,7 @@ pub fn run(
         "tree_sha256": pyenv::hex(&sha2::Sha256::digest(tree.as_bytes())),
         "tool": {"chunkforge": env!("CARGO_PKG_VERSION"), "python": versions},
         "checkpoint": {
-            "dir": hf_dir.to_string_lossy(),
+            "dir": recorded_dir.to_string_lossy(),
             "architecture": cfg.architecture,
             "multimodal": cfg.multimodal,
             "config_sha256": config_sha,
@@ -483,17 +486,36 @@ pub fn request_of(
     let split = v["request"]["split"].as_str().map(str::to_string);
     let ctx = v["request"]["ctx"]
         .as_u64()
-        .ok_or_else(|| bad("request.ctx"))? as usize;
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| bad("request.ctx"))?;
+    crate::args::check_ctx(ctx)
+        .map_err(|e| anyhow!("{}: request.ctx {e}", build_json.display()))?;
     let quantize = v["settings"]["quantize"]
         .as_bool()
         .ok_or_else(|| bad("settings.quantize"))?;
     let hf = match hf_override {
         Some(p) => Some(p.clone()),
-        None => Some(std::path::PathBuf::from(
-            v["checkpoint"]["dir"]
-                .as_str()
-                .ok_or_else(|| bad("checkpoint.dir"))?,
-        )),
+        None => {
+            let recorded = Path::new(
+                v["checkpoint"]["dir"]
+                    .as_str()
+                    .ok_or_else(|| bad("checkpoint.dir"))?,
+            );
+            // Builds record an absolute path; a relative one (hand-written, or
+            // from an older chunkforge) is taken relative to build.json, never
+            // to the folder `--check` happens to run in.
+            let base = build_json.parent().unwrap_or(Path::new(""));
+            let dir = base.join(recorded);
+            if !dir.is_dir() {
+                bail!(
+                    "{}: checkpoint.dir `{}` ({}) is not a folder; pass --hf-dir to say where the checkpoint is now",
+                    build_json.display(),
+                    recorded.display(),
+                    dir.display()
+                );
+            }
+            Some(dir)
+        }
     };
     let palettizer = v["settings"]["palettization"]["palettizer"]
         .as_str()
@@ -554,4 +576,47 @@ pub fn compare(old: &Path, fresh_dir: &Path, fresh: &Value) -> Result<bool> {
         }
     }
     Ok(same)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relative_checkpoint_dir_is_taken_relative_to_build_json() {
+        let root = std::env::temp_dir().join(format!("cf-request-of-{}", std::process::id()));
+        let out = root.join("out");
+        std::fs::create_dir_all(root.join("ck")).unwrap();
+        std::fs::create_dir_all(&out).unwrap();
+        let write_ctx = |dir: &str, ctx: u64| {
+            let v = json!({
+                "request": {"mode": "one", "split": null, "ctx": ctx},
+                "settings": {"quantize": false},
+                "checkpoint": {"dir": dir},
+            });
+            std::fs::write(out.join("build.json"), v.to_string()).unwrap();
+        };
+        let write = |dir: &str| write_ctx(dir, 64);
+        write("../ck");
+        let (hf, ..) = request_of(&out.join("build.json"), &None).unwrap();
+        assert_eq!(hf.unwrap(), out.join("../ck"));
+        write("../gone");
+        let e = request_of(&out.join("build.json"), &None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("checkpoint.dir `../gone`") && e.contains("pass --hf-dir"),
+            "{e}"
+        );
+        // A context no build could have had (--ctx refuses it) is refused here too.
+        write_ctx("../ck", 1 << 40);
+        let e = request_of(&out.join("build.json"), &None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("request.ctx 1099511627776 is out of range"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }

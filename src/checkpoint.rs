@@ -3,12 +3,14 @@
 //! for presence, dtype, shape and byte range, and Python then reads tensors
 //! lazily, one at a time.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::TextConfig;
@@ -44,6 +46,7 @@ fn ck(path: &Path, message: impl Into<String>) -> InputError {
     }
 }
 
+/// The float dtypes the decoder's weights may have, and their sizes.
 fn dtype_size(dtype: &str) -> Option<u64> {
     match dtype {
         "F32" => Some(4),
@@ -52,8 +55,33 @@ fn dtype_size(dtype: &str) -> Option<u64> {
     }
 }
 
-/// Parses one safetensors header and checks every entry's byte range against the file.
+/// Bytes per element of every fixed-width safetensors dtype, to check any
+/// tensor's byte range (vision and audio tensors too); None for the sub-byte
+/// and future ones, whose ranges are then only checked for layout.
+fn element_size(dtype: &str) -> Option<u64> {
+    match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => Some(1),
+        "U16" | "I16" | "F16" | "BF16" => Some(2),
+        "U32" | "I32" | "F32" => Some(4),
+        "U64" | "I64" | "F64" => Some(8),
+        _ => None,
+    }
+}
+
+/// Parses one safetensors header and checks every entry's byte range against
+/// the file, and that the tensors tile its data section.
 pub fn read_header(path: &Path) -> Result<BTreeMap<String, TensorInfo>, InputError> {
+    let (tensors, layout) = parse_header(path)?;
+    layout?;
+    Ok(tensors)
+}
+
+/// [`read_header`] with the layout verdict returned apart, for a caller with a
+/// better explanation to give first: a removed header entry leaves a gap, and
+/// "tensor X is missing" says more than "bytes a..b belong to no tensor".
+type Parsed = (BTreeMap<String, TensorInfo>, Result<(), InputError>);
+
+fn parse_header(path: &Path) -> Result<Parsed, InputError> {
     let mut f = File::open(path).map_err(|e| InputError::Io {
         path: path.into(),
         action: "open the weights",
@@ -80,7 +108,13 @@ pub fn read_header(path: &Path) -> Result<BTreeMap<String, TensorInfo>, InputErr
         source: e,
     })?;
     let hlen = u64::from_le_bytes(len);
-    if hlen > MAX_HEADER || 8 + hlen > size {
+    if hlen > MAX_HEADER {
+        return Err(ck(
+            path,
+            format!("safetensors header claims {hlen} bytes, more than the format's limit of {MAX_HEADER} (100 MiB); not a safetensors file?"),
+        ));
+    }
+    if 8 + hlen > size {
         return Err(ck(
             path,
             format!("safetensors header claims {hlen} bytes but the file has {size} (truncated or not safetensors)"),
@@ -92,33 +126,68 @@ pub fn read_header(path: &Path) -> Result<BTreeMap<String, TensorInfo>, InputErr
         action: "read the safetensors header",
         source: e,
     })?;
-    let header: Value = serde_json::from_slice(&buf)
-        .map_err(|e| ck(path, format!("safetensors header is not valid JSON: {e}")))?;
-    let obj = header
-        .as_object()
-        .ok_or_else(|| ck(path, "safetensors header is not a JSON object"))?;
+    let header: Members<Entry> = serde_json::from_slice(&buf).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => ck(path, "safetensors header is not a JSON object"),
+        _ => ck(path, format!("safetensors header is not valid JSON: {e}")),
+    })?;
+    if let Some(name) = &header.repeated {
+        return Err(ck(
+            path,
+            format!("{} appears twice in the safetensors header (readers disagree on which copy counts)", entry_label(name)),
+        ));
+    }
     let data_len = size - 8 - hlen;
     let mut out = BTreeMap::new();
-    for (name, entry) in obj {
+    // (begin, end, name) of every tensor's bytes, for the layout check below.
+    let mut spans: Vec<(u64, u64, &str)> = Vec::new();
+    for (name, entry) in &header.list {
         if name == "__metadata__" {
+            check_metadata(path, entry)?;
             continue;
         }
-        let dtype = entry
-            .get("dtype")
+        let fields = match entry {
+            Entry::Object(fields) => fields,
+            Entry::Other(kind) => {
+                return Err(ck(
+                    path,
+                    format!("tensor {name}: header entry is {kind}, expected an object with dtype, shape and data_offsets"),
+                ))
+            }
+        };
+        if let Some(field) = &fields.repeated {
+            return Err(ck(
+                path,
+                format!("tensor {name}: field `{field}` appears twice in its header entry"),
+            ));
+        }
+        let field = |key: &str| fields.list.iter().find(|(k, _)| k == key).map(|(_, v)| v);
+        let dtype = field("dtype")
             .and_then(Value::as_str)
-            .unwrap_or("")
+            .ok_or_else(|| {
+                ck(
+                    path,
+                    format!("tensor {name}: header entry has no dtype string"),
+                )
+            })?
             .to_string();
-        let shape: Vec<usize> = entry
-            .get("shape")
-            .and_then(Value::as_array)
-            .map(|a| {
+        let shape: Vec<usize> = field("shape")
+            .ok_or_else(|| ck(path, format!("tensor {name}: header entry has no shape")))?
+            .as_array()
+            .and_then(|a| {
                 a.iter()
-                    .filter_map(|v| v.as_u64().map(|x| x as usize))
+                    .map(|v| v.as_u64().and_then(|x| usize::try_from(x).ok()))
                     .collect()
             })
-            .ok_or_else(|| ck(path, format!("tensor {name}: header entry has no shape")))?;
-        let offs: Vec<u64> = entry
-            .get("data_offsets")
+            .ok_or_else(|| {
+                ck(
+                    path,
+                    format!(
+                        "tensor {name}: shape {} is not a list of non-negative integers",
+                        field("shape").map_or(Value::Null, Value::clone)
+                    ),
+                )
+            })?;
+        let offs: Vec<u64> = field("data_offsets")
             .and_then(Value::as_array)
             .map(|a| a.iter().filter_map(Value::as_u64).collect())
             .unwrap_or_default();
@@ -137,7 +206,7 @@ pub fn read_header(path: &Path) -> Result<BTreeMap<String, TensorInfo>, InputErr
                 ),
             ));
         }
-        if let Some(es) = dtype_size(&dtype) {
+        if let Some(es) = element_size(&dtype) {
             let elems = shape
                 .iter()
                 .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
@@ -153,6 +222,7 @@ pub fn read_header(path: &Path) -> Result<BTreeMap<String, TensorInfo>, InputErr
                 ));
             }
         }
+        spans.push((offs[0], offs[1], name));
         out.insert(
             name.clone(),
             TensorInfo {
@@ -162,7 +232,175 @@ pub fn read_header(path: &Path) -> Result<BTreeMap<String, TensorInfo>, InputErr
             },
         );
     }
-    Ok(out)
+    let layout = check_layout(path, &mut spans, data_len);
+    Ok((out, layout))
+}
+
+fn entry_label(name: &str) -> String {
+    if name == "__metadata__" {
+        name.to_string()
+    } else {
+        format!("tensor {name}")
+    }
+}
+
+/// `__metadata__` is free-form text: an object whose values are all strings.
+fn check_metadata(path: &Path, entry: &Entry) -> Result<(), InputError> {
+    let bad = |what: String| {
+        ck(
+            path,
+            format!("__metadata__ must be an object mapping strings to strings, but {what}"),
+        )
+    };
+    let fields = match entry {
+        Entry::Object(fields) => fields,
+        Entry::Other(kind) => return Err(bad(format!("it is {kind}"))),
+    };
+    if let Some(key) = &fields.repeated {
+        return Err(bad(format!("`{key}` appears twice")));
+    }
+    match fields.list.iter().find(|(_, v)| !v.is_string()) {
+        Some((key, v)) => Err(bad(format!("`{key}` is {}", json_kind(v)))),
+        None => Ok(()),
+    }
+}
+
+/// The tensors' bytes must tile the data section exactly, as the safetensors
+/// format requires: no two tensors share a byte (one write would change both),
+/// and no byte belongs to none (hidden data the signature covers but no reader sees).
+fn check_layout(
+    path: &Path,
+    spans: &mut [(u64, u64, &str)],
+    data_len: u64,
+) -> Result<(), InputError> {
+    spans.sort_unstable();
+    let mut end = 0u64;
+    let mut last: Option<&str> = None;
+    for &(b, e, name) in spans.iter() {
+        if b < end {
+            return Err(ck(
+                path,
+                format!(
+                    "tensors {} and {name} overlap: {} ends at byte {end} of the data section, {name} begins at byte {b}; each tensor needs its own bytes",
+                    last.unwrap_or("?"),
+                    last.unwrap_or("?")
+                ),
+            ));
+        }
+        if b > end {
+            return Err(ck(
+                path,
+                format!(
+                    "bytes {end}..{b} of the data section belong to no tensor (gap before tensor {name}); the tensors must cover the data section without gaps"
+                ),
+            ));
+        }
+        end = e;
+        last = Some(name);
+    }
+    if end != data_len {
+        return Err(ck(
+            path,
+            format!(
+                "bytes {end}..{data_len} of the data section (after {}) belong to no tensor; the tensors must cover the data section without gaps",
+                last.map_or("the header".to_string(), |n| format!("tensor {n}"))
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// One JSON object's members in file order, plus the first name given twice.
+/// serde_json's own maps keep only the last of a repeated name, so a forged
+/// header could show chunkforge one tensor and another reader a different one.
+struct Members<T> {
+    list: Vec<(String, T)>,
+    repeated: Option<String>,
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Members<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for V<T> {
+            type Value = Members<T>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members<T>, A::Error> {
+                let mut seen = HashSet::new();
+                let mut m = Members {
+                    list: Vec::new(),
+                    repeated: None,
+                };
+                while let Some(k) = map.next_key::<String>()? {
+                    let v = map.next_value()?;
+                    if !seen.insert(k.clone()) {
+                        m.repeated.get_or_insert(k);
+                        continue;
+                    }
+                    m.list.push((k, v));
+                }
+                Ok(m)
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
+
+/// A header entry: an object's members, or what kind of JSON value it is instead.
+enum Entry {
+    Object(Members<Value>),
+    Other(&'static str),
+}
+
+impl<'de> Deserialize<'de> for Entry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Entry;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Entry, A::Error> {
+                let m = Members::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(Entry::Object(m))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Entry, A::Error> {
+                while seq.next_element::<de::IgnoredAny>()?.is_some() {}
+                Ok(Entry::Other("an array"))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Entry, E> {
+                Ok(Entry::Other("a boolean"))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Entry, E> {
+                Ok(Entry::Other("a number"))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Entry, E> {
+                Ok(Entry::Other("a number"))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Entry, E> {
+                Ok(Entry::Other("a number"))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Entry, E> {
+                Ok(Entry::Other("a string"))
+            }
+            fn visit_unit<E>(self) -> Result<Entry, E> {
+                Ok(Entry::Other("null"))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// Every tensor the text decoder needs (without prefix), with its expected shape.
@@ -306,6 +544,7 @@ impl Checkpoint {
             ));
         };
         let mut all = BTreeMap::new();
+        let mut layouts = Vec::new();
         for f in &weight_files {
             if !f.exists() {
                 return Err(ck(
@@ -313,7 +552,9 @@ impl Checkpoint {
                     "shard listed in model.safetensors.index.json does not exist",
                 ));
             }
-            for (name, info) in read_header(f)? {
+            let (tensors, layout) = parse_header(f)?;
+            layouts.push(layout);
+            for (name, info) in tensors {
                 if let Some(prev) = all.insert(name.clone(), info) {
                     return Err(ck(
                         f,
@@ -361,6 +602,7 @@ impl Checkpoint {
             }
             files.insert(full, info.file.clone());
         }
+        layouts.into_iter().collect::<Result<(), _>>()?;
         let needed = files.len();
         Ok(Checkpoint {
             dir: dir.to_path_buf(),

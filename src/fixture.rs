@@ -99,7 +99,7 @@ pub fn write(out: &Path, args: &FixtureArgs, verbose: bool) -> Result<Value> {
 /// The built-in default: a deterministic tiny E2B-shaped checkpoint, generated
 /// once into the cache folder.
 pub fn default_checkpoint(verbose: bool) -> Result<PathBuf> {
-    let dir = pyenv::cache_dir()
+    let dir = crate::cache_dir::cache_dir()?
         .join("fixtures")
         .join(format!("default-e2b-v{DEFAULT_FIXTURE_VERSION}"));
     if dir.join("config.json").exists() {

@@ -33,7 +33,7 @@ pub struct HashBenchArgs {
     /// Runs per tool; the best is reported.
     #[arg(long, default_value_t = 2)]
     pub repeat: usize,
-    /// model_signing executable [default: $CHUNKFORGE_CACHE/signing-venv/bin/model_signing,
+    /// model_signing executable [default: signing-venv/bin/model_signing in the cache folder (README: Cache folders),
     /// made by scripts/setup-signing.sh]; skipped with a note when absent.
     #[arg(long)]
     pub model_signing: Option<PathBuf>,
@@ -87,11 +87,11 @@ fn run_quiet(cmd: &mut Command, what: &str) -> Result<()> {
     Ok(())
 }
 
-fn default_model_signing() -> PathBuf {
-    crate::pyenv::cache_dir()
+fn default_model_signing() -> Result<PathBuf> {
+    Ok(crate::cache_dir::cache_dir()?
         .join("signing-venv")
         .join("bin")
-        .join("model_signing")
+        .join("model_signing"))
 }
 
 fn sha_ni() -> &'static str {
@@ -134,7 +134,7 @@ fn run_in(a: &HashBenchArgs, work: &Path) -> Result<()> {
     let ms = a
         .model_signing
         .clone()
-        .unwrap_or_else(default_model_signing);
+        .map_or_else(default_model_signing, Ok)?;
     let have_ms = ms.is_file();
     let have_openssl = Command::new("openssl")
         .arg("version")

@@ -3,8 +3,10 @@
 //! binary is a thin CLI over these modules; the fuzz targets use them too.
 
 pub mod archive;
+pub mod args;
 pub mod bench_palettize;
 pub mod build;
+pub mod cache_dir;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
@@ -12,6 +14,7 @@ pub mod fixture;
 pub mod fsutil;
 pub mod hashbench;
 pub mod hashing;
+pub mod keykind;
 pub mod manifest;
 pub mod native;
 pub mod palette;

@@ -10,8 +10,8 @@ use serde_json::json;
 
 use chunkforge::plan::Mode;
 use chunkforge::{
-    bench_palettize, build, checkpoint, config, fixture, fsutil, hashbench, native, parity, plan,
-    pyenv, release, verify,
+    args, bench_palettize, build, checkpoint, config, fixture, fsutil, hashbench, native, parity,
+    plan, pyenv, release, verify,
 };
 
 #[derive(Parser)]
@@ -45,8 +45,8 @@ struct LayoutArgs {
     /// Custom split instead of --mode: contiguous layer ranges covering every layer, e.g. 0-11,12-23,24-34.
     #[arg(long)]
     split: Option<String>,
-    /// Full-attention context length (KV cache entries).
-    #[arg(long, default_value_t = 2048)]
+    /// Full-attention context length (KV cache entries), at most 131072.
+    #[arg(long, default_value_t = 2048, value_parser = args::ctx)]
     ctx: usize,
     #[command(flatten)]
     functions: FunctionArgs,
@@ -133,10 +133,10 @@ enum Cmd {
         #[arg(long, default_value_t = 16)]
         steps: usize,
         /// Minimum cosine of the final normed hidden state per step.
-        #[arg(long, default_value_t = 0.9999)]
+        #[arg(long, default_value_t = 0.9999, value_parser = args::cosine)]
         tol_cos: f64,
-        /// Full-attention context length used for the caches.
-        #[arg(long, default_value_t = 512)]
+        /// Full-attention context length used for the caches, at most 131072.
+        #[arg(long, default_value_t = 512, value_parser = args::ctx)]
         ctx: usize,
         /// Prompt token ids (comma-separated); default: parity/default_prompt.json.
         #[arg(long)]
@@ -150,13 +150,13 @@ enum Cmd {
         #[arg(long)]
         artifacts: Option<PathBuf>,
         /// Minimum cosine per step for the INT4 artifacts.
-        #[arg(long, default_value_t = 0.85)]
+        #[arg(long, default_value_t = 0.85, value_parser = args::cosine)]
         tol_cos_int4: f64,
         /// Minimum fraction of steps whose INT4 token equals the reference's.
-        #[arg(long, default_value_t = 0.75)]
+        #[arg(long, default_value_t = 0.75, value_parser = args::fraction)]
         min_top1_int4: f64,
         /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
-        #[arg(long, default_value_t = 0.03)]
+        #[arg(long, default_value_t = 0.03, value_parser = args::non_negative)]
         max_weight_rel_mse: f64,
         /// Write the JSON report (schema: parity/report.schema.json) here.
         #[arg(long)]
@@ -310,9 +310,6 @@ fn require_utf8(path: &Path, what: &str) -> Result<()> {
 
 fn plan_for(dir: &Path, layout: &LayoutArgs) -> Result<(config::TextConfig, plan::Plan)> {
     let cfg = config::TextConfig::load(dir)?;
-    if layout.ctx == 0 {
-        anyhow::bail!("--ctx must be at least 1");
-    }
     let functions = layout.functions.resolve(layout.mode);
     let plan = plan::plan(
         &cfg,
@@ -367,13 +364,16 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Cmd::Doctor { venv_python: true } => {
             pyenv::ensure_env(verbose)?;
-            println!("{}", pyenv::venv_dir().join("bin").join("python").display());
+            println!(
+                "{}",
+                pyenv::venv_dir()?.join("bin").join("python").display()
+            );
             Ok(())
         }
         Cmd::Doctor { venv_python: false } => doctor(verbose),
         Cmd::Setup => {
             pyenv::activate(verbose)?;
-            eprintln!("Python environment: {}", pyenv::venv_dir().display());
+            eprintln!("Python environment: {}", pyenv::venv_dir()?.display());
             Ok(())
         }
         Cmd::Plan {
@@ -720,11 +720,15 @@ fn print_inspect(d: &serde_json::Value) {
 
 fn doctor(verbose: bool) -> Result<()> {
     println!("chunkforge {}", env!("CARGO_PKG_VERSION"));
-    println!("cache folder:        {}", pyenv::cache_dir().display());
+    let venv = pyenv::venv_dir()?;
+    println!(
+        "cache folder:        {}",
+        chunkforge::cache_dir::cache_dir()?.display()
+    );
     println!(
         "python environment:  {} ({})",
-        pyenv::venv_dir().display(),
-        if pyenv::env_ready() {
+        venv.display(),
+        if pyenv::env_ready(&venv) {
             "ready"
         } else {
             "not set up yet: created on first use"
@@ -793,8 +797,23 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<ParityFailed>() => ExitCode::from(1),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", render(&e));
             ExitCode::from(2)
         }
     }
+}
+
+/// The error and its causes, each said once. Several error types end their
+/// own message with their source's (so a `verify` report line stands alone);
+/// printing the whole chain after it would repeat the OS error.
+fn render(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !out.contains(&c) {
+            out.push_str(": ");
+            out.push_str(&c);
+        }
+    }
+    out
 }

@@ -11,26 +11,16 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 use sha2::{Digest, Sha256};
 
+use crate::cache_dir::cache_dir;
 use crate::error::PythonError;
 use crate::progress;
 
 /// The pinned Python requirements, compiled in so the stamp always matches the binary.
 pub const REQUIREMENTS: &str = include_str!("../python/requirements.txt");
 
-/// `$CHUNKFORGE_CACHE`, else `$XDG_CACHE_HOME/chunkforge`, else `~/.cache/chunkforge`.
-pub fn cache_dir() -> PathBuf {
-    if let Some(p) = std::env::var_os("CHUNKFORGE_CACHE") {
-        return PathBuf::from(p);
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| PathBuf::from("/tmp"));
-    base.join("chunkforge")
-}
-
-pub fn venv_dir() -> PathBuf {
-    cache_dir().join("venv")
+/// The pinned environment, `venv/` in the cache folder (see [`crate::cache_dir`]).
+pub fn venv_dir() -> Result<PathBuf> {
+    Ok(cache_dir()?.join("venv"))
 }
 
 /// Where the `chunkforge_py` package lives: `$CHUNKFORGE_PYTHON_DIR`, else the
@@ -49,13 +39,13 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn stamp_path() -> PathBuf {
-    venv_dir().join(".chunkforge-requirements.sha256")
+fn stamp_path(venv: &Path) -> PathBuf {
+    venv.join(".chunkforge-requirements.sha256")
 }
 
 /// Whether the cached environment holds exactly the pinned requirements.
-pub fn env_ready() -> bool {
-    std::fs::read_to_string(stamp_path()).is_ok_and(|s| s.trim() == requirements_digest())
+pub fn env_ready(venv: &Path) -> bool {
+    std::fs::read_to_string(stamp_path(venv)).is_ok_and(|s| s.trim() == requirements_digest())
 }
 
 /// The interpreter pyo3 is linked against (its prefix and `X.Y` version).
@@ -75,14 +65,13 @@ fn embedded_interpreter() -> Result<(PathBuf, String)> {
 
 /// Creates or updates the cached virtual environment, with a progress line.
 pub fn ensure_env(verbose: bool) -> Result<()> {
-    if env_ready() {
+    let cache = cache_dir()?;
+    let venv = cache.join("venv");
+    if env_ready(&venv) {
         return Ok(());
     }
     let (base, version) = embedded_interpreter()?;
     let python = base.join("bin").join(format!("python{version}"));
-    let venv = venv_dir();
-    std::fs::create_dir_all(cache_dir())
-        .with_context(|| format!("creating cache folder {}", cache_dir().display()))?;
     let spinner = progress::spinner(format!(
         "setting up Python {version} environment in {}",
         venv.display()
@@ -101,7 +90,7 @@ pub fn ensure_env(verbose: bool) -> Result<()> {
             );
         }
     }
-    let req = cache_dir().join("requirements.txt");
+    let req = cache.join("requirements.txt");
     std::fs::write(&req, REQUIREMENTS).with_context(|| format!("writing {}", req.display()))?;
     let mut child = Command::new(venv.join("bin").join("python"))
         .args([
@@ -152,7 +141,8 @@ pub fn ensure_env(verbose: bool) -> Result<()> {
             tail.join("\n")
         );
     }
-    std::fs::write(stamp_path(), requirements_digest()).context("writing the environment stamp")?;
+    std::fs::write(stamp_path(&venv), requirements_digest())
+        .context("writing the environment stamp")?;
     eprintln!("Python environment ready: {}", venv.display());
     Ok(())
 }
@@ -166,7 +156,7 @@ pub fn activate(verbose: bool) -> Result<()> {
         return Ok(());
     }
     ensure_env(verbose)?;
-    let venv = venv_dir();
+    let venv = venv_dir()?;
     let pkg = python_dir();
     if !pkg.join("chunkforge_py").is_dir() {
         bail!(

@@ -40,8 +40,8 @@ pub struct PackageArgs {
     /// Release version recorded in the manifest [default: build-<first 12 hex of build.json's SHA-256>].
     #[arg(long)]
     pub version: Option<String>,
-    /// Model id recorded in the manifest [default: the checkpoint folder's name from build.json].
-    #[arg(long)]
+    /// Model id recorded in the manifest: letters, digits, '.', '_', '-' [default: the checkpoint folder's name from build.json].
+    #[arg(long, value_parser = crate::args::model_id)]
     pub model_id: Option<String>,
     /// Base URL the files will be served from; each manifest file entry gets `url`.
     #[arg(long)]
@@ -255,13 +255,22 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
         }
         .into());
     }
-    let model_id = a.model_id.clone().unwrap_or_else(|| {
-        build.json["checkpoint"]["dir"]
-            .as_str()
-            .and_then(|d| Path::new(d).file_name())
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "unknown".into())
-    });
+    let model_id = match &a.model_id {
+        Some(id) => id.clone(),
+        None => {
+            let name = build.json["checkpoint"]["dir"]
+                .as_str()
+                .and_then(|d| Path::new(d).file_name())
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "unknown".into());
+            crate::args::model_id(&name).map_err(|e| ReleaseInputError::Option {
+                option: "--model-id",
+                message: format!(
+                    "not given, and the default (the checkpoint folder's name from build.json) {e}; pass --model-id"
+                ),
+            })?
+        }
+    };
     check_output(&a.output)?;
     let (parent, name) = split_output(&a.output)?;
     // The staging folder goes into `parent`; inside a package it would be

@@ -31,6 +31,7 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::hashing::{self, hex, FileDigest};
+use crate::keykind;
 use crate::strict_json;
 
 pub const BUNDLE_MEDIA_TYPE: &str = "application/vnd.dev.sigstore.bundle.v0.3+json";
@@ -115,6 +116,7 @@ pub fn keygen(prefix: &Path) -> Result<(PathBuf, PathBuf), SignError> {
 /// folder, which is then hard-linked to `path` (fails if `path` exists, so an
 /// existing key is never overwritten) and removed. A kill at any point leaves
 /// either no file or the complete one (plus, at worst, a stale temporary).
+/// Errors name `path`, the file the user asked for, never the temporary.
 fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), SignError> {
     let name = path
         .file_name()
@@ -128,9 +130,9 @@ fn write_new(path: &Path, bytes: &[u8], mode: u32) -> Result<(), SignError> {
             .create_new(true)
             .mode(mode)
             .open(&tmp)
-            .map_err(io_err(&tmp, "create"))?;
-        f.write_all(bytes).map_err(io_err(&tmp, "write"))?;
-        f.sync_all().map_err(io_err(&tmp, "sync"))?;
+            .map_err(io_err(path, "create"))?;
+        f.write_all(bytes).map_err(io_err(path, "write"))?;
+        f.sync_all().map_err(io_err(path, "write"))?;
         fs::hard_link(&tmp, path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 SignError::Exists {
@@ -153,10 +155,44 @@ fn public_pem(key: &VerifyingKey, path: &Path) -> Result<String, SignError> {
         })
 }
 
+const PRIVATE_EXPECTED: &str =
+    "expected an unencrypted PKCS#8 PEM ECDSA P-256 private key, as `chunkforge keygen` writes";
+const PUBLIC_EXPECTED: &str = "expected an ECDSA P-256 public key in SubjectPublicKeyInfo PEM (BEGIN PUBLIC KEY), as `chunkforge keygen` writes";
+
+/// A key file's PEM text; an empty, blank or binary file is named as such.
+fn read_key_text(path: &Path, action: &'static str) -> Result<String, SignError> {
+    let bytes = fs::read(path).map_err(io_err(path, action))?;
+    keykind::pem_text(&bytes)
+        .map(str::to_string)
+        .map_err(|m| key_err(path, m))
+}
+
+fn key_err(path: &Path, message: String) -> SignError {
+    SignError::Key {
+        path: path.into(),
+        message,
+    }
+}
+
+/// A key the decoder refused: named by what it is (algorithm, curve and OID,
+/// read from the key) when it is another kind of key, else the decoder's reason.
+fn unusable_key(path: &Path, text: &str, expected: &str, e: impl std::fmt::Display) -> SignError {
+    key_err(
+        path,
+        match keykind::foreign(text) {
+            Some(kind) => format!(
+                "this is {kind}, not an ECDSA P-256 key (curve OID {}), the only kind chunkforge signs and verifies with (make one with `chunkforge keygen`)",
+                keykind::P256
+            ),
+            None => format!("{expected} ({e})"),
+        },
+    )
+}
+
 /// Reads a P-256 private key: PKCS#8 PEM (`BEGIN PRIVATE KEY`, what `keygen`
 /// and `openssl genpkey` write) or SEC1 PEM (`BEGIN EC PRIVATE KEY`).
 pub fn load_private_key(path: &Path) -> Result<SigningKey, SignError> {
-    let text = fs::read_to_string(path).map_err(io_err(path, "read the private key"))?;
+    let text = read_key_text(path, "read the private key")?;
     if text.contains("BEGIN ENCRYPTED PRIVATE KEY") {
         return Err(SignError::Key {
             path: path.into(),
@@ -164,29 +200,18 @@ pub fn load_private_key(path: &Path) -> Result<SigningKey, SignError> {
         });
     }
     if text.contains("BEGIN EC PRIVATE KEY") {
-        let secret = p256::SecretKey::from_sec1_pem(&text).map_err(|e| SignError::Key {
-            path: path.into(),
-            message: format!("not a P-256 EC private key ({e})"),
-        })?;
+        let secret = p256::SecretKey::from_sec1_pem(&text)
+            .map_err(|e| unusable_key(path, &text, "expected a P-256 EC private key", e))?;
         return Ok(SigningKey::from(secret));
     }
-    SigningKey::from_pkcs8_pem(&text).map_err(|e| SignError::Key {
-        path: path.into(),
-        message: format!(
-            "expected an unencrypted PKCS#8 PEM ECDSA P-256 private key, as `chunkforge keygen` writes ({e})"
-        ),
-    })
+    SigningKey::from_pkcs8_pem(&text).map_err(|e| unusable_key(path, &text, PRIVATE_EXPECTED, e))
 }
 
 /// Reads a P-256 public key in SubjectPublicKeyInfo PEM (`BEGIN PUBLIC KEY`).
 pub fn load_public_key(path: &Path) -> Result<VerifyingKey, SignError> {
-    let text = fs::read_to_string(path).map_err(io_err(path, "read the public key"))?;
-    VerifyingKey::from_public_key_pem(&text).map_err(|e| SignError::Key {
-        path: path.into(),
-        message: format!(
-            "expected an ECDSA P-256 public key in SubjectPublicKeyInfo PEM (BEGIN PUBLIC KEY), as `chunkforge keygen` writes ({e})"
-        ),
-    })
+    let text = read_key_text(path, "read the public key")?;
+    VerifyingKey::from_public_key_pem(&text)
+        .map_err(|e| unusable_key(path, &text, PUBLIC_EXPECTED, e))
 }
 
 /// The key hint model_signing records and checks: hex SHA-256 of the public

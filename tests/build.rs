@@ -5,6 +5,7 @@ mod common;
 
 use std::fs;
 use std::path::Path;
+use std::process::Command;
 
 use common::*;
 use serde_json::Value;
@@ -293,6 +294,59 @@ fn split_builds_three_packages_whose_contracts_chain() {
     );
     let build = json_file(&out.join("build.json"));
     assert_eq!(build["tree_sha256"].as_str().unwrap().len(), 64);
+}
+
+/// Runs chunkforge in `cwd`; asserts success and returns stdout.
+fn ok_in(cwd: &Path, args: &[&str]) -> String {
+    let o = Command::new(bin())
+        .current_dir(cwd)
+        .args(args)
+        .env_remove("GEMMA4_HF_DIR")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "chunkforge {args:?} in {}:\n{}\n{}",
+        cwd.display(),
+        stdout(&o),
+        stderr(&o)
+    );
+    stdout(&o)
+}
+
+#[test]
+fn build_check_rebuilds_the_recorded_checkpoint_from_any_folder() {
+    // Two folders, each with a `ck` checkpoint of different weights: a recorded
+    // path taken relative to the current folder would rebuild the wrong one.
+    let root = tempdir("check-cwd");
+    let (a, b) = (root.join("a"), root.join("b"));
+    for (dir, src) in [
+        (&a, fixture("e2b", &[])),
+        (&b, fixture("e2b-seed1", &["--seed", "1"])),
+    ] {
+        std::fs::create_dir_all(dir.join("ck")).unwrap();
+        for e in std::fs::read_dir(&src).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dir.join("ck").join(e.file_name())).unwrap();
+        }
+    }
+    let build = [
+        "build",
+        "--hf-dir",
+        "ck",
+        "--mode",
+        "one",
+        "--no-quantize",
+        "--ctx",
+        "64",
+        "--output",
+        "out",
+    ];
+    ok_in(&a, &build);
+    let recorded = json_file(&a.join("out/build.json"))["checkpoint"]["dir"].clone();
+    assert_eq!(recorded, a.join("ck").to_str().unwrap(), "not absolute");
+    let text = ok_in(&b, &["build", "--check", a.join("out").to_str().unwrap()]);
+    assert!(text.contains("REPRODUCIBLE"), "{text}");
 }
 
 // ---- bad input: clear error, non-zero exit, previous outputs untouched ----

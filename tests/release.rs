@@ -29,9 +29,7 @@ fn s(p: &Path) -> &str {
 // ---------------------------------------------------------------- model_signing
 
 fn cache_dir() -> PathBuf {
-    std::env::var_os("CHUNKFORGE_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/chunkforge"))
+    chunkforge::cache_dir::cache_dir().unwrap()
 }
 
 /// The signing venv's bin folder, set up once per test run by scripts/setup-signing.sh.
@@ -1320,4 +1318,136 @@ fn bench_hash_compares_the_three_tools() {
         0,
         "bench left data behind"
     );
+}
+
+/// Runs openssl with `args`, which must succeed.
+fn openssl(args: &[&str]) {
+    let o = Command::new("openssl").args(args).output().unwrap();
+    assert!(o.status.success(), "openssl {args:?}: {}", stderr(&o));
+}
+
+#[test]
+fn keys_of_other_kinds_are_named_with_their_own_oid_and_an_empty_key_as_empty() {
+    let w = tempdir("foreign-keys");
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    let p = |n: &str| w.join(n).to_str().unwrap().to_string();
+    let genpkey = |name: &str, opts: &[&str]| {
+        let mut a = vec!["genpkey"];
+        a.extend_from_slice(opts);
+        let pem = p(&format!("{name}.pem"));
+        a.extend_from_slice(&["-out", &pem]);
+        openssl(&a);
+        openssl(&[
+            "pkey",
+            "-in",
+            &pem,
+            "-pubout",
+            "-out",
+            &p(&format!("{name}.pub")),
+        ]);
+    };
+    genpkey(
+        "p384",
+        &["-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-384"],
+    );
+    genpkey("ed", &["-algorithm", "ed25519"]);
+    genpkey(
+        "rsa",
+        &["-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:1024"],
+    );
+    openssl(&[
+        "ecparam",
+        "-name",
+        "secp384r1",
+        "-genkey",
+        "-noout",
+        "-out",
+        &p("sec1.pem"),
+    ]);
+    fs::write(w.join("empty.pem"), b"").unwrap();
+    fs::write(w.join("empty.pub"), b"").unwrap();
+    let cases = [
+        ("p384", "an ECDSA key on P-384 (curve OID 1.3.132.0.34)"),
+        ("ed", "an Ed25519 key (algorithm OID 1.3.101.112)"),
+        ("rsa", "an RSA key (algorithm OID 1.2.840.113549.1.1.1)"),
+        ("empty", "the key file is empty (0 bytes)"),
+    ];
+    let out = w.join("rel");
+    // verify looks at the folder before the key: any folder will do.
+    let folder = w.join("folder");
+    fs::create_dir(&folder).unwrap();
+    for (name, says) in cases {
+        let (private, public) = (w.join(format!("{name}.pem")), w.join(format!("{name}.pub")));
+        let e = fails(&package_args(&build, "two", &private, &out, &[]));
+        assert!(
+            e.contains(&format!("{name}.pem: ")) && e.contains(says),
+            "{name}.pem: {e}"
+        );
+        let e = fails(&["verify", s(&folder), "--public-key", s(&public)]);
+        assert!(
+            e.contains(&format!("{name}.pub: ")) && e.contains(says),
+            "{name}.pub: {e}"
+        );
+        // Neither the OID chunkforge expected nor a PEM decoder's detail.
+        assert!(
+            !e.contains("NUL byte") && !e.contains("1.2.840.10045.2.1"),
+            "{e}"
+        );
+    }
+    let e = fails(&package_args(&build, "two", &w.join("sec1.pem"), &out, &[]));
+    assert!(
+        e.contains("an ECDSA key on P-384 (curve OID 1.3.132.0.34)"),
+        "{e}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn keygen_errors_name_the_users_file_and_the_os_error_once() {
+    let w = tempdir("keygen-errors");
+    let prefix = w.join("missing-folder/k");
+    let e = fails(&["keygen", "--out", s(&prefix)]);
+    assert!(
+        e.contains(&format!(
+            "{}: could not create",
+            w.join("missing-folder/k.pub").display()
+        )),
+        "{e}"
+    );
+    assert!(!e.contains(".tmp-"), "names the temporary file: {e}");
+    assert_eq!(e.matches("os error 2").count(), 1, "OS error repeated: {e}");
+}
+
+#[test]
+fn unsafe_model_ids_are_refused_naming_the_option() {
+    let w = tempdir("model-id");
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    let (private, _) = keys(&w, "k");
+    let out = w.join("rel");
+    let package = |extra: &[&str]| run(&package_args(&build, "two", &private, &out, extra));
+    for bad in ["../../etc/passwd", "a/b", "..", "x\ny", "", ".hidden"] {
+        let o = package(&["--model-id", bad]);
+        assert!(!o.status.success(), "{bad:?} accepted");
+        let e = stderr(&o);
+        assert!(
+            e.contains("--model-id") && e.contains("is not a safe model id"),
+            "{bad:?}: {e}"
+        );
+        assert!(!out.exists());
+    }
+    // The default, the checkpoint folder's name, is held to the same pattern.
+    let bj = build.join("build.json");
+    let mut b: Value = serde_json::from_slice(&fs::read(&bj).unwrap()).unwrap();
+    b["checkpoint"]["dir"] = json!("/models/gemma 4\u{7}");
+    fs::write(&bj, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
+    let e = stderr(&package(&[]));
+    assert!(
+        e.contains("--model-id")
+            && e.contains("not a safe model id")
+            && e.contains("pass --model-id"),
+        "{e}"
+    );
+    let o = package(&["--model-id", "gemma-4-e2b_it.v1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(manifest(&out)["model"]["id"], json!("gemma-4-e2b_it.v1"));
 }

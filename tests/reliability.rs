@@ -422,6 +422,121 @@ fn hostile_checkpoint_corpus() {
     );
 }
 
+/// Replaces model.safetensors' header with `header_text` (raw JSON, so it can
+/// hold what serde_json would not write, like a repeated name).
+fn write_raw_header(ck: &Path, header_text: &str) {
+    let p = ck.join("model.safetensors");
+    let (_, data) = read_safetensors(&p);
+    let mut out = (header_text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header_text.as_bytes());
+    out.extend_from_slice(&data);
+    fs::write(&p, out).unwrap();
+}
+
+/// Edits model.safetensors' raw bytes.
+fn edit_data(ck: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+    let p = ck.join("model.safetensors");
+    let mut b = fs::read(&p).unwrap();
+    f(&mut b);
+    fs::write(&p, b).unwrap();
+}
+
+/// The tensor whose bytes come last in the data section.
+fn last_tensor(h: &serde_json::Value) -> String {
+    h.as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .max_by_key(|(_, v)| v["data_offsets"][0].as_u64().unwrap())
+        .map(|(k, _)| k.clone())
+        .unwrap()
+}
+
+#[test]
+fn structurally_broken_safetensors_are_named_by_file_and_tensor() {
+    let file = "model.safetensors: ";
+    corpus_case(
+        "header-over-limit",
+        |ck| edit_data(ck, |b| b[..8].copy_from_slice(&(200u64 << 20).to_le_bytes())),
+        "safetensors header claims 209715200 bytes, more than the format's limit of 104857600 (100 MiB)",
+    );
+    corpus_case(
+        "shared-bytes",
+        |ck| {
+            edit_header(ck, |h| {
+                let norm = h["model.norm.weight"].clone();
+                h["model.zz_alias.weight"] = norm;
+            })
+        },
+        "overlap: ",
+    );
+    corpus_case(
+        "trailing-bytes",
+        |ck| edit_data(ck, |b| b.extend_from_slice(&[0; 4])),
+        "belong to no tensor; the tensors must cover the data section without gaps",
+    );
+    corpus_case(
+        "gap",
+        |ck| {
+            let p = ck.join("model.safetensors");
+            let (mut h, mut data) = read_safetensors(&p);
+            let last = last_tensor(&h);
+            let o = &mut h[&last]["data_offsets"];
+            let (b, e) = (o[0].as_u64().unwrap(), o[1].as_u64().unwrap());
+            *o = json!([b + 4, e + 4]);
+            data.extend_from_slice(&[0; 4]);
+            write_safetensors(&p, &h, &data);
+        },
+        "belong to no tensor (gap before tensor ",
+    );
+    corpus_case(
+        "repeated-name",
+        |ck| {
+            let (h, _) = read_safetensors(&ck.join("model.safetensors"));
+            let text = serde_json::to_string(&h).unwrap();
+            let norm = serde_json::to_string(&h["model.norm.weight"]).unwrap();
+            write_raw_header(
+                ck,
+                &format!("{{\"model.norm.weight\":{norm},{}", &text[1..]),
+            );
+        },
+        &format!("{file}tensor model.norm.weight appears twice in the safetensors header"),
+    );
+    corpus_case(
+        "repeated-field",
+        |ck| {
+            let (h, _) = read_safetensors(&ck.join("model.safetensors"));
+            let text = serde_json::to_string(&h).unwrap().replacen(
+                "\"dtype\":\"F32\"",
+                "\"dtype\":\"F32\",\"dtype\":\"I32\"",
+                1,
+            );
+            write_raw_header(ck, &text);
+        },
+        "field `dtype` appears twice in its header entry",
+    );
+    corpus_case(
+        "metadata-not-strings",
+        |ck| edit_header(ck, |h| h["__metadata__"] = json!({"format": "pt", "step": 7})),
+        &format!("{file}__metadata__ must be an object mapping strings to strings, but `step` is a number"),
+    );
+    corpus_case(
+        "metadata-not-object",
+        |ck| edit_header(ck, |h| h["__metadata__"] = json!(["pt"])),
+        "__metadata__ must be an object mapping strings to strings, but it is an array",
+    );
+    corpus_case(
+        "entry-not-object",
+        |ck| edit_header(ck, |h| h["model.zz.weight"] = json!(5)),
+        &format!("{file}tensor model.zz.weight: header entry is a number, expected an object"),
+    );
+    corpus_case(
+        "shape-not-integers",
+        |ck| edit_header(ck, |h| h["model.norm.weight"]["shape"] = json!([64, "x"])),
+        "tensor model.norm.weight: shape [64,\"x\"] is not a list of non-negative integers",
+    );
+}
+
 #[test]
 fn symlinked_checkpoint_like_the_hugging_face_cache_is_accepted() {
     // snapshots/<rev>/* -> ../../blobs/<sha>, as huggingface_hub lays out its cache.
@@ -584,4 +699,158 @@ fn sigkill_during_keygen_never_leaves_a_partial_key() {
         err.contains("fresh.pem") || err.contains("fresh.pub"),
         "{err}"
     );
+}
+
+// ---- the cache folder: never a shared or current folder, never someone else's ----
+
+/// Environment settings: (name, value), None for unset.
+type Vars<'a> = Vec<(&'a str, Option<&'a str>)>;
+
+/// `chunkforge setup` and scripts/setup-signing.sh under `vars` (None: unset),
+/// both expected to refuse; returns their `error:` lines.
+fn cache_refusals(vars: &[(&str, Option<&str>)]) -> (String, String) {
+    let with_env = |mut c: Command| {
+        for k in ["CHUNKFORGE_CACHE", "XDG_CACHE_HOME", "HOME"] {
+            c.env_remove(k);
+        }
+        for (k, v) in vars {
+            if let Some(v) = v {
+                c.env(k, v);
+            }
+        }
+        let o = c.output().unwrap();
+        assert!(!o.status.success(), "{vars:?}: accepted");
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        err.lines()
+            .find(|l| l.starts_with("error: "))
+            .unwrap_or_else(|| panic!("{vars:?}: no error line in {err}"))
+            .to_string()
+    };
+    let mut cf = Command::new(bin());
+    cf.arg("setup");
+    let mut script = Command::new("bash");
+    script.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-signing.sh"));
+    (with_env(cf), with_env(script))
+}
+
+#[test]
+fn an_unsafe_or_unplaceable_cache_folder_is_refused_by_chunkforge_and_the_signing_script_alike() {
+    let root = tempdir("cache-rules");
+    let open = root.join("open");
+    fs::create_dir(&open).unwrap();
+    fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let group = root.join("group");
+    fs::create_dir(&group).unwrap();
+    fs::set_permissions(&group, std::os::unix::fs::PermissionsExt::from_mode(0o770)).unwrap();
+    let under_open = open.join("cache");
+    let cases: Vec<(Vars, String)> = vec![
+        (vec![], "HOME is unset".into()),
+        (vec![("HOME", Some(""))], "HOME is empty".into()),
+        (
+            vec![("HOME", Some("")), ("XDG_CACHE_HOME", Some(""))],
+            "HOME is empty".into(),
+        ),
+        (
+            vec![("HOME", Some("rel"))],
+            "HOME is `rel`, not an absolute path".into(),
+        ),
+        (
+            vec![("CHUNKFORGE_CACHE", Some("")), ("HOME", Some("/root"))],
+            "CHUNKFORGE_CACHE is ``, not an absolute path".into(),
+        ),
+        (
+            vec![("CHUNKFORGE_CACHE", Some(open.to_str().unwrap()))],
+            format!(
+                "{}: refusing to use this cache folder: it is writable by others (mode 0777)",
+                open.display()
+            ),
+        ),
+        (
+            vec![("CHUNKFORGE_CACHE", Some(group.to_str().unwrap()))],
+            "it is writable by its group (mode 0770)".into(),
+        ),
+        (
+            vec![("CHUNKFORGE_CACHE", Some(under_open.to_str().unwrap()))],
+            format!(
+                "the folder above it, {}, is writable by everyone",
+                open.display()
+            ),
+        ),
+    ];
+    for (vars, says) in &cases {
+        let (cf, script) = cache_refusals(vars);
+        assert!(cf.contains(says), "{vars:?}: expected `{says}` in {cf}");
+        assert!(
+            cf.contains("set CHUNKFORGE_CACHE to an absolute path"),
+            "{cf}"
+        );
+        assert_eq!(
+            cf, script,
+            "{vars:?}: chunkforge and setup-signing.sh disagree"
+        );
+    }
+    // HOME unset or empty used to mean /tmp/chunkforge or ./.cache: nothing is made here.
+    assert!(!Path::new(".cache").exists());
+    // Someone else's folder (the tests run as root, which can give it away).
+    let theirs = root.join("theirs");
+    fs::create_dir(&theirs).unwrap();
+    let st = Command::new("chown")
+        .arg("4242")
+        .arg(&theirs)
+        .status()
+        .unwrap();
+    assert!(st.success(), "chown");
+    let (cf, script) = cache_refusals(&[("CHUNKFORGE_CACHE", theirs.to_str())]);
+    assert!(
+        cf.contains("it belongs to uid 4242, not to you (uid 0)"),
+        "{cf}"
+    );
+    assert_eq!(cf, script);
+}
+
+#[test]
+fn out_of_range_options_are_refused_while_parsing_naming_the_option() {
+    for (args, says) in [
+        (
+            &["parity", "--tol-cos", "nan"][..],
+            "'--tol-cos <TOL_COS>': `nan` is not a finite number",
+        ),
+        (
+            &["parity", "--tol-cos", "1.5"][..],
+            "1.5 is out of range: a cosine is between -1 and 1",
+        ),
+        (
+            &["parity", "--tol-cos-int4", "inf"][..],
+            "'--tol-cos-int4 <TOL_COS_INT4>': `inf` is not a finite number",
+        ),
+        (
+            &["parity", "--min-top1-int4", "2"][..],
+            "'--min-top1-int4 <MIN_TOP1_INT4>': 2 is out of range: a fraction",
+        ),
+        (
+            &["parity", "--max-weight-rel-mse=-0.5"][..],
+            "'--max-weight-rel-mse <MAX_WEIGHT_REL_MSE>': -0.5 is negative",
+        ),
+        (
+            &["parity", "--ctx", "1000000000000"][..],
+            "'--ctx <CTX>': 1000000000000 is out of range: the context must be 1..=131072",
+        ),
+        (
+            &["build", "--ctx", "131073", "--output", "x"][..],
+            "the context must be 1..=131072",
+        ),
+        (
+            &["plan", "--ctx", "0"][..],
+            "'--ctx <CTX>': 0 is out of range",
+        ),
+    ] {
+        let o = run(args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: expected `{says}` in {err}");
+        assert!(
+            !err.contains("Error:") && !err.contains("Traceback"),
+            "{err}"
+        );
+    }
 }
