@@ -22,3 +22,4 @@ pub mod pyenv;
 pub mod release;
 pub mod sign;
 pub mod verify;
+pub mod zipwalk;
