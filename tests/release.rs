@@ -725,6 +725,80 @@ fn verify_archive_refuses_false_declared_sizes() {
     }
 }
 
+/// `--zip` replaces only a previous archive of a release (and its digest
+/// file), wherever the path points and however it is spelled; refused
+/// before anything is written, so the previous release stays.
+#[test]
+fn package_zip_replaces_only_a_previous_archive() {
+    let r = release("zip-out");
+    let build = r.work.join("build");
+    let package = |out: &Path, zip: &Path| {
+        let args = [
+            "package",
+            s(&build),
+            "--layout",
+            "two",
+            "--key",
+            s(&r.private),
+        ];
+        let mut args = args.to_vec();
+        args.extend(["--output", s(out), "--version", "2", "--zip", s(zip)]);
+        run(&args)
+    };
+    // The archive's and its digest file's bytes (None: absent).
+    let snapshot = |zip: &Path| {
+        let digest = PathBuf::from(format!("{}.sha256", zip.display()));
+        (fs::read(zip).ok(), fs::read(digest).ok())
+    };
+    let refused = |zip: &Path, want: &str| {
+        let before = snapshot(zip);
+        let o = package(&r.dir, zip);
+        assert!(!o.status.success(), "--zip {zip:?} accepted");
+        assert!(stderr(&o).contains(want), "--zip {zip:?}: {}", stderr(&o));
+        assert!(before == snapshot(zip), "--zip {zip:?} changed");
+        assert!(cf_verify(&r.dir, &r.public).status.success());
+        assert_eq!(manifest(&r.dir)["release"]["version"], json!("1.2.3"));
+    };
+    refused(&r.private, "exists and is not a release archive");
+    refused(
+        &build.join("build.json"),
+        "exists and is not a release archive",
+    );
+    refused(&build, "exists and is not a file");
+    refused(
+        &build.join("merged_chunk1.mlpackage/rel.zip"),
+        "--zip must not be inside a package of the build folder",
+    );
+    assert!(!build.join("merged_chunk1.mlpackage/rel.zip").exists());
+    let link = r.work.join("link.zip");
+    std::os::unix::fs::symlink(&r.zip, &link).unwrap();
+    refused(&link, "is a symlink");
+    // A zip that is a release archive but whose digest file is something else.
+    let notes = r.work.join("notes.zip");
+    fs::copy(&r.zip, &notes).unwrap();
+    fs::write(r.work.join("notes.zip.sha256"), "my notes\n").unwrap();
+    refused(&notes, "exists and is not an archive digest file");
+    // Inside the release folder, spelled so no string prefix matches.
+    let spelled = r.work.join("build/../rel/new.zip");
+    refused(&spelled, "--zip must not be inside the release folder");
+    let absolute = r.dir.canonicalize().unwrap().join("x.zip");
+    let o = package(&r.work.join("build/../rel"), &absolute);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("inside the release folder"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!r.dir.join("x.zip").exists() && !r.dir.join("new.zip").exists());
+
+    // The previous archive itself is replaced.
+    let o = package(&r.dir, &r.zip);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = verify_with_archive(&r, &r.zip);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(manifest(&r.dir)["release"]["version"], json!("2"));
+}
+
 #[test]
 fn same_key_same_inputs_same_release_bytes() {
     let w = tempdir("determinism");
