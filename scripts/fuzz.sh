@@ -15,7 +15,7 @@
 set -euo pipefail
 
 secs="${1:-600}"
-targets="${FUZZ_TARGETS:-manifest_parse signature_parse verify_dir safetensors_header}"
+targets="${FUZZ_TARGETS:-manifest_parse signature_parse verify_dir safetensors_header zip_archive}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
@@ -33,9 +33,10 @@ fi
 flags=(-s none -a)
 cargo +nightly fuzz build "${flags[@]}"
 
-# Seeds: a real signed release made with the CLI from a small synthetic build
-# folder (the shape of tests/release.rs's synthetic_build), and a small
-# safetensors file. Made only when a target has none yet; they are committed.
+# Seeds: a real signed release (and its zip) made with the CLI from a small
+# synthetic build folder (the shape of tests/release.rs's synthetic_build), and
+# a small safetensors file. Made only for the targets (arguments) that have
+# none yet, so committed seeds of the others stay as they are.
 make_seeds() {
     local t
     t="$(mktemp -d)"
@@ -60,18 +61,38 @@ make_seeds() {
  "chunks": []}
 JSON
     "$cf" package "$b" --layout four --key "$t/k.pem" --output "$t/rel" --version 1.0.0 \
-        --base-url https://models.example.com/x >/dev/null
-    "$cf" verify "$t/rel" --public-key "$t/k.pub" >/dev/null
+        --base-url https://models.example.com/x --zip "$t/rel.zip" >/dev/null
+    "$cf" verify "$t/rel" --public-key "$t/k.pub" --archive "$t/rel.zip" >/dev/null
 
-    mkdir -p fuzz/corpus/manifest_parse fuzz/corpus/signature_parse fuzz/corpus/safetensors_header
-    cp "$t/rel/manifest.json" fuzz/corpus/manifest_parse/seed-release
-    printf '{"format": "chunkforge-release/1", "files": [{"path": "a", "size": 0, "sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}]}' \
-        >fuzz/corpus/manifest_parse/seed-minimal
-    # signature_parse: first byte even = model.sig as is, odd = the payload
-    # (re-signed with the target's fixed key).
-    { printf '\0'; cat "$t/rel/model.sig"; } >fuzz/corpus/signature_parse/seed-bundle
-    { printf '\1'; grep -o '"payload": "[^"]*"' "$t/rel/model.sig" | cut -d'"' -f4 | base64 -d; } \
-        >fuzz/corpus/signature_parse/seed-statement
+    local target
+    for target in "$@"; do
+        mkdir -p "fuzz/corpus/$target"
+        case "$target" in
+        manifest_parse)
+            cp "$t/rel/manifest.json" fuzz/corpus/manifest_parse/seed-release
+            printf '{"format": "chunkforge-release/1", "files": [{"path": "a", "size": 0, "sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}]}' \
+                >fuzz/corpus/manifest_parse/seed-minimal
+            ;;
+        signature_parse)
+            # First byte even = model.sig as is, odd = the payload (re-signed
+            # with the target's fixed key).
+            { printf '\0'; cat "$t/rel/model.sig"; } >fuzz/corpus/signature_parse/seed-bundle
+            { printf '\1'; grep -o '"payload": "[^"]*"' "$t/rel/model.sig" | cut -d'"' -f4 | base64 -d; } \
+                >fuzz/corpus/signature_parse/seed-statement
+            ;;
+        safetensors_header) safetensors_seed ;;
+        zip_archive)
+            # First byte even: the archive as is; odd: bytes decoded into
+            # files the target zips itself.
+            cp "$t/rel.zip" fuzz/corpus/zip_archive/seed-release
+            { printf '\1'; cat "$t/rel/manifest.json"; } >fuzz/corpus/zip_archive/seed-files
+            ;;
+        esac
+    done
+}
+
+# A small .safetensors file: two tensors and metadata.
+safetensors_seed() {
     local h='{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[1,2],"data_offsets":[8,12]},"__metadata__":{"format":"pt"}}'
     local len=${#h}
     {
@@ -81,15 +102,15 @@ JSON
         printf '0123456789ab'
     } >fuzz/corpus/safetensors_header/seed-small
 }
-need_seeds=0
+need_seeds=()
 for target in $targets; do
     case "$target" in
     verify_dir) ;; # structured input (arbitrary::Arbitrary): starts from nothing
-    *) ls fuzz/corpus/"$target"/seed-* >/dev/null 2>&1 || need_seeds=1 ;;
+    *) ls fuzz/corpus/"$target"/seed-* >/dev/null 2>&1 || need_seeds+=("$target") ;;
     esac
 done
-if [ "$need_seeds" = 1 ]; then
-    make_seeds
+if [ "${#need_seeds[@]}" -gt 0 ]; then
+    make_seeds "${need_seeds[@]}"
 fi
 
 scratch="$(mktemp -d "${XDG_RUNTIME_DIR:-/tmp}/chunkforge-fuzz.XXXXXX")"

@@ -6,16 +6,15 @@
 //! is deflated. Beside it, `FILE.sha256` in `sha256sum` format.
 
 use std::fs::{self, File};
-use std::io::{self, BufWriter, Read};
+use std::io::{self, BufWriter};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use sha2::{Digest, Sha256};
 use zip::write::SimpleFileOptions;
-use zip::{CompressionMethod, DateTime, ZipArchive, ZipWriter};
+use zip::{CompressionMethod, DateTime, ZipWriter};
 
 use crate::hashing::{self, hex};
-use crate::manifest::check_rel_path;
+use crate::zipwalk;
 
 /// `FILE.sha256` for `FILE`.
 pub fn digest_path(zip: &Path) -> PathBuf {
@@ -34,28 +33,32 @@ fn stored(rel: &str) -> bool {
     rel.ends_with(".bin") || rel.split('/').any(|c| c == "weights")
 }
 
+/// The options of entry `rel` of `len` bytes: fixed time and mode, weights
+/// stored, zip64 fields only for a file that needs them.
+pub fn entry_options(rel: &str, len: u64) -> SimpleFileOptions {
+    SimpleFileOptions::default()
+        .last_modified_time(DateTime::default()) // 1980-01-01 00:00:00, the zip format's epoch
+        .unix_permissions(0o644)
+        .large_file(len >= u32::MAX as u64)
+        .compression_method(if stored(rel) {
+            CompressionMethod::Stored
+        } else {
+            CompressionMethod::Deflated
+        })
+}
+
 /// Writes the zip of every regular file under `root` to `out`; returns the
 /// archive's SHA-256 (hex).
 pub fn write(root: &Path, out: &Path) -> Result<String> {
     let tree = hashing::walk(root, &|_| false)?;
     let f = File::create(out).with_context(|| format!("{}: cannot create", out.display()))?;
     let mut z = ZipWriter::new(BufWriter::with_capacity(1 << 20, f));
-    let epoch = DateTime::default(); // 1980-01-01 00:00:00, the zip format's epoch
     for rel in &tree.files {
         let src = root.join(rel);
         let len = fs::metadata(&src)
             .with_context(|| format!("{}: cannot stat", src.display()))?
             .len();
-        let opts = SimpleFileOptions::default()
-            .last_modified_time(epoch)
-            .unix_permissions(0o644)
-            .large_file(len >= u32::MAX as u64)
-            .compression_method(if stored(rel) {
-                CompressionMethod::Stored
-            } else {
-                CompressionMethod::Deflated
-            });
-        z.start_file(rel.as_str(), opts)
+        z.start_file(rel.as_str(), entry_options(rel, len))
             .with_context(|| format!("{}: cannot add {rel}", out.display()))?;
         let mut r = File::open(&src).with_context(|| format!("{}: cannot open", src.display()))?;
         io::copy(&mut r, &mut z).with_context(|| format!("{}: cannot add {rel}", out.display()))?;
@@ -70,17 +73,13 @@ pub fn write(root: &Path, out: &Path) -> Result<String> {
     Ok(hashing::hash_file(out)?.hex())
 }
 
-/// One file entry of an archive, read and hashed.
-pub struct Entry {
-    pub name: String,
-    pub sha256: [u8; 32],
-}
+pub use crate::zipwalk::Entry;
 
 /// Reads an archive for verification: checks it against `FILE.sha256`, then
-/// every entry's name (nothing that would land outside the folder it is
-/// unpacked into: no absolute paths, no `..`, no backslashes or drive
-/// letters, no symlink entries). Returns the file entries (hashed) and the
-/// problems found, each naming the archive and entry.
+/// walks it strictly (`zipwalk`: local headers and central directory agree
+/// one to one, only regular files with safe, unique names, sizes and CRCs as
+/// declared). Returns the file entries (hashed) and the problems found, each
+/// naming the archive and entry.
 pub fn check(zip_path: &Path) -> (Vec<Entry>, Vec<String>) {
     let mut problems = Vec::new();
     let z = zip_path.display();
@@ -110,67 +109,25 @@ pub fn check(zip_path: &Path) -> (Vec<Entry>, Vec<String>) {
             }
         }
     }
-    let file = match File::open(zip_path) {
+    let opened = File::open(zip_path).and_then(|f| f.metadata().map(|m| (f, m.len())));
+    let (mut file, len) = match opened {
         Ok(f) => f,
         Err(e) => {
             problems.push(format!("{z}: cannot open ({e})"));
             return (Vec::new(), problems);
         }
     };
-    let mut ar = match ZipArchive::new(file) {
-        Ok(a) => a,
-        Err(e) => {
-            problems.push(format!("{z}: not a readable zip archive ({e})"));
-            return (Vec::new(), problems);
-        }
-    };
-    let mut entries = Vec::new();
-    for i in 0..ar.len() {
-        let mut f = match ar.by_index(i) {
-            Ok(f) => f,
-            Err(e) => {
-                problems.push(format!("{z}: entry #{i} cannot be read ({e})"));
-                continue;
-            }
-        };
-        let name = f.name().to_string();
-        let is_dir = f.is_dir();
-        let path_part = if is_dir {
-            name.trim_end_matches('/')
-        } else {
-            name.as_str()
-        };
-        if let Err(why) = check_rel_path(path_part) {
-            problems.push(format!(
-                "{z}: entry '{name}' would escape the target folder: its path {why}"
-            ));
-            continue;
-        }
-        if f.unix_mode().is_some_and(|m| m & 0o170000 == 0o120000) {
-            problems.push(format!("{z}: entry '{name}' is a symlink"));
-            continue;
-        }
-        if is_dir {
-            continue;
-        }
-        let mut h = Sha256::new();
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            match f.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => h.update(&buf[..n]),
-                Err(e) => {
-                    problems.push(format!("{z}: entry '{name}' is corrupt ({e})"));
-                    break;
-                }
-            }
-        }
-        entries.push(Entry {
-            name,
-            sha256: h.finalize().into(),
-        });
-    }
+    let (entries, walk_problems) = zipwalk::walk(&mut file, len);
+    problems.extend(walk_problems.into_iter().map(|p| format!("{z}: {p}")));
     (entries, problems)
+}
+
+/// The entry names of the archive at `zip_path` if it is one `check` would
+/// walk (structure only; contents are not decoded).
+pub fn names(zip_path: &Path) -> std::result::Result<Vec<String>, String> {
+    let mut f = File::open(zip_path).map_err(|e| e.to_string())?;
+    let len = f.metadata().map_err(|e| e.to_string())?.len();
+    zipwalk::names(&mut f, len)
 }
 
 /// Compares archive entries with the release files they must equal:
@@ -211,6 +168,7 @@ pub fn compare(zip_path: &Path, entries: &[Entry], expected: &[(String, [u8; 32]
 #[cfg(test)]
 mod tests {
     use super::*;
+    use zip::ZipArchive;
 
     #[test]
     fn same_input_same_bytes() {

@@ -26,3 +26,4 @@ pub mod release;
 pub mod sign;
 pub mod strict_json;
 pub mod verify;
+pub mod zipwalk;

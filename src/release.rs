@@ -95,17 +95,114 @@ fn check_output(out: &Path) -> Result<()> {
 
 /// The output's parent folder and its final name.
 fn split_output(out: &Path) -> Result<(PathBuf, String)> {
-    let name = out
+    split_path(out, "--output needs a folder name")
+}
+
+/// A path's parent folder (`.` for a bare name) and its final name; `missing`
+/// says what is wrong when it has no usable name (`/`, `..`, non-UTF-8).
+fn split_path(path: &Path, missing: &str) -> Result<(PathBuf, String)> {
+    let name = path
         .file_name()
         .and_then(|n| n.to_str())
         .filter(|n| !n.is_empty() && *n != "..")
-        .with_context(|| format!("{}: --output needs a folder name", out.display()))?
+        .with_context(|| format!("{}: {missing}", path.display()))?
         .to_string();
-    let parent = match out.parent() {
+    let parent = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
     Ok((parent, name))
+}
+
+/// Where `path` is or will be once its missing folders are created: the
+/// longest existing ancestor resolved (symlinks, `..`), the rest appended
+/// (a `..` there undoes the folder before it, which will be created real).
+fn canonical_target(path: &Path) -> Result<PathBuf> {
+    let abs = std::path::absolute(path)
+        .with_context(|| format!("{}: cannot resolve the path", path.display()))?;
+    let (mut base, rest) = abs
+        .ancestors()
+        .find_map(|a| {
+            let c = a.canonicalize().ok()?;
+            Some((c, abs.strip_prefix(a).ok()?.to_path_buf()))
+        })
+        .with_context(|| format!("{}: cannot resolve the path", path.display()))?;
+    for c in rest.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                base.pop();
+            }
+            std::path::Component::Normal(n) => base.push(n),
+            _ => {}
+        }
+    }
+    Ok(base)
+}
+
+/// True when `line` is what `write_zip_staged` writes for an archive named `name`.
+fn is_digest_line(text: &str, name: &str) -> bool {
+    text.strip_suffix('\n')
+        .and_then(|t| t.strip_suffix(name))
+        .and_then(|t| t.strip_suffix("  "))
+        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Refuses a `--zip` that could destroy something. The archive and its
+/// `FILE.sha256` replace only a previous release archive and its digest file
+/// (never a folder, a symlink, a key, `build.json` or any other file), and
+/// the archive goes neither inside the release folder nor inside a package of
+/// the build folder: canonical paths are compared, so `..`, symlinks and
+/// absolute or relative spellings all count.
+fn check_zip(z: &Path, output: &Path, build_dir: &Path) -> Result<()> {
+    let (_, name) = split_path(z, "--zip needs a file name")?;
+    let target = canonical_target(z)?;
+    if target.starts_with(canonical_target(output)?) {
+        bail!(
+            "{}: --zip must not be inside the release folder {}",
+            z.display(),
+            output.display()
+        );
+    }
+    if let (Ok(b), Some(p)) = (build_dir.canonicalize(), target.parent()) {
+        if p.starts_with(&b) && p != b {
+            bail!(
+                "{}: --zip must not be inside a package of the build folder {}",
+                z.display(),
+                build_dir.display()
+            );
+        }
+    }
+    let refuse = |p: &Path, what: &str| -> Result<()> {
+        bail!(
+            "{}: {what}; --zip replaces only a previous release archive and its .sha256 file, refusing to replace it",
+            p.display()
+        )
+    };
+    let digest = archive::digest_path(z);
+    for p in [z, digest.as_path()] {
+        match fs::symlink_metadata(p) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => bail!("{}: cannot inspect ({e})", p.display()),
+            Ok(m) if m.file_type().is_symlink() => refuse(p, "is a symlink")?,
+            Ok(m) if !m.file_type().is_file() => refuse(p, "exists and is not a file")?,
+            Ok(_) if p == z => {
+                let names = archive::names(z).unwrap_or_default();
+                if !names.iter().any(|n| n == SIG_FILE) || !names.iter().any(|n| n == MANIFEST_FILE)
+                {
+                    refuse(p, "exists and is not a release archive")?;
+                }
+            }
+            Ok(m) => {
+                let text = (m.len() < 4096)
+                    .then(|| fs::read_to_string(p).ok())
+                    .flatten();
+                if !text.is_some_and(|t| is_digest_line(&t, &name)) {
+                    refuse(p, "exists and is not an archive digest file")?;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Files of one package folder as (source, path inside the release), plus its
@@ -285,12 +382,7 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
         }
     }
     if let Some(z) = &a.zip {
-        if z.starts_with(&a.output) {
-            bail!(
-                "{}: --zip must not be inside the release folder",
-                z.display()
-            );
-        }
+        check_zip(z, &a.output, &a.build_dir)?;
     }
 
     let staging = Staging::new(&parent)?;
@@ -400,15 +492,7 @@ pub fn sign_into(
 /// Writes the archive and its digest file beside their final names under
 /// temporary names; they are renamed into place after the release.
 fn write_zip_staged(root: &Path, z: &Path) -> Result<(PathBuf, PathBuf, String)> {
-    let fname = z
-        .file_name()
-        .with_context(|| format!("{}: --zip needs a file name", z.display()))?
-        .to_string_lossy()
-        .into_owned();
-    let dir = match z.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
+    let (dir, fname) = split_path(z, "--zip needs a file name")?;
     fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;
     let tmp_zip = dir.join(format!(".{fname}.tmp-{}", std::process::id()));
     let tmp_sha = dir.join(format!(".{fname}.sha256.tmp-{}", std::process::id()));

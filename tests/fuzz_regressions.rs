@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use chunkforge::archive;
 use chunkforge::hashing::FileDigest;
 use chunkforge::sign;
 use chunkforge::verify::{self, Report, VerifyArgs};
@@ -126,6 +127,45 @@ fn symlinked_manifest_is_not_followed() {
     assert_problem(
         &r,
         "manifest.json: is not a regular file, so it was not read",
+    );
+    fs::remove_dir_all(&work).unwrap();
+}
+
+/// zip_archive: an archive with no entries, only the 22-byte end record. Its
+/// structure is sound, so the walker accepts it (the target's streaming
+/// reader could not read it: a harness bug, fixed in the target); verify must
+/// still report every release file as missing from it, never "matches".
+#[test]
+fn archive_without_entries_reports_every_file_missing() {
+    let (work, dir) = workdir("empty-zip");
+    fs::write(dir.join("a"), "a").unwrap();
+    sign_names(&dir, &["a"]);
+    let end = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()))
+        .finish()
+        .unwrap()
+        .into_inner();
+    assert_eq!(end.len(), 22);
+    let z = work.join("r.zip");
+    fs::write(&z, &end).unwrap();
+    let digest = chunkforge::hashing::hex(&Sha256::digest(&end));
+    fs::write(
+        archive::digest_path(&z),
+        archive::digest_line(&digest, "r.zip"),
+    )
+    .unwrap();
+    let args = VerifyArgs {
+        release_dir: dir,
+        public_key: work.join("key.pub"),
+        archive: Some(z.clone()),
+    };
+    let r = verify::verify(&args).unwrap();
+    let z = z.display();
+    assert_eq!(
+        r.problems,
+        [
+            format!("{z}: missing entry 'a'"),
+            format!("{z}: missing entry 'model.sig'")
+        ]
     );
     fs::remove_dir_all(&work).unwrap();
 }

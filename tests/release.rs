@@ -716,6 +716,239 @@ fn verify_archive_digest_and_escaping_entries() {
     assert!(stderr(&o).contains("rel.zip: SHA-256 is"), "{}", stderr(&o));
 }
 
+/// Writes `bytes` beside the release as `name` with a right `.sha256` and
+/// runs `verify --archive` on it, which must fail saying `NAME: want`.
+fn verify_archive_refuses(r: &Release, name: &str, bytes: &[u8], want: &str) {
+    let z = r.work.join(name);
+    fs::write(&z, bytes).unwrap();
+    let d = format!("{:x}", Sha256::digest(bytes));
+    fs::write(format!("{}.sha256", z.display()), format!("{d}  {name}\n")).unwrap();
+    let o = verify_with_archive(r, &z);
+    assert!(!o.status.success(), "verify accepted {name}");
+    assert!(
+        stderr(&o).contains(&format!("{name}: {want}")),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// `verify` of the release with `--archive zip`.
+fn verify_with_archive(r: &Release, zip: &Path) -> Output {
+    let args = ["verify", s(&r.dir), "--public-key", s(&r.public)];
+    run(&[&args[..], &["--archive", s(zip)]].concat())
+}
+
+/// The release's zip rewritten: `first` entries, every entry of the real
+/// archive copied as is, then `last` entries (a trailing `/` makes a folder).
+fn rezip(r: &Release, first: &[(&str, &[u8])], last: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut ar = zip::ZipArchive::new(fs::File::open(&r.zip).unwrap()).unwrap();
+    let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    let add = |w: &mut zip::ZipWriter<_>, (name, data): &(&str, &[u8])| {
+        let o = zip::write::SimpleFileOptions::default();
+        match name.strip_suffix('/') {
+            Some(dir) => w.add_directory(dir, o).unwrap(),
+            None => {
+                w.start_file(*name, o).unwrap();
+                std::io::Write::write_all(w, data).unwrap();
+            }
+        }
+    };
+    first.iter().for_each(|e| add(&mut w, e));
+    for i in 0..ar.len() {
+        w.raw_copy_file(ar.by_index(i).unwrap()).unwrap();
+    }
+    last.iter().for_each(|e| add(&mut w, e));
+    w.finish().unwrap().into_inner()
+}
+
+/// Replaces every occurrence of `from` in `b` by `to` (same length).
+fn patch_all(b: &mut [u8], from: &[u8], to: &[u8]) {
+    assert_eq!(from.len(), to.len());
+    let mut i = 0;
+    while i + from.len() <= b.len() {
+        if &b[i..i + from.len()] == from {
+            b[i..i + from.len()].copy_from_slice(to);
+        }
+        i += 1;
+    }
+}
+
+/// (local header offset, central record offset) of the real archive's `name`.
+fn headers_of(r: &Release, name: &str) -> (usize, usize) {
+    let mut ar = zip::ZipArchive::new(fs::File::open(&r.zip).unwrap()).unwrap();
+    let f = ar.by_name(name).unwrap();
+    (f.header_start() as usize, f.central_header_start() as usize)
+}
+
+/// A reader that keeps the last entry of a name let an evil *first*
+/// `manifest.json` through; an extractor that keeps the first writes it.
+#[test]
+fn verify_archive_refuses_two_entries_of_one_name() {
+    let r = release("zip-dup");
+    // The writer refuses a duplicate name, so write a stand-in and rename it.
+    let mut b = rezip(&r, &[("manifest.jsoX", b"{\"evil\": true}")], &[]);
+    patch_all(&mut b, b"manifest.jsoX", b"manifest.json");
+    verify_archive_refuses(
+        &r,
+        "dup.zip",
+        &b,
+        "entry 'manifest.json' appears more than once",
+    );
+}
+
+/// The central directory says `manifest.json`, the local header (what a
+/// streaming extractor writes) says `../../evil.js`.
+#[test]
+fn verify_archive_refuses_local_headers_that_disagree() {
+    let r = release("zip-local");
+    let mut b = fs::read(&r.zip).unwrap();
+    let (local, _) = headers_of(&r, "manifest.json");
+    b[local + 30..local + 43].copy_from_slice(b"../../evil.js");
+    verify_archive_refuses(
+        &r,
+        "local.zip",
+        &b,
+        "entry 'manifest.json': its local header names '../../evil.js'",
+    );
+}
+
+/// A local entry the central directory never mentions, slipped in before the
+/// central directory (whose offset is moved along, so central-directory
+/// readers see the release unchanged); a streaming extractor would write it.
+#[test]
+fn verify_archive_refuses_local_entries_outside_the_directory() {
+    let r = release("zip-hidden");
+    let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    w.start_file("evil.sh", zip::write::SimpleFileOptions::default())
+        .unwrap();
+    std::io::Write::write_all(&mut w, b"#!/bin/sh\n").unwrap();
+    let one = w.finish().unwrap().into_inner();
+    let cd_of = |b: &[u8]| u32::from_le_bytes(b[b.len() - 6..b.len() - 2].try_into().unwrap());
+    let stowaway = &one[..cd_of(&one) as usize];
+
+    let real = fs::read(&r.zip).unwrap();
+    let cd = cd_of(&real) as usize;
+    let mut b = [&real[..cd], stowaway, &real[cd..]].concat();
+    let n = b.len();
+    let moved = (cd + stowaway.len()) as u32;
+    b[n - 6..n - 2].copy_from_slice(&moved.to_le_bytes());
+    let want = format!(
+        "{} bytes between the last entry (ends at {cd}) and the central directory are not part of any entry",
+        stowaway.len()
+    );
+    verify_archive_refuses(&r, "hidden.zip", &b, &want);
+}
+
+/// Folder entries, one of them named like a release file, were skipped.
+#[test]
+fn verify_archive_refuses_directory_entries() {
+    let r = release("zip-dirs");
+    for dir in ["manifest.json/", "chunk1.mlpackage/"] {
+        let b = rezip(&r, &[], &[(dir, b"")]);
+        verify_archive_refuses(
+            &r,
+            "dirs.zip",
+            &b,
+            &format!("entry '{dir}' is a directory entry"),
+        );
+    }
+}
+
+/// Declared sizes that are false (in both headers, so they agree), one
+/// smaller and one larger than the data.
+#[test]
+fn verify_archive_refuses_false_declared_sizes() {
+    let r = release("zip-sizes");
+    let real = fs::read(&r.zip).unwrap();
+    let (local, central) = headers_of(&r, "manifest.json");
+    let size = u32::from_le_bytes(real[local + 22..local + 26].try_into().unwrap());
+    for (declared, want) in [(size + 100, "holds"), (size / 2, "inflates to more than")] {
+        let mut b = real.clone();
+        b[local + 22..local + 26].copy_from_slice(&declared.to_le_bytes());
+        b[central + 24..central + 28].copy_from_slice(&declared.to_le_bytes());
+        verify_archive_refuses(
+            &r,
+            "sizes.zip",
+            &b,
+            &format!("entry 'manifest.json': {want}"),
+        );
+    }
+}
+
+/// `--zip` replaces only a previous archive of a release (and its digest
+/// file), wherever the path points and however it is spelled; refused
+/// before anything is written, so the previous release stays.
+#[test]
+fn package_zip_replaces_only_a_previous_archive() {
+    let r = release("zip-out");
+    let build = r.work.join("build");
+    let package = |out: &Path, zip: &Path| {
+        let args = [
+            "package",
+            s(&build),
+            "--layout",
+            "two",
+            "--key",
+            s(&r.private),
+        ];
+        let mut args = args.to_vec();
+        args.extend(["--output", s(out), "--version", "2", "--zip", s(zip)]);
+        run(&args)
+    };
+    // The archive's and its digest file's bytes (None: absent).
+    let snapshot = |zip: &Path| {
+        let digest = PathBuf::from(format!("{}.sha256", zip.display()));
+        (fs::read(zip).ok(), fs::read(digest).ok())
+    };
+    let refused = |zip: &Path, want: &str| {
+        let before = snapshot(zip);
+        let o = package(&r.dir, zip);
+        assert!(!o.status.success(), "--zip {zip:?} accepted");
+        assert!(stderr(&o).contains(want), "--zip {zip:?}: {}", stderr(&o));
+        assert!(before == snapshot(zip), "--zip {zip:?} changed");
+        assert!(cf_verify(&r.dir, &r.public).status.success());
+        assert_eq!(manifest(&r.dir)["release"]["version"], json!("1.2.3"));
+    };
+    refused(&r.private, "exists and is not a release archive");
+    refused(
+        &build.join("build.json"),
+        "exists and is not a release archive",
+    );
+    refused(&build, "exists and is not a file");
+    refused(
+        &build.join("merged_chunk1.mlpackage/rel.zip"),
+        "--zip must not be inside a package of the build folder",
+    );
+    assert!(!build.join("merged_chunk1.mlpackage/rel.zip").exists());
+    let link = r.work.join("link.zip");
+    std::os::unix::fs::symlink(&r.zip, &link).unwrap();
+    refused(&link, "is a symlink");
+    // A zip that is a release archive but whose digest file is something else.
+    let notes = r.work.join("notes.zip");
+    fs::copy(&r.zip, &notes).unwrap();
+    fs::write(r.work.join("notes.zip.sha256"), "my notes\n").unwrap();
+    refused(&notes, "exists and is not an archive digest file");
+    // Inside the release folder, spelled so no string prefix matches.
+    let spelled = r.work.join("build/../rel/new.zip");
+    refused(&spelled, "--zip must not be inside the release folder");
+    let absolute = r.dir.canonicalize().unwrap().join("x.zip");
+    let o = package(&r.work.join("build/../rel"), &absolute);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("inside the release folder"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!r.dir.join("x.zip").exists() && !r.dir.join("new.zip").exists());
+
+    // The previous archive itself is replaced.
+    let o = package(&r.dir, &r.zip);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = verify_with_archive(&r, &r.zip);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(manifest(&r.dir)["release"]["version"], json!("2"));
+}
+
 #[test]
 fn same_key_same_inputs_same_release_bytes() {
     let w = tempdir("determinism");
