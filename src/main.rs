@@ -627,25 +627,42 @@ fn run(cli: Cli) -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
+                const COLS: [&str; 6] = ["load", "trace", "convert", "palettize", "save", "bundle"];
                 println!(
-                    "{:<18} {:>7} {:>7} {:>8} {:>10} {:>7} {:>8}",
-                    "package", "load", "trace", "convert", "palettize", "save", "total"
+                    "{:<30} {:>7} {:>7} {:>8} {:>10} {:>7} {:>7} {:>8}",
+                    "package / function",
+                    "load",
+                    "trace",
+                    "convert",
+                    "palettize",
+                    "save",
+                    "bundle",
+                    "total"
                 );
-                for c in report["chunks"].as_array().into_iter().flatten() {
-                    let s = |k: &str| c["seconds"][k].as_f64().unwrap_or(0.0);
+                let row = |label: String, secs: &serde_json::Value| {
+                    let s = |k: &str| secs[k].as_f64().unwrap_or(0.0);
                     println!(
-                        "{:<18} {:>6.1}s {:>6.1}s {:>7.1}s {:>9.1}s {:>6.1}s {:>7.1}s",
-                        c["name"].as_str().unwrap_or(""),
+                        "{label:<30} {:>6.1}s {:>6.1}s {:>7.1}s {:>9.1}s {:>6.1}s {:>6.1}s {:>7.1}s",
                         s("load"),
                         s("trace"),
                         s("convert"),
                         s("palettize"),
                         s("save"),
-                        ["load", "trace", "convert", "palettize", "save"]
-                            .iter()
-                            .map(|k| s(k))
-                            .sum::<f64>()
+                        s("bundle"),
+                        COLS.iter().map(|k| s(k)).sum::<f64>()
                     );
+                };
+                for c in report["chunks"].as_array().into_iter().flatten() {
+                    row(c["name"].as_str().unwrap_or("").to_string(), &c["seconds"]);
+                    let functions = c["functions"].as_array().cloned().unwrap_or_default();
+                    if functions.len() > 1 {
+                        for f in &functions {
+                            row(
+                                format!("  {}", f["name"].as_str().unwrap_or("")),
+                                &f["seconds"],
+                            );
+                        }
+                    }
                 }
                 println!("{}", build::summary(&report, &tmp));
             }

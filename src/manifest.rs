@@ -33,11 +33,16 @@ pub enum ReleaseInputError {
     },
 }
 
+/// The plan layout kind of the batched prefill packages.
+const PREFILL: &str = "prefill";
+
 /// Which decode layouts a release carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum ReleaseLayout {
     /// chunk1..chunk4.
     Four,
+    /// chunk1_3way..chunk3_3way, plus chunk1..4.
+    Three,
     /// merged_chunk1 + merged_chunk2, plus chunk1..4 for prefill and verify.
     Two,
     /// merged_full, plus chunk1..4 for prefill and verify.
@@ -50,6 +55,7 @@ impl ReleaseLayout {
     pub fn label(self) -> &'static str {
         match self {
             ReleaseLayout::Four => "four",
+            ReleaseLayout::Three => "three",
             ReleaseLayout::Two => "two",
             ReleaseLayout::One => "one",
             ReleaseLayout::All => "all",
@@ -136,7 +142,12 @@ impl Build {
     pub fn decode_layouts(&self, layout: ReleaseLayout) -> Result<Vec<&Value>, ReleaseInputError> {
         let kinds = self.kinds();
         let want: Vec<&str> = match layout {
-            ReleaseLayout::All => kinds.iter().map(String::as_str).collect(),
+            // Prefill packages ship with every layout but are not a decode layout.
+            ReleaseLayout::All => kinds
+                .iter()
+                .map(String::as_str)
+                .filter(|k| *k != PREFILL)
+                .collect(),
             l => vec![l.label()],
         };
         let mut out = Vec::new();
@@ -167,27 +178,31 @@ impl Build {
     ) -> Result<Vec<ReleaseChunk<'_>>, ReleaseInputError> {
         let decode = self.decode_layouts(layout)?;
         let mut out: Vec<ReleaseChunk> = Vec::new();
-        for l in &decode {
+        // A package's roles are the functions it holds: chunk1..4 decode (the
+        // runtime's fallback layout) and, when built with it, verify_qK.
+        let roles_of = |c: &Value| {
+            let mut roles = vec!["decode"];
+            let kinds = c["functions"].as_array().into_iter().flatten();
+            if kinds.clone().any(|f| f["kind"] == "verify") {
+                roles.push("verify");
+            }
+            if kinds.clone().any(|f| f["kind"] == "prefill") {
+                roles = vec!["prefill"];
+            }
+            roles
+        };
+        let mut ship = decode.clone();
+        if !decode.iter().any(|l| l["kind"] == "four") {
+            ship.push(self.layout("four").expect("checked in decode_layouts"));
+        }
+        ship.extend(self.layout(PREFILL));
+        for l in ship {
             let kind = l["kind"].as_str().unwrap_or("?").to_string();
             for c in l["chunks"].as_array().into_iter().flatten() {
-                let mut roles = vec!["decode"];
-                if kind == "four" {
-                    roles.extend(["prefill", "verify"]);
-                }
                 out.push(ReleaseChunk {
                     layout: kind.clone(),
                     plan: c,
-                    roles,
-                });
-            }
-        }
-        if !decode.iter().any(|l| l["kind"] == "four") {
-            let four = self.layout("four").expect("checked in decode_layouts");
-            for c in four["chunks"].as_array().into_iter().flatten() {
-                out.push(ReleaseChunk {
-                    layout: "four".into(),
-                    plan: c,
-                    roles: vec!["prefill", "verify"],
+                    roles: roles_of(c),
                 });
             }
         }
@@ -433,6 +448,9 @@ pub fn build_manifest(
             ] {
                 m.insert(k.into(), c[k].clone());
             }
+            if c["functions"].is_array() {
+                m.insert("functions".into(), c["functions"].clone());
+            }
             if let Some(r) = inp.build.chunk_record(name) {
                 m.insert("sha256_tree".into(), r["sha256_tree"].clone());
                 m.insert("weight_bytes".into(), r["weight_bytes"].clone());
@@ -483,11 +501,14 @@ pub fn build_manifest(
     m.insert("dims".into(), b["plan"]["dims"].clone());
     m.insert("chunks".into(), Value::Array(chunk_json));
     m.insert("decode_layouts".into(), Value::Array(layouts));
+    // Batched prefill packages when the build has them; otherwise the runtime
+    // prefills one token at a time through chunk1..4.
+    let prefill = inp.build.layout(PREFILL).unwrap_or(four);
     m.insert(
         "prefill".into(),
         json!({
-            "layout": "four",
-            "chunks": four["chunks"].as_array().into_iter().flatten().map(|c| c["name"].clone()).collect::<Vec<_>>(),
+            "layout": prefill["kind"],
+            "chunks": prefill["chunks"].as_array().into_iter().flatten().map(|c| c["name"].clone()).collect::<Vec<_>>(),
         }),
     );
     m.insert("settings".into(), b["settings"].clone());

@@ -193,6 +193,23 @@ pub fn run(
     let summary = report["summary"].clone();
     if let Some(arts) = summary["artifacts"].as_object() {
         for (name, s) in arts {
+            let verdict = if s["ok"].as_bool() == Some(true) {
+                "OK"
+            } else {
+                "FAIL"
+            };
+            if s["tokens_match"].is_boolean() {
+                // verify_qK / prefill_bN with their packages' weights, against the
+                // INT4 four-chunk decode of the same build.
+                println!(
+                    "INT4 artifacts {name:<6} vs the INT4 four-chunk decode: min cos {:.6} over {} steps, tokens match: {}  ({} weights read back)  {verdict}",
+                    s["min_cos"].as_f64().unwrap_or(f64::NAN),
+                    s["steps"],
+                    s["tokens_match"],
+                    s["weights_replaced"].as_object().map_or(0, |m| m.values().filter_map(Value::as_u64).sum::<u64>()),
+                );
+                continue;
+            }
             println!(
                 "INT4 artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({} weights read back, worst relative MSE {:.2e} in {})  {}",
                 s["min_cos"].as_f64().unwrap_or(f64::NAN),
@@ -201,7 +218,7 @@ pub fn run(
                 s["weights_replaced"].as_object().map_or(0, |m| m.values().filter_map(Value::as_u64).sum::<u64>()),
                 s["worst_weight"]["rel_mse"].as_f64().unwrap_or(f64::NAN),
                 s["worst_weight"]["weight"].as_str().unwrap_or("-"),
-                if s["ok"].as_bool() == Some(true) { "OK" } else { "FAIL" }
+                verdict
             );
         }
     }
@@ -261,7 +278,13 @@ pub fn run(
             println!("the four-chunk reference disagrees with transformers (see the `reference vs transformers` lines)");
         }
         for (name, s) in summary["artifacts"].as_object().into_iter().flatten() {
-            if s["ok"].as_bool() != Some(true) {
+            if s["ok"].as_bool() != Some(true) && s["tokens_match"].is_boolean() {
+                println!(
+                    "INT4 artifacts of {name} fail: its package's weights do not reproduce the INT4 \
+                     four-chunk decode (cos >= {} and the same token at every step)",
+                    opts.tol_cos
+                );
+            } else if s["ok"].as_bool() != Some(true) {
                 println!(
                     "INT4 artifacts of {name} fail: thresholds --tol-cos-int4 {}, --min-top1-int4 {}, \
                      --max-weight-rel-mse {}; tokens match the other layouts' INT4 models: {}",

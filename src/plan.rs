@@ -209,7 +209,7 @@ pub enum FunctionKind {
 /// how many tokens, and its input/output contract.
 #[derive(Clone, Debug, Serialize)]
 pub struct FunctionPlan {
-    /// `main` for single-function packages; `decode_q1`, `verify_q3`,
+    /// `main` for single-function packages; `decode_q1`, `verify_qK` (K draft tokens),
     /// `prefill_b512` in multifunction ones.
     pub name: String,
     pub kind: FunctionKind,
@@ -540,10 +540,12 @@ pub fn plan_layout(cfg: &TextConfig, ctx: usize, kind: LayoutKind, spans: &[Span
                 name: "main".into(),
                 kind: FunctionKind::Decode,
                 tokens: 1,
-                inputs,
-                outputs,
+                inputs: inputs.clone(),
+                outputs: outputs.clone(),
                 kv_layers: Vec::new(),
             });
+            chunk.inputs = inputs;
+            chunk.outputs = outputs;
             chunk
         })
         .collect::<Vec<_>>();
@@ -593,7 +595,7 @@ fn attach_functions(cfg: &TextConfig, ctx: usize, layout: &mut Layout, f: &Funct
                     c.functions[0].name = "decode_q1".into();
                     let (inputs, outputs) = verify_contract(cfg, ctx, c, k);
                     c.functions.push(FunctionPlan {
-                        name: format!("verify_q{k}"),
+                        name: "verify_qK".into(),
                         kind: FunctionKind::Verify,
                         tokens: k,
                         inputs,
@@ -687,14 +689,24 @@ fn verify_contract(
     }
     inp.push(r.per_layer());
     inp.extend(r.rope());
-    // The caches and producer KV are the decode function's inputs, unchanged.
+    // The caches are the decode function's; the sliding producer KV is the
+    // window extended by the K - 1 newest rows, so every draft token finds
+    // its own whole window in it.
+    let alias_len = |a: Attention| {
+        if a == Attention::Sliding {
+            w + k - 1
+        } else {
+            ctx
+        }
+    };
     inp.extend(
         decode
             .inputs
             .iter()
-            .filter(|t| t.name.ends_with("_in") || t.name.starts_with("kv1"))
+            .filter(|t| t.name.ends_with("_in"))
             .cloned(),
     );
+    inp.extend(r.aliases(&c.consumes, alias_len));
     let mut out = Vec::new();
     if c.has_head {
         out.push(TensorSpec::int32("token_ids", &[1, k]));
@@ -715,7 +727,7 @@ fn verify_contract(
             out.push(TensorSpec::fp16(&format!("new_V_{label}"), &shape));
         }
     }
-    out.extend(r.aliases(&c.emits, |a| if a == Attention::Sliding { w } else { ctx }));
+    out.extend(r.aliases(&c.emits, alias_len));
     (inp, out)
 }
 
@@ -1145,12 +1157,12 @@ mod tests {
                 "prefill_chunk4"
             ]
         );
-        // chunk1..4 carry decode_q1 (default) + verify_q3; the others decode only.
+        // chunk1..4 carry decode_q1 (default) + verify_qK; the others decode only.
         for l in &p.layouts {
             for c in &l.chunks {
                 let f: Vec<_> = c.functions.iter().map(|f| f.name.as_str()).collect();
                 let want: &[&str] = match l.kind {
-                    LayoutKind::Four => &["decode_q1", "verify_q3"],
+                    LayoutKind::Four => &["decode_q1", "verify_qK"],
                     LayoutKind::Prefill => &["prefill_b512"],
                     _ => &["main"],
                 };

@@ -76,23 +76,48 @@ fn assert_palettized(pkg: &Value) {
 }
 
 #[test]
-fn build_all_writes_seven_ios18_palettized_packages_matching_the_plan() {
+fn build_all_writes_every_package_and_function_matching_the_plan() {
     let out = built_all();
     let build = json_file(&out.join("build.json"));
     let chunks = build["chunks"].as_array().unwrap();
     let names: Vec<&str> = chunks.iter().map(|c| c["name"].as_str().unwrap()).collect();
+    // chunkN and prefill_chunkN are converted together (they share one weight blob).
     assert_eq!(
         names,
         [
             "chunk1",
+            "prefill_chunk1",
             "chunk2",
+            "prefill_chunk2",
             "chunk3",
+            "prefill_chunk3",
             "chunk4",
+            "prefill_chunk4",
+            "chunk1_3way",
+            "chunk2_3way",
+            "chunk3_3way",
             "merged_chunk1",
             "merged_chunk2",
             "merged_full"
         ]
     );
+    for i in 1..=4 {
+        let blob = |p: &str| {
+            fs::read(out.join(p).join("Data/com.apple.CoreML/weights/weight.bin")).unwrap()
+        };
+        let (decode, prefill) = (
+            blob(&format!("chunk{i}.mlpackage")),
+            blob(&format!("prefill_chunk{i}.mlpackage")),
+        );
+        assert!(
+            decode == prefill,
+            "chunk{i} and prefill_chunk{i} weight blobs differ"
+        );
+        // Each weight stored once: the two-function blob is no larger than the decode function's own.
+        let c = &chunks[2 * (i - 1)];
+        let single = c["functions"][0]["weight_bytes"].as_u64().unwrap();
+        assert!(c["weight_bytes"].as_u64().unwrap() <= single, "{c}");
+    }
     let mut layer_counts = std::collections::BTreeMap::new();
     for c in chunks {
         let name = c["name"].as_str().unwrap();
@@ -111,7 +136,17 @@ fn build_all_writes_seven_ios18_palettized_packages_matching_the_plan() {
             "{name}: iOS18 spec version"
         );
         assert_eq!(pkg["model_type"], "mlProgram");
-        assert_contract(&pkg, plan_chunk(&build, name));
+        let plan = plan_chunk(&build, name);
+        assert_contract(&pkg, plan);
+        // Every function of the plan, in order, with its contract; the first is the default.
+        let want: Vec<&Value> = plan["functions"].as_array().unwrap().iter().collect();
+        let got = pkg["functions"].as_array().unwrap();
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g["name"], w["name"], "{name}");
+            assert_contract(g, w);
+        }
+        assert_eq!(pkg["default_function"], want[0]["name"], "{name}");
         assert_palettized(&pkg);
         // Layer structure of the MIL program equals the plan's range.
         let (a, b) = (
@@ -127,6 +162,7 @@ fn build_all_writes_seven_ios18_palettized_packages_matching_the_plan() {
         assert_eq!(layers, (a..=b).collect::<Vec<_>>(), "{name}");
         layer_counts.insert(name.to_string(), c["layers"].as_u64().unwrap());
     }
+    assert_eq!(layer_counts["chunk2_3way"], 17);
     assert_eq!(layer_counts["merged_chunk1"], 15);
     assert_eq!(layer_counts["merged_chunk2"], 20);
     assert_eq!(layer_counts["merged_full"], 35);

@@ -245,3 +245,105 @@ fn artifacts_holding_another_checkpoints_weights_fail_and_name_the_weight() {
         "{line}"
     );
 }
+
+/// The lines of `out` that start with `prefix`, each ending in OK.
+fn ok_lines(out: &str, prefix: &str) -> usize {
+    out.lines()
+        .filter(|l| l.starts_with(prefix) && l.ends_with(" OK"))
+        .count()
+}
+
+#[test]
+fn every_function_passes_and_breaking_verify_or_prefill_names_function_and_layer() {
+    // --mode all: four (decode_q1 + verify_qK), three, two, one, prefill_b512.
+    let (code, out) = parity(&["--mode", "all", "--prefill", "8"]);
+    assert_eq!((code, last_line(&out)), (0, OK_16), "{out}");
+    assert_eq!(ok_lines(&out, "prefill_b512 step   7 "), 1, "{out}");
+    // 16 steps in blocks of 3: 15 verified positions, each against sequential decode.
+    assert_eq!(ok_lines(&out, "verify_qK step"), 15, "{out}");
+    for layout in ["four ", "three", "two  ", "one  "] {
+        assert_eq!(
+            ok_lines(&out, &format!("{layout}  step")),
+            8,
+            "{layout}\n{out}"
+        );
+    }
+    let (code, out) = parity(&[
+        "--mode",
+        "all",
+        "--prefill",
+        "8",
+        "--no-oracle",
+        "--corrupt-layer",
+        "20",
+        "--corrupt-function",
+        "verify",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("first failing step: layout verify_qK step 0"),
+        "{out}"
+    );
+    assert!(
+        out.contains("verify_qK: first divergence at layer 20 in chunk3"),
+        "{out}"
+    );
+    let (code, out) = parity(&[
+        "--mode",
+        "all",
+        "--prefill",
+        "8",
+        "--no-oracle",
+        "--corrupt-layer",
+        "10",
+        "--corrupt-function",
+        "prefill",
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("first failing step: layout prefill_b512 step 7"),
+        "{out}"
+    );
+    assert!(
+        out.contains("prefill_b512: first divergence at layer 10 in prefill_chunk2"),
+        "{out}"
+    );
+}
+
+#[test]
+fn every_function_passes_past_the_window_and_on_e4b() {
+    // Window 8: a 512-token prefill function needs the window band, decode and
+    // verify wrap the window cache.
+    let w8 = fixture("e2b-w8", &["--sliding-window", "8"]);
+    let (code, out) = parity(&[
+        "--hf-dir",
+        w8.to_str().unwrap(),
+        "--mode",
+        "all",
+        "--prefill",
+        "8",
+        "--steps",
+        "24",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        last_line(&out),
+        "PARITY OK across 24 steps (cos >= 0.9999)."
+    );
+    assert_eq!(ok_lines(&out, "verify_qK step"), 24, "{out}");
+    assert_eq!(ok_lines(&out, "reference vs transformers"), 24, "{out}");
+    let e4b = fixture(
+        "e4b-mm",
+        &["--shape", "e4b", "--multimodal", "--shards", "3"],
+    );
+    let (code, out) = parity(&[
+        "--hf-dir",
+        e4b.to_str().unwrap(),
+        "--mode",
+        "all",
+        "--prefill",
+        "8",
+    ]);
+    assert_eq!((code, last_line(&out)), (0, OK_16), "{out}");
+    assert_eq!(ok_lines(&out, "prefill_b512 step   7 "), 1, "{out}");
+}

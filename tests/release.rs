@@ -987,34 +987,45 @@ fn layouts_ship_the_right_packages() {
     let w = tempdir("layouts");
     let build = synthetic_build(&w.join("build"), &[], 0);
     let (private, public) = keys(&w, "k");
-    let expect: [(&str, &[&str]); 4] = [
-        ("four", &["chunk1", "chunk2", "chunk3", "chunk4"]),
+    // Every layout ships chunk1..4 (decode fallback, verify_qK) and the
+    // build's prefill_chunk1..4.
+    const PREFILL: [&str; 4] = [
+        "prefill_chunk1",
+        "prefill_chunk2",
+        "prefill_chunk3",
+        "prefill_chunk4",
+    ];
+    const FOUR: [&str; 4] = ["chunk1", "chunk2", "chunk3", "chunk4"];
+    let with = |first: &[&'static str]| -> Vec<&'static str> {
+        let mut v = first.to_vec();
+        if !v.contains(&"chunk1") {
+            v.extend(FOUR);
+        }
+        v.extend(PREFILL);
+        v
+    };
+    let expect: [(&str, Vec<&str>); 5] = [
+        ("four", with(&FOUR)),
         (
-            "two",
-            &[
-                "merged_chunk1",
-                "merged_chunk2",
-                "chunk1",
-                "chunk2",
-                "chunk3",
-                "chunk4",
-            ],
+            "three",
+            with(&["chunk1_3way", "chunk2_3way", "chunk3_3way"]),
         ),
-        (
-            "one",
-            &["merged_full", "chunk1", "chunk2", "chunk3", "chunk4"],
-        ),
+        ("two", with(&["merged_chunk1", "merged_chunk2"])),
+        ("one", with(&["merged_full"])),
         (
             "all",
-            &[
+            with(&[
                 "chunk1",
                 "chunk2",
                 "chunk3",
                 "chunk4",
+                "chunk1_3way",
+                "chunk2_3way",
+                "chunk3_3way",
                 "merged_chunk1",
                 "merged_chunk2",
                 "merged_full",
-            ],
+            ]),
         ),
     ];
     let build_json: Value =
@@ -1066,7 +1077,9 @@ fn layouts_ship_the_right_packages() {
                 .map(|c| (c["name"].as_str().unwrap(), c["roles"].clone()))
                 .collect();
             assert_eq!(roles["merged_chunk1"], json!(["decode"]));
-            assert_eq!(roles["chunk1"], json!(["prefill", "verify"]));
+            assert_eq!(roles["chunk1"], json!(["decode", "verify"]));
+            assert_eq!(roles["prefill_chunk1"], json!(["prefill"]));
+            assert_eq!(m["prefill"]["layout"], "prefill");
             assert_eq!(
                 m["decode_layouts"][0]["kv_slot_map"]
                     .as_array()

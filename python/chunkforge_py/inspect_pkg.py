@@ -14,15 +14,27 @@ ARRAY_DTYPES = {65552: "fp16", 65568: "fp32", 131104: "int32"}
 LAYER_RE = re.compile(r"^layers_(\d+)_")
 
 
-def describe(args: dict[str, Any]) -> dict[str, Any]:
+def read_package(path: str, program: bool = True) -> tuple[Any, Any, str]:
+    """A saved package's spec, its MIL program (None with ``program=False`` or
+    for a non-ML-program model) and the default function's name, read without
+    loading the model (works on Linux). Every function of a chunkforge
+    multifunction package holds the same weights."""
     import coremltools as ct
     from coremltools.converters.mil.frontend.milproto.load import load as mil_load
 
-    path = args["path"]
     if not os.path.isdir(path):
         raise ChunkforgeError(f"{path}: not an .mlpackage folder")
     model = ct.models.MLModel(path, skip_model_load=True)
     spec = model.get_spec()
+    prog = None
+    if program and spec.WhichOneof("Type") == "mlProgram":
+        prog = mil_load(spec, specification_version=spec.specificationVersion, file_weights_dir=model.weights_dir)
+    return spec, prog, spec.description.defaultFunctionName or "main"
+
+
+def describe(args: dict[str, Any]) -> dict[str, Any]:
+    path = args["path"]
+    spec, prog, default = read_package(path)
     kind = spec.WhichOneof("Type")
 
     def io(features: Any) -> list[dict[str, Any]]:
@@ -39,7 +51,6 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
     # A multifunction package describes each function; its top-level I/O is
     # the default function's.
     functions = [{"name": f.name, "inputs": io(f.input), "outputs": io(f.output)} for f in desc.functions]
-    default = desc.defaultFunctionName or "main"
     top = next((f for f in functions if f["name"] == default), None)
     out: dict[str, Any] = {
         "path": path,
@@ -50,9 +61,8 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
         "outputs": top["outputs"] if top else io(desc.output),
         "functions": functions or [{"name": "main", "inputs": io(desc.input), "outputs": io(desc.output)}],
     }
-    if kind != "mlProgram":
+    if prog is None:
         return out
-    prog = mil_load(spec, specification_version=spec.specificationVersion, file_weights_dir=model.weights_dir)
     for f in out["functions"]:
         f["mil_ops"] = len(list(prog.functions[f["name"]].operations))
     main = prog.functions[default]

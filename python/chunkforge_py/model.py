@@ -260,10 +260,15 @@ class Chunk(nn.Module):
                     keys = keys[..., : attn.head_dim]
                     values = values[..., : attn.head_dim]
                 if kv.get("alias"):
-                    producer_kv[kv["alias"]] = (keys, values)
+                    windowed = self.kind == "verify" and kind == "sliding"
+                    # verify hands on the window cache extended by its rows (see attend_windows).
+                    producer_kv[kv["alias"]] = (keys[:, :, 1:], values[:, :, 1:]) if windowed else (keys, values)
             else:
                 keys, values = producer_kv[kv["alias"]]
-            a = attn.attend(x, cos, sin, keys, values, masks[kind], t)
+            if self.kind == "verify" and kind == "sliding":
+                a = self.attend_windows(attn, x, cos, sin, keys, values, masks[kind])
+            else:
+                a = attn.attend(x, cos, sin, keys, values, masks[kind], t)
             h = h + layer.post_attention_layernorm(a)
             h = layer.feed_forward(h, per_layer[:, :, spec["index"], :])
             trace.append(h)
@@ -288,6 +293,35 @@ class Chunk(nn.Module):
             out[f"{alias['alias']}_k"] = k
             out[f"{alias['alias']}_v"] = v
         return tuple(out[name] for name in self.output_names)
+
+    def attend_windows(
+        self,
+        attn: Attention,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Sliding attention of verify's K tokens, each over its own window.
+
+        ``keys`` is the window cache followed by the K new rows (or, in a later
+        chunk, that minus its oldest row: kv13 of W + K - 1 rows). Token i's
+        window is the W rows ending at its own row, so it sees exactly the
+        positions (p + i - W, p + i] a decode step at p + i would, and mask row
+        i is the runtime's decode-style row for that window (the last
+        min(p + i + 1, W) slots visible). One shifted cache for all K tokens
+        would drop the first tokens' oldest K - 1 keys and show them the
+        later drafts."""
+        w, t = self.dims["sliding_window"], self.tokens
+        first = keys.shape[2] - w - (t - 1)
+        rows = []
+        for i in range(t):
+            lo = first + i
+            window = (keys[:, :, lo : lo + w], values[:, :, lo : lo + w])
+            rows.append(attn.attend(x[:, i : i + 1], cos[:, i : i + 1], sin[:, i : i + 1], *window, mask[:, :, i : i + 1]))
+        return torch.cat(rows, dim=1)
 
     def _rope(self, inp: dict[str, torch.Tensor], s: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """cos/sin rows arrive as [1, 1, t, hd]; the t tokens sit on axis 1 of q/k."""
@@ -358,11 +392,15 @@ class Chunk(nn.Module):
             v_new = nn.functional.pad(v_new, (0, pad))
         k_cache = cache[0][slot : slot + 1]
         v_cache = cache[1][slot : slot + 1]
-        t = self.tokens
-        if kind == "sliding":
-            # Window cache: drop the oldest t entries, append the newest at the end.
-            keys = torch.cat([k_cache[:, :, t:, :], k_new], dim=2)
-            values = torch.cat([v_cache[:, :, t:, :], v_new], dim=2)
+        if kind == "sliding" and self.kind == "verify":
+            # The window followed by the t new rows; each token takes its own
+            # window out of it (attend_windows).
+            keys = torch.cat([k_cache, k_new], dim=2)
+            values = torch.cat([v_cache, v_new], dim=2)
+        elif kind == "sliding":
+            # Window cache: drop the oldest entry, append the newest at the end.
+            keys = torch.cat([k_cache[:, :, 1:, :], k_new], dim=2)
+            values = torch.cat([v_cache[:, :, 1:, :], v_new], dim=2)
         elif self.kind == "verify":
             # update_indicator [1, 1, ctx, t] scatters the t rows to their
             # positions; its row sums mark which cache rows they replace.

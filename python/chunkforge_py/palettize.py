@@ -254,15 +254,13 @@ def clear_cache() -> None:
 def read_palettized(path: str) -> list[dict[str, Any]]:
     """Every `constexpr_lut_to_dense` of a saved package, read back through
     coremltools: {"name", "lut" (np), "indices" (np), "indices_dtype" (MIL type name)}."""
-    import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load as load_milproto
     from coremltools.converters.mil.mil import types
 
-    model = ct.models.MLModel(path, skip_model_load=True)
-    spec = model.get_spec()
-    prog = load_milproto(spec, spec.specificationVersion, file_weights_dir=model.weights_dir)
+    from .inspect_pkg import read_package
+
+    _, prog, default = read_package(path)
     out = []
-    for op in prog.functions["main"].operations:
+    for op in prog.functions[default].operations:
         if op.op_type == "constexpr_lut_to_dense":
             out.append(
                 {

@@ -145,7 +145,7 @@ def verify_records(
     teacher-forced tokens at a time, then commit its rows. Each position must
     give the token and the (pre-norm) last-layer hidden state of the
     reference's sequential decode step."""
-    name = f"verify_q{k}"
+    name = "verify_qK"
     last_layer = max(ref_results[0]["trace"])
     for pos in range(0, steps - k + 1, k):
         got = vr.verify(emb, prompt[pos : pos + k], pos)
@@ -170,6 +170,57 @@ def verify_records(
         vr.commit(got["new"], pos, k)
 
 
+def artifact_functions(
+    req: dict[str, Any],
+    dims: dict[str, Any],
+    ckpt: Checkpoint,
+    emb: Embeddings,
+    prompt: list[int],
+    steps: int,
+    four: dict[str, Any],
+    q: LayoutRunner,
+    q_results: list[dict[str, Any]],
+    build_dir: str,
+    tol: float,
+) -> dict[str, Any]:
+    """verify_qK of chunk1..4 and the prefill functions of prefill_chunk1..4,
+    with the weights read back from their packages, against the INT4
+    four-chunk decode ``q`` of the same build (which ran ``steps`` steps)."""
+    out: dict[str, Any] = {}
+    k = next((f["tokens"] for f in four["chunks"][0]["functions"] if f["kind"] == "verify"), None)
+    if k:
+        vq = LayoutRunner(dims, four, ckpt, modules=q.modules)
+        replaced, _ = load_artifacts_into(vq.verify_modules(ckpt), four["chunks"], build_dir)
+        recs: list[dict[str, Any]] = []
+        verify_records(recs, {}, vq, emb, prompt, steps, k, q_results, four, tol)
+        out["verify_qK"] = function_summary(recs, replaced)
+    n = int(req.get("prefill") or 0)
+    if n and req.get("prefill_layout"):
+        again = LayoutRunner(dims, four, ckpt, modules=q.modules)
+        for t in range(n):
+            again.step(emb, prompt[t], t)
+        pf_layout = req["prefill_layout"]
+        fits = sorted(f["tokens"] for f in pf_layout["chunks"][0]["functions"] if f["tokens"] >= n)
+        pf = PrefillRunner(dims, pf_layout, ckpt, fits[0])
+        replaced, _ = load_artifacts_into(pf.modules, pf_layout["chunks"], build_dir)
+        prefilled, _ = run_prefill(req, dims, ckpt, emb, prompt[:n], four, again, pf)
+        recs = []
+        prefill_record(recs, {}, prefilled, again, q_results[:n], four, tol)
+        out[prefilled["function"]] = function_summary(recs, replaced)
+    return out
+
+
+def function_summary(records: list[dict[str, Any]], replaced: dict[str, int]) -> dict[str, Any]:
+    """The artifact summary of one function's records."""
+    return {
+        "weights_replaced": replaced,
+        "min_cos": min(r["cos"] for r in records),
+        "steps": len(records),
+        "tokens_match": all(r["token"] == r["ref_token"] for r in records),
+        "ok": all(r["ok"] for r in records),
+    }
+
+
 def const_key(name: str) -> str:
     """A package const's name reduced to the torch parameter path with dots as
     underscores (coremltools appends `_promoted_to_fp16`, `_palettized`, ...)."""
@@ -180,16 +231,13 @@ def const_key(name: str) -> str:
 
 def artifact_weights(package: str) -> dict[str, torch.Tensor]:
     """Dense fp32 weights of every palettized const in a built package (LUT + indices -> dense)."""
-    import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto.load import load as mil_load
+    from .inspect_pkg import read_package
 
     if not os.path.isdir(package):
         raise ChunkforgeError(f"{package}: package not found (build it with `chunkforge build --mode all`)")
-    model = ct.models.MLModel(package, skip_model_load=True)
-    spec = model.get_spec()
-    prog = mil_load(spec, specification_version=spec.specificationVersion, file_weights_dir=model.weights_dir)
+    _, prog, default = read_package(package)
     out = {}
-    for op in prog.functions["main"].operations:
+    for op in prog.functions[default].operations:
         if op.op_type == "constexpr_lut_to_dense":
             out[const_key(op.name)] = torch.from_numpy(op.materialized_val_inference().astype("float32"))
     return out
@@ -200,10 +248,16 @@ def load_artifacts(runner: LayoutRunner, build_dir: str) -> tuple[dict[str, int]
     dequantized one. Returns replaced counts per chunk and the worst relative
     MSE (dequantized vs checkpoint weight), which exposes a weight stored in the
     wrong layer or slot (relative MSE ~2) as clearly as a bad quantizer."""
+    return load_artifacts_into(runner.modules, runner.chunks, build_dir)
+
+
+def load_artifacts_into(
+    modules: dict[str, Any], chunks: list[dict[str, Any]], build_dir: str
+) -> tuple[dict[str, int], dict[str, Any]]:
     counts = {}
     worst = {"weight": None, "rel_mse": 0.0}
-    for chunk in runner.chunks:
-        mod = runner.modules[chunk["name"]]
+    for chunk in chunks:
+        mod = modules[chunk["name"]]
         dense = artifact_weights(os.path.join(build_dir, f"{chunk['name']}.mlpackage"))
         replaced = 0
         new_state = {}
@@ -349,8 +403,10 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
             agree = 0
             coss = []
             tokens = []
+            q_results = []
             for t in range(steps):
                 got = q.step(emb, prompt[t], t)
+                q_results.append(got)
                 c = cosine(ref_results[t]["hidden"], got["hidden"])
                 same = got["token"] == ref_results[t]["token"]
                 agree += same
@@ -377,6 +433,12 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
                 and worst["rel_mse"] <= req["max_weight_rel_mse"]
                 and tokens == first_tokens
             )
+            if name == "four":
+                # The packages' own verify and prefill weights against the same
+                # INT4 model's sequential decode: equal up to fp32 rounding.
+                artifact_summary.update(
+                    artifact_functions(req, dims, ckpt, emb, prompt, steps, layout, q, q_results, build_dir, tol)
+                )
             artifact_summary[name] = {
                 "weights_replaced": replaced,
                 "worst_weight": worst,

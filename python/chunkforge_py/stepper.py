@@ -48,13 +48,16 @@ def step_masks(
     holds position pos + tokens - window + s. Query i (position pos + i) sees
     the slots holding positions in (pos + i - window, pos + i]. One token gives
     the decode shapes ([1,1,1,ctx], [1,1,1,W], update_mask [1,1,ctx,1]); K
-    tokens the verify ones (update_indicator [1,1,ctx,K]).
+    tokens the verify ones (update_indicator [1,1,ctx,K]), where sliding row i
+    is the decode row of position pos + i: verify gives each token the window
+    ending at its own position (``Chunk.attend_windows``), as the runtime's
+    verify mask has it.
     """
     query = torch.arange(pos, pos + tokens).view(tokens, 1)
     full_mask = torch.where(torch.arange(ctx).view(1, ctx) <= query, 0.0, MASK_MIN)
-    held = torch.arange(window).view(1, window) + pos + tokens - window
-    visible = (held <= query) & (held > query - window) & (held >= 0)
-    sliding_mask = torch.where(visible, 0.0, MASK_MIN)
+    # Window slot s of the window ending at position q holds position q - (window - 1 - s).
+    held = torch.arange(window).view(1, window) + query - (window - 1)
+    sliding_mask = torch.where(held >= 0, 0.0, MASK_MIN)
     update = torch.zeros((1, 1, ctx, tokens), dtype=dtype)
     update[0, 0, pos + torch.arange(tokens), torch.arange(tokens)] = 1
     return (

@@ -109,3 +109,29 @@ def test_step_inputs_are_what_the_runtime_feeds() -> None:
     blocked = torch.cat([full.view(-1)[3:], sliding.view(-1)[:5]])
     assert blocked.numel() == 13 + 5
     assert torch.all(blocked.view(torch.int16) == torch.tensor(0xFC00 - 0x10000, dtype=torch.int16))
+
+
+@pytest.mark.parametrize("pos", [0, 2, 6, 30])
+def test_verify_rows_are_the_decode_rows_of_their_positions(pos: int) -> None:
+    # verify_qK's K rows are what K decode steps at pos..pos+K-1 would get: the
+    # runtime builds them that way, and each token attends over its own window.
+    full, sliding, indicator = stepper.step_masks(64, 8, pos, torch.float32, tokens=3)
+    for i in range(3):
+        f1, s1, u1 = stepper.step_masks(64, 8, pos + i, torch.float32)
+        assert torch.equal(full[0, 0, i], f1.view(-1)) and torch.equal(sliding[0, 0, i], s1.view(-1))
+        assert torch.equal(indicator[0, 0, :, i], u1.view(-1))
+
+
+def test_prefill_window_band_matches_transformers() -> None:
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    n, w = 12, 5
+    causal, last = stepper.prefill_masks(9, n, torch.float32)
+    chunk = model.Chunk.__new__(model.Chunk)
+    chunk.kind, chunk.tokens, chunk.dims = "prefill", n, {"sliding_window": w}
+    sliding = chunk._masks({"causal_mask": causal})["sliding"][0, 0]
+    rule = sliding_window_causal_mask_function(w)
+    for i in range(n):
+        for j in range(n):
+            assert (float(sliding[i, j]) == 0) == bool(rule(0, 0, torch.tensor(i), torch.tensor(j))), (i, j)
+    assert last.view(-1).tolist() == [1.0 if i == 8 else 0.0 for i in range(n)]
