@@ -837,7 +837,13 @@ fn contract(
         inp.push(TensorSpec::fp16(&format!("{}_v", u.alias), &alias_shape(u)));
     }
 
-    let mut out = vec![TensorSpec::fp16("hidden_states_out", &[1, 1, h])];
+    // The head's token first, as the runtime's packages declare it.
+    let mut out = Vec::new();
+    if c.has_head {
+        out.push(TensorSpec::int32("token_id", &[1]));
+        out.push(TensorSpec::fp16("token_logit", &[1]));
+    }
+    out.push(TensorSpec::fp16("hidden_states_out", &[1, 1, h]));
     if !c.sliding_slots.is_empty() {
         let s = cache(Attention::Sliding, c.sliding_slots.len());
         out.push(TensorSpec::fp16("K_sliding_out", &s));
@@ -854,14 +860,6 @@ fn contract(
     }
     if c.computes_per_layer_input && multi {
         out.push(TensorSpec::fp16("per_layer_combined_out", &[1, 1, ple]));
-    }
-    if c.has_head {
-        out.push(TensorSpec {
-            name: "token_id".into(),
-            shape: vec![1],
-            dtype: "int32",
-        });
-        out.push(TensorSpec::fp16("token_logit", &[1]));
     }
     (inp, out)
 }

@@ -75,6 +75,62 @@ fn assert_palettized(pkg: &Value) {
     }
 }
 
+/// The checked-in contract table (transcribed from upstream's conversion scripts
+/// at the default checkpoint's dims): package -> functions with their I/O.
+fn contract_table() -> Value {
+    json_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/contracts/default-e2b.json"))
+}
+
+/// `functions` (plan or `inspect --json`) as (function name, inputs, outputs) lists.
+fn function_contracts(
+    functions: &Value,
+) -> Vec<(
+    String,
+    Vec<(String, Value, String)>,
+    Vec<(String, Value, String)>,
+)> {
+    functions
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                f["name"].as_str().unwrap().to_string(),
+                io_list(f, "inputs"),
+                io_list(f, "outputs"),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_roles_contract_matches_the_checked_in_table() {
+    let table = contract_table();
+    let plan: Value = serde_json::from_str(&ok(&["plan", "--mode", "all", "--json"])).unwrap();
+    let chunks: Vec<&Value> = plan["layouts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|l| l["chunks"].as_array().unwrap())
+        .collect();
+    let packages = table["packages"].as_object().unwrap();
+    assert_eq!(chunks.len(), packages.len());
+    for c in chunks {
+        let name = c["name"].as_str().unwrap();
+        assert_eq!(
+            function_contracts(&c["functions"]),
+            function_contracts(&packages[name]),
+            "{name}"
+        );
+    }
+    // The one deliberate difference from upstream: verify's sliding kv13 carries W + K - 1 rows.
+    let dev = table["deviations"].as_array().unwrap();
+    assert_eq!(dev.len(), 6);
+    assert!(dev
+        .iter()
+        .all(|d| d["tensor"].as_str().unwrap().starts_with("kv13_")));
+}
+
 #[test]
 fn build_all_writes_every_package_and_function_matching_the_plan() {
     let out = built_all();
@@ -147,6 +203,11 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
             assert_contract(g, w);
         }
         assert_eq!(pkg["default_function"], want[0]["name"], "{name}");
+        assert_eq!(
+            function_contracts(&pkg["functions"]),
+            function_contracts(&contract_table()["packages"][name]),
+            "{name}: read back against the checked-in contract table"
+        );
         assert_palettized(&pkg);
         // Layer structure of the MIL program equals the plan's range.
         let (a, b) = (
