@@ -268,46 +268,38 @@ fn every_function_passes_and_breaking_verify_or_prefill_names_function_and_layer
             "{layout}\n{out}"
         );
     }
-    let (code, out) = parity(&[
-        "--mode",
-        "all",
-        "--prefill",
-        "8",
-        "--no-oracle",
-        "--corrupt-layer",
-        "20",
-        "--corrupt-function",
-        "verify",
-    ]);
-    assert_eq!(code, 1, "{out}");
-    assert!(
-        out.contains("first failing step: layout verify_qK step 0"),
-        "{out}"
-    );
-    assert!(
-        out.contains("verify_qK: first divergence at layer 20 in chunk3"),
-        "{out}"
-    );
-    let (code, out) = parity(&[
-        "--mode",
-        "all",
-        "--prefill",
-        "8",
-        "--no-oracle",
-        "--corrupt-layer",
-        "10",
-        "--corrupt-function",
-        "prefill",
-    ]);
-    assert_eq!(code, 1, "{out}");
-    assert!(
-        out.contains("first failing step: layout prefill_b512 step 7"),
-        "{out}"
-    );
-    assert!(
-        out.contains("prefill_b512: first divergence at layer 10 in prefill_chunk2"),
-        "{out}"
-    );
+    for (function, layer, failure, divergence) in [
+        (
+            "verify",
+            "20",
+            "layout verify_qK step 0",
+            "verify_qK: first divergence at layer 20 in chunk3",
+        ),
+        (
+            "prefill",
+            "10",
+            "layout prefill_b512 step 7",
+            "prefill_b512: first divergence at layer 10 in prefill_chunk2",
+        ),
+    ] {
+        let (code, out) = parity(&[
+            "--mode",
+            "all",
+            "--prefill",
+            "8",
+            "--no-oracle",
+            "--corrupt-layer",
+            layer,
+            "--corrupt-function",
+            function,
+        ]);
+        assert_eq!(code, 1, "{out}");
+        assert!(
+            out.contains(&format!("first failing step: {failure}")),
+            "{out}"
+        );
+        assert!(out.contains(divergence), "{out}");
+    }
 }
 
 #[test]
