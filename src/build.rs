@@ -82,6 +82,7 @@ pub fn run(
     settings: &Settings,
 ) -> Result<BuildReport> {
     let started = Instant::now();
+    fsutil::output_folder(out)?;
     let _lock = settings
         .lock
         .map(|on_locked| OutputLock::take(out, on_locked))

@@ -47,6 +47,15 @@ pub fn install_interrupt_handler() {
     });
 }
 
+/// Creates the output folder `out` if missing (refusing a file of that name).
+pub fn output_folder(out: &Path) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        bail!("{}: output path exists and is not a folder", out.display());
+    }
+    fs::create_dir_all(out)
+        .with_context(|| format!("{}: cannot create the output folder", out.display()))
+}
+
 /// A staging folder in `out`; removed on drop unless committed.
 pub struct Staging {
     pub out: PathBuf,
@@ -66,11 +75,7 @@ fn pid_alive(pid: u32) -> bool {
 
 impl Staging {
     pub fn new(out: &Path) -> Result<Self> {
-        if out.exists() && !out.is_dir() {
-            bail!("{}: output path exists and is not a folder", out.display());
-        }
-        fs::create_dir_all(out)
-            .with_context(|| format!("{}: cannot create the output folder", out.display()))?;
+        output_folder(out)?;
         clean_stale(out)?;
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use anyhow::{bail, Context, Result};
+use sha2::Digest;
 
 /// The journal of a publish in progress, inside the run's staging folder.
 const JOURNAL: &str = ".chunkforge-journal";
@@ -212,13 +213,16 @@ fn sync_tree(root: &Path) -> io::Result<()> {
     if !durable() {
         return Ok(());
     }
+    let mut paths = Vec::new();
     for e in walkdir::WalkDir::new(root) {
         let e = e.map_err(io::Error::other)?;
         if !e.file_type().is_symlink() {
-            File::open(e.path())?.sync_all()?;
+            paths.push(e.into_path());
         }
     }
-    Ok(())
+    // In parallel: the device takes several flushes at once.
+    use rayon::prelude::*;
+    paths.par_iter().try_for_each(|p| File::open(p)?.sync_all())
 }
 
 fn parent(p: &Path) -> &Path {
@@ -419,7 +423,8 @@ impl OnLocked {
 }
 
 /// The lock of one output (a build folder, a release folder): a file
-/// `.NAME.chunkforge-lock` beside it, holding the pid and command line of the
+/// `.NAME.chunkforge-lock` beside it (inside a build folder whose parent is
+/// not writable: `.chunkforge-lock`), holding the pid and command line of the
 /// run that holds it (emptied on release, so a non-empty file found free was
 /// left by a run that was killed).
 pub struct OutputLock {
@@ -431,9 +436,22 @@ impl OutputLock {
     /// Takes the lock of `output`, waiting for the run holding it or
     /// refusing. Creates the folder `output` is in.
     pub fn take(output: &Path, on_locked: OnLocked) -> Result<OutputLock> {
-        let path = lock_path(output)?;
+        let mut path = lock_path(output)?;
+        let mut first = FileLock::try_take(&path);
+        if first.as_ref().is_err_and(|e| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem
+            )
+        }) && output.is_dir()
+        {
+            // A folder we may not write into holds a build folder we may:
+            // the lock goes inside it instead.
+            path = output.join(".chunkforge-lock");
+            first = FileLock::try_take(&path);
+        }
         let cannot = || format!("{}: cannot create or lock", path.display());
-        let lock = match FileLock::try_take(&path).with_context(cannot)? {
+        let lock = match first.with_context(cannot)? {
             Some(l) => l,
             None => {
                 let holder = holder(&path);
@@ -523,7 +541,13 @@ fn lock_path(output: &Path) -> Result<PathBuf> {
         .canonicalize()
         .with_context(|| format!("{}: cannot resolve", dir.display()))?;
     let mut file = OsString::from(".");
-    file.push(name);
+    // File names have at most 255 bytes; a longer one is named by its digest.
+    if name.len() + 17 <= 255 {
+        file.push(name);
+    } else {
+        let digest = sha2::Sha256::digest(name.as_bytes());
+        file.push(crate::pyenv::hex(&digest[..8]));
+    }
     file.push(".chunkforge-lock");
     Ok(dir.join(file))
 }

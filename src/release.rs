@@ -4,8 +4,9 @@
 //! system, so the final step is a rename): packages are copied and hashed in
 //! one read, `manifest.json` is written, the whole folder is signed into
 //! `model.sig`, and only then does the folder take the place of `--output`.
-//! A run killed at any point leaves the previous release (or none) and a
-//! staging folder that the next run removes.
+//! It is published with its archive as one unit (`crate::publish`): a run
+//! killed at any point leaves the previous release or the new one, and the
+//! next run undoes a publish cut short before its commit.
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -1094,6 +1094,33 @@ fn parent_of(p: &Path) -> &Path {
     p.parent().unwrap()
 }
 
+/// A fresh folder with a synthetic build (`big_mib` as in `synthetic_build`)
+/// and keys: (folder, build, private key, public key).
+fn scratch(tag: &str, big_mib: usize) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+    let w = tempdir(tag);
+    let build = synthetic_build(&w.join("build"), &[], big_mib);
+    let (private, public) = keys(&w, "k");
+    (w, build, private, public)
+}
+
+/// `package BUILD --layout LAYOUT --key KEY --output OUT --version VERSION`.
+fn package_args(build: &Path, layout: &str, key: &Path, out: &Path, version: &str) -> Vec<String> {
+    [
+        "package",
+        s(build),
+        "--layout",
+        layout,
+        "--key",
+        s(key),
+        "--output",
+        s(out),
+        "--version",
+        version,
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -1114,28 +1141,13 @@ fn names_in(dir: &Path) -> Vec<String> {
 /// archive and digest file back byte for byte and reports the stale lock.
 #[test]
 fn sigkill_at_every_publish_step_is_undone_by_the_next_run() {
-    let w = tempdir("kill-steps");
-    let build = synthetic_build(&w.join("build"), &[], 0);
-    let (private, public) = keys(&w, "k");
+    let (w, build, private, public) = scratch("kill-steps", 0);
     let parent = w.join("out");
     let (out, zip) = (parent.join("rel"), parent.join("rel.zip"));
-    let args = |v: &str| -> Vec<String> {
-        [
-            "package",
-            s(&build),
-            "--layout",
-            "two",
-            "--key",
-            s(&private),
-            "--output",
-            s(&out),
-            "--version",
-            v,
-            "--zip",
-            s(&zip),
-        ]
-        .map(String::from)
-        .to_vec()
+    let args = |v: &str| {
+        let mut a = package_args(&build, "two", &private, &out, v);
+        a.extend(["--zip".into(), s(&zip).into()]);
+        a
     };
     let mut steps = Vec::new();
     for fallback in [false, true] {
@@ -1202,27 +1214,10 @@ fn sigkill_at_every_publish_step_is_undone_by_the_next_run() {
 /// own whole release.
 #[test]
 fn a_second_package_into_one_output_waits_or_refuses() {
-    let w = tempdir("lock");
-    let build = synthetic_build(&w.join("build"), &[], 64);
-    let (private, public) = keys(&w, "k");
+    let (w, build, private, public) = scratch("lock", 64);
     let out = w.join("out").join("rel");
     let lock = w.join("out").join(".rel.chunkforge-lock");
-    let args = |v: &str| -> Vec<String> {
-        [
-            "package",
-            s(&build),
-            "--layout",
-            "all",
-            "--key",
-            s(&private),
-            "--output",
-            s(&out),
-            "--version",
-            v,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
+    let args = |v: &str| package_args(&build, "all", &private, &out, v);
     let spawn = |v: &str| {
         Command::new(common::bin())
             .args(args(v))
@@ -1287,22 +1282,11 @@ fn a_second_package_into_one_output_waits_or_refuses() {
 /// and the folder holding it after (strace shows the order of the calls).
 #[test]
 fn package_fsyncs_files_before_publishing_and_the_folder_after() {
-    let w = tempdir("fsync");
-    let build = synthetic_build(&w.join("build"), &[], 0);
-    let (private, _) = keys(&w, "k");
+    let (w, build, private, _) = scratch("fsync", 0);
     let parent = w.join("out");
     let out = parent.join("rel");
-    let args = [
-        "package",
-        s(&build),
-        "--layout",
-        "two",
-        "--key",
-        s(&private),
-        "--output",
-        s(&out),
-    ];
-    ok(&args);
+    let args = package_args(&build, "two", &private, &out, "1");
+    ok(&strs(&args));
     let trace = w.join("trace");
     let o = Command::new("strace")
         .args([

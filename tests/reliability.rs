@@ -602,14 +602,11 @@ fn sigkill_at_every_publish_step_of_a_build_is_undone_by_the_next_run() {
             pkg.display()
         );
     }
-    assert!(
-        fs::read_dir(&out).unwrap().all(|e| !e
-            .unwrap()
-            .file_name()
-            .to_string_lossy()
-            .starts_with(".chunkforge")),
-        "staging folders left"
-    );
+    let all: Vec<_> = fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(all.len(), 3, "staging folders left: {all:?}");
 }
 
 /// `build --no-wait` into an output folder another build is writing refuses
