@@ -1322,7 +1322,8 @@ fn package_fsyncs_files_before_publishing_and_the_folder_after() {
         .collect();
     assert!(files.len() > 5);
     for f in &files {
-        let staged = format!("/rel/{f}>)");
+        // `-y` shows the path as `fd</path>`; threads split a call across lines.
+        let staged = format!("/rel/{f}>");
         assert!(
             lines[..publish].iter().any(|l| l.contains("fsync(")
                 && l.contains(".chunkforge-staging-")
@@ -1330,7 +1331,7 @@ fn package_fsyncs_files_before_publishing_and_the_folder_after() {
             "{f} not fsynced before the publish"
         );
     }
-    let folder = format!("<{}>)", parent.display());
+    let folder = format!("<{}>", parent.display());
     assert!(
         lines[publish..]
             .iter()
