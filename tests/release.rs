@@ -1208,6 +1208,41 @@ fn sigkill_at_every_publish_step_is_undone_by_the_next_run() {
     fs::remove_dir_all(&w).unwrap();
 }
 
+/// Spawns chunkforge with `args`, stderr piped.
+fn spawn_piped(args: &[String]) -> std::process::Child {
+    Command::new(common::bin())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until the lock file `lock` names `child` as its holder.
+fn wait_for_lock(lock: &Path, child: &std::process::Child) {
+    let t = std::time::Instant::now();
+    let holder = format!("{}\t", child.id());
+    while !fs::read_to_string(lock)
+        .unwrap_or_default()
+        .starts_with(&holder)
+    {
+        assert!(
+            t.elapsed().as_secs() < 60,
+            "{} never took {lock:?}",
+            child.id()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+fn signal(sig: &str, pid: u32) {
+    assert!(Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success())
+}
+
 /// A second `package` into one --output while the first holds it (stopped
 /// with SIGSTOP so the overlap is certain): with --no-wait it refuses naming
 /// the first run's pid; without, it says so, waits, and then publishes its
@@ -1218,34 +1253,8 @@ fn a_second_package_into_one_output_waits_or_refuses() {
     let out = w.join("out").join("rel");
     let lock = w.join("out").join(".rel.chunkforge-lock");
     let args = |v: &str| package_args(&build, "all", &private, &out, v);
-    let spawn = |v: &str| {
-        Command::new(common::bin())
-            .args(args(v))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let mut first = spawn("first");
-    let t = std::time::Instant::now();
-    let holder = format!("{}\t", first.id());
-    while !fs::read_to_string(&lock)
-        .unwrap_or_default()
-        .starts_with(&holder)
-    {
-        assert!(
-            t.elapsed().as_secs() < 60,
-            "the first run never took {lock:?}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
-    let signal = |sig: &str, pid: u32| {
-        assert!(Command::new("kill")
-            .args([sig, &pid.to_string()])
-            .status()
-            .unwrap()
-            .success())
-    };
+    let mut first = spawn_piped(&args("first"));
+    wait_for_lock(&lock, &first);
     signal("-STOP", first.id());
     assert!(
         first.try_wait().unwrap().is_none(),
@@ -1262,7 +1271,7 @@ fn a_second_package_into_one_output_waits_or_refuses() {
         "{e}"
     );
 
-    let mut second = spawn("second");
+    let mut second = spawn_piped(&args("second"));
     let err = std::io::BufReader::new(second.stderr.take().unwrap());
     let mut lines = std::io::BufRead::lines(err);
     let line = lines.next().unwrap().unwrap();
@@ -1339,5 +1348,55 @@ fn package_fsyncs_files_before_publishing_and_the_folder_after() {
         "{} not fsynced after the publish",
         parent.display()
     );
+    fs::remove_dir_all(&w).unwrap();
+}
+
+/// Ctrl-C during `package` exits 130 and leaves its lock released and
+/// empty: the next run does not report it as left by a killed run.
+#[test]
+fn ctrl_c_during_package_releases_the_lock_cleanly() {
+    let (w, build, private, _) = scratch("lock-int", 64);
+    let out = w.join("out").join("rel");
+    let lock = w.join("out").join(".rel.chunkforge-lock");
+    let mut child = spawn_piped(&package_args(&build, "all", &private, &out, "1"));
+    wait_for_lock(&lock, &child);
+    signal("-INT", child.id());
+    assert_eq!(child.wait().unwrap().code(), Some(130));
+    assert_eq!(fs::read_to_string(&lock).unwrap(), "", "lock not emptied");
+    let o = run(&strs(&package_args(&build, "all", &private, &out, "2")));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        !stderr(&o).contains("ended without releasing"),
+        "{}",
+        stderr(&o)
+    );
+    fs::remove_dir_all(&w).unwrap();
+}
+
+/// A previous release that an older chunkforge had moved aside
+/// (`.chunkforge-staging-<pid>-old-<name>`) when it was killed is put back by
+/// the next run, not deleted (this run is killed before its own first rename).
+#[test]
+fn a_release_left_aside_by_an_older_version_is_put_back() {
+    let (w, build, private, public) = scratch("legacy-aside", 0);
+    let parent = w.join("out");
+    let out = parent.join("rel");
+    ok(&strs(&package_args(
+        &build, "two", &private, &out, "previous",
+    )));
+    // A pid that has ended: a process of ours, reaped.
+    let mut gone = Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let aside = parent.join(format!(".chunkforge-staging-{}-old-rel", gone.id()));
+    fs::rename(&out, &aside).unwrap();
+    let o = run_env(
+        &strs(&package_args(&build, "two", &private, &out, "new")),
+        &[("CHUNKFORGE_TEST_KILL_AT_STEP", "1")],
+    );
+    assert!(killed(&o), "{}", stderr(&o));
+    assert!(stderr(&o).contains("restored"), "{}", stderr(&o));
+    assert!(!aside.exists());
+    assert!(cf_verify(&out, &public).status.success());
+    assert_eq!(manifest(&out)["release"]["version"], json!("previous"));
     fs::remove_dir_all(&w).unwrap();
 }
