@@ -27,7 +27,9 @@ pub fn install_interrupt_handler() {
     let _ = ctrlc::set_handler(|| {
         let _publishing = PUBLISH_LOCK.lock();
         let dirs = LIVE_STAGING.lock().map(|v| v.clone()).unwrap_or_default();
-        for d in &dirs {
+        // A folder with a journal holds previous entries a failed publish
+        // could not put back: left for the next run to recover.
+        for d in dirs.iter().filter(|d| !publish::has_journal(d)) {
             // The main thread may still be writing into it: retry until it is gone.
             for _ in 0..20 {
                 if fs::remove_dir_all(d).is_ok() || !d.exists() {
@@ -132,7 +134,8 @@ impl Staging {
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        if !self.committed {
+        // A journal left by a failed publish: the next run recovers the folder.
+        if !self.committed && !publish::has_journal(&self.dir) {
             let _ = fs::remove_dir_all(&self.dir);
         }
         if let Ok(mut live) = LIVE_STAGING.lock() {

@@ -39,32 +39,44 @@ fn durable() -> bool {
 /// `CHUNKFORGE_TEST_KILL_AT_STEP=N` makes the process SIGKILL itself right
 /// before the Nth step of its publishes (each rename or exchange, and the
 /// journal removal that commits), so the tests can cut a publish at every
-/// point. `CHUNKFORGE_TEST_NO_EXCHANGE=1` takes the three-rename path used on
-/// file systems without an atomic exchange.
+/// point. `CHUNKFORGE_TEST_FAIL_AT_STEP=N` makes that step fail with an I/O
+/// error instead. `CHUNKFORGE_TEST_NO_EXCHANGE=1` takes the three-rename path
+/// used on file systems without an atomic exchange.
 struct Hooks {
     kill_at: Option<usize>,
+    fail_at: Option<usize>,
     no_exchange: bool,
 }
 
 fn hooks() -> &'static Hooks {
     static HOOKS: OnceLock<Hooks> = OnceLock::new();
     HOOKS.get_or_init(|| Hooks {
-        kill_at: std::env::var("CHUNKFORGE_TEST_KILL_AT_STEP")
-            .ok()
-            .and_then(|v| v.parse().ok()),
+        kill_at: step_var("CHUNKFORGE_TEST_KILL_AT_STEP"),
+        fail_at: step_var("CHUNKFORGE_TEST_FAIL_AT_STEP"),
         no_exchange: std::env::var_os("CHUNKFORGE_TEST_NO_EXCHANGE").is_some(),
     })
 }
 
+fn step_var(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
 /// Marks the next step of a publish (see [`Hooks`]).
-fn step() {
+fn step() -> io::Result<()> {
     static STEPS: AtomicUsize = AtomicUsize::new(0);
-    if let Some(n) = hooks().kill_at {
-        if STEPS.fetch_add(1, Ordering::SeqCst) + 1 == n {
-            // SAFETY: kill only sends a signal, here to this process.
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-        }
+    let h = hooks();
+    if h.kill_at.is_none() && h.fail_at.is_none() {
+        return Ok(());
     }
+    let n = Some(STEPS.fetch_add(1, Ordering::SeqCst) + 1);
+    if n == h.kill_at {
+        // SAFETY: kill only sends a signal, here to this process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    if n == h.fail_at {
+        return Err(io::Error::other("CHUNKFORGE_TEST_FAIL_AT_STEP"));
+    }
+    Ok(())
 }
 
 fn c_path(p: &Path) -> io::Result<CString> {
@@ -146,13 +158,13 @@ fn discard(from: &Path) -> PathBuf {
 fn swap_in(e: &Entry) -> io::Result<()> {
     match fs::symlink_metadata(&e.to) {
         Err(err) if err.kind() == io::ErrorKind::NotFound => {
-            step();
+            step()?;
             return fs::rename(&e.from, &e.to);
         }
         Err(err) => return Err(err),
         Ok(_) => {}
     }
-    step();
+    step()?;
     if exchange(&e.from, &e.to)? {
         return Ok(());
     }
@@ -160,9 +172,9 @@ fn swap_in(e: &Entry) -> io::Result<()> {
     // missing; the journal lets the next run put the previous entry back.
     let parked = aside(&e.from);
     fs::rename(&e.to, &parked)?;
-    step();
+    step()?;
     fs::rename(&e.from, &e.to)?;
-    step();
+    step()?;
     fs::rename(&parked, &e.from)
 }
 
@@ -198,6 +210,16 @@ fn remove_any(p: &Path) {
             let _ = fs::remove_file(p);
         }
         Err(_) => {}
+    }
+}
+
+/// After a roll-back: removes the new entries, never committed, wherever
+/// they were parked.
+fn remove_new(entries: &[Entry]) {
+    for e in entries {
+        for p in [&e.from, &aside(&e.from), &discard(&e.from)] {
+            remove_any(p);
+        }
     }
 }
 
@@ -310,6 +332,7 @@ pub fn publish(staging: &Path, pairs: &[(PathBuf, PathBuf)]) -> Result<()> {
             let what = format!("moving {} into place: {err}", e.to.display());
             match undone {
                 Ok(()) => {
+                    remove_new(&entries);
                     let _ = fs::remove_file(&journal);
                     bail!("{what}; the previous outputs are back in place")
                 }
@@ -321,15 +344,34 @@ pub fn publish(staging: &Path, pairs: &[(PathBuf, PathBuf)]) -> Result<()> {
             }
         }
     }
-    sync_parents(&entries).context("fsync after the renames failed")?;
-    step();
-    fs::remove_file(&journal)
-        .and_then(|()| sync_dir(staging))
-        .with_context(|| format!("{}: cannot remove (commit)", journal.display()))?;
+    // Past this point a failure keeps the journal: the next run puts the
+    // previous outputs back.
+    let uncommitted = || {
+        format!(
+            "{}: cannot commit the publish; the next run puts the previous outputs back",
+            journal.display()
+        )
+    };
+    sync_parents(&entries).with_context(uncommitted)?;
+    step()
+        .and_then(|()| fs::remove_file(&journal))
+        .with_context(uncommitted)?;
+    sync_dir(staging).with_context(|| {
+        format!(
+            "{}: fsync failed after the commit (the new outputs are in place)",
+            staging.display()
+        )
+    })?;
     for e in &entries {
         remove_any(&e.from); // the previous entry, superseded
     }
     Ok(())
+}
+
+/// Whether `staging` holds the journal of a publish not committed: the
+/// folder may then hold previous entries, and only [`recover`] may remove it.
+pub fn has_journal(staging: &Path) -> bool {
+    staging.join(JOURNAL).symlink_metadata().is_ok()
 }
 
 /// Undoes the publish a killed run left in its staging folder `staging`, if
@@ -364,11 +406,7 @@ pub fn recover(staging: &Path) -> Result<Vec<PathBuf>> {
         }
     }
     sync_parents(&entries).context("fsync after the roll-back failed")?;
-    for e in &entries {
-        for p in [&e.from, &aside(&e.from), &discard(&e.from)] {
-            remove_any(p); // new entries that were never committed
-        }
-    }
+    remove_new(&entries);
     fs::remove_file(&journal).with_context(|| format!("{}: cannot remove", journal.display()))?;
     Ok(restored)
 }

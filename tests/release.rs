@@ -1400,3 +1400,57 @@ fn a_release_left_aside_by_an_older_version_is_put_back() {
     assert_eq!(manifest(&out)["release"]["version"], json!("previous"));
     fs::remove_dir_all(&w).unwrap();
 }
+
+/// A publish that fails part-way (an I/O error injected before a step) puts
+/// the previous release, archive and digest file back itself and says so,
+/// leaving no temporaries; one that fails at the commit keeps its journal,
+/// and the next run puts them back.
+#[test]
+fn a_failed_publish_leaves_the_previous_outputs() {
+    let (w, build, private, public) = scratch("fail-steps", 0);
+    let parent = w.join("out");
+    let (out, zip) = (parent.join("rel"), parent.join("rel.zip"));
+    let args = |v: &str| {
+        let mut a = package_args(&build, "two", &private, &out, v);
+        a.extend(["--zip".into(), s(&zip).into()]);
+        a
+    };
+    ok(&strs(&args("previous")));
+    let before = published(&out, &zip, &public);
+    let entries = [".rel.chunkforge-lock", "rel", "rel.zip", "rel.zip.sha256"];
+    // Steps with the exchange: release, archive, digest file, commit.
+    for n in 1..=4 {
+        let step = n.to_string();
+        let o = run_env(
+            &strs(&args(&format!("new-{n}"))),
+            &[("CHUNKFORGE_TEST_FAIL_AT_STEP", &step)],
+        );
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "step {n}: {e}");
+        if n < 4 {
+            assert!(e.contains("the previous outputs are back in place"), "{e}");
+            assert_eq!(names_in(&parent), entries, "step {n}: temporaries left");
+        } else {
+            assert!(
+                e.contains("the next run puts the previous outputs back"),
+                "{e}"
+            );
+            let o = run_env(
+                &strs(&args("recovering")),
+                &[("CHUNKFORGE_TEST_KILL_AT_STEP", "1")],
+            );
+            assert!(
+                stderr(&o).contains("restored the previous"),
+                "{}",
+                stderr(&o)
+            );
+        }
+        assert!(
+            published(&out, &zip, &public) == before,
+            "step {n}: the previous outputs are not all back"
+        );
+    }
+    ok(&strs(&args("final")));
+    assert_eq!(names_in(&parent), entries, "temporaries left");
+    fs::remove_dir_all(&w).unwrap();
+}
