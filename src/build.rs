@@ -16,6 +16,7 @@ use crate::config::TextConfig;
 use crate::fsutil::{self, Staging};
 use crate::plan::{ChunkPlan, LayoutKind, Plan};
 use crate::progress::BuildProgress;
+use crate::publish::{OnLocked, OutputLock};
 use crate::pyenv;
 
 /// Conversion settings; the defaults are the ones that shipped.
@@ -29,6 +30,9 @@ pub struct Settings {
     pub verbose: bool,
     // palette: "chunkforge" (Rust kernel, default) or "coremltools" (its k-means).
     pub palettizer: String,
+    /// When another run holds the output folder's lock; None: the output is
+    /// a fresh temporary folder of this run (`--check`, `bench build`), unlocked.
+    pub lock: Option<OnLocked>,
 }
 
 impl Settings {
@@ -78,6 +82,11 @@ pub fn run(
     settings: &Settings,
 ) -> Result<BuildReport> {
     let started = Instant::now();
+    fsutil::output_folder(out)?;
+    let _lock = settings
+        .lock
+        .map(|on_locked| OutputLock::take(out, on_locked))
+        .transpose()?;
     let staging = Staging::new(out)?;
     let units = units(plan);
     let packages: usize = units.iter().map(Vec::len).sum();
@@ -284,17 +293,17 @@ pub fn run(
         },
         "peak_rss_bytes": fsutil::peak_rss_bytes(),
     });
-    // Publish all packages, then build.json last: a reader that sees the new
-    // build.json sees every package it lists.
-    let _publishing = fsutil::PUBLISH_LOCK.lock();
-    for r in &records {
-        staging.publish(r["package"].as_str().expect("set above"))?;
-    }
+    // All packages, then build.json last, as one publish: a reader that sees
+    // the new build.json sees every package it lists, and a run killed
+    // before the end has them all put back by the next run.
     let bytes = serde_json::to_vec_pretty(&report)?;
     fsutil::write_atomic(&staging.dir.join("build.json"), &bytes)?;
-    staging
-        .publish("build.json")
-        .context("publishing build.json")?;
+    let mut names: Vec<&str> = records
+        .iter()
+        .map(|r| r["package"].as_str().expect("set above"))
+        .collect();
+    names.push("build.json");
+    staging.publish_names(&names)?;
     staging.finish()?;
     Ok(BuildReport { json: report })
 }

@@ -64,7 +64,6 @@ pub fn write(out: &Path, args: &FixtureArgs, verbose: bool) -> Result<Value> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     fs::create_dir_all(parent).with_context(|| format!("{}: cannot create", parent.display()))?;
-    fsutil::clean_stale(parent);
     let staging = fsutil::Staging::new(parent)?;
     let tmp = staging.dir.join("checkpoint");
     fs::create_dir(&tmp)?;
@@ -90,7 +89,8 @@ pub fn write(out: &Path, args: &FixtureArgs, verbose: bool) -> Result<Value> {
     );
     sp.finish_and_clear();
     let info = info?;
-    fs::rename(&tmp, out)
+    staging
+        .publish(&[(tmp, out.to_path_buf())])
         .with_context(|| format!("moving the checkpoint into {}", out.display()))?;
     staging.finish()?;
     Ok(info)

@@ -1,6 +1,6 @@
 //! Crash-safe output: everything is written under a staging folder inside the
-//! output folder and renamed into place only when complete, so a failed or
-//! killed run leaves the previous outputs as they were.
+//! output folder and published (see [`crate::publish`]) only when complete,
+//! so a failed or killed run leaves the previous outputs as they were.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 
+use crate::publish::{self, FileLock};
 use crate::pyenv::hex;
 
 const STAGING_PREFIX: &str = ".chunkforge-staging-";
@@ -26,7 +27,9 @@ pub fn install_interrupt_handler() {
     let _ = ctrlc::set_handler(|| {
         let _publishing = PUBLISH_LOCK.lock();
         let dirs = LIVE_STAGING.lock().map(|v| v.clone()).unwrap_or_default();
-        for d in &dirs {
+        // A folder with a journal holds previous entries a failed publish
+        // could not put back: left for the next run to recover.
+        for d in dirs.iter().filter(|d| !publish::has_journal(d)) {
             // The main thread may still be writing into it: retry until it is gone.
             for _ in 0..20 {
                 if fs::remove_dir_all(d).is_ok() || !d.exists() {
@@ -34,6 +37,7 @@ pub fn install_interrupt_handler() {
                 }
             }
         }
+        publish::clear_held_locks();
         eprintln!(
             "\ninterrupted: unfinished work removed; the output folder holds the previous result \
              (or the complete new one if it was already published)"
@@ -45,12 +49,27 @@ pub fn install_interrupt_handler() {
     });
 }
 
+/// Creates the output folder `out` if missing (refusing a file of that name).
+pub fn output_folder(out: &Path) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        bail!("{}: output path exists and is not a folder", out.display());
+    }
+    fs::create_dir_all(out)
+        .with_context(|| format!("{}: cannot create the output folder", out.display()))
+}
+
 /// A staging folder in `out`; removed on drop unless committed.
 pub struct Staging {
     pub out: PathBuf,
     pub dir: PathBuf,
     committed: bool,
+    // Held while this run lives: a staging folder whose owner lock is free
+    // belongs to a run that ended, however it ended.
+    _owner: FileLock,
 }
+
+/// Inside every staging folder; see [`Staging`].
+const OWNER: &str = ".chunkforge-owner";
 
 fn pid_alive(pid: u32) -> bool {
     Path::new("/proc").join(pid.to_string()).exists()
@@ -58,23 +77,28 @@ fn pid_alive(pid: u32) -> bool {
 
 impl Staging {
     pub fn new(out: &Path) -> Result<Self> {
-        if out.exists() && !out.is_dir() {
-            bail!("{}: output path exists and is not a folder", out.display());
-        }
-        fs::create_dir_all(out)
-            .with_context(|| format!("{}: cannot create the output folder", out.display()))?;
-        clean_stale(out);
+        output_folder(out)?;
+        clean_stale(out)?;
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
         let dir = out.join(format!("{STAGING_PREFIX}{}-{stamp}", std::process::id()));
-        fs::create_dir(&dir).with_context(|| {
+        let cannot = || {
             format!(
                 "{}: cannot write into the output folder (read-only?)",
                 out.display()
             )
-        })?;
+        };
+        fs::create_dir(&dir).with_context(cannot)?;
+        let owner = match FileLock::try_take(&dir.join(OWNER)) {
+            Ok(Some(owner)) => owner,
+            taken => {
+                let _ = fs::remove_dir_all(&dir);
+                taken.with_context(cannot)?;
+                bail!("{}: locked by another process", dir.join(OWNER).display());
+            }
+        };
         if let Ok(mut live) = LIVE_STAGING.lock() {
             live.push(dir.clone());
         }
@@ -82,14 +106,24 @@ impl Staging {
             out: out.to_path_buf(),
             dir,
             committed: false,
+            _owner: owner,
         })
     }
 
-    /// Moves `name` from staging into `out`, replacing an existing entry of that name.
-    pub fn publish(&self, name: &str) -> Result<()> {
-        let from = self.dir.join(name);
-        let to = self.out.join(name);
-        replace(&from, &to)
+    /// Moves every staged `(from, to)` into place as one unit (see
+    /// [`publish::publish`]); Ctrl-C waits until it is done.
+    pub fn publish(&self, pairs: &[(PathBuf, PathBuf)]) -> Result<()> {
+        let _publishing = PUBLISH_LOCK.lock();
+        publish::publish(&self.dir, pairs)
+    }
+
+    /// Publishes the staged entries `names` into `out` under the same names.
+    pub fn publish_names(&self, names: &[&str]) -> Result<()> {
+        let pairs: Vec<(PathBuf, PathBuf)> = names
+            .iter()
+            .map(|n| (self.dir.join(n), self.out.join(n)))
+            .collect();
+        self.publish(&pairs)
     }
 
     pub fn finish(mut self) -> Result<()> {
@@ -100,7 +134,8 @@ impl Staging {
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        if !self.committed {
+        // A journal left by a failed publish: the next run recovers the folder.
+        if !self.committed && !publish::has_journal(&self.dir) {
             let _ = fs::remove_dir_all(&self.dir);
         }
         if let Ok(mut live) = LIVE_STAGING.lock() {
@@ -109,43 +144,63 @@ impl Drop for Staging {
     }
 }
 
-/// Removes staging folders left by runs that were killed.
-pub fn clean_stale(out: &Path) {
+/// Whether the staging folder `dir` (named after the pid of its run) belongs
+/// to a run that has ended; if so, its owner lock, held while it is cleaned.
+fn stale(dir: &Path, pid: Option<u32>) -> Option<Option<FileLock>> {
+    if dir.join(OWNER).exists() {
+        return FileLock::try_take(&dir.join(OWNER))
+            .ok()
+            .flatten()
+            .map(Some);
+    }
+    // No owner file: made by an older chunkforge, or its run is creating it.
+    pid.is_some_and(|p| p != std::process::id() && !pid_alive(p))
+        .then_some(None)
+}
+
+/// Cleans up after runs that were killed: a publish cut short is undone (the
+/// previous entries put back), then their staging folders are removed.
+pub fn clean_stale(out: &Path) -> Result<()> {
     let Ok(entries) = fs::read_dir(out) else {
-        return;
+        return Ok(());
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        if let Some(rest) = name.strip_prefix(STAGING_PREFIX) {
-            let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        let Some(rest) = name.strip_prefix(STAGING_PREFIX) else {
+            continue;
+        };
+        let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+        // An older chunkforge moved the previous entry aside as
+        // `<prefix><pid>-old-<name>`; a kill could leave it the only copy.
+        if let Some((_, entry)) = rest.split_once("-old-") {
             if pid.is_some_and(|p| p != std::process::id() && !pid_alive(p)) {
-                let _ = fs::remove_dir_all(e.path());
+                let target = out.join(entry);
+                if target.symlink_metadata().is_err() {
+                    fs::rename(e.path(), &target).with_context(|| {
+                        format!(
+                            "{}: cannot put the previous {entry} back",
+                            e.path().display()
+                        )
+                    })?;
+                    eprintln!("restored {} (left aside by a killed run)", target.display());
+                } else if e.path().is_dir() {
+                    let _ = fs::remove_dir_all(e.path());
+                } else {
+                    let _ = fs::remove_file(e.path());
+                }
             }
+            continue;
         }
-    }
-}
-
-/// Renames `from` onto `to`. An existing `to` is first moved aside and deleted
-/// only after the new one is in place.
-pub fn replace(from: &Path, to: &Path) -> Result<()> {
-    if to.exists() || to.is_symlink() {
-        let aside = to.with_file_name(format!(
-            "{STAGING_PREFIX}{}-old-{}",
-            std::process::id(),
-            to.file_name()
-                .map(|n| n.to_string_lossy().to_string())
-                .unwrap_or_default()
-        ));
-        fs::rename(to, &aside)
-            .with_context(|| format!("moving the previous {} aside", to.display()))?;
-        fs::rename(from, to).with_context(|| format!("moving {} into place", to.display()))?;
-        if aside.is_dir() {
-            let _ = fs::remove_dir_all(&aside);
-        } else {
-            let _ = fs::remove_file(&aside);
+        let Some(_owner) = stale(&e.path(), pid) else {
+            continue;
+        };
+        for restored in publish::recover(&e.path())? {
+            eprintln!(
+                "restored the previous {} (a killed run had begun replacing it)",
+                restored.display()
+            );
         }
-    } else {
-        fs::rename(from, to).with_context(|| format!("moving {} into place", to.display()))?;
+        let _ = fs::remove_dir_all(e.path());
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 
 use crate::hashing;
+use crate::publish;
 use crate::release;
 use crate::sign::{self, SIG_FILE};
 
@@ -178,16 +179,25 @@ fn run_in(a: &HashBenchArgs, work: &Path) -> Result<()> {
         };
 
         let out = work.join(format!("release{si}"));
-        let t = best_of(a.repeat, || {
+        // With and without the fsyncs that make a publish survive a power
+        // cut: the difference is their cost.
+        for (durable, tool, note) in [
+            (true, "chunkforge package", "copy+hash, sign, fsync, rename"),
+            (
+                false,
+                "chunkforge package, no fsync",
+                "the same without fsync",
+            ),
+        ] {
+            publish::set_durable(durable);
+            let t = best_of(a.repeat, || {
+                let _ = fs::remove_dir_all(&out);
+                release::copy_sign_publish(&data, &out, &key).map(|_| ())
+            });
+            publish::set_durable(true);
+            rows.push(row(tool, Some(t?), note.into()));
             let _ = fs::remove_dir_all(&out);
-            release::copy_sign_publish(&data, &out, &key).map(|_| ())
-        })?;
-        rows.push(row(
-            "chunkforge package",
-            Some(t),
-            "copy+hash, sign, rename".into(),
-        ));
-        let _ = fs::remove_dir_all(&out);
+        }
 
         let sig = work.join(format!("cf{si}.sig"));
         let t = best_of(a.repeat, || {

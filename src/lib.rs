@@ -21,6 +21,7 @@ pub mod palette;
 pub mod parity;
 pub mod plan;
 pub mod progress;
+pub mod publish;
 pub mod pyenv;
 pub mod release;
 pub mod sign;

@@ -11,7 +11,7 @@ use serde_json::json;
 use chunkforge::plan::Mode;
 use chunkforge::{
     args, bench_palettize, build, checkpoint, config, fixture, fsutil, hashbench, native, parity,
-    plan, pyenv, release, verify,
+    plan, publish, pyenv, release, verify,
 };
 
 #[derive(Parser)]
@@ -115,6 +115,9 @@ enum Cmd {
         #[arg(long, value_parser = ["chunkforge", "coremltools"], default_value = "chunkforge")]
         palettizer: String,
         // palette: end
+        /// If another run is writing the same --output, fail at once instead of waiting for it.
+        #[arg(long)]
+        no_wait: bool,
     },
     /// Check merged layouts against the four-chunk reference and the reference against transformers (torch, fp32, CPU).
     Parity {
@@ -321,6 +324,9 @@ fn plan_for(dir: &Path, layout: &LayoutArgs) -> Result<(config::TextConfig, plan
     Ok((cfg, plan))
 }
 
+/// `lock`: what to do when another run holds `out`'s lock (None: `out` is a
+/// fresh temporary folder, not locked).
+#[allow(clippy::too_many_arguments)]
 fn do_build(
     model: &ModelArgs,
     layout: &LayoutArgs,
@@ -329,6 +335,7 @@ fn do_build(
     kmeans_workers: usize,
     palettizer: &str,
     verbose: bool,
+    lock: Option<publish::OnLocked>,
 ) -> Result<serde_json::Value> {
     require_utf8(out, "output")?;
     let dir = resolve_checkpoint(model, verbose)?;
@@ -347,6 +354,7 @@ fn do_build(
         kmeans_workers,
         verbose,
         palettizer: palettizer.to_string(),
+        lock,
     };
     let args = json!({
         "mode": format!("{:?}", layout.mode).to_lowercase(),
@@ -418,6 +426,7 @@ fn run(cli: Cli) -> Result<()> {
                 kmeans_workers,
                 &palettizer,
                 verbose,
+                None,
             );
             let same = result.and_then(|fresh| build::compare(&dir, &tmp, &fresh));
             let _ = std::fs::remove_dir_all(&tmp);
@@ -441,6 +450,7 @@ fn run(cli: Cli) -> Result<()> {
             no_quantize,
             kmeans_workers,
             palettizer,
+            no_wait,
             ..
         } => {
             let output = output.expect("clap: --output is required without --check");
@@ -452,6 +462,7 @@ fn run(cli: Cli) -> Result<()> {
                 kmeans_workers,
                 &palettizer,
                 verbose,
+                Some(publish::OnLocked::from_no_wait(no_wait)),
             )?;
             eprintln!("{}", build::summary(&report, &output));
             Ok(())
@@ -621,6 +632,7 @@ fn run(cli: Cli) -> Result<()> {
                 kmeans_workers,
                 &palettizer,
                 verbose,
+                None,
             );
             let _ = std::fs::remove_dir_all(&tmp);
             let report = result?;

@@ -4,8 +4,9 @@
 //! system, so the final step is a rename): packages are copied and hashed in
 //! one read, `manifest.json` is written, the whole folder is signed into
 //! `model.sig`, and only then does the folder take the place of `--output`.
-//! A run killed at any point leaves the previous release (or none) and a
-//! staging folder that the next run removes.
+//! It is published with its archive as one unit (`crate::publish`): a run
+//! killed at any point leaves the previous release or the new one, and the
+//! next run undoes a publish cut short before its commit.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -16,11 +17,12 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::archive;
-use crate::fsutil::{self, Staging};
+use crate::fsutil::Staging;
 use crate::hashing::{self, hex, FileDigest};
 use crate::manifest::{
     self, Build, ManifestInputs, ReleaseInputError, ReleaseLayout, MANIFEST_FILE,
 };
+use crate::publish::{OnLocked, OutputLock};
 use crate::sign::{self, SIG_FILE};
 
 /// Arguments of `chunkforge package`.
@@ -56,6 +58,9 @@ pub struct PackageArgs {
     /// Also write a deterministic zip of the release folder here, plus FILE.sha256.
     #[arg(long)]
     pub zip: Option<PathBuf>,
+    /// If another run is writing the same --output, fail at once instead of waiting for it.
+    #[arg(long)]
+    pub no_wait: bool,
 }
 
 /// What `package` did, for the summary line.
@@ -385,6 +390,7 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
         check_zip(z, &a.output, &a.build_dir)?;
     }
 
+    let _lock = OutputLock::take(&a.output, OnLocked::from_no_wait(a.no_wait))?;
     let staging = Staging::new(&parent)?;
     let root = staging.dir.join(&name);
     fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
@@ -451,16 +457,18 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
         Some(z) => Some(write_zip_staged(&root, z)?),
         None => None,
     };
-    fsutil::replace(&root, &a.output)?;
+    // The release, its archive and the archive's digest as one publish.
+    let mut moves = vec![(root, a.output.clone())];
     let zip_report = match zip {
         Some((tmp_zip, tmp_sha, digest)) => {
             let z = a.zip.as_ref().expect("zip requested");
-            fsutil::replace(&tmp_zip, z)?;
-            fsutil::replace(&tmp_sha, &archive::digest_path(z))?;
+            moves.push((tmp_zip, z.clone()));
+            moves.push((tmp_sha, archive::digest_path(z)));
             Some((z.clone(), digest))
         }
         None => None,
     };
+    staging.publish(&moves)?;
     staging.finish()?;
     Ok(PackageReport {
         files: signed.len(),
@@ -535,6 +543,7 @@ pub fn keygen(prefix: &Path) -> Result<()> {
 pub fn copy_sign_publish(src: &Path, out: &Path, key: &p256::ecdsa::SigningKey) -> Result<usize> {
     check_output(out)?;
     let (parent, name) = split_output(out)?;
+    let _lock = OutputLock::take(out, OnLocked::Wait)?;
     let staging = Staging::new(&parent)?;
     let root = staging.dir.join(&name);
     fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
@@ -546,7 +555,7 @@ pub fn copy_sign_publish(src: &Path, out: &Path, key: &p256::ecdsa::SigningKey) 
         .collect();
     let files = copy_tree(&root, &sources, &[])?;
     sign_into(&root, &name, key, &files, None)?;
-    fsutil::replace(&root, out)?;
+    staging.publish(&[(root, out.to_path_buf())])?;
     staging.finish()?;
     Ok(files.len())
 }

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
-use common::{fails, ok, run, stderr, stdout, tempdir};
+use common::{fails, killed, ok, run, run_env, stderr, stdout, tempdir};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -1696,4 +1696,379 @@ fn unsafe_model_ids_are_refused_naming_the_option() {
     let o = package(&["--model-id", "gemma-4-e2b_it.v1"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(manifest(&out)["model"]["id"], json!("gemma-4-e2b_it.v1"));
+}
+
+/// What `package` publishes, as found: the release's version (checked to
+/// verify), the archive's bytes, the digest file's bytes.
+type Published = (Option<String>, Option<Vec<u8>>, Option<Vec<u8>>);
+
+fn published(out: &Path, zip: &Path, public: &Path) -> Published {
+    let version = out.exists().then(|| {
+        let o = cf_verify(out, public);
+        assert!(o.status.success(), "release is not whole:\n{}", stderr(&o));
+        manifest(out)["release"]["version"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    });
+    let digest = fs::read(parent_of(zip).join(format!(
+        "{}.sha256",
+        zip.file_name().unwrap().to_string_lossy()
+    )));
+    (version, fs::read(zip).ok(), digest.ok())
+}
+
+fn parent_of(p: &Path) -> &Path {
+    p.parent().unwrap()
+}
+
+/// A fresh folder with a synthetic build (`big_mib` as in `synthetic_build`)
+/// and keys: (folder, build, private key, public key).
+fn scratch(tag: &str, big_mib: usize) -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+    let w = tempdir(tag);
+    let build = synthetic_build(&w.join("build"), &[], big_mib);
+    let (private, public) = keys(&w, "k");
+    (w, build, private, public)
+}
+
+/// `package BUILD --layout LAYOUT --key KEY --output OUT --version VERSION`, owned.
+fn package_owned(build: &Path, layout: &str, key: &Path, out: &Path, version: &str) -> Vec<String> {
+    package_args(build, layout, key, out, &["--version", version])
+        .into_iter()
+        .map(String::from)
+        .collect()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// A publish (release folder, archive, digest file) cut by SIGKILL right
+/// before each of its steps (every rename or exchange, and the commit), with
+/// the atomic exchange and with the three-rename fallback: nothing is lost,
+/// and the next run, even one killed itself, puts the previous release,
+/// archive and digest file back byte for byte and reports the stale lock.
+#[test]
+fn sigkill_at_every_publish_step_is_undone_by_the_next_run() {
+    let (w, build, private, public) = scratch("kill-steps", 0);
+    let parent = w.join("out");
+    let (out, zip) = (parent.join("rel"), parent.join("rel.zip"));
+    let args = |v: &str| {
+        let mut a = package_owned(&build, "two", &private, &out, v);
+        a.extend(["--zip".into(), s(&zip).into()]);
+        a
+    };
+    let mut steps = Vec::new();
+    for fallback in [false, true] {
+        let tag = if fallback { "fallback" } else { "exchange" };
+        ok(&strs(&args(&format!("{tag}-previous"))));
+        let before = published(&out, &zip, &public);
+        let mut n = 1;
+        let new = loop {
+            let step = n.to_string();
+            let mut env = vec![("CHUNKFORGE_TEST_KILL_AT_STEP", step.as_str())];
+            if fallback {
+                env.push(("CHUNKFORGE_TEST_NO_EXCHANGE", "1"));
+            }
+            let new = format!("{tag}-new-{n}");
+            let o = run_env(&strs(&args(&new)), &env);
+            if o.status.success() {
+                break new;
+            }
+            assert!(killed(&o), "{tag} step {n}: {}", stderr(&o));
+            // A release present is whole (`published` verifies it); with the
+            // exchange no entry is ever missing.
+            let (v, z, d) = published(&out, &zip, &public);
+            if !fallback {
+                for (what, present) in [
+                    ("release", v.is_some()),
+                    ("archive", z.is_some()),
+                    ("digest file", d.is_some()),
+                ] {
+                    assert!(present, "{tag} step {n}: the {what} is missing");
+                }
+            }
+            env[0].1 = "1"; // killed before its own first rename
+            let o = run_env(&strs(&args("recovering")), &env);
+            assert!(killed(&o), "{tag} step {n}, next run: {}", stderr(&o));
+            let e = stderr(&o);
+            assert!(e.contains("ended without releasing it"), "{e}");
+            assert_eq!(
+                e.contains("restored the previous"),
+                n > 1,
+                "{tag} step {n}: {e}"
+            );
+            assert!(
+                published(&out, &zip, &public) == before,
+                "{tag}: after a kill at step {n} the next run did not put the previous outputs back"
+            );
+            n += 1;
+        };
+        assert_eq!(published(&out, &zip, &public).0, Some(new));
+        assert_eq!(
+            names_in(&parent),
+            [".rel.chunkforge-lock", "rel", "rel.zip", "rel.zip.sha256"],
+            "{tag}: temporaries left"
+        );
+        steps.push(n - 1);
+    }
+    // Three entries: one exchange each plus the commit; three renames each without.
+    assert_eq!(steps, [4, 10], "kill points (exchange, fallback)");
+    fs::remove_dir_all(&w).unwrap();
+}
+
+/// Spawns chunkforge with `args`, stderr piped.
+fn spawn_piped(args: &[String]) -> std::process::Child {
+    Command::new(common::bin())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits until the lock file `lock` names `child` as its holder.
+fn wait_for_lock(lock: &Path, child: &std::process::Child) {
+    let t = std::time::Instant::now();
+    let holder = format!("{}\t", child.id());
+    while !fs::read_to_string(lock)
+        .unwrap_or_default()
+        .starts_with(&holder)
+    {
+        assert!(
+            t.elapsed().as_secs() < 60,
+            "{} never took {lock:?}",
+            child.id()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+fn signal(sig: &str, pid: u32) {
+    assert!(Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success())
+}
+
+/// A second `package` into one --output while the first holds it (stopped
+/// with SIGSTOP so the overlap is certain): with --no-wait it refuses naming
+/// the first run's pid; without, it says so, waits, and then publishes its
+/// own whole release.
+#[test]
+fn a_second_package_into_one_output_waits_or_refuses() {
+    let (w, build, private, public) = scratch("lock", 64);
+    let out = w.join("out").join("rel");
+    let lock = w.join("out").join(".rel.chunkforge-lock");
+    let args = |v: &str| package_owned(&build, "all", &private, &out, v);
+    let mut first = spawn_piped(&args("first"));
+    wait_for_lock(&lock, &first);
+    signal("-STOP", first.id());
+    assert!(
+        first.try_wait().unwrap().is_none(),
+        "the first run finished before it could be stopped"
+    );
+
+    let mut refused = args("refused");
+    refused.push("--no-wait".into());
+    let o = run(&strs(&refused));
+    let e = stderr(&o);
+    assert!(!o.status.success(), "{e}");
+    assert!(
+        e.contains(&format!("pid {}", first.id())) && e.contains("--no-wait"),
+        "{e}"
+    );
+
+    let mut second = spawn_piped(&args("second"));
+    let err = std::io::BufReader::new(second.stderr.take().unwrap());
+    let mut lines = std::io::BufRead::lines(err);
+    let line = lines.next().unwrap().unwrap();
+    assert!(
+        line.contains("waiting") && line.contains(&format!("pid {}", first.id())),
+        "{line}"
+    );
+    signal("-CONT", first.id());
+    assert!(first.wait().unwrap().success());
+    assert!(second.wait().unwrap().success());
+    assert_eq!(manifest(&out)["release"]["version"], json!("second"));
+    assert!(cf_verify(&out, &public).status.success());
+    fs::remove_dir_all(&w).unwrap();
+}
+
+/// Every file of a release is fsynced before the exchange that publishes it,
+/// and the folder holding it after (strace shows the order of the calls).
+#[test]
+fn package_fsyncs_files_before_publishing_and_the_folder_after() {
+    let (w, build, private, _) = scratch("fsync", 0);
+    let parent = w.join("out");
+    let out = parent.join("rel");
+    let args = package_owned(&build, "two", &private, &out, "1");
+    ok(&strs(&args));
+    let trace = w.join("trace");
+    let o = Command::new("strace")
+        .args([
+            "-f",
+            "-qq",
+            "-y",
+            "-e",
+            "trace=fsync,rename,renameat2",
+            "-o",
+        ])
+        .arg(&trace)
+        .arg(common::bin())
+        .args(args)
+        .output()
+        .expect("strace (apt install strace)");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines: Vec<String> = fs::read_to_string(&trace)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    let parent = parent.canonicalize().unwrap();
+    let target = format!("\"{}\"", out.display());
+    let publish = lines
+        .iter()
+        .position(|l| l.contains("RENAME_EXCHANGE") && l.contains(&target))
+        .unwrap_or_else(|| panic!("no exchange onto {target}:\n{}", lines.join("\n")));
+    let files: Vec<String> = walkdir::WalkDir::new(&out)
+        .into_iter()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().is_file())
+        .map(|e| e.path().strip_prefix(&out).unwrap().display().to_string())
+        .collect();
+    assert!(files.len() > 5);
+    for f in &files {
+        // `-y` shows the path as `fd</path>`; threads split a call across lines.
+        let staged = format!("/rel/{f}>");
+        assert!(
+            lines[..publish].iter().any(|l| l.contains("fsync(")
+                && l.contains(".chunkforge-staging-")
+                && l.contains(&staged)),
+            "{f} not fsynced before the publish"
+        );
+    }
+    let folder = format!("<{}>", parent.display());
+    assert!(
+        lines[publish..]
+            .iter()
+            .any(|l| l.contains("fsync(") && l.contains(&folder)),
+        "{} not fsynced after the publish",
+        parent.display()
+    );
+    fs::remove_dir_all(&w).unwrap();
+}
+
+/// Ctrl-C during `package` exits 130 and leaves its lock released and
+/// empty: the next run does not report it as left by a killed run.
+#[test]
+fn ctrl_c_during_package_releases_the_lock_cleanly() {
+    let (w, build, private, _) = scratch("lock-int", 64);
+    let out = w.join("out").join("rel");
+    let lock = w.join("out").join(".rel.chunkforge-lock");
+    let mut child = spawn_piped(&package_owned(&build, "all", &private, &out, "1"));
+    wait_for_lock(&lock, &child);
+    signal("-INT", child.id());
+    assert_eq!(child.wait().unwrap().code(), Some(130));
+    assert_eq!(fs::read_to_string(&lock).unwrap(), "", "lock not emptied");
+    let o = run(&strs(&package_owned(&build, "all", &private, &out, "2")));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        !stderr(&o).contains("ended without releasing"),
+        "{}",
+        stderr(&o)
+    );
+    fs::remove_dir_all(&w).unwrap();
+}
+
+/// A previous release that an older chunkforge had moved aside
+/// (`.chunkforge-staging-<pid>-old-<name>`) when it was killed is put back by
+/// the next run, not deleted (this run is killed before its own first rename).
+#[test]
+fn a_release_left_aside_by_an_older_version_is_put_back() {
+    let (w, build, private, public) = scratch("legacy-aside", 0);
+    let parent = w.join("out");
+    let out = parent.join("rel");
+    ok(&strs(&package_owned(
+        &build, "two", &private, &out, "previous",
+    )));
+    // A pid that has ended: a process of ours, reaped.
+    let mut gone = Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let aside = parent.join(format!(".chunkforge-staging-{}-old-rel", gone.id()));
+    fs::rename(&out, &aside).unwrap();
+    let o = run_env(
+        &strs(&package_owned(&build, "two", &private, &out, "new")),
+        &[("CHUNKFORGE_TEST_KILL_AT_STEP", "1")],
+    );
+    assert!(killed(&o), "{}", stderr(&o));
+    assert!(stderr(&o).contains("restored"), "{}", stderr(&o));
+    assert!(!aside.exists());
+    assert!(cf_verify(&out, &public).status.success());
+    assert_eq!(manifest(&out)["release"]["version"], json!("previous"));
+    fs::remove_dir_all(&w).unwrap();
+}
+
+/// A publish that fails part-way (an I/O error injected before a step) puts
+/// the previous release, archive and digest file back itself and says so,
+/// leaving no temporaries; one that fails at the commit keeps its journal,
+/// and the next run puts them back.
+#[test]
+fn a_failed_publish_leaves_the_previous_outputs() {
+    let (w, build, private, public) = scratch("fail-steps", 0);
+    let parent = w.join("out");
+    let (out, zip) = (parent.join("rel"), parent.join("rel.zip"));
+    let args = |v: &str| {
+        let mut a = package_owned(&build, "two", &private, &out, v);
+        a.extend(["--zip".into(), s(&zip).into()]);
+        a
+    };
+    ok(&strs(&args("previous")));
+    let before = published(&out, &zip, &public);
+    let entries = [".rel.chunkforge-lock", "rel", "rel.zip", "rel.zip.sha256"];
+    // Steps with the exchange: release, archive, digest file, commit.
+    for n in 1..=4 {
+        let step = n.to_string();
+        let o = run_env(
+            &strs(&args(&format!("new-{n}"))),
+            &[("CHUNKFORGE_TEST_FAIL_AT_STEP", &step)],
+        );
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "step {n}: {e}");
+        if n < 4 {
+            assert!(e.contains("the previous outputs are back in place"), "{e}");
+            assert_eq!(names_in(&parent), entries, "step {n}: temporaries left");
+        } else {
+            assert!(
+                e.contains("the next run puts the previous outputs back"),
+                "{e}"
+            );
+            let o = run_env(
+                &strs(&args("recovering")),
+                &[("CHUNKFORGE_TEST_KILL_AT_STEP", "1")],
+            );
+            assert!(
+                stderr(&o).contains("restored the previous"),
+                "{}",
+                stderr(&o)
+            );
+        }
+        assert!(
+            published(&out, &zip, &public) == before,
+            "step {n}: the previous outputs are not all back"
+        );
+    }
+    ok(&strs(&args("final")));
+    assert_eq!(names_in(&parent), entries, "temporaries left");
+    fs::remove_dir_all(&w).unwrap();
 }

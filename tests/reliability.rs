@@ -854,3 +854,82 @@ fn out_of_range_options_are_refused_while_parsing_naming_the_option() {
         );
     }
 }
+
+/// A build's publish (its two packages, then build.json, as one unit) cut by
+/// SIGKILL right before each of its steps (the test hook): the next run, even
+/// one killed itself before its first rename, reports the stale lock and puts
+/// the previous result back exactly, taking away a new package that had no
+/// previous version; the run that is not killed publishes the whole build.
+#[test]
+fn sigkill_at_every_publish_step_of_a_build_is_undone_by_the_next_run() {
+    let ck = fixture("e2b", &[]);
+    let out = tempdir("kill-steps-build");
+    previous(&out);
+    let args = build_two(&ck, &out);
+    let mut n = 1;
+    loop {
+        let step = n.to_string();
+        let o = run_env(&args, &[("CHUNKFORGE_TEST_KILL_AT_STEP", &step)]);
+        if o.status.success() {
+            break;
+        }
+        assert!(killed(&o), "step {n}: {}", stderr(&o));
+        let o = run_env(&args, &[("CHUNKFORGE_TEST_KILL_AT_STEP", "1")]);
+        let e = stderr(&o);
+        assert!(killed(&o), "step {n}, next run: {e}");
+        assert!(e.contains("ended without releasing it"), "{e}");
+        assert_eq!(e.contains("restored the previous"), n > 1, "step {n}: {e}");
+        assert_previous(&out);
+        n += 1;
+    }
+    assert_eq!(
+        n - 1,
+        4,
+        "kill points: two packages, build.json, the commit"
+    );
+    assert_eq!(
+        visible(&out),
+        [
+            "build.json",
+            "merged_chunk1.mlpackage",
+            "merged_chunk2.mlpackage"
+        ]
+    );
+    let report = json_file(&out.join("build.json"));
+    for c in report["chunks"].as_array().unwrap() {
+        let pkg = out.join(c["package"].as_str().unwrap());
+        assert_eq!(
+            chunkforge::fsutil::tree_digest(&pkg).unwrap(),
+            c["sha256_tree"].as_str().unwrap(),
+            "{} is not the package build.json lists",
+            pkg.display()
+        );
+    }
+    let all: Vec<_> = fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(all.len(), 3, "staging folders left: {all:?}");
+}
+
+/// `build --no-wait` into an output folder another build is writing refuses
+/// at once, naming the run that holds it, and changes nothing.
+#[test]
+fn a_second_build_into_one_output_refuses_with_no_wait() {
+    let ck = fixture("e2b", &[]);
+    let out = tempdir("lock-build");
+    previous(&out);
+    let args = build_two(&ck, &out);
+    let (mut first, _stderr) = spawn_until(&args, "merged_chunk1: load weights", 0.0);
+    let mut second = args.to_vec();
+    second.push("--no-wait");
+    let e = fails(&second);
+    assert!(
+        e.contains(&format!("pid {}", first.id())) && e.contains("--no-wait"),
+        "{e}"
+    );
+    assert!(first.try_wait().unwrap().is_none(), "the first build ended");
+    let _ = first.kill();
+    let _ = first.wait();
+    assert_previous(&out);
+}

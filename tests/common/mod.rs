@@ -18,6 +18,23 @@ pub fn run(args: &[&str]) -> Output {
         .expect("spawn chunkforge")
 }
 
+/// Runs chunkforge with `args` and extra environment variables (the test
+/// hooks, e.g. `CHUNKFORGE_TEST_KILL_AT_STEP`).
+pub fn run_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(bin())
+        .args(args)
+        .env_remove("GEMMA4_HF_DIR")
+        .envs(env.iter().copied())
+        .output()
+        .expect("spawn chunkforge")
+}
+
+/// Whether `o` is a run that SIGKILLed itself (the kill-at-step hook).
+pub fn killed(o: &Output) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    o.status.signal() == Some(9)
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }

@@ -1,0 +1,649 @@
+//! Putting finished outputs in place. A publish moves one or more staged
+//! entries onto their final names as one unit: every new file is fsynced
+//! first, a journal listing the moves is written, each entry is swapped in
+//! (an atomic exchange where the OS has one), and removing the journal is the
+//! commit. A run killed before the commit leaves the journal; the next run
+//! reads it and puts every previous entry back ([`recover`]), so a kill
+//! yields the previous result or the new one, never a mix that stays.
+//! [`OutputLock`] keeps two runs from writing one output at the same time.
+
+use std::ffi::{CString, OsString};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Seek, Write};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use anyhow::{bail, Context, Result};
+use sha2::Digest;
+
+/// The journal of a publish in progress, inside the run's staging folder.
+const JOURNAL: &str = ".chunkforge-journal";
+
+static DURABLE: AtomicBool = AtomicBool::new(true);
+
+/// Turns the fsyncs off (on by default). Only `bench hash` calls this, to
+/// time the same publish with and without them.
+pub fn set_durable(on: bool) {
+    DURABLE.store(on, Ordering::Relaxed);
+}
+
+fn durable() -> bool {
+    DURABLE.load(Ordering::Relaxed)
+}
+
+/// Test hooks, read once from the environment; unset, they do nothing.
+/// `CHUNKFORGE_TEST_KILL_AT_STEP=N` makes the process SIGKILL itself right
+/// before the Nth step of its publishes (each rename or exchange, and the
+/// journal removal that commits), so the tests can cut a publish at every
+/// point. `CHUNKFORGE_TEST_FAIL_AT_STEP=N` makes that step fail with an I/O
+/// error instead. `CHUNKFORGE_TEST_NO_EXCHANGE=1` takes the three-rename path
+/// used on file systems without an atomic exchange.
+struct Hooks {
+    kill_at: Option<usize>,
+    fail_at: Option<usize>,
+    no_exchange: bool,
+}
+
+fn hooks() -> &'static Hooks {
+    static HOOKS: OnceLock<Hooks> = OnceLock::new();
+    HOOKS.get_or_init(|| Hooks {
+        kill_at: step_var("CHUNKFORGE_TEST_KILL_AT_STEP"),
+        fail_at: step_var("CHUNKFORGE_TEST_FAIL_AT_STEP"),
+        no_exchange: std::env::var_os("CHUNKFORGE_TEST_NO_EXCHANGE").is_some(),
+    })
+}
+
+fn step_var(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+/// Marks the next step of a publish (see [`Hooks`]).
+fn step() -> io::Result<()> {
+    static STEPS: AtomicUsize = AtomicUsize::new(0);
+    let h = hooks();
+    if h.kill_at.is_none() && h.fail_at.is_none() {
+        return Ok(());
+    }
+    let n = Some(STEPS.fetch_add(1, Ordering::SeqCst) + 1);
+    if n == h.kill_at {
+        // SAFETY: kill only sends a signal, here to this process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    if n == h.fail_at {
+        return Err(io::Error::other("CHUNKFORGE_TEST_FAIL_AT_STEP"));
+    }
+    Ok(())
+}
+
+fn c_path(p: &Path) -> io::Result<CString> {
+    CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+}
+
+/// Swaps two existing names in one step. `Ok(false)`: the OS or the file
+/// system has no such operation (nothing was changed).
+fn exchange(a: &Path, b: &Path) -> io::Result<bool> {
+    if hooks().no_exchange {
+        return Ok(false);
+    }
+    let (ca, cb) = (c_path(a)?, c_path(b)?);
+    #[cfg(target_os = "linux")]
+    // SAFETY: both pointers are NUL-terminated paths that outlive the call.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    #[cfg(target_os = "macos")]
+    // SAFETY: as above.
+    let r = unsafe { libc::renamex_np(ca.as_ptr(), cb.as_ptr(), libc::RENAME_SWAP) };
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    let r = {
+        let _ = (ca, cb);
+        return Ok(false);
+    };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    // Not supported here (older kernels, some network and FUSE file systems).
+    let unsupported = [libc::EINVAL, libc::ENOSYS, libc::ENOTSUP, libc::EOPNOTSUPP];
+    match e.raw_os_error() {
+        Some(code) if unsupported.contains(&code) => Ok(false),
+        _ => Err(e),
+    }
+}
+
+/// (device, inode): which file a name points at. Renames keep it, so it tells
+/// the new entry from the previous one wherever a kill left them.
+type Id = (u64, u64);
+
+fn id_of(p: &Path) -> Option<Id> {
+    fs::symlink_metadata(p).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// One move of a publish: the staged `from` onto `to`; `id` is the new entry's.
+struct Entry {
+    from: PathBuf,
+    to: PathBuf,
+    id: Id,
+}
+
+fn suffixed(p: &Path, suffix: &str) -> PathBuf {
+    let mut name = p.file_name().unwrap_or_default().to_os_string();
+    name.push(suffix);
+    p.with_file_name(name)
+}
+
+/// Where the three-rename path parks the previous entry while the new one moves in.
+fn aside(from: &Path) -> PathBuf {
+    suffixed(from, ".chunkforge-old")
+}
+
+/// Where a roll-back parks a new entry it takes out of place.
+fn discard(from: &Path) -> PathBuf {
+    suffixed(from, ".chunkforge-new")
+}
+
+/// Puts `e.from` in place of `e.to`. Afterwards `e.from` holds the previous
+/// entry, if there was one.
+fn swap_in(e: &Entry) -> io::Result<()> {
+    match fs::symlink_metadata(&e.to) {
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {
+            step()?;
+            return fs::rename(&e.from, &e.to);
+        }
+        Err(err) => return Err(err),
+        Ok(_) => {}
+    }
+    step()?;
+    if exchange(&e.from, &e.to)? {
+        return Ok(());
+    }
+    // No exchange: for the instant between the first two renames `to` is
+    // missing; the journal lets the next run put the previous entry back.
+    let parked = aside(&e.from);
+    fs::rename(&e.to, &parked)?;
+    step()?;
+    fs::rename(&e.from, &e.to)?;
+    step()?;
+    fs::rename(&parked, &e.from)
+}
+
+/// Puts the previous entry back at `e.to` (or, if there was none, takes the
+/// new one away), from whatever state a kill left. Reads every name from the
+/// file system, so a roll-back cut short is finished by the next one.
+/// Returns whether anything moved.
+fn roll_back(e: &Entry) -> io::Result<bool> {
+    let to_is_new = id_of(&e.to) == Some(e.id);
+    let previous = [e.from.clone(), aside(&e.from), discard(&e.from)]
+        .into_iter()
+        .find(|p| id_of(p).is_some_and(|id| id != e.id));
+    match (to_is_new, previous) {
+        (true, Some(prev)) => {
+            if !exchange(&e.to, &prev)? {
+                fs::rename(&e.to, discard(&e.from))?;
+                fs::rename(&prev, &e.to)?;
+            }
+        }
+        (true, None) => fs::rename(&e.to, discard(&e.from))?,
+        (false, Some(prev)) if id_of(&e.to).is_none() => fs::rename(&prev, &e.to)?,
+        _ => return Ok(false),
+    }
+    Ok(true)
+}
+
+fn remove_any(p: &Path) {
+    match fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => {
+            let _ = fs::remove_dir_all(p);
+        }
+        Ok(_) => {
+            let _ = fs::remove_file(p);
+        }
+        Err(_) => {}
+    }
+}
+
+/// After a roll-back: removes the new entries, never committed, wherever
+/// they were parked.
+fn remove_new(entries: &[Entry]) {
+    for e in entries {
+        for p in [&e.from, &aside(&e.from), &discard(&e.from)] {
+            remove_any(p);
+        }
+    }
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    if durable() {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// fsyncs every file and folder below `root` (or the file `root`).
+fn sync_tree(root: &Path) -> io::Result<()> {
+    if !durable() {
+        return Ok(());
+    }
+    let mut paths = Vec::new();
+    for e in walkdir::WalkDir::new(root) {
+        let e = e.map_err(io::Error::other)?;
+        if !e.file_type().is_symlink() {
+            paths.push(e.into_path());
+        }
+    }
+    // In parallel: the device takes several flushes at once.
+    use rayon::prelude::*;
+    paths.par_iter().try_for_each(|p| File::open(p)?.sync_all())
+}
+
+fn parent(p: &Path) -> &Path {
+    p.parent().unwrap_or(Path::new("/"))
+}
+
+/// fsyncs the folders holding the entries' names, each once.
+fn sync_parents(entries: &[Entry]) -> io::Result<()> {
+    let mut dirs: Vec<&Path> = entries
+        .iter()
+        .flat_map(|e| [parent(&e.from), parent(&e.to)])
+        .collect();
+    dirs.sort();
+    dirs.dedup();
+    dirs.into_iter().try_for_each(sync_dir)
+}
+
+/// Journal: per entry `from`, `to`, device and inode, each ended by a NUL
+/// (paths are bytes, not necessarily UTF-8, and never contain a NUL).
+fn encode(entries: &[Entry]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for e in entries {
+        for field in [
+            e.from.as_os_str().as_bytes(),
+            e.to.as_os_str().as_bytes(),
+            e.id.0.to_string().as_bytes(),
+            e.id.1.to_string().as_bytes(),
+        ] {
+            out.extend_from_slice(field);
+            out.push(0);
+        }
+    }
+    out
+}
+
+fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
+    let fields: Vec<&[u8]> = bytes.strip_suffix(&[0])?.split(|b| *b == 0).collect();
+    if !fields.len().is_multiple_of(4) {
+        return None;
+    }
+    let number = |f: &[u8]| std::str::from_utf8(f).ok()?.parse::<u64>().ok();
+    let path = |f: &[u8]| PathBuf::from(OsString::from_vec(f.to_vec()));
+    fields
+        .chunks(4)
+        .map(|f| {
+            Some(Entry {
+                from: path(f[0]),
+                to: path(f[1]),
+                id: (number(f[2])?, number(f[3])?),
+            })
+        })
+        .collect()
+}
+
+/// Moves every `(from, to)` into place as one unit, the journal kept in
+/// `staging` (the run's staging folder). The previous entries are deleted
+/// only after the commit. On an error the entries already moved are put back.
+pub fn publish(staging: &Path, pairs: &[(PathBuf, PathBuf)]) -> Result<()> {
+    let mut entries = Vec::new();
+    for (from, to) in pairs {
+        let from = std::path::absolute(from)
+            .with_context(|| format!("{}: cannot resolve", from.display()))?;
+        let to =
+            std::path::absolute(to).with_context(|| format!("{}: cannot resolve", to.display()))?;
+        let id = id_of(&from).with_context(|| format!("{}: missing", from.display()))?;
+        sync_tree(&from).with_context(|| format!("{}: fsync failed", from.display()))?;
+        entries.push(Entry { from, to, id });
+    }
+    sync_parents(&entries).context("fsync of the staging folders failed")?;
+    let journal = staging.join(JOURNAL);
+    let mut f =
+        File::create(&journal).with_context(|| format!("{}: cannot create", journal.display()))?;
+    f.write_all(&encode(&entries))
+        .and_then(|()| if durable() { f.sync_all() } else { Ok(()) })
+        .and_then(|()| sync_dir(staging))
+        .with_context(|| format!("{}: cannot write", journal.display()))?;
+    drop(f);
+
+    for e in &entries {
+        if let Err(err) = swap_in(e) {
+            let undone = entries
+                .iter()
+                .rev()
+                .try_for_each(|e| roll_back(e).map(drop));
+            let what = format!("moving {} into place: {err}", e.to.display());
+            match undone {
+                Ok(()) => {
+                    remove_new(&entries);
+                    let _ = fs::remove_file(&journal);
+                    bail!("{what}; the previous outputs are back in place")
+                }
+                Err(u) => bail!(
+                    "{what}; putting the previous outputs back also failed ({u}); \
+                     the next run retries from {}",
+                    journal.display()
+                ),
+            }
+        }
+    }
+    // Past this point a failure keeps the journal: the next run puts the
+    // previous outputs back.
+    let uncommitted = || {
+        format!(
+            "{}: cannot commit the publish; the next run puts the previous outputs back",
+            journal.display()
+        )
+    };
+    sync_parents(&entries).with_context(uncommitted)?;
+    step()
+        .and_then(|()| fs::remove_file(&journal))
+        .with_context(uncommitted)?;
+    sync_dir(staging).with_context(|| {
+        format!(
+            "{}: fsync failed after the commit (the new outputs are in place)",
+            staging.display()
+        )
+    })?;
+    for e in &entries {
+        remove_any(&e.from); // the previous entry, superseded
+    }
+    Ok(())
+}
+
+/// Whether `staging` holds the journal of a publish not committed: the
+/// folder may then hold previous entries, and only [`recover`] may remove it.
+pub fn has_journal(staging: &Path) -> bool {
+    staging.join(JOURNAL).symlink_metadata().is_ok()
+}
+
+/// Undoes the publish a killed run left in its staging folder `staging`, if
+/// any: every previous entry goes back in place, the new ones are deleted.
+/// Returns the names put back. Nothing is deleted before its previous entry
+/// is back, and an unreadable journal is left alone for a person to look at.
+pub fn recover(staging: &Path) -> Result<Vec<PathBuf>> {
+    let journal = staging.join(JOURNAL);
+    let bytes = match fs::read(&journal) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => bail!("{}: cannot read: {e}", journal.display()),
+    };
+    let Some(entries) = decode(&bytes) else {
+        bail!(
+            "{}: not a chunkforge publish journal; left in place with its folder (remove it once \
+             the outputs it names are checked)",
+            journal.display()
+        );
+    };
+    let mut restored = Vec::new();
+    for e in entries.iter().rev() {
+        let moved = roll_back(e).with_context(|| {
+            format!(
+                "putting the previous {} back (journal {})",
+                e.to.display(),
+                journal.display()
+            )
+        })?;
+        if moved {
+            restored.push(e.to.clone());
+        }
+    }
+    sync_parents(&entries).context("fsync after the roll-back failed")?;
+    remove_new(&entries);
+    fs::remove_file(&journal).with_context(|| format!("{}: cannot remove", journal.display()))?;
+    Ok(restored)
+}
+
+fn flock(f: &File, op: libc::c_int) -> io::Result<bool> {
+    // SAFETY: flock on a file descriptor this File owns.
+    if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.kind() == io::ErrorKind::WouldBlock {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// An exclusive `flock` on a file, released when dropped or when the process
+/// dies (SIGKILL included), so a lock can never outlive its holder.
+pub struct FileLock(File);
+
+impl FileLock {
+    /// Takes the lock of `path` (created if missing) if it is free.
+    pub fn try_take(path: &Path) -> io::Result<Option<FileLock>> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        Ok(flock(&f, libc::LOCK_EX | libc::LOCK_NB)?.then_some(FileLock(f)))
+    }
+}
+
+/// What a run does when another run holds its output's lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnLocked {
+    Wait,
+    /// `--no-wait`.
+    Refuse,
+}
+
+impl OnLocked {
+    /// From a command's `--no-wait` flag.
+    pub fn from_no_wait(no_wait: bool) -> OnLocked {
+        if no_wait {
+            OnLocked::Refuse
+        } else {
+            OnLocked::Wait
+        }
+    }
+}
+
+/// The lock of one output (a build folder, a release folder): a file
+/// `.NAME.chunkforge-lock` beside it (inside a build folder whose parent is
+/// not writable: `.chunkforge-lock`), holding the pid and command line of the
+/// run that holds it (emptied on release, so a non-empty file found free was
+/// left by a run that was killed).
+pub struct OutputLock {
+    lock: FileLock,
+    path: PathBuf,
+}
+
+impl OutputLock {
+    /// Takes the lock of `output`, waiting for the run holding it or
+    /// refusing. Creates the folder `output` is in.
+    pub fn take(output: &Path, on_locked: OnLocked) -> Result<OutputLock> {
+        let mut path = lock_path(output)?;
+        let mut first = FileLock::try_take(&path);
+        if first.as_ref().is_err_and(|e| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem
+            )
+        }) && output.is_dir()
+        {
+            // A folder we may not write into holds a build folder we may:
+            // the lock goes inside it instead.
+            path = output.join(".chunkforge-lock");
+            first = FileLock::try_take(&path);
+        }
+        let cannot = || format!("{}: cannot create or lock", path.display());
+        let lock = match first.with_context(cannot)? {
+            Some(l) => l,
+            None => {
+                let holder = holder(&path);
+                if on_locked == OnLocked::Refuse {
+                    bail!(
+                        "{}: another chunkforge run is writing it ({holder}; lock {}); \
+                         not waiting (--no-wait): run again when it has finished",
+                        output.display(),
+                        path.display()
+                    );
+                }
+                eprintln!(
+                    "waiting: {} is being written by another chunkforge run ({holder}); \
+                     this run continues when it finishes (Ctrl-C to stop, --no-wait to refuse)",
+                    output.display()
+                );
+                let f = OpenOptions::new().read(true).write(true).open(&path);
+                let f = f.with_context(cannot)?;
+                flock(&f, libc::LOCK_EX).with_context(cannot)?;
+                FileLock(f)
+            }
+        };
+        let left = holder_text(&lock.0);
+        if !left.is_empty() {
+            eprintln!(
+                "note: {}: the run that held it ({}) ended without releasing it (killed?); \
+                 the system released it, and any publish it left half done is undone",
+                path.display(),
+                describe(&left)
+            );
+        }
+        let mut me = &lock.0;
+        let args: Vec<String> = std::env::args_os()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let since = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        me.set_len(0)
+            .and_then(|()| me.rewind())
+            .and_then(|()| writeln!(me, "{}\t{since}\t{}", std::process::id(), args.join(" ")))
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+        if let (Ok(mut held), Ok(f)) = (HELD.lock(), lock.0.try_clone()) {
+            held.push((path.clone(), f));
+        }
+        Ok(OutputLock { lock, path })
+    }
+}
+
+/// The lock files of the [`OutputLock`]s this process holds, by path.
+static HELD: std::sync::Mutex<Vec<(PathBuf, File)>> = std::sync::Mutex::new(Vec::new());
+
+/// Empties the lock files this process holds, as releasing them does: for
+/// the interrupt handler, which exits without running destructors (the
+/// locks themselves go with the process).
+pub fn clear_held_locks() {
+    if let Ok(held) = HELD.lock() {
+        for (_, f) in held.iter() {
+            let _ = f.set_len(0);
+        }
+    }
+}
+
+impl Drop for OutputLock {
+    fn drop(&mut self) {
+        // Emptied before the unlock: a released lock names nobody.
+        let _ = self.lock.0.set_len(0);
+        if let Ok(mut held) = HELD.lock() {
+            held.retain(|(p, _)| p != &self.path);
+        }
+    }
+}
+
+/// `.NAME.chunkforge-lock` in the (canonical) folder holding `output`; beside
+/// rather than inside, since a release folder is itself replaced.
+fn lock_path(output: &Path) -> Result<PathBuf> {
+    let abs = std::path::absolute(output)
+        .with_context(|| format!("{}: cannot resolve", output.display()))?;
+    let (Some(dir), Some(name)) = (abs.parent(), abs.file_name()) else {
+        bail!(
+            "{}: needs a folder name (cannot lock the root)",
+            output.display()
+        );
+    };
+    fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+    let dir = dir
+        .canonicalize()
+        .with_context(|| format!("{}: cannot resolve", dir.display()))?;
+    let mut file = OsString::from(".");
+    // File names have at most 255 bytes; a longer one is named by its digest.
+    if name.len() + 17 <= 255 {
+        file.push(name);
+    } else {
+        let digest = sha2::Sha256::digest(name.as_bytes());
+        file.push(crate::pyenv::hex(&digest[..8]));
+    }
+    file.push(".chunkforge-lock");
+    Ok(dir.join(file))
+}
+
+fn holder_text(mut f: &File) -> String {
+    let mut s = String::new();
+    let _ = f.rewind().and_then(|()| f.read_to_string(&mut s));
+    s.trim().to_string()
+}
+
+/// Who holds the lock at `path`, for a message.
+fn holder(path: &Path) -> String {
+    match File::open(path) {
+        Ok(f) => {
+            let text = holder_text(&f);
+            if text.is_empty() {
+                "starting up".into()
+            } else {
+                describe(&text)
+            }
+        }
+        Err(_) => "unknown".into(),
+    }
+}
+
+/// `pid 123, started 40 s ago: chunkforge build ...` from a lock file's line.
+fn describe(line: &str) -> String {
+    let mut f = line.splitn(3, '\t');
+    let (pid, since, cmd) = (f.next(), f.next(), f.next());
+    let age = since.and_then(|s| s.parse::<u64>().ok()).and_then(|s| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()
+            .map(|now| now.as_secs().saturating_sub(s))
+    });
+    match (pid, age, cmd) {
+        (Some(pid), Some(age), Some(cmd)) => format!("pid {pid}, started {age} s ago: {cmd}"),
+        _ => line.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn journal_round_trips_non_utf8_paths() {
+        let e = Entry {
+            from: PathBuf::from(OsString::from_vec(b"/a/\xffb".to_vec())),
+            to: PathBuf::from("/c/d e\nf"),
+            id: (7, u64::MAX),
+        };
+        let back = decode(&encode(&[e])).unwrap();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].from.as_os_str().as_bytes(), b"/a/\xffb");
+        assert_eq!(back[0].to, Path::new("/c/d e\nf"));
+        assert_eq!(back[0].id, (7, u64::MAX));
+        assert!(decode(b"/a\0/b\0x\x001\0").is_none());
+        assert!(decode(b"/a\0/b\0").is_none());
+    }
+}
