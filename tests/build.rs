@@ -81,14 +81,15 @@ fn contract_table() -> Value {
     json_file(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/contracts/default-e2b.json"))
 }
 
-/// `functions` (plan or `inspect --json`) as (function name, inputs, outputs) lists.
-fn function_contracts(
-    functions: &Value,
-) -> Vec<(
+/// A function's name with its inputs and outputs.
+type FunctionContract = (
     String,
     Vec<(String, Value, String)>,
     Vec<(String, Value, String)>,
-)> {
+);
+
+/// `functions` (plan or `inspect --json`) as (function name, inputs, outputs) lists.
+fn function_contracts(functions: &Value) -> Vec<FunctionContract> {
     functions
         .as_array()
         .unwrap()

@@ -319,8 +319,9 @@ class Chunk(nn.Module):
         rows = []
         for i in range(t):
             lo = first + i
+            row = slice(i, i + 1)
             window = (keys[:, :, lo : lo + w], values[:, :, lo : lo + w])
-            rows.append(attn.attend(x[:, i : i + 1], cos[:, i : i + 1], sin[:, i : i + 1], *window, mask[:, :, i : i + 1]))
+            rows.append(attn.attend(x[:, row], cos[:, row], sin[:, row], *window, mask[:, :, row]))
         return torch.cat(rows, dim=1)
 
     def _rope(self, inp: dict[str, torch.Tensor], s: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
