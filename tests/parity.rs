@@ -162,8 +162,12 @@ fn int4_artifacts_of_a_full_build_agree_and_are_reported() {
     assert_eq!(r["summary"]["ok"], true);
     assert_eq!(r["prompt_ids"].as_array().unwrap().len(), 16);
     assert_eq!(r["oracle"].as_array().unwrap().len(), 16);
-    assert_eq!(r["steps"].as_array().unwrap().len(), 32);
+    // three, two and one for 16 steps each, and verify_qK on 5 blocks of 3.
+    assert_eq!(r["steps"].as_array().unwrap().len(), 3 * 16 + 15);
     let arts = &r["summary"]["artifacts"];
+    // chunk1..4's verify_qK with the packages' own weights reproduces their INT4 decode.
+    assert_eq!(arts["verify_qK"]["ok"], true, "{arts}");
+    assert_eq!(arts["verify_qK"]["steps"], 15, "{arts}");
     for layout in ["four", "two", "one"] {
         assert!(
             arts[layout]["top1_agreement"].as_f64().unwrap() >= 0.75,
