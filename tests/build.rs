@@ -202,6 +202,17 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g["name"], w["name"], "{name}");
             assert_contract(g, w);
+            // Every linear weight of every function is INT4 g=32 palettized.
+            assert!(
+                g["linear_ops"].as_u64().unwrap() > 0,
+                "{name}/{}",
+                g["name"]
+            );
+            assert_eq!(
+                g["int4_g32_linear_ops"], g["linear_ops"],
+                "{name}/{}",
+                g["name"]
+            );
         }
         assert_eq!(pkg["default_function"], want[0]["name"], "{name}");
         assert_eq!(

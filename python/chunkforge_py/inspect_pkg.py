@@ -64,7 +64,18 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
     if prog is None:
         return out
     for f in out["functions"]:
-        f["mil_ops"] = len(list(prog.functions[f["name"]].operations))
+        ops = list(prog.functions[f["name"]].operations)
+        f["mil_ops"] = len(ops)
+        linear = [op for op in ops if op.op_type == "linear"]
+        f["linear_ops"] = len(linear)
+        # INT4 per_grouped_channel, group 32: one 16-entry LUT per 32 output channels.
+        f["int4_g32_linear_ops"] = sum(
+            1
+            for op in linear
+            if op.weight.op is not None
+            and op.weight.op.op_type == "constexpr_lut_to_dense"
+            and list(op.weight.op.lut.shape) == [int(op.weight.shape[0]) // 32, 1, 16, 1]
+        )
     main = prog.functions[default]
     out["opset"] = main.opset_version.name if hasattr(main.opset_version, "name") else str(main.opset_version)
     ops = list(main.operations)
