@@ -266,7 +266,10 @@ class Chunk(nn.Module):
             else:
                 keys, values = producer_kv[kv["alias"]]
             if self.kind == "verify" and kind == "sliding":
-                a = self.attend_windows(attn, x, cos, sin, keys, values, masks[kind])
+                # Own cache: the window + t rows, the first window starts at row 1;
+                # kv13 from an earlier chunk already dropped that row.
+                first = 1 if kv["kind"] == "own" else 0
+                a = self.attend_windows(attn, x, cos, sin, keys, values, masks[kind], first)
             else:
                 a = attn.attend(x, cos, sin, keys, values, masks[kind], t)
             h = h + layer.post_attention_layernorm(a)
@@ -303,6 +306,7 @@ class Chunk(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         mask: torch.Tensor,
+        first: int,
     ) -> torch.Tensor:
         """Sliding attention of verify's K tokens, each over its own window.
 
@@ -313,9 +317,10 @@ class Chunk(nn.Module):
         i is the runtime's decode-style row for that window (the last
         min(p + i + 1, W) slots visible). One shifted cache for all K tokens
         would drop the first tokens' oldest K - 1 keys and show them the
-        later drafts."""
+        later drafts. ``first`` is where token 0's window starts: a Python
+        int, so tracing records static slices (a traced ``keys.shape`` would
+        become a runtime size op)."""
         w, t = self.dims["sliding_window"], self.tokens
-        first = keys.shape[2] - w - (t - 1)
         rows = []
         for i in range(t):
             lo = first + i
