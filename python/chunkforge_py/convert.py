@@ -34,11 +34,18 @@ def find_chunk(plan: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def find_function(chunk: dict[str, Any], function: str | None) -> dict[str, Any]:
-    """The chunk's function called ``function`` (None: its default, the first)."""
+    """The chunk's function called ``function`` (None: its default, the first).
+    A chunk that lists no functions is one decode function with its own contract."""
+    if "functions" not in chunk:
+        chunk = {**chunk, "functions": [{"name": "main", "kind": "decode", "tokens": 1, **_io(chunk)}]}
     for f in chunk["functions"]:
         if function is None or f["name"] == function:
             return f
     raise ChunkforgeError(f"chunk {chunk['name']} has no function {function}")
+
+
+def _io(chunk: dict[str, Any]) -> dict[str, Any]:
+    return {"inputs": chunk["inputs"], "outputs": chunk["outputs"]}
 
 
 def load(plan: dict[str, Any], name: str, ckpt_info: dict[str, Any], function: str | None = None) -> Chunk:
