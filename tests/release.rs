@@ -1523,7 +1523,28 @@ fn release_of_a_real_build_all_verifies_and_matches_the_schema() {
         m["model"]["config_sha256"],
         b["checkpoint"]["config_sha256"]
     );
-    assert_eq!(m["chunks"].as_array().unwrap().len(), 7);
+    // Every package of the build: chunk1..4, prefill_chunk1..4, the three-, two- and one-chunk layouts.
+    assert_eq!(m["chunks"].as_array().unwrap().len(), 14);
+    let functions = |name: &str| -> Vec<Value> {
+        let c = m["chunks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap();
+        c["functions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["name"].clone())
+            .collect()
+    };
+    assert_eq!(
+        functions("chunk1"),
+        [json!("decode_q1"), json!("verify_qK")]
+    );
+    assert_eq!(functions("prefill_chunk4"), [json!("prefill_b512")]);
+    assert_eq!(m["prefill"]["layout"], "prefill");
 }
 
 #[test]
