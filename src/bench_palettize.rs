@@ -4,7 +4,7 @@
 use anyhow::Result;
 use serde_json::{json, Value};
 
-use crate::pyenv;
+use crate::py::env as pyenv;
 
 pub fn run(json_out: bool, quick: bool, seed: u64, verbose: bool) -> Result<()> {
     // scikit-learn's k-means deadlocks in forked coremltools workers unless

@@ -2,55 +2,37 @@
 //! palettize → save, each phase timed under its own spinner; all packages are
 //! staged and moved into the output folder together when every one succeeded.
 
-use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use pyo3::prelude::*;
+use serde::Deserialize;
 use serde_json::{json, Value};
-use sha2::Digest;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
-use crate::fsutil::{self, Staging};
+use crate::hashing;
 use crate::plan::{ChunkPlan, LayoutKind, Plan};
-use crate::progress::BuildProgress;
+use crate::progress::{self, BuildProgress};
 use crate::publish::{OnLocked, OutputLock};
-use crate::pyenv;
+use crate::py::calls;
+use crate::py::env as pyenv;
+use crate::records::{
+    BuildRecord, BuildRequest, BuildSeconds, CacheTotals, CheckpointRecord, ChunkRecord,
+    ChunkStats, ConversionSettings, FunctionRecord, Palettizer, Seconds, ToolVersions,
+    BUILD_FORMAT,
+};
+use crate::staging::{self, Staging};
 
-/// Conversion settings; the defaults are the ones that shipped.
+/// How to build: the conversion settings handed to Python, and the run's own options.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    pub ctx: usize,
-    pub quantize: bool,
-    pub nbits: u32,
-    pub group_size: usize,
-    pub kmeans_workers: usize,
+    pub conversion: ConversionSettings,
     pub verbose: bool,
-    // palette: "chunkforge" (Rust kernel, default) or "coremltools" (its k-means).
-    pub palettizer: String,
     /// When another run holds the output folder's lock; None: the output is
     /// a fresh temporary folder of this run (`--check`, `bench build`), unlocked.
     pub lock: Option<OnLocked>,
-}
-
-impl Settings {
-    fn to_json(&self) -> Value {
-        json!({
-            "ctx": self.ctx,
-            "minimum_deployment_target": "iOS18",
-            "compute_precision": "FLOAT16",
-            "compute_units": "CPU_AND_NE",
-            "quantize": self.quantize,
-            "palettization": if self.quantize {
-                json!({"nbits": self.nbits, "granularity": "per_grouped_channel", "group_size": self.group_size,
-                       "palettizer": self.palettizer,
-                       "mode": if self.palettizer == "chunkforge" { "custom (chunkforge optimal LUT)" } else { "kmeans" },
-                       "kmeans_workers": self.kmeans_workers})
-            } else { Value::Null },
-        })
-    }
 }
 
 const PHASES: [&str; 6] = ["load", "trace", "convert", "palettize", "save", "bundle"];
@@ -68,21 +50,17 @@ fn phase<'py>(
     r.map(|v| (v, t.elapsed().as_secs_f64()))
 }
 
-pub struct BuildReport {
-    pub json: Value,
-}
-
 pub fn run(
     hf_dir: &Path,
     cfg: &TextConfig,
     ckpt: &Checkpoint,
     plan: &Plan,
-    plan_args: Value,
+    request: BuildRequest,
     out: &Path,
     settings: &Settings,
-) -> Result<BuildReport> {
+) -> Result<BuildRecord> {
     let started = Instant::now();
-    fsutil::output_folder(out)?;
+    staging::output_folder(out)?;
     let _lock = settings
         .lock
         .map(|on_locked| OutputLock::take(out, on_locked))
@@ -102,14 +80,17 @@ pub fn run(
     // `layouts`: each function of each layout holds every weight of its layers
     // once, so the palettization cache keeps a result until that many
     // conversions have used it.
+    let conv = &settings.conversion;
+    let pal = conv.palettization.as_ref();
     let settings_json = json!({
-        "nbits": settings.nbits, "group_size": settings.group_size, "kmeans_workers": settings.kmeans_workers,
-        "palettizer": settings.palettizer,
+        "nbits": pal.map(|p| p.nbits), "group_size": pal.map(|p| p.group_size),
+        "kmeans_workers": pal.map(|p| p.kmeans_workers),
+        "palettizer": conv.palettizer(),
         "layouts": plan.layouts.iter().map(|l| l.chunks.first().map_or(0, |c| c.functions.len())).sum::<usize>(),
     });
     let verbose = settings.verbose;
 
-    let mut records = Vec::new();
+    let mut records: Vec<ChunkRecord> = Vec::new();
     for unit in &units {
         let names: Vec<&str> = unit.iter().map(|(_, c)| c.name.as_str()).collect();
         let (first, last) = (unit[0].1.first_layer, unit[0].1.last_layer);
@@ -125,8 +106,8 @@ pub fn run(
         for (layout, chunk) in unit {
             let name = &chunk.name;
             let mut functions = Vec::new();
-            let mut seconds: BTreeMap<&str, f64> = BTreeMap::new();
-            let mut stats = Value::Null;
+            let mut seconds = Seconds::new();
+            let mut stats: Option<ChunkStats> = None;
             for f in &chunk.functions {
                 let label = if chunk.functions.len() > 1 {
                     format!("{name}/{}", f.name)
@@ -144,27 +125,31 @@ pub fn run(
                     &plan_json,
                     &ckpt_json,
                     &settings_json,
-                    settings,
+                    conv,
                     name,
                     (chunk.functions.len() > 1).then_some(f.name.as_str()),
                     &path,
                 )
                 .map_err(|e| anyhow!("building {label}: {}", pyenv::render_error(e, verbose)))?;
                 for (k, v) in &fsecs {
-                    *seconds.entry(k).or_default() += v;
+                    *seconds.entry(k.clone()).or_default() += v;
                 }
-                functions.push(json!({
-                    "name": f.name,
-                    "kind": f.kind,
-                    "tokens": f.tokens,
-                    "mil_ops": fstats["mil_ops"],
-                    "weight_bytes": fstats["weight_bytes"],
-                    "seconds": fsecs,
-                }));
-                stats = merge_stats(stats, fstats);
+                functions.push(FunctionRecord {
+                    name: f.name.clone(),
+                    kind: f.kind,
+                    tokens: f.tokens,
+                    mil_ops: fstats.mil_ops,
+                    weight_bytes: fstats.weight_bytes,
+                    seconds: fsecs,
+                });
+                match &mut stats {
+                    None => stats = Some(fstats),
+                    Some(acc) => acc.add(&fstats),
+                }
                 parts.push((path.to_string_lossy().into_owned(), f.name.clone()));
             }
-            done.push((layout, *chunk, functions, seconds, stats));
+            let stats = stats.expect("every chunk has a function");
+            done.push((*layout, *chunk, functions, seconds, stats));
         }
         if bundled {
             let t = Instant::now();
@@ -186,7 +171,7 @@ pub fn run(
                     )
                 })
                 .collect();
-            let sizes = Python::attach(|py| -> PyResult<Value> {
+            let bundle = Python::attach(|py| -> PyResult<Value> {
                 let conv = py.import("chunkforge_py.convert")?;
                 pyenv::from_py(&conv.call_method1("combine", (parts.clone(), targets))?)
             })
@@ -198,121 +183,119 @@ pub fn run(
                 )
             });
             pb.finish_and_clear();
-            let sizes = sizes?;
+            let bundle: Bundle = serde_json::from_value(bundle?)?;
             for (path, _) in &parts {
                 std::fs::remove_dir_all(path).with_context(|| format!("{path}: cannot remove"))?;
             }
             // The bundle's seconds are shared by its packages.
             let share = t.elapsed().as_secs_f64() / unit.len() as f64;
             for d in &mut done {
-                d.4["weight_bytes"] = sizes["weight_bytes"].clone();
-                d.3.insert(PHASES[5], share);
+                d.4.weight_bytes = bundle.weight_bytes;
+                d.3.insert(PHASES[5].to_string(), share);
             }
         }
         for (layout, chunk, functions, seconds, stats) in done {
             let pkg = format!("{}.mlpackage", chunk.name);
-            let digest = fsutil::tree_digest(&staging.dir.join(&pkg))?;
+            let digest = hashing::tree_digest(&staging.dir.join(&pkg))?;
             let total: f64 = seconds.values().sum();
             progress.println(format!(
                 "built {pkg:<28} layers {:>2}-{:<2} {:>5} MIL ops {:>11} weight bytes  {total:>6.1}s",
-                chunk.first_layer, chunk.last_layer, stats["mil_ops"], stats["weight_bytes"]
+                chunk.first_layer, chunk.last_layer, stats.mil_ops, stats.weight_bytes
             ));
-            records.push(json!({
-                "name": chunk.name,
-                "layout": layout,
-                "package": pkg,
-                "first_layer": chunk.first_layer,
-                "last_layer": chunk.last_layer,
-                "layers": chunk.layer_count(),
-                "mil_ops": stats["mil_ops"],
-                "weight_bytes": stats["weight_bytes"],
-                "linear_ops": stats["linear_ops"],
-                "palettized_weights": stats["palettized_weights"],
-                // palette: weights served from the per-build palettization cache.
-                "palettize_cache_hits": stats["palettize_cache_hits"],
-                "palettize_cache_misses": stats["palettize_cache_misses"],
-                // Groups of weights not matched to a module tensor (palettized
-                // one by one, uncached); 0 for every Gemma 4 chunk.
-                "palettize_unmatched_groups": stats["palettize_unmatched_groups"],
-                "op_counts": stats["op_counts"],
-                // Per function: its own program's ops and single-function blob size
-                // (a multifunction package's blob holds each shared weight once).
-                "functions": functions,
-                "sha256_tree": digest,
-                "seconds": seconds,
-            }));
+            records.push(ChunkRecord {
+                name: chunk.name.clone(),
+                layout,
+                package: pkg,
+                first_layer: chunk.first_layer,
+                last_layer: chunk.last_layer,
+                layers: chunk.layer_count(),
+                mil_ops: stats.mil_ops,
+                weight_bytes: stats.weight_bytes,
+                linear_ops: stats.linear_ops,
+                palettized_weights: stats.palettized_weights,
+                palettize_cache_hits: stats.palettize_cache_hits,
+                palettize_cache_misses: stats.palettize_cache_misses,
+                palettize_unmatched_groups: stats.palettize_unmatched_groups,
+                op_counts: stats.op_counts,
+                functions,
+                sha256_tree: digest,
+                seconds,
+            });
             progress.bar.inc(1);
         }
     }
     progress.bar.finish_and_clear();
 
-    let versions = pyenv::call_json("runtime", "versions", &Value::Null, verbose)?;
-    let config_sha = fsutil::sha256_file(&hf_dir.join("config.json"))?;
+    let versions = calls::versions(verbose)?;
+    let config_sha = hashing::sha256_file(&hf_dir.join("config.json"))?;
     // Absolute, so `build --check` finds the same checkpoint from any folder.
     let recorded_dir = std::path::absolute(hf_dir)
         .with_context(|| format!("{}: cannot make the path absolute", hf_dir.display()))?;
-    let mut phase_totals: BTreeMap<&str, f64> = BTreeMap::new();
+    let mut phases = Seconds::new();
     for r in &records {
-        for (k, v) in r["seconds"].as_object().into_iter().flatten() {
-            if let Some(p) = PHASES.iter().find(|p| *p == k) {
-                *phase_totals.entry(p).or_default() += v.as_f64().unwrap_or(0.0);
-            }
+        for (k, v) in &r.seconds {
+            *phases.entry(k.clone()).or_default() += v;
         }
     }
-    let tree: String = records
-        .iter()
-        .map(|r| {
-            format!(
-                "{}\0{}\n",
-                r["package"].as_str().unwrap_or(""),
-                r["sha256_tree"].as_str().unwrap_or("")
-            )
-        })
-        .collect();
-    let report = json!({
-        "format": "chunkforge-build/1",
-        "tree_sha256": pyenv::hex(&sha2::Sha256::digest(tree.as_bytes())),
-        "tool": {"chunkforge": env!("CARGO_PKG_VERSION"), "python": versions},
-        "checkpoint": {
-            "dir": recorded_dir.to_string_lossy(),
-            "architecture": cfg.architecture,
-            "multimodal": cfg.multimodal,
-            "config_sha256": config_sha,
-            "tensor_prefix": ckpt.prefix,
-            "skipped_tensors": ckpt.skipped,
+    let record = BuildRecord {
+        format: BUILD_FORMAT.into(),
+        tree_sha256: hashing::lines_digest(
+            records
+                .iter()
+                .map(|r| (r.package.as_str(), r.sha256_tree.clone())),
+        ),
+        tool: ToolVersions {
+            chunkforge: env!("CARGO_PKG_VERSION").into(),
+            python: versions,
         },
-        "request": plan_args,
-        "settings": settings.to_json(),
-        "plan": plan_json,
-        "chunks": records,
-        "seconds": {"total": started.elapsed().as_secs_f64(), "phases": phase_totals},
-        // palette: totals of the per-package cache counts.
-        "palettize_cache": {
-            "hits": records.iter().filter_map(|r| r["palettize_cache_hits"].as_u64()).sum::<u64>(),
-            "misses": records.iter().filter_map(|r| r["palettize_cache_misses"].as_u64()).sum::<u64>(),
+        checkpoint: CheckpointRecord {
+            dir: recorded_dir.to_string_lossy().into_owned(),
+            architecture: cfg.architecture.clone(),
+            multimodal: cfg.multimodal,
+            config_sha256: config_sha,
+            tensor_prefix: Some(ckpt.prefix.clone()),
+            skipped_tensors: Some(ckpt.skipped),
         },
-        "peak_rss_bytes": fsutil::peak_rss_bytes(),
-    });
+        request,
+        settings: settings.conversion.clone(),
+        plan: plan.clone(),
+        palettize_cache: CacheTotals {
+            hits: records.iter().filter_map(|r| r.palettize_cache_hits).sum(),
+            misses: records
+                .iter()
+                .filter_map(|r| r.palettize_cache_misses)
+                .sum(),
+        },
+        chunks: records,
+        seconds: BuildSeconds {
+            total: started.elapsed().as_secs_f64(),
+            phases,
+        },
+        peak_rss_bytes: progress::peak_rss_bytes(),
+    };
     // All packages, then build.json last, as one publish: a reader that sees
     // the new build.json sees every package it lists, and a run killed
     // before the end has them all put back by the next run.
-    let bytes = serde_json::to_vec_pretty(&report)?;
-    fsutil::write_atomic(&staging.dir.join("build.json"), &bytes)?;
-    let mut names: Vec<&str> = records
-        .iter()
-        .map(|r| r["package"].as_str().expect("set above"))
-        .collect();
+    let bytes = serde_json::to_vec_pretty(&record)?;
+    staging::write_atomic(&staging.dir.join("build.json"), &bytes)?;
+    let mut names: Vec<&str> = record.chunks.iter().map(|r| r.package.as_str()).collect();
     names.push("build.json");
     staging.publish_names(&names)?;
     staging.finish()?;
-    Ok(BuildReport { json: report })
+    Ok(record)
+}
+
+/// `convert.combine`'s reply: the bundle's weight blob size.
+#[derive(serde::Deserialize)]
+struct Bundle {
+    weight_bytes: u64,
 }
 
 /// Packages converted together: each alone, except a four-chunk package and
 /// the prefill package of the same layers, which are bundled from one set of
 /// programs so their weight blobs are byte-identical (the runtime's
 /// downloader hard-links `chunkN`'s blob into `prefill_chunkN`).
-fn units(plan: &Plan) -> Vec<Vec<(&'static str, &ChunkPlan)>> {
+fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
     let prefill: Vec<&ChunkPlan> = plan
         .layouts
         .iter()
@@ -331,12 +314,12 @@ fn units(plan: &Plan) -> Vec<Vec<(&'static str, &ChunkPlan)>> {
         for c in &l.chunks {
             match l.kind {
                 LayoutKind::Four => {
-                    let mut unit = vec![(l.kind.label(), c)];
-                    unit.extend(partner(c).map(|p| (LayoutKind::Prefill.label(), p)));
+                    let mut unit = vec![(l.kind, c)];
+                    unit.extend(partner(c).map(|p| (LayoutKind::Prefill, p)));
                     units.push(unit);
                 }
                 LayoutKind::Prefill if has_four => {}
-                _ => units.push(vec![(l.kind.label(), c)]),
+                _ => units.push(vec![(l.kind, c)]),
             }
         }
     }
@@ -352,31 +335,33 @@ fn convert_function(
     plan_json: &Value,
     ckpt_json: &Value,
     settings_json: &Value,
-    settings: &Settings,
+    settings: &ConversionSettings,
     name: &str,
     function: Option<&str>,
     path: &Path,
-) -> PyResult<(Value, BTreeMap<&'static str, f64>)> {
+) -> PyResult<(ChunkStats, Seconds)> {
     Python::attach(|py| {
         let conv = py.import("chunkforge_py.convert")?;
         let plan_py = pyenv::to_py(py, plan_json)?;
         let ckpt_py = pyenv::to_py(py, ckpt_json)?;
-        let mut secs = BTreeMap::new();
+        let mut secs = Seconds::new();
         let (module, s) = phase(progress, format!("{label}: load weights"), || {
             conv.call_method1("load", (&plan_py, name, &ckpt_py, function))
         })?;
-        secs.insert(PHASES[0], s);
+        secs.insert(PHASES[0].into(), s);
         let (traced, s) = phase(progress, format!("{label}: trace"), || {
             conv.call_method1("trace", (&module,))
         })?;
-        secs.insert(PHASES[1], s);
+        secs.insert(PHASES[1].into(), s);
         drop(module);
         // The kernel palettizes inside ct.convert (its seconds are split
         // out of the conversion's below); coremltools' k-means runs on
         // the converted model.
-        let in_convert = settings.quantize && settings.palettizer == "chunkforge";
+        let palettizer = settings.palettizer();
+        let in_convert = palettizer == Some(Palettizer::Chunkforge);
         let sp = pyenv::to_py(py, settings_json)?;
-        let int4 = format!("INT4 per_grouped_channel, group {}", settings.group_size);
+        let group = settings.palettization.as_ref().map_or(0, |p| p.group_size);
+        let int4 = format!("INT4 per_grouped_channel, group {group}");
         let what = if in_convert {
             format!("{label}: convert + palettize (ct.convert, iOS18, FP16, {int4})")
         } else {
@@ -386,130 +371,112 @@ fn convert_function(
             let palettize = in_convert.then_some(&sp);
             conv.call_method1("convert", (&traced, &plan_py, name, palettize, function))
         })?;
-        secs.insert(PHASES[2], s);
+        secs.insert(PHASES[2].into(), s);
         drop(traced);
-        if settings.quantize && !in_convert {
+        if palettizer == Some(Palettizer::Coremltools) {
             let (p, s) = phase(progress, format!("{label}: palettize ({int4})"), || {
                 conv.call_method1("palettize", (&ml, &plan_py, name, &sp))
             })?;
             ml = p;
-            secs.insert(PHASES[3], s);
+            secs.insert(PHASES[3].into(), s);
         }
         let (stats, s) = phase(progress, format!("{label}: save"), || {
             conv.call_method1("save", (&ml, path.to_string_lossy().to_string()))
         })?;
-        secs.insert(PHASES[4], s);
-        let stats = pyenv::from_py(&stats)?;
-        if let Some(k) = stats["palettize_seconds"].as_f64() {
+        secs.insert(PHASES[4].into(), s);
+        let stats: ChunkStats = serde_json::from_value(pyenv::from_py(&stats)?)
+            .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("convert.save: {e}")))?;
+        if let Some(k) = stats.palettize_seconds {
             // Kernel time inside the conversion: reported as palettize.
-            let convert = secs.entry(PHASES[2]).or_default();
+            let convert = secs.entry(PHASES[2].into()).or_default();
             *convert = (*convert - k).max(0.0);
-            secs.insert(PHASES[3], k);
+            secs.insert(PHASES[3].into(), k);
         }
         Ok((stats, secs))
     })
 }
 
-/// A package's counts over its functions: ops, palettized weights and cache
-/// counts add up; the weight blob is the bundle's, set by the caller.
-fn merge_stats(acc: Value, f: Value) -> Value {
-    if acc.is_null() {
-        return f;
-    }
-    let mut acc = acc;
-    for key in [
-        "mil_ops",
-        "linear_ops",
-        "palettized_weights",
-        "palettize_cache_hits",
-        "palettize_cache_misses",
-        "palettize_unmatched_groups",
-    ] {
-        if let (Some(a), Some(b)) = (acc[key].as_u64(), f[key].as_u64()) {
-            acc[key] = json!(a + b);
-        }
-    }
-    let mut counts = acc["op_counts"].as_object().cloned().unwrap_or_default();
-    for (op, n) in f["op_counts"].as_object().into_iter().flatten() {
-        let prev = counts.get(op).and_then(Value::as_u64).unwrap_or(0);
-        counts.insert(op.clone(), json!(prev + n.as_u64().unwrap_or(0)));
-    }
-    acc["op_counts"] = Value::Object(counts);
-    acc
-}
-
-/// Total of a phase across chunks, for the summary line.
-pub fn summary(report: &Value, out: &Path) -> String {
-    let secs = &report["seconds"];
-    let phases = secs["phases"]
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .map(|(k, v)| format!("{k} {:.1}s", v.as_f64().unwrap_or(0.0)))
-                .collect::<Vec<_>>()
-                .join(", ")
-        })
-        .unwrap_or_default();
+/// The line `build` ends with: packages, time per phase, peak memory.
+pub fn summary(record: &BuildRecord, out: &Path) -> String {
+    let phases: Vec<String> = record
+        .seconds
+        .phases
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.1}s"))
+        .collect();
     format!(
-        "wrote {} packages to {} in {:.1}s ({phases}); peak RSS {:.0} MiB",
-        report["chunks"].as_array().map_or(0, Vec::len),
+        "wrote {} packages to {} in {:.1}s ({}); peak RSS {:.0} MiB",
+        record.chunks.len(),
         out.display(),
-        secs["total"].as_f64().unwrap_or(0.0),
-        report["peak_rss_bytes"].as_f64().unwrap_or(0.0) / (1024.0 * 1024.0)
+        record.seconds.total,
+        phases.join(", "),
+        record.peak_rss_bytes as f64 / (1024.0 * 1024.0)
     )
 }
 
-/// The checkpoint, layout request and quantization of an earlier build, from its build.json.
-#[allow(clippy::type_complexity)]
-pub fn request_of(
-    build_json: &Path,
-    hf_override: &Option<std::path::PathBuf>,
-) -> Result<(
-    Option<std::path::PathBuf>,
-    (crate::plan::Mode, Option<String>, usize),
-    bool,
-    String,
-)> {
+/// What `build --check` replays of an earlier build: its checkpoint, layout
+/// request and quantization.
+#[derive(Debug)]
+pub struct Rebuild {
+    pub hf_dir: Option<PathBuf>,
+    pub request: BuildRequest,
+    pub ctx: usize,
+    pub quantize: bool,
+    pub palettizer: Palettizer,
+}
+
+/// The parts of build.json `--check` reads (older records have only these).
+#[derive(Deserialize)]
+struct Replayed {
+    request: BuildRequest,
+    settings: ReplayedSettings,
+    checkpoint: ReplayedCheckpoint,
+}
+
+#[derive(Deserialize)]
+struct ReplayedSettings {
+    quantize: bool,
+    #[serde(default)]
+    palettization: Option<ReplayedPalettization>,
+}
+
+#[derive(Deserialize)]
+struct ReplayedPalettization {
+    palettizer: Option<Palettizer>,
+}
+
+#[derive(Deserialize)]
+struct ReplayedCheckpoint {
+    dir: PathBuf,
+}
+
+/// The request of the build whose record is `build_json` (`hf_override`:
+/// the checkpoint's folder now, instead of the recorded one).
+pub fn request_of(build_json: &Path, hf_override: &Option<PathBuf>) -> Result<Rebuild> {
     let text = std::fs::read(build_json)
         .with_context(|| format!("{}: cannot read", build_json.display()))?;
     let v: Value = serde_json::from_slice(&text)
         .with_context(|| format!("{}: not valid JSON", build_json.display()))?;
-    let bad = |what: &str| {
+    let r: Replayed = serde_json::from_value(v).map_err(|e| {
         anyhow!(
-            "{}: {what} missing or invalid (not a chunkforge build.json?)",
+            "{}: {e}: missing or invalid (not a chunkforge build.json?)",
             build_json.display()
         )
+    })?;
+    let (Some(_), Some(ctx)) = (r.request.mode, r.request.ctx) else {
+        bail!(
+            "{}: request.mode and request.ctx missing or invalid (not a chunkforge build.json?)",
+            build_json.display()
+        );
     };
-    let mode = match v["request"]["mode"]
-        .as_str()
-        .ok_or_else(|| bad("request.mode"))?
-    {
-        "four" => crate::plan::Mode::Four,
-        "three" => crate::plan::Mode::Three,
-        "two" => crate::plan::Mode::Two,
-        "one" => crate::plan::Mode::One,
-        "both" => crate::plan::Mode::Both,
-        "all" => crate::plan::Mode::All,
-        _ => return Err(bad("request.mode")),
-    };
-    let split = v["request"]["split"].as_str().map(str::to_string);
-    let ctx = v["request"]["ctx"]
-        .as_u64()
-        .and_then(|n| usize::try_from(n).ok())
-        .ok_or_else(|| bad("request.ctx"))?;
-    crate::args::check_ctx(ctx)
+    let ctx = usize::try_from(ctx)
+        .map_err(|_| format!("{ctx} is out of range"))
+        .and_then(crate::args::check_ctx)
         .map_err(|e| anyhow!("{}: request.ctx {e}", build_json.display()))?;
-    let quantize = v["settings"]["quantize"]
-        .as_bool()
-        .ok_or_else(|| bad("settings.quantize"))?;
-    let hf = match hf_override {
+    let hf_dir = match hf_override {
         Some(p) => Some(p.clone()),
         None => {
-            let recorded = Path::new(
-                v["checkpoint"]["dir"]
-                    .as_str()
-                    .ok_or_else(|| bad("checkpoint.dir"))?,
-            );
+            let recorded = &r.checkpoint.dir;
             // Builds record an absolute path; a relative one (hand-written, or
             // from an older chunkforge) is taken relative to build.json, never
             // to the folder `--check` happens to run in.
@@ -526,37 +493,26 @@ pub fn request_of(
             Some(dir)
         }
     };
-    let palettizer = v["settings"]["palettization"]["palettizer"]
-        .as_str()
-        .unwrap_or("chunkforge")
-        .to_string();
-    Ok((hf, (mode, split, ctx), quantize, palettizer))
-}
-
-/// The verify and prefill requests of an earlier build (absent in builds
-/// from before they existed: none asked for).
-pub fn functions_of(build_json: &Path) -> Result<(Option<usize>, Option<Vec<usize>>)> {
-    let text = std::fs::read(build_json)
-        .with_context(|| format!("{}: cannot read", build_json.display()))?;
-    let v: Value = serde_json::from_slice(&text)
-        .with_context(|| format!("{}: not valid JSON", build_json.display()))?;
-    let request = &v["request"];
-    let verify_k = request["verify_k"].as_u64().map(|k| k as usize);
-    let prefill = request["prefill_len"].as_array().map(|a| {
-        a.iter()
-            .filter_map(Value::as_u64)
-            .map(|n| n as usize)
-            .collect()
-    });
-    Ok((verify_k, prefill))
+    let palettizer = r
+        .settings
+        .palettization
+        .and_then(|p| p.palettizer)
+        .unwrap_or(Palettizer::Chunkforge);
+    Ok(Rebuild {
+        hf_dir,
+        request: r.request,
+        ctx,
+        quantize: r.settings.quantize,
+        palettizer,
+    })
 }
 
 /// Compares the packages of `old` with a fresh build in `fresh_dir`, printing
 /// every package and, for a differing one, every differing file.
-pub fn compare(old: &Path, fresh_dir: &Path, fresh: &Value) -> Result<bool> {
+pub fn compare(old: &Path, fresh_dir: &Path, fresh: &BuildRecord) -> Result<bool> {
     let mut same = true;
-    for c in fresh["chunks"].as_array().into_iter().flatten() {
-        let pkg = c["package"].as_str().unwrap_or("");
+    for c in &fresh.chunks {
+        let pkg = c.package.as_str();
         let a = old.join(pkg);
         let b = fresh_dir.join(pkg);
         if !a.exists() {
@@ -564,15 +520,15 @@ pub fn compare(old: &Path, fresh_dir: &Path, fresh: &Value) -> Result<bool> {
             same = false;
             continue;
         }
-        let da = fsutil::tree_digest(&a)?;
-        let db = c["sha256_tree"].as_str().unwrap_or("").to_string();
+        let da = hashing::tree_digest(&a)?;
+        let db = c.sha256_tree.clone();
         if da == db {
             println!("{pkg}: identical ({})", &da[..16]);
             continue;
         }
         same = false;
         println!("{pkg}: DIFFERS");
-        let (fa, fb) = (fsutil::file_digests(&a)?, fsutil::file_digests(&b)?);
+        let (fa, fb) = (hashing::file_digests(&a)?, hashing::file_digests(&b)?);
         for (rel, h) in &fa {
             match fb.get(rel) {
                 Some(h2) if h2 == h => {}
@@ -607,7 +563,7 @@ mod tests {
         };
         let write = |dir: &str| write_ctx(dir, 64);
         write("../ck");
-        let (hf, ..) = request_of(&out.join("build.json"), &None).unwrap();
+        let hf = request_of(&out.join("build.json"), &None).unwrap().hf_dir;
         assert_eq!(hf.unwrap(), out.join("../ck"));
         write("../gone");
         let e = request_of(&out.join("build.json"), &None)

@@ -5,33 +5,27 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
 
-use crate::fsutil;
 use crate::progress;
-use crate::pyenv;
+use crate::py::calls;
+use crate::staging;
 
 /// Bumped whenever the fixture generator changes, so cached defaults are regenerated.
 const DEFAULT_FIXTURE_VERSION: u32 = 2;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Shape {
-    /// 35 layers, full attention every 5th, 20 KV-shared layers, 1 KV head.
-    E2b,
-    /// 42 layers, full attention every 6th, 18 KV-shared layers, 2 KV heads.
-    E4b,
-}
-
-impl Shape {
-    pub fn label(self) -> &'static str {
-        match self {
-            Shape::E2b => "e2b",
-            Shape::E4b => "e4b",
-        }
+chunkforge_model::named! {
+    /// The fixture's layer structure.
+    pub enum Shape {
+        /// 35 layers, full attention every 5th, 20 KV-shared layers, 1 KV head.
+        E2b = "e2b",
+        /// 42 layers, full attention every 6th, 18 KV-shared layers, 2 KV heads.
+        E4b = "e4b",
     }
 }
 
-#[derive(Clone, Debug)]
+/// What the fixture generator was asked for (sent to `fixture.write_fixture_json`).
+#[derive(Clone, Debug, Serialize)]
 pub struct FixtureArgs {
     pub shape: Shape,
     pub seed: u64,
@@ -42,9 +36,16 @@ pub struct FixtureArgs {
     pub full_width: bool,
 }
 
+/// What the generator wrote.
+#[derive(Clone, Debug, Deserialize)]
+pub struct FixtureInfo {
+    pub tensors: u64,
+    pub parameters: u64,
+}
+
 /// Writes a checkpoint into `out` (which must not exist yet, or be empty) via a
 /// temporary sibling folder renamed into place when complete.
-pub fn write(out: &Path, args: &FixtureArgs, verbose: bool) -> Result<Value> {
+pub fn write(out: &Path, args: &FixtureArgs, verbose: bool) -> Result<FixtureInfo> {
     if out.exists() {
         let empty = out.is_dir()
             && fs::read_dir(out)
@@ -64,27 +65,28 @@ pub fn write(out: &Path, args: &FixtureArgs, verbose: bool) -> Result<Value> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     fs::create_dir_all(parent).with_context(|| format!("{}: cannot create", parent.display()))?;
-    let staging = fsutil::Staging::new(parent)?;
+    let staging = staging::Staging::new(parent)?;
     let tmp = staging.dir.join("checkpoint");
     fs::create_dir(&tmp)?;
     let sp = progress::spinner(format!(
         "writing {} fixture checkpoint to {}",
-        args.shape.label(),
+        args.shape.as_str(),
         out.display()
     ));
-    let info = pyenv::call_json(
+    #[derive(Serialize)]
+    struct Request<'a> {
+        out_dir: &'a str,
+        #[serde(flatten)]
+        args: &'a FixtureArgs,
+    }
+    let out_dir = tmp.to_string_lossy();
+    let info = calls::call(
         "fixture",
         "write_fixture_json",
-        &json!({
-            "out_dir": tmp.to_string_lossy(),
-            "shape": args.shape.label(),
-            "seed": args.seed,
-            "multimodal": args.multimodal,
-            "shards": args.shards,
-            "sliding_window": args.sliding_window,
-            "vocab_size": args.vocab_size,
-            "full_width": args.full_width,
-        }),
+        &Request {
+            out_dir: &out_dir,
+            args,
+        },
         verbose,
     );
     sp.finish_and_clear();

@@ -12,36 +12,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
+use crate::cli::HashBenchArgs;
 use crate::hashing;
+use crate::package;
 use crate::publish;
-use crate::release;
 use crate::sign::{self, SIG_FILE};
-
-#[derive(clap::Args, Clone, Debug)]
-pub struct HashBenchArgs {
-    /// Folder for the test data (removed afterwards unless --keep) [default: the system temp folder].
-    #[arg(long)]
-    pub dir: Option<PathBuf>,
-    /// Size of the single big file, MiB.
-    #[arg(long, default_value_t = 2048)]
-    pub big_mib: u64,
-    /// Size of each of the smaller files, MiB.
-    #[arg(long, default_value_t = 256)]
-    pub small_mib: u64,
-    /// Number of smaller files.
-    #[arg(long, default_value_t = 8)]
-    pub small_count: usize,
-    /// Runs per tool; the best is reported.
-    #[arg(long, default_value_t = 2)]
-    pub repeat: usize,
-    /// model_signing executable [default: signing-venv/bin/model_signing in the cache folder (README: Cache folders),
-    /// made by scripts/setup-signing.sh]; skipped with a note when absent.
-    #[arg(long)]
-    pub model_signing: Option<PathBuf>,
-    /// Keep the generated data.
-    #[arg(long)]
-    pub keep: bool,
-}
 
 /// Fills `path` with `mib` MiB of pseudo-random bytes (xorshift; content does
 /// not change SHA-256 speed, but keeps compressing file systems honest).
@@ -192,7 +167,7 @@ fn run_in(a: &HashBenchArgs, work: &Path) -> Result<()> {
             publish::set_durable(durable);
             let t = best_of(a.repeat, || {
                 let _ = fs::remove_dir_all(&out);
-                release::copy_sign_publish(&data, &out, &key).map(|_| ())
+                package::copy_sign_publish(&data, &out, &key).map(|_| ())
             });
             publish::set_durable(true);
             rows.push(row(tool, Some(t?), note.into()));

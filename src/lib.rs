@@ -1,30 +1,24 @@
-//! chunkforge as a library: the plan, checkpoint validation, build and parity
-//! drivers, release manifests, signing and verification. The `chunkforge`
-//! binary is a thin CLI over these modules; the fuzz targets use them too.
+//! chunkforge as a library. The model half (`chunkforge_model`: config,
+//! plan, checkpoint, records) and the release half (`chunkforge_release`:
+//! hashing, staging, manifest, signing, verify, archives) are crates of their
+//! own with no Python; this crate adds what needs the embedded interpreter
+//! (`py`, `build`, `parity`, `fixture`), the INT4 kernel (`palette`), the
+//! benchmarks and the CLI's commands.
 
-pub mod archive;
-pub mod args;
+pub use chunkforge_model::{args, checkpoint, config, error, names, plan, records};
+pub use chunkforge_release::{
+    archive, hashing, keykind, manifest, package, publish, sign, staging, strict_json, verify,
+    zipwalk,
+};
+
 pub mod bench_palettize;
 pub mod build;
 pub mod cache_dir;
-pub mod checkpoint;
-pub mod config;
-pub mod error;
+pub mod cli;
+pub mod commands;
 pub mod fixture;
-pub mod fsutil;
 pub mod hashbench;
-pub mod hashing;
-pub mod keykind;
-pub mod manifest;
-pub mod native;
 pub mod palette;
 pub mod parity;
-pub mod plan;
 pub mod progress;
-pub mod publish;
-pub mod pyenv;
-pub mod release;
-pub mod sign;
-pub mod strict_json;
-pub mod verify;
-pub mod zipwalk;
+pub mod py;

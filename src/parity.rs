@@ -9,10 +9,11 @@ use serde_json::{json, Value};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
-use crate::fsutil;
+use crate::hashing;
 use crate::plan::{self, LayoutKind, Mode, Plan};
 use crate::progress;
-use crate::pyenv;
+use crate::py::env as pyenv;
+use crate::staging;
 
 /// Options of one parity run.
 pub struct ParityOptions {
@@ -33,8 +34,16 @@ pub struct ParityOptions {
     pub report: Option<PathBuf>,
     pub oracle: bool,
     pub corrupt_layer: Option<usize>,
-    pub corrupt_function: Option<String>,
+    pub corrupt_function: Option<CorruptFunction>,
     pub verbose: bool,
+}
+
+chunkforge_model::named! {
+    /// `--corrupt-function` (testing aid): which modules `--corrupt-layer` corrupts.
+    pub enum CorruptFunction {
+        Verify = "verify",
+        Prefill = "prefill",
+    }
 }
 
 /// The default prompt shipped in `parity/default_prompt.json`.
@@ -62,7 +71,7 @@ pub fn parse_prompt(text: &str) -> Result<Vec<i64>> {
 }
 
 fn layout_json(l: &plan::Layout) -> Value {
-    json!({"name": l.kind.label(), "chunks": l.chunks, "kv_slot_map": l.kv_slot_map})
+    json!({"name": l.kind, "chunks": l.chunks, "kv_slot_map": l.kv_slot_map})
 }
 
 /// Runs parity; returns whether everything passed.
@@ -112,7 +121,7 @@ pub fn run(
         .layouts
         .iter()
         .filter(decode)
-        .map(|l| (l.kind.label().to_string(), layout_json(l)))
+        .map(|l| (l.kind.to_string(), layout_json(l)))
         .collect();
     let prompt = match &opts.prompt_ids {
         Some(p) => p.clone(),
@@ -150,7 +159,7 @@ pub fn run(
         opts.steps,
         compared
             .iter()
-            .map(|l| l.kind.label())
+            .map(|l| l.kind.as_str())
             .collect::<Vec<_>>()
             .join(", "),
         if opts.oracle {
@@ -228,7 +237,7 @@ pub fn run(
         obj.insert("format".into(), json!("chunkforge-parity/1"));
         obj.insert(
             "checkpoint".into(),
-            json!({"dir": hf_dir.to_string_lossy(), "config_sha256": fsutil::sha256_file(&hf_dir.join("config.json"))?}),
+            json!({"dir": hf_dir.to_string_lossy(), "config_sha256": hashing::sha256_file(&hf_dir.join("config.json"))?}),
         );
         obj.insert(
             "prompt_ids".into(),
@@ -240,7 +249,7 @@ pub fn run(
         );
     }
     if let Some(path) = &opts.report {
-        fsutil::write_atomic(path, &serde_json::to_vec_pretty(&report)?)
+        staging::write_atomic(path, &serde_json::to_vec_pretty(&report)?)
             .with_context(|| format!("writing the parity report {}", path.display()))?;
     }
 

@@ -2093,3 +2093,29 @@ fn a_failed_publish_leaves_the_previous_outputs() {
     assert_eq!(names_in(&parent), entries, "temporaries left");
     fs::remove_dir_all(&w).unwrap();
 }
+
+/// README "Exit codes": verify exits 0 when the release holds, 1 when it
+/// finds problems, 2 when it cannot check at all; usage errors exit 2.
+#[test]
+fn verify_exit_codes_follow_the_readme_table() {
+    let r = release("exit-codes");
+    assert_eq!(cf_verify(&r.dir, &r.public).status.code(), Some(0));
+    let weight = r
+        .dir
+        .join("merged_chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin");
+    let mut bytes = fs::read(&weight).unwrap();
+    bytes[0] ^= 1;
+    fs::write(&weight, bytes).unwrap();
+    let o = cf_verify(&r.dir, &r.public);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("verification FAILED"), "{}", stderr(&o));
+    let o = cf_verify(&r.work.join("no-such-release"), &r.public);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let o = run(&["verify", s(&r.dir)]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "missing --public-key: {}",
+        stderr(&o)
+    );
+}

@@ -899,7 +899,7 @@ fn sigkill_at_every_publish_step_of_a_build_is_undone_by_the_next_run() {
     for c in report["chunks"].as_array().unwrap() {
         let pkg = out.join(c["package"].as_str().unwrap());
         assert_eq!(
-            chunkforge::fsutil::tree_digest(&pkg).unwrap(),
+            chunkforge::hashing::tree_digest(&pkg).unwrap(),
             c["sha256_tree"].as_str().unwrap(),
             "{} is not the package build.json lists",
             pkg.display()

@@ -6,9 +6,9 @@
 
 use std::collections::BTreeMap;
 
-use chunkforge::hashing::FileDigest;
-use chunkforge::manifest;
-use chunkforge::verify;
+use chunkforge_release::hashing::FileDigest;
+use chunkforge_release::manifest;
+use chunkforge_release::verify;
 use chunkforge_fuzz::scratch;
 use libfuzzer_sys::fuzz_target;
 use sha2::{Digest, Sha256};

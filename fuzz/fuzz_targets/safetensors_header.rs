@@ -2,7 +2,7 @@
 
 #![no_main]
 
-use chunkforge::checkpoint;
+use chunkforge_model::checkpoint;
 use chunkforge_fuzz::scratch;
 use libfuzzer_sys::fuzz_target;
 

@@ -5,7 +5,7 @@
 
 #![no_main]
 
-use chunkforge::sign;
+use chunkforge_release::sign;
 use chunkforge_fuzz::{scratch, signed_bundle, signing_key};
 use libfuzzer_sys::fuzz_target;
 

@@ -13,10 +13,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use chunkforge::hashing::{self, FileDigest};
-use chunkforge::manifest::{FORMAT, MANIFEST_FILE};
-use chunkforge::sign::{self, SIG_FILE};
-use chunkforge::verify::{self, VerifyArgs};
+use chunkforge_release::hashing::{self, FileDigest};
+use chunkforge_release::manifest::{FORMAT, MANIFEST_FILE};
+use chunkforge_release::sign::{self, SIG_FILE};
+use chunkforge_release::verify::{self, VerifyArgs};
 use chunkforge_fuzz::{public_key_path, scratch, signed_bundle, signing_key};
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
@@ -277,8 +277,8 @@ fuzz_target!(|inp: Input| {
             "0".repeat(64)
         };
         std::fs::write(
-            chunkforge::archive::digest_path(&z),
-            chunkforge::archive::digest_line(&d, "release.zip"),
+            chunkforge_release::archive::digest_path(&z),
+            chunkforge_release::archive::digest_line(&d, "release.zip"),
         )
         .unwrap();
         z

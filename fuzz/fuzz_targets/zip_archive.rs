@@ -13,7 +13,7 @@
 
 use std::io::{Cursor, Read};
 
-use chunkforge::{archive, manifest, zipwalk};
+use chunkforge_release::{archive, manifest, zipwalk};
 use libfuzzer_sys::arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use sha2::{Digest, Sha256};

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
-use chunkforge::sign;
+use chunkforge_release::sign;
 use p256::ecdsa::signature::Signer as _;
 use p256::ecdsa::{Signature, SigningKey};
 use p256::pkcs8::{EncodePublicKey, LineEnding};

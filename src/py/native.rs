@@ -96,11 +96,11 @@ pub mod chunkforge_native {
 /// importable (the hidden `selftest-python` command; plain `python -m pytest`
 /// skips the tests that need the kernel). Returns pytest's exit code.
 pub fn run_pytest(args: &[String], verbose: bool) -> anyhow::Result<i32> {
-    crate::pyenv::activate(verbose)?;
+    crate::py::env::activate(verbose)?;
     Python::attach(|py| -> PyResult<i32> {
         py.import("pytest")?
             .call_method1("main", (args.to_vec(),))?
             .extract()
     })
-    .map_err(|e| anyhow::anyhow!(crate::pyenv::render_error(e, verbose)))
+    .map_err(|e| anyhow::anyhow!(crate::py::env::render_error(e, verbose)))
 }

@@ -584,7 +584,7 @@ fn lock_path(output: &Path) -> Result<PathBuf> {
         file.push(name);
     } else {
         let digest = sha2::Sha256::digest(name.as_bytes());
-        file.push(crate::pyenv::hex(&digest[..8]));
+        file.push(crate::hashing::hex(&digest[..8]));
     }
     file.push(".chunkforge-lock");
     Ok(dir.join(file))

@@ -13,6 +13,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
 
+use chunkforge_model::plan::{ChunkPlan, FunctionKind, Layout, LayoutKind, TensorSpec};
+use chunkforge_model::records::{BuildRecord, ChunkRecord, BUILD_FORMAT};
+
 use crate::hashing::FileDigest;
 use crate::strict_json;
 
@@ -33,32 +36,31 @@ pub enum ReleaseInputError {
     },
 }
 
-/// The plan layout kind of the batched prefill packages.
-const PREFILL: &str = "prefill";
-
-/// Which decode layouts a release carries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum ReleaseLayout {
-    /// chunk1..chunk4.
-    Four,
-    /// chunk1_3way..chunk3_3way, plus chunk1..4.
-    Three,
-    /// merged_chunk1 + merged_chunk2, plus chunk1..4 for prefill and verify.
-    Two,
-    /// merged_full, plus chunk1..4 for prefill and verify.
-    One,
-    /// Every layout in the build.
-    All,
+chunkforge_model::named! {
+    /// Which decode layouts a release carries.
+    pub enum ReleaseLayout {
+        /// chunk1..chunk4.
+        Four = "four",
+        /// chunk1_3way..chunk3_3way, plus chunk1..4.
+        Three = "three",
+        /// merged_chunk1 + merged_chunk2, plus chunk1..4 for prefill and verify.
+        Two = "two",
+        /// merged_full, plus chunk1..4 for prefill and verify.
+        One = "one",
+        /// Every layout in the build.
+        All = "all",
+    }
 }
 
 impl ReleaseLayout {
-    pub fn label(self) -> &'static str {
+    /// The one decode layout this ships (None: every layout of the build).
+    pub fn kind(self) -> Option<LayoutKind> {
         match self {
-            ReleaseLayout::Four => "four",
-            ReleaseLayout::Three => "three",
-            ReleaseLayout::Two => "two",
-            ReleaseLayout::One => "one",
-            ReleaseLayout::All => "all",
+            ReleaseLayout::Four => Some(LayoutKind::Four),
+            ReleaseLayout::Three => Some(LayoutKind::Three),
+            ReleaseLayout::Two => Some(LayoutKind::Two),
+            ReleaseLayout::One => Some(LayoutKind::One),
+            ReleaseLayout::All => None,
         }
     }
 }
@@ -66,21 +68,21 @@ impl ReleaseLayout {
 /// One package of a release: its chunk plan (from build.json), the layout it
 /// belongs to, and what the runtime uses it for.
 pub struct ReleaseChunk<'a> {
-    pub layout: String,
-    pub plan: &'a Value,
+    pub layout: LayoutKind,
+    pub plan: &'a ChunkPlan,
     pub roles: Vec<&'static str>,
 }
 
 impl ReleaseChunk<'_> {
     pub fn name(&self) -> &str {
-        self.plan["name"].as_str().unwrap_or("")
+        &self.plan.name
     }
 }
 
-/// The parts of `build.json` a release needs.
+/// A build folder and its `build.json`.
 pub struct Build {
     pub dir: PathBuf,
-    pub json: Value,
+    pub record: BuildRecord,
 }
 
 impl Build {
@@ -98,18 +100,17 @@ impl Build {
         })?;
         let json: Value =
             serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON ({e})")))?;
-        if json["format"].as_str() != Some("chunkforge-build/1") {
+        if json.get("format").and_then(Value::as_str) != Some(BUILD_FORMAT) {
             return Err(bad(format!(
-                "format is {}, expected \"chunkforge-build/1\"",
-                json["format"]
+                "format is {}, expected \"{BUILD_FORMAT}\"",
+                json.get("format").unwrap_or(&Value::Null)
             )));
         }
-        if !json["plan"]["layouts"].is_array() {
-            return Err(bad("has no plan.layouts list".into()));
-        }
+        let record: BuildRecord = serde_json::from_value(json)
+            .map_err(|e| bad(format!("is not a chunkforge build record ({e})")))?;
         Ok(Build {
             dir: dir.to_path_buf(),
-            json,
+            record,
         })
     }
 
@@ -120,50 +121,48 @@ impl Build {
         }
     }
 
-    fn layouts(&self) -> &[Value] {
-        self.json["plan"]["layouts"]
-            .as_array()
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
+    fn layout(&self, kind: LayoutKind) -> Option<&Layout> {
+        self.record.plan.layouts.iter().find(|l| l.kind == kind)
     }
 
-    fn layout(&self, kind: &str) -> Option<&Value> {
-        self.layouts().iter().find(|l| l["kind"] == kind)
-    }
-
-    fn kinds(&self) -> Vec<String> {
-        self.layouts()
+    fn kinds(&self) -> String {
+        let kinds: Vec<&str> = self
+            .record
+            .plan
+            .layouts
             .iter()
-            .filter_map(|l| l["kind"].as_str().map(str::to_string))
-            .collect()
+            .map(|l| l.kind.as_str())
+            .collect();
+        kinds.join(", ")
     }
 
     /// The decode layouts to ship for `layout`, in plan order.
-    pub fn decode_layouts(&self, layout: ReleaseLayout) -> Result<Vec<&Value>, ReleaseInputError> {
-        let kinds = self.kinds();
-        let want: Vec<&str> = match layout {
+    pub fn decode_layouts(&self, layout: ReleaseLayout) -> Result<Vec<&Layout>, ReleaseInputError> {
+        let want: Vec<LayoutKind> = match layout.kind() {
             // Prefill packages ship with every layout but are not a decode layout.
-            ReleaseLayout::All => kinds
+            None => self
+                .record
+                .plan
+                .layouts
                 .iter()
-                .map(String::as_str)
-                .filter(|k| *k != PREFILL)
+                .map(|l| l.kind)
+                .filter(|k| *k != LayoutKind::Prefill)
                 .collect(),
-            l => vec![l.label()],
+            Some(k) => vec![k],
         };
         let mut out = Vec::new();
         for k in want {
             out.push(self.layout(k).ok_or_else(|| {
                 self.err(format!(
                     "the build has layouts [{}], not '{k}'; rebuild with a --mode that includes it (e.g. --mode all)",
-                    self.kinds().join(", ")
+                    self.kinds()
                 ))
             })?);
         }
-        if layout != ReleaseLayout::Four && self.layout("four").is_none() {
+        if layout != ReleaseLayout::Four && self.layout(LayoutKind::Four).is_none() {
             return Err(self.err(format!(
-                "layout {} releases also ship chunk1..chunk4 (the runtime keeps them for prefill and speculative verify), but the build has layouts [{}]; rebuild with --mode all",
-                layout.label(),
-                self.kinds().join(", ")
+                "layout {layout} releases also ship chunk1..chunk4 (the runtime keeps them for prefill and speculative verify), but the build has layouts [{}]; rebuild with --mode all",
+                self.kinds()
             )));
         }
         Ok(out)
@@ -180,27 +179,28 @@ impl Build {
         let mut out: Vec<ReleaseChunk> = Vec::new();
         // A package's roles are the functions it holds: chunk1..4 decode (the
         // runtime's fallback layout) and, when built with it, verify_qK.
-        let roles_of = |c: &Value| {
-            let mut roles = vec!["decode"];
-            let kinds = c["functions"].as_array().into_iter().flatten();
-            if kinds.clone().any(|f| f["kind"] == "verify") {
-                roles.push("verify");
+        let roles_of = |c: &ChunkPlan| {
+            let has = |k: FunctionKind| c.functions.iter().any(|f| f.kind == k);
+            if has(FunctionKind::Prefill) {
+                vec!["prefill"]
+            } else if has(FunctionKind::Verify) {
+                vec!["decode", "verify"]
+            } else {
+                vec!["decode"]
             }
-            if kinds.clone().any(|f| f["kind"] == "prefill") {
-                roles = vec!["prefill"];
-            }
-            roles
         };
         let mut ship = decode.clone();
-        if !decode.iter().any(|l| l["kind"] == "four") {
-            ship.push(self.layout("four").expect("checked in decode_layouts"));
+        if !decode.iter().any(|l| l.kind == LayoutKind::Four) {
+            ship.push(
+                self.layout(LayoutKind::Four)
+                    .expect("checked in decode_layouts"),
+            );
         }
-        ship.extend(self.layout(PREFILL));
+        ship.extend(self.layout(LayoutKind::Prefill));
         for l in ship {
-            let kind = l["kind"].as_str().unwrap_or("?").to_string();
-            for c in l["chunks"].as_array().into_iter().flatten() {
+            for c in &l.chunks {
                 out.push(ReleaseChunk {
-                    layout: kind.clone(),
+                    layout: l.kind,
                     plan: c,
                     roles: roles_of(c),
                 });
@@ -211,7 +211,7 @@ impl Build {
             if name.is_empty() || check_rel_path(name).is_err() || name.contains('/') {
                 return Err(self.err(format!(
                     "plan has a chunk with an unusable name {:?}",
-                    c.plan["name"]
+                    c.plan.name
                 )));
             }
         }
@@ -219,12 +219,8 @@ impl Build {
     }
 
     /// The build record of package `name` (`chunks[]` in build.json).
-    pub fn chunk_record(&self, name: &str) -> Option<&Value> {
-        self.json["chunks"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|c| c["name"] == name)
+    pub fn chunk_record(&self, name: &str) -> Option<&ChunkRecord> {
+        self.record.chunk(name)
     }
 }
 
@@ -336,9 +332,7 @@ pub fn parity_summary(
         )));
     }
     let theirs = v["checkpoint"]["config_sha256"].as_str().unwrap_or("");
-    let ours = build.json["checkpoint"]["config_sha256"]
-        .as_str()
-        .unwrap_or("");
+    let ours = build.record.checkpoint.config_sha256.as_str();
     if ours.is_empty() {
         return Err(build.err(
             "has no checkpoint.config_sha256, so no parity report can be matched to it".into(),
@@ -349,7 +343,7 @@ pub fn parity_summary(
             "is about another checkpoint: its config.json digest is {} ({}), the build's is {ours} ({}); run parity on the checkpoint that was built",
             if theirs.is_empty() { "missing" } else { theirs },
             v["checkpoint"]["dir"].as_str().unwrap_or("?"),
-            build.json["checkpoint"]["dir"].as_str().unwrap_or("?"),
+            build.record.checkpoint.dir,
         )));
     }
     let ok = summary["ok"].as_bool().ok_or_else(|| {
@@ -421,55 +415,69 @@ pub fn build_manifest(
     inp: &ManifestInputs,
     files: &[(String, FileDigest)],
 ) -> Result<Value, ReleaseInputError> {
-    let b = &inp.build.json;
+    let b = &inp.build.record;
     let chunks = inp.build.release_chunks(inp.layout)?;
     let decode = inp.build.decode_layouts(inp.layout)?;
+    let names = |l: &Layout| l.chunks.iter().map(|c| c.name.clone()).collect::<Vec<_>>();
     let chunk_json: Vec<Value> = chunks
         .iter()
         .map(|rc| {
-            let (kind, c, roles) = (&rc.layout, rc.plan, &rc.roles);
+            let c = rc.plan;
             let name = rc.name();
-            let mut m = Map::new();
-            m.insert("name".into(), json!(name));
-            m.insert("file".into(), json!(format!("{name}.mlpackage")));
-            m.insert("layout".into(), json!(kind));
-            m.insert("roles".into(), json!(roles));
-            for k in [
-                "first_layer",
-                "last_layer",
-                "sliding_slots",
-                "full_slots",
-                "emits",
-                "consumes",
-                "computes_per_layer_input",
-                "has_head",
-                "inputs",
-                "outputs",
-            ] {
-                m.insert(k.into(), c[k].clone());
-            }
-            if c["functions"].is_array() {
-                m.insert("functions".into(), c["functions"].clone());
+            let mut m = json!({
+                "name": name,
+                "file": format!("{name}.mlpackage"),
+                "layout": rc.layout,
+                "roles": rc.roles,
+                "first_layer": c.first_layer,
+                "last_layer": c.last_layer,
+                "sliding_slots": c.sliding_slots,
+                "full_slots": c.full_slots,
+                "emits": c.emits,
+                "consumes": c.consumes,
+                "computes_per_layer_input": c.computes_per_layer_input,
+                "has_head": c.has_head,
+                "inputs": contract(&c.inputs),
+                "outputs": contract(&c.outputs),
+            });
+            let m = m.as_object_mut().expect("an object");
+            if !c.functions.is_empty() {
+                let functions: Vec<Value> = c
+                    .functions
+                    .iter()
+                    .map(|f| {
+                        let mut v = json!({
+                            "name": f.name,
+                            "kind": f.kind,
+                            "tokens": f.tokens,
+                            "inputs": contract(&f.inputs),
+                            "outputs": contract(&f.outputs),
+                        });
+                        if !f.kv_layers.is_empty() {
+                            v.as_object_mut()
+                                .expect("an object")
+                                .insert("kv_layers".into(), json!(f.kv_layers));
+                        }
+                        v
+                    })
+                    .collect();
+                m.insert("functions".into(), json!(functions));
             }
             if let Some(r) = inp.build.chunk_record(name) {
-                m.insert("sha256_tree".into(), r["sha256_tree"].clone());
-                m.insert("weight_bytes".into(), r["weight_bytes"].clone());
+                m.insert("sha256_tree".into(), json!(r.sha256_tree));
+                m.insert("weight_bytes".into(), json!(r.weight_bytes));
             }
-            Value::Object(m)
+            Value::Object(std::mem::take(m))
         })
         .collect();
     let layouts: Vec<Value> = decode
         .iter()
-        .map(|l| {
-            json!({
-                "kind": l["kind"],
-                "chunks": l["chunks"].as_array().into_iter().flatten().map(|c| c["name"].clone()).collect::<Vec<_>>(),
-                "kv_slot_map": l["kv_slot_map"],
-            })
-        })
+        .map(|l| json!({"kind": l.kind, "chunks": names(l), "kv_slot_map": l.kv_slot_map}))
         .collect();
-    let four = inp.build.layout("four").expect("checked by release_chunks");
-    let py = &b["tool"]["python"];
+    let four = inp
+        .build
+        .layout(LayoutKind::Four)
+        .expect("checked by release_chunks");
     let base = inp.base_url.map(|u| u.trim_end_matches('/').to_string());
     let file_json: Vec<Value> = files
         .iter()
@@ -484,50 +492,56 @@ pub fn build_manifest(
             Value::Object(m)
         })
         .collect();
+    // Batched prefill packages when the build has them; otherwise the runtime
+    // prefills one token at a time through chunk1..4.
+    let prefill = inp.build.layout(LayoutKind::Prefill).unwrap_or(four);
     let mut m = Map::new();
     m.insert("format".into(), json!(FORMAT));
     m.insert(
         "model".into(),
         json!({
             "id": inp.model_id,
-            "architecture": b["checkpoint"]["architecture"],
-            "config_sha256": b["checkpoint"]["config_sha256"],
+            "architecture": b.checkpoint.architecture,
+            "config_sha256": b.checkpoint.config_sha256,
         }),
     );
     m.insert(
         "release".into(),
-        json!({"version": inp.version, "layout": inp.layout.label()}),
+        json!({"version": inp.version, "layout": inp.layout}),
     );
-    m.insert("dims".into(), b["plan"]["dims"].clone());
+    m.insert("dims".into(), json!(b.plan.dims));
     m.insert("chunks".into(), Value::Array(chunk_json));
     m.insert("decode_layouts".into(), Value::Array(layouts));
-    // Batched prefill packages when the build has them; otherwise the runtime
-    // prefills one token at a time through chunk1..4.
-    let prefill = inp.build.layout(PREFILL).unwrap_or(four);
     m.insert(
         "prefill".into(),
-        json!({
-            "layout": prefill["kind"],
-            "chunks": prefill["chunks"].as_array().into_iter().flatten().map(|c| c["name"].clone()).collect::<Vec<_>>(),
-        }),
+        json!({"layout": prefill.kind, "chunks": names(prefill)}),
     );
-    m.insert("settings".into(), b["settings"].clone());
+    m.insert("settings".into(), json!(b.settings));
     if let Some(p) = &inp.parity {
         m.insert("parity".into(), p.clone());
     }
     m.insert(
         "tools".into(),
         json!({
-            "chunkforge": b["tool"]["chunkforge"],
+            "chunkforge": b.tool.chunkforge,
             "chunkforge_package": env!("CARGO_PKG_VERSION"),
-            "python": py["python"],
-            "coremltools": py["coremltools"],
-            "torch": py["torch"],
-            "transformers": py["transformers"],
+            "python": b.tool.python("python"),
+            "coremltools": b.tool.python("coremltools"),
+            "torch": b.tool.python("torch"),
+            "transformers": b.tool.python("transformers"),
         }),
     );
     m.insert("files".into(), Value::Array(file_json));
     Ok(Value::Object(m))
+}
+
+/// A contract as the manifest states it: name, shape and dtype per tensor
+/// (roles are the plan's internal wiring, not part of the runtime's contract).
+fn contract(specs: &[TensorSpec]) -> Vec<Value> {
+    specs
+        .iter()
+        .map(|t| json!({"name": t.name, "shape": t.shape, "dtype": t.dtype}))
+        .collect()
 }
 
 /// The manifest's `files` as (path, size, sha256 hex), for verification.

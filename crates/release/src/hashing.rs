@@ -10,6 +10,7 @@
 //! the 4 MiB L2 between the read's copy and the hash; mmap was no faster.
 
 use std::cmp::Ordering;
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
@@ -265,6 +266,61 @@ pub fn walk(root: &Path, skip: &dyn Fn(&str) -> bool) -> Result<Tree, HashError>
     tree.symlinks.sort();
     tree.special.sort();
     Ok(tree)
+}
+
+/// SHA-256 over `name\0sha256\n` lines, in the order given: the digest of a
+/// folder tree (`build.json`'s `sha256_tree`, lines sorted by path) and of a
+/// build (`tree_sha256`, one line per package).
+pub fn lines_digest<'a>(lines: impl IntoIterator<Item = (&'a str, String)>) -> String {
+    let mut h = Sha256::new();
+    for (name, digest) in lines {
+        h.update(name.as_bytes());
+        h.update(b"\0");
+        h.update(digest.as_bytes());
+        h.update(b"\n");
+    }
+    hex(&h.finalize())
+}
+
+/// The digest of a tree from its files' digests (paths relative to the tree).
+pub fn tree_sha256(files: &BTreeMap<String, FileDigest>) -> String {
+    lines_digest(files.iter().map(|(rel, d)| (rel.as_str(), d.hex())))
+}
+
+/// Size and SHA-256 of every regular file below `root`, by relative path
+/// (`/`-separated), hashed in parallel. A symlink or special file is an error:
+/// a package is plain files.
+pub fn file_digests(root: &Path) -> Result<BTreeMap<String, FileDigest>, HashError> {
+    let tree = walk(root, &|_| false)?;
+    if let Some(odd) = tree
+        .symlinks
+        .iter()
+        .chain(&tree.special)
+        .chain(&tree.unreadable_names)
+        .next()
+    {
+        return Err(HashError {
+            path: root.join(odd),
+            action: "hash (not a regular file)",
+            source: io::Error::other("symlink, special file or non-UTF-8 name"),
+        });
+    }
+    let digests = hash_all(root, &tree.files);
+    tree.files
+        .into_iter()
+        .zip(digests)
+        .map(|(rel, d)| d.map(|d| (rel, d)))
+        .collect()
+}
+
+/// [`tree_sha256`] of the folder `root`.
+pub fn tree_digest(root: &Path) -> Result<String, HashError> {
+    Ok(tree_sha256(&file_digests(root)?))
+}
+
+/// SHA-256 of one file, as hex.
+pub fn sha256_file(path: &Path) -> Result<String, HashError> {
+    Ok(hash_file(path)?.hex())
 }
 
 #[cfg(test)]

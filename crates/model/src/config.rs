@@ -9,20 +9,11 @@ use serde_json::Value;
 
 use crate::error::InputError;
 
-/// Attention kind of one decoder layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Attention {
-    Sliding,
-    Full,
-}
-
-impl Attention {
-    pub fn label(self) -> &'static str {
-        match self {
-            Attention::Sliding => "sliding",
-            Attention::Full => "full",
-        }
+crate::named! {
+    /// Attention kind of one decoder layer.
+    pub enum Attention {
+        Sliding = "sliding",
+        Full = "full",
     }
 }
 
@@ -195,13 +186,13 @@ fn rope(
         if !layer_types.contains(&kind) {
             continue;
         }
-        let key = format!("{}_attention", kind.label());
+        let key = format!("{}_attention", kind.as_str());
         let prefix = format!("rope_parameters.{key}.");
         let entry = params.get(&key).unwrap_or(&Value::Null);
         if !entry.is_object() {
             return Err(top.err(format!(
                 "`rope_parameters.{key}` is {entry}, expected an object with `rope_type` and `rope_theta` ({} layers use it)",
-                kind.label()
+                kind.as_str()
             )));
         }
         let f = Fields {
@@ -494,7 +485,7 @@ impl TextConfig {
                     return Err(bad(format!(
                         "num_kv_shared_layers={} leaves no KV-producing {}-attention layer before layer {kv_start}",
                         self.num_kv_shared_layers,
-                        kind.label()
+                        kind.as_str()
                     )));
                 }
             }

@@ -22,10 +22,3 @@ pub enum InputError {
         source: std::io::Error,
     },
 }
-
-/// A failure inside the Python half (torch, coremltools), already rendered.
-#[derive(Debug, thiserror::Error)]
-#[error("{message}")]
-pub struct PythonError {
-    pub message: String,
-}

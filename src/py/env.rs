@@ -12,11 +12,11 @@ use pyo3::types::PyList;
 use sha2::{Digest, Sha256};
 
 use crate::cache_dir::cache_dir;
-use crate::error::PythonError;
 use crate::progress;
+use crate::py::error::PythonError;
 
 /// The pinned Python requirements, compiled in so the stamp always matches the binary.
-pub const REQUIREMENTS: &str = include_str!("../python/requirements.txt");
+pub const REQUIREMENTS: &str = include_str!("../../python/requirements.txt");
 
 /// The pinned environment, `venv/` in the cache folder (see [`crate::cache_dir`]).
 pub fn venv_dir() -> Result<PathBuf> {

@@ -8,6 +8,7 @@
 //! killed at any point leaves the previous release or the new one, and the
 //! next run undoes a publish cut short before its commit.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -17,50 +18,28 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::archive;
-use crate::fsutil::Staging;
-use crate::hashing::{self, hex, FileDigest};
+use crate::hashing::{self, FileDigest};
 use crate::manifest::{
-    self, Build, ManifestInputs, ReleaseInputError, ReleaseLayout, MANIFEST_FILE,
+    self, Build, ManifestInputs, ReleaseChunk, ReleaseInputError, ReleaseLayout, MANIFEST_FILE,
 };
 use crate::publish::{OnLocked, OutputLock};
 use crate::sign::{self, SIG_FILE};
+use crate::staging::Staging;
 
-/// Arguments of `chunkforge package`.
-#[derive(clap::Args, Clone, Debug)]
-pub struct PackageArgs {
-    /// Build output folder (build.json + <name>.mlpackage folders).
+/// What `chunkforge package` is asked to do (the CLI's options, resolved).
+#[derive(Clone, Debug)]
+pub struct PackageRequest {
     pub build_dir: PathBuf,
-    /// Decode layout(s) to ship; two and one also ship chunk1..4 (prefill, verify).
-    #[arg(long, value_enum)]
     pub layout: ReleaseLayout,
-    /// ECDSA P-256 private key (PKCS#8 PEM, e.g. from `chunkforge keygen`).
-    #[arg(long)]
     pub key: PathBuf,
-    /// Release folder to create or replace (replaced only once the new one is complete).
-    #[arg(long)]
     pub output: PathBuf,
-    /// Release version recorded in the manifest [default: build-<first 12 hex of build.json's SHA-256>].
-    #[arg(long)]
     pub version: Option<String>,
-    /// Model id recorded in the manifest: letters, digits, '.', '_', '-' [default: the checkpoint folder's name from build.json].
-    #[arg(long, value_parser = crate::args::model_id)]
     pub model_id: Option<String>,
-    /// Base URL the files will be served from; each manifest file entry gets `url`.
-    #[arg(long)]
     pub base_url: Option<String>,
-    /// Parity report JSON (`chunkforge parity --report`) of the build's checkpoint; its
-    /// top-level `summary` object is embedded in the manifest. A failed report is refused.
-    #[arg(long)]
     pub parity_report: Option<PathBuf>,
-    /// Embed a failed parity report anyway, recorded as failed (`ok: false`).
-    #[arg(long, requires = "parity_report")]
     pub allow_failed_parity: bool,
-    /// Also write a deterministic zip of the release folder here, plus FILE.sha256.
-    #[arg(long)]
     pub zip: Option<PathBuf>,
-    /// If another run is writing the same --output, fail at once instead of waiting for it.
-    #[arg(long)]
-    pub no_wait: bool,
+    pub on_locked: OnLocked,
 }
 
 /// What `package` did, for the summary line.
@@ -245,19 +224,15 @@ fn package_files(src: &Path, pkg: &str) -> Result<(Sources, Vec<String>)> {
     Ok((files, dirs))
 }
 
-/// The same digest `build` records as `sha256_tree`: SHA-256 over sorted
-/// `path\0sha256\n` lines, paths relative to the package folder.
+/// The same digest `build` records as `sha256_tree`, over the files of
+/// package `pkg` (release paths `pkg/...`).
 fn tree_digest(pkg: &str, files: &[(String, FileDigest)]) -> String {
     let prefix = format!("{pkg}/");
-    let mut lines: Vec<String> = files
+    let own: BTreeMap<String, FileDigest> = files
         .iter()
-        .filter_map(|(p, d)| {
-            p.strip_prefix(&prefix)
-                .map(|r| format!("{r}\0{}\n", d.hex()))
-        })
+        .filter_map(|(p, d)| p.strip_prefix(&prefix).map(|r| (r.to_string(), *d)))
         .collect();
-    lines.sort();
-    hex(&Sha256::digest(lines.concat().as_bytes()))
+    hashing::tree_sha256(&own)
 }
 
 /// Copies `sources` into `root` (creating `dirs` first), hashing each file as
@@ -289,20 +264,26 @@ pub fn copy_tree(
 /// The summary chunkforge puts into the signed predicate beside the resource
 /// list: enough for a downloader to know what it is looking at before it
 /// reads the manifest.
-fn predicate_summary(m: &Value, manifest_digest: &FileDigest, files: usize, bytes: u64) -> Value {
+fn predicate_summary(
+    inp: &ManifestInputs,
+    packages: &[ReleaseChunk],
+    manifest_digest: &FileDigest,
+    files: usize,
+    bytes: u64,
+) -> Value {
     json!({
         "format": manifest::FORMAT,
-        "model_id": m["model"]["id"],
-        "version": m["release"]["version"],
-        "layout": m["release"]["layout"],
-        "packages": m["chunks"].as_array().into_iter().flatten().map(|c| c["file"].clone()).collect::<Vec<_>>(),
+        "model_id": inp.model_id,
+        "version": inp.version,
+        "layout": inp.layout,
+        "packages": packages.iter().map(|c| format!("{}.mlpackage", c.name())).collect::<Vec<_>>(),
         "manifest_sha256": manifest_digest.hex(),
         "files": files,
         "bytes": bytes,
     })
 }
 
-pub fn package(a: &PackageArgs) -> Result<PackageReport> {
+pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     let build = Build::load(&a.build_dir)?;
     let chunks = build.release_chunks(a.layout)?;
     // Fail on every cheap check before copying gigabytes.
@@ -314,7 +295,7 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
                 path: dir,
                 message: format!(
                     "missing: layout {} needs package {name}.mlpackage, which this build folder does not have (was the build interrupted, or built with another --mode?)",
-                    a.layout.label()
+                    a.layout
                 ),
             }
             .into());
@@ -360,12 +341,11 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
     let model_id = match &a.model_id {
         Some(id) => id.clone(),
         None => {
-            let name = build.json["checkpoint"]["dir"]
-                .as_str()
-                .and_then(|d| Path::new(d).file_name())
+            let name = Path::new(&build.record.checkpoint.dir)
+                .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "unknown".into());
-            crate::args::model_id(&name).map_err(|e| ReleaseInputError::Option {
+            chunkforge_model::args::model_id(&name).map_err(|e| ReleaseInputError::Option {
                 option: "--model-id",
                 message: format!(
                     "not given, and the default (the checkpoint folder's name from build.json) {e}; pass --model-id"
@@ -390,7 +370,7 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
         check_zip(z, &a.output, &a.build_dir)?;
     }
 
-    let _lock = OutputLock::take(&a.output, OnLocked::from_no_wait(a.no_wait))?;
+    let _lock = OutputLock::take(&a.output, a.on_locked)?;
     let staging = Staging::new(&parent)?;
     let root = staging.dir.join(&name);
     fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
@@ -416,10 +396,7 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
     }
     let files = copy_tree(&root, &sources, &dirs)?;
     for (n, pkg) in &pkgs {
-        let want = build
-            .chunk_record(n)
-            .and_then(|r| r["sha256_tree"].as_str())
-            .unwrap_or("");
+        let want = build.chunk_record(n).map_or("", |r| r.sha256_tree.as_str());
         let got = tree_digest(pkg, &files);
         if !want.is_empty() && want != got {
             bail!(
@@ -450,7 +427,7 @@ pub fn package(a: &PackageArgs) -> Result<PackageReport> {
     let mut signed = files;
     signed.push((MANIFEST_FILE.to_string(), manifest_digest));
     let bytes: u64 = signed.iter().map(|(_, d)| d.size).sum();
-    let summary = predicate_summary(&m, &manifest_digest, signed.len(), bytes);
+    let summary = predicate_summary(&inputs, &chunks, &manifest_digest, signed.len(), bytes);
     let root_digest = sign_into(&root, &name, &key, &signed, Some(summary))?;
 
     let zip = match &a.zip {

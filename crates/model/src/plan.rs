@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::{Attention, TextConfig};
 use crate::error::InputError;
@@ -15,52 +15,109 @@ use crate::error::InputError;
 pub const ANE_STABLE_LAYERS: usize = 15;
 
 /// Runtime alias of the producer KV for shared sliding / full layers.
-pub fn alias_of(kind: Attention) -> &'static str {
+pub fn alias_of(kind: Attention) -> Alias {
     match kind {
-        Attention::Sliding => "kv13",
-        Attention::Full => "kv14",
+        Attention::Sliding => Alias::Kv13,
+        Attention::Full => Alias::Kv14,
     }
 }
 
-/// Layouts a build or parity run can ask for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Mode {
-    /// The four-chunk reference (chunk1..chunk4).
-    Four,
-    /// chunk1_3way..chunk3_3way: four's chunk1, chunk2 ∪ chunk3, chunk4.
-    Three,
-    /// merged_chunk1 + merged_chunk2.
-    Two,
-    /// merged_full.
-    One,
-    /// two and one.
-    Both,
-    /// four (decode_q1 + verify_qK), three, two, one, and prefill_chunk1..4.
-    All,
+crate::named! {
+    /// Layouts a build or parity run can ask for.
+    pub enum Mode {
+        /// The four-chunk reference (chunk1..chunk4).
+        Four = "four",
+        /// chunk1_3way..chunk3_3way: four's chunk1, chunk2 ∪ chunk3, chunk4.
+        Three = "three",
+        /// merged_chunk1 + merged_chunk2.
+        Two = "two",
+        /// merged_full.
+        One = "one",
+        /// two and one.
+        Both = "both",
+        /// four (decode_q1 + verify_qK), three, two, one, and prefill_chunk1..4.
+        All = "all",
+    }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LayoutKind {
-    Four,
-    Three,
-    Two,
-    One,
-    Split,
-    /// prefill_chunk1..4: the four-chunk spans as batched prefill functions.
-    Prefill,
+crate::named! {
+    /// The kind of one layout of a plan.
+    pub enum LayoutKind {
+        Four = "four",
+        Three = "three",
+        Two = "two",
+        One = "one",
+        Split = "split",
+        /// prefill_chunk1..4: the four-chunk spans as batched prefill functions.
+        Prefill = "prefill",
+    }
 }
 
-impl LayoutKind {
-    pub fn label(self) -> &'static str {
-        match self {
-            LayoutKind::Four => "four",
-            LayoutKind::Three => "three",
-            LayoutKind::Two => "two",
-            LayoutKind::One => "one",
-            LayoutKind::Split => "split",
-            LayoutKind::Prefill => "prefill",
-        }
+crate::named! {
+    /// The runtime's names for the producer KV shared layers read.
+    pub enum Alias {
+        /// The last sliding producer's K/V.
+        Kv13 = "kv13",
+        /// The last full-attention producer's K/V.
+        Kv14 = "kv14",
+    }
+}
+
+crate::named! {
+    /// Element type of a tensor of a contract.
+    pub enum Dtype {
+        Fp16 = "fp16",
+        Fp32 = "fp32",
+        Int32 = "int32",
+    }
+}
+
+crate::named! {
+    /// What a tensor of a function's contract carries. Consumers (the torch
+    /// modules, the stepper, parity) wire tensors by role; only the plan
+    /// knows the runtime's names.
+    pub enum Role {
+        /// Embedded tokens in (`hidden_states`).
+        Hidden = "hidden",
+        /// The next chunk's hidden states (`hidden_states_out`).
+        HiddenOut = "hidden_out",
+        MaskFull = "mask_full",
+        MaskSliding = "mask_sliding",
+        /// Prefill's one causal mask.
+        MaskCausal = "mask_causal",
+        /// Decode: the one-hot row of the full caches written this step.
+        UpdateMask = "update_mask",
+        /// Verify: one one-hot column per draft token.
+        UpdateIndicator = "update_indicator",
+        PerLayerRaw = "per_layer_raw",
+        PerLayerCombined = "per_layer_combined",
+        PerLayerCombinedOut = "per_layer_combined_out",
+        CosSliding = "cos_sliding",
+        SinSliding = "sin_sliding",
+        CosFull = "cos_full",
+        SinFull = "sin_full",
+        /// The chunk's own caches (in and out).
+        KSliding = "k_sliding",
+        VSliding = "v_sliding",
+        KFull = "k_full",
+        VFull = "v_full",
+        /// Producer KV under its alias (the spec's `alias`).
+        SharedK = "shared_k",
+        SharedV = "shared_v",
+        /// Verify: the K new rows per slot.
+        NewKSliding = "new_k_sliding",
+        NewVSliding = "new_v_sliding",
+        NewKFull = "new_k_full",
+        NewVFull = "new_v_full",
+        /// Prefill: one layer's N rows (the spec's `layer`).
+        LayerK = "layer_k",
+        LayerV = "layer_v",
+        /// Prefill head: selects the last prompt position.
+        LastPositionMask = "last_position_mask",
+        TokenId = "token_id",
+        TokenLogit = "token_logit",
+        /// Verify head: one token per draft position.
+        TokenIds = "token_ids",
     }
 }
 
@@ -100,7 +157,7 @@ impl Functions {
 }
 
 /// Model dimensions every consumer of the plan needs, copied out of the config.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Dims {
     pub num_hidden_layers: usize,
     pub hidden_size: usize,
@@ -136,24 +193,18 @@ pub struct Dims {
 }
 
 /// Where a layer's K/V come from.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum KvSource {
     /// Computes its own K/V into `slot` of the chunk's cache of its kind; a
     /// producer layer also carries the alias under which shared layers read it.
-    Own {
-        slot: usize,
-        alias: Option<&'static str>,
-    },
+    Own { slot: usize, alias: Option<Alias> },
     /// Reads the producer's cache through `alias` (from an input or from a
     /// producer earlier in the same chunk).
-    Shared {
-        alias: &'static str,
-        producer: usize,
-    },
+    Shared { alias: Alias, producer: usize },
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct LayerPlan {
     pub index: usize,
     pub attention: Attention,
@@ -161,39 +212,149 @@ pub struct LayerPlan {
     pub kv: KvSource,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AliasUse {
-    pub alias: &'static str,
+    pub alias: Alias,
     pub layer: usize,
     pub attention: Attention,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RecordedSpec")]
 pub struct TensorSpec {
+    /// The runtime's name of the tensor.
     pub name: String,
     pub shape: Vec<usize>,
-    pub dtype: &'static str,
+    pub dtype: Dtype,
+    pub role: Role,
+    /// [`Role::SharedK`]/[`Role::SharedV`]: whose producer KV.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alias: Option<Alias>,
+    /// [`Role::LayerK`]/[`Role::LayerV`]: the layer whose rows it holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<usize>,
 }
 
 impl TensorSpec {
-    fn fp16(name: &str, shape: &[usize]) -> Self {
+    fn fp16(name: &str, shape: &[usize], role: Role) -> Self {
         TensorSpec {
             name: name.to_string(),
             shape: shape.to_vec(),
-            dtype: "fp16",
+            dtype: Dtype::Fp16,
+            role,
+            alias: None,
+            layer: None,
         }
     }
 
-    fn int32(name: &str, shape: &[usize]) -> Self {
+    fn int32(name: &str, shape: &[usize], role: Role) -> Self {
         TensorSpec {
-            dtype: "int32",
-            ..TensorSpec::fp16(name, shape)
+            dtype: Dtype::Int32,
+            ..TensorSpec::fp16(name, shape, role)
         }
+    }
+
+    fn shared(alias: Alias, shape: &[usize]) -> [Self; 2] {
+        let of = |kv: &str, role| TensorSpec {
+            alias: Some(alias),
+            ..TensorSpec::fp16(&format!("{alias}_{kv}"), shape, role)
+        };
+        [of("k", Role::SharedK), of("v", Role::SharedV)]
+    }
+
+    fn layer_rows(i: usize, layer: usize, shape: &[usize]) -> [Self; 2] {
+        let of = |kv: &str, role| TensorSpec {
+            layer: Some(layer),
+            ..TensorSpec::fp16(&format!("{kv}{i}"), shape, role)
+        };
+        [of("K", Role::LayerK), of("V", Role::LayerV)]
+    }
+}
+
+/// A [`TensorSpec`] as recorded: plans written before roles existed name
+/// their tensors only, and read back with the role the name has always meant.
+#[derive(Deserialize)]
+struct RecordedSpec {
+    name: String,
+    shape: Vec<usize>,
+    dtype: Dtype,
+    role: Option<Role>,
+    #[serde(default)]
+    alias: Option<Alias>,
+    #[serde(default)]
+    layer: Option<usize>,
+}
+
+impl TryFrom<RecordedSpec> for TensorSpec {
+    type Error = String;
+    fn try_from(r: RecordedSpec) -> Result<Self, String> {
+        let role = match r.role {
+            Some(role) => role,
+            None => Role::of_legacy_name(&r.name)
+                .ok_or_else(|| format!("tensor {} has no role", r.name))?,
+        };
+        Ok(TensorSpec {
+            name: r.name,
+            shape: r.shape,
+            dtype: r.dtype,
+            role,
+            alias: r.alias,
+            layer: r.layer,
+        })
+    }
+}
+
+impl Role {
+    /// The role of a tensor name in a plan recorded before roles existed.
+    fn of_legacy_name(name: &str) -> Option<Role> {
+        use Role as R;
+        let role = match name {
+            "hidden_states" => R::Hidden,
+            "hidden_states_out" => R::HiddenOut,
+            "causal_mask_full" => R::MaskFull,
+            "causal_mask_sliding" => R::MaskSliding,
+            "causal_mask" => R::MaskCausal,
+            "update_mask" => R::UpdateMask,
+            "update_indicator" => R::UpdateIndicator,
+            "per_layer_raw" => R::PerLayerRaw,
+            "per_layer_combined" => R::PerLayerCombined,
+            "per_layer_combined_out" => R::PerLayerCombinedOut,
+            "cos_s" => R::CosSliding,
+            "sin_s" => R::SinSliding,
+            "cos_f" => R::CosFull,
+            "sin_f" => R::SinFull,
+            "K_sliding_in" | "K_sliding_out" => R::KSliding,
+            "V_sliding_in" | "V_sliding_out" => R::VSliding,
+            "K_full_in" | "K_full_out" => R::KFull,
+            "V_full_in" | "V_full_out" => R::VFull,
+            "new_K_sliding" => R::NewKSliding,
+            "new_V_sliding" => R::NewVSliding,
+            "new_K_full" => R::NewKFull,
+            "new_V_full" => R::NewVFull,
+            "last_position_mask" => R::LastPositionMask,
+            "token_id" => R::TokenId,
+            "token_logit" => R::TokenLogit,
+            "token_ids" => R::TokenIds,
+            n if n.ends_with("_k") => R::SharedK,
+            n if n.ends_with("_v") => R::SharedV,
+            n if n.starts_with('K') => R::LayerK,
+            n if n.starts_with('V') => R::LayerV,
+            _ => return None,
+        };
+        Some(role)
+    }
+
+    /// The chunk's own KV caches, in or out.
+    pub fn is_cache(self) -> bool {
+        matches!(
+            self,
+            Role::KSliding | Role::VSliding | Role::KFull | Role::VFull
+        )
     }
 }
 
 /// What one function of a package computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FunctionKind {
     /// One token against the chunk's caches; returns the updated caches.
@@ -207,7 +368,7 @@ pub enum FunctionKind {
 
 /// One function of a package: its name in the package, what it computes for
 /// how many tokens, and its input/output contract.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct FunctionPlan {
     /// `main` for single-function packages; `decode_q1`, `verify_qK` (K draft tokens),
     /// `prefill_b512` in multifunction ones.
@@ -217,7 +378,7 @@ pub struct FunctionPlan {
     pub inputs: Vec<TensorSpec>,
     pub outputs: Vec<TensorSpec>,
     /// Prefill: the layer whose K/V each `K{i}`/`V{i}` output holds.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub kv_layers: Vec<usize>,
 }
 
@@ -234,7 +395,7 @@ pub const DEFAULT_VERIFY_K: usize = 3;
 /// Batched prefill tokens per call (the merged-runtime branch's N).
 pub const DEFAULT_PREFILL_LEN: usize = 512;
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ChunkPlan {
     /// Package stem, e.g. `merged_chunk1` (written as `<name>.mlpackage`).
     pub name: String,
@@ -283,7 +444,7 @@ impl ChunkPlan {
 }
 
 /// One KV slot copy from the four-chunk prefill caches into a decode layout's caches.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SlotCopy {
     pub layer: usize,
     pub attention: Attention,
@@ -293,7 +454,7 @@ pub struct SlotCopy {
     pub to_slot: usize,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Layout {
     pub kind: LayoutKind,
     pub chunks: Vec<ChunkPlan>,
@@ -301,7 +462,7 @@ pub struct Layout {
     pub kv_slot_map: Vec<SlotCopy>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Plan {
     pub dims: Dims,
     pub layouts: Vec<Layout>,
@@ -626,23 +787,36 @@ impl Rows<'_> {
 
     fn per_layer(&self) -> TensorSpec {
         let ple = self.cfg.num_hidden_layers * self.cfg.hidden_size_per_layer_input;
-        let name = if self.c.computes_per_layer_input {
-            "per_layer_raw"
+        let (name, role) = if self.c.computes_per_layer_input {
+            ("per_layer_raw", Role::PerLayerRaw)
         } else {
-            "per_layer_combined"
+            ("per_layer_combined", Role::PerLayerCombined)
         };
-        TensorSpec::fp16(name, &[1, self.t, ple])
+        TensorSpec::fp16(name, &[1, self.t, ple], role)
     }
 
     fn rope(&self) -> Vec<TensorSpec> {
         let mut v = Vec::new();
-        for (k, s, hd) in [
-            (Attention::Sliding, "s", self.cfg.head_dim),
-            (Attention::Full, "f", self.cfg.global_head_dim),
+        for (k, s, hd, cos, sin) in [
+            (
+                Attention::Sliding,
+                "s",
+                self.cfg.head_dim,
+                Role::CosSliding,
+                Role::SinSliding,
+            ),
+            (
+                Attention::Full,
+                "f",
+                self.cfg.global_head_dim,
+                Role::CosFull,
+                Role::SinFull,
+            ),
         ] {
             if self.has(k) {
-                v.push(TensorSpec::fp16(&format!("cos_{s}"), &[1, 1, self.t, hd]));
-                v.push(TensorSpec::fp16(&format!("sin_{s}"), &[1, 1, self.t, hd]));
+                let shape = [1, 1, self.t, hd];
+                v.push(TensorSpec::fp16(&format!("cos_{s}"), &shape, cos));
+                v.push(TensorSpec::fp16(&format!("sin_{s}"), &shape, sin));
             }
         }
         v
@@ -658,8 +832,7 @@ impl Rows<'_> {
                 len(u.attention),
                 self.cfg.head_dim_of(u.attention),
             ];
-            v.push(TensorSpec::fp16(&format!("{}_k", u.alias), &shape));
-            v.push(TensorSpec::fp16(&format!("{}_v", u.alias), &shape));
+            v.extend(TensorSpec::shared(u.alias, &shape));
         }
         v
     }
@@ -677,15 +850,27 @@ fn verify_contract(
     let r = Rows { cfg, c, t: k };
     let (h, w) = (cfg.hidden_size, cfg.sliding_window);
     let decode = &c.functions[0];
-    let mut inp = vec![TensorSpec::fp16("hidden_states", &[1, k, h])];
+    let mut inp = vec![TensorSpec::fp16("hidden_states", &[1, k, h], Role::Hidden)];
     if r.has(Attention::Full) {
-        inp.push(TensorSpec::fp16("causal_mask_full", &[1, 1, k, ctx]));
+        inp.push(TensorSpec::fp16(
+            "causal_mask_full",
+            &[1, 1, k, ctx],
+            Role::MaskFull,
+        ));
     }
     if r.has(Attention::Sliding) {
-        inp.push(TensorSpec::fp16("causal_mask_sliding", &[1, 1, k, w]));
+        inp.push(TensorSpec::fp16(
+            "causal_mask_sliding",
+            &[1, 1, k, w],
+            Role::MaskSliding,
+        ));
     }
     if !c.full_slots.is_empty() {
-        inp.push(TensorSpec::fp16("update_indicator", &[1, 1, ctx, k]));
+        inp.push(TensorSpec::fp16(
+            "update_indicator",
+            &[1, 1, ctx, k],
+            Role::UpdateIndicator,
+        ));
     }
     inp.push(r.per_layer());
     inp.extend(r.rope());
@@ -699,32 +884,41 @@ fn verify_contract(
             ctx
         }
     };
-    inp.extend(
-        decode
-            .inputs
-            .iter()
-            .filter(|t| t.name.ends_with("_in"))
-            .cloned(),
-    );
+    inp.extend(decode.inputs.iter().filter(|t| t.role.is_cache()).cloned());
     inp.extend(r.aliases(&c.consumes, alias_len));
     let mut out = Vec::new();
     if c.has_head {
-        out.push(TensorSpec::int32("token_ids", &[1, k]));
+        out.push(TensorSpec::int32("token_ids", &[1, k], Role::TokenIds));
     }
-    out.push(TensorSpec::fp16("hidden_states_out", &[1, k, h]));
+    out.push(TensorSpec::fp16(
+        "hidden_states_out",
+        &[1, k, h],
+        Role::HiddenOut,
+    ));
     if c.computes_per_layer_input {
         let mut p = r.per_layer();
         p.name = "per_layer_combined_out".into();
+        p.role = Role::PerLayerCombinedOut;
         out.push(p);
     }
-    for (kind, label, slots) in [
-        (Attention::Sliding, "sliding", &c.sliding_slots),
-        (Attention::Full, "full", &c.full_slots),
+    for (kind, label, slots, roles) in [
+        (
+            Attention::Sliding,
+            "sliding",
+            &c.sliding_slots,
+            (Role::NewKSliding, Role::NewVSliding),
+        ),
+        (
+            Attention::Full,
+            "full",
+            &c.full_slots,
+            (Role::NewKFull, Role::NewVFull),
+        ),
     ] {
         if !slots.is_empty() {
             let shape = [slots.len(), cfg.kv_heads_of(kind), k, cfg.head_dim_of(kind)];
-            out.push(TensorSpec::fp16(&format!("new_K_{label}"), &shape));
-            out.push(TensorSpec::fp16(&format!("new_V_{label}"), &shape));
+            out.push(TensorSpec::fp16(&format!("new_K_{label}"), &shape, roles.0));
+            out.push(TensorSpec::fp16(&format!("new_V_{label}"), &shape, roles.1));
         }
     }
     out.extend(r.aliases(&c.emits, alias_len));
@@ -742,33 +936,41 @@ fn prefill_contract(
     let r = Rows { cfg, c, t: n };
     let h = cfg.hidden_size;
     let mut inp = vec![
-        TensorSpec::fp16("hidden_states", &[1, n, h]),
-        TensorSpec::fp16("causal_mask", &[1, 1, n, n]),
+        TensorSpec::fp16("hidden_states", &[1, n, h], Role::Hidden),
+        TensorSpec::fp16("causal_mask", &[1, 1, n, n], Role::MaskCausal),
         r.per_layer(),
     ];
     inp.extend(r.rope());
     inp.extend(r.aliases(&c.consumes, |_| n));
     if c.has_head {
-        inp.push(TensorSpec::fp16("last_position_mask", &[1, n, 1]));
+        inp.push(TensorSpec::fp16(
+            "last_position_mask",
+            &[1, n, 1],
+            Role::LastPositionMask,
+        ));
         return (
             inp,
             vec![
-                TensorSpec::int32("token_id", &[1]),
-                TensorSpec::fp16("token_logit", &[1]),
+                TensorSpec::int32("token_id", &[1], Role::TokenId),
+                TensorSpec::fp16("token_logit", &[1], Role::TokenLogit),
             ],
         );
     }
-    let mut out = vec![TensorSpec::fp16("hidden_states_out", &[1, n, h])];
+    let mut out = vec![TensorSpec::fp16(
+        "hidden_states_out",
+        &[1, n, h],
+        Role::HiddenOut,
+    )];
     if c.computes_per_layer_input {
         let mut p = r.per_layer();
         p.name = "per_layer_combined_out".into();
+        p.role = Role::PerLayerCombinedOut;
         out.push(p);
     }
     for (i, layer) in c.prefill_kv_layers().into_iter().enumerate() {
         let a = cfg.layer_types[layer];
         let shape = [1, cfg.kv_heads_of(a), n, cfg.head_dim_of(a)];
-        out.push(TensorSpec::fp16(&format!("K{i}"), &shape));
-        out.push(TensorSpec::fp16(&format!("V{i}"), &shape));
+        out.extend(TensorSpec::layer_rows(i, layer, &shape));
     }
     out.extend(r.aliases(&c.emits, |_| n));
     (inp, out)
@@ -787,28 +989,64 @@ fn contract(
     let ple = cfg.num_hidden_layers * cfg.hidden_size_per_layer_input;
     let has = |k: Attention| c.layers.iter().any(|l| l.attention == k);
     let kvh = |k: Attention| cfg.kv_heads_of(k);
-    let mut inp = vec![TensorSpec::fp16("hidden_states", &[1, 1, h])];
+    let mut inp = vec![TensorSpec::fp16("hidden_states", &[1, 1, h], Role::Hidden)];
     if has(Attention::Full) {
-        inp.push(TensorSpec::fp16("causal_mask_full", &[1, 1, 1, ctx]));
+        inp.push(TensorSpec::fp16(
+            "causal_mask_full",
+            &[1, 1, 1, ctx],
+            Role::MaskFull,
+        ));
     }
     if has(Attention::Sliding) {
-        inp.push(TensorSpec::fp16("causal_mask_sliding", &[1, 1, 1, w]));
+        inp.push(TensorSpec::fp16(
+            "causal_mask_sliding",
+            &[1, 1, 1, w],
+            Role::MaskSliding,
+        ));
     }
     // Every decode chunk declares update_mask, KV-shared ones included, as the
     // runtime binds it to every chunk (upstream's packages all have it).
-    inp.push(TensorSpec::fp16("update_mask", &[1, 1, ctx, 1]));
+    inp.push(TensorSpec::fp16(
+        "update_mask",
+        &[1, 1, ctx, 1],
+        Role::UpdateMask,
+    ));
     if c.computes_per_layer_input {
-        inp.push(TensorSpec::fp16("per_layer_raw", &[1, 1, ple]));
+        inp.push(TensorSpec::fp16(
+            "per_layer_raw",
+            &[1, 1, ple],
+            Role::PerLayerRaw,
+        ));
     } else {
-        inp.push(TensorSpec::fp16("per_layer_combined", &[1, 1, ple]));
+        inp.push(TensorSpec::fp16(
+            "per_layer_combined",
+            &[1, 1, ple],
+            Role::PerLayerCombined,
+        ));
     }
     if has(Attention::Sliding) {
-        inp.push(TensorSpec::fp16("cos_s", &[1, 1, 1, cfg.head_dim]));
-        inp.push(TensorSpec::fp16("sin_s", &[1, 1, 1, cfg.head_dim]));
+        inp.push(TensorSpec::fp16(
+            "cos_s",
+            &[1, 1, 1, cfg.head_dim],
+            Role::CosSliding,
+        ));
+        inp.push(TensorSpec::fp16(
+            "sin_s",
+            &[1, 1, 1, cfg.head_dim],
+            Role::SinSliding,
+        ));
     }
     if has(Attention::Full) {
-        inp.push(TensorSpec::fp16("cos_f", &[1, 1, 1, cfg.global_head_dim]));
-        inp.push(TensorSpec::fp16("sin_f", &[1, 1, 1, cfg.global_head_dim]));
+        inp.push(TensorSpec::fp16(
+            "cos_f",
+            &[1, 1, 1, cfg.global_head_dim],
+            Role::CosFull,
+        ));
+        inp.push(TensorSpec::fp16(
+            "sin_f",
+            &[1, 1, 1, cfg.global_head_dim],
+            Role::SinFull,
+        ));
     }
     let cache = |k: Attention, n: usize| -> Vec<usize> {
         let len = if k == Attention::Sliding { w } else { ctx };
@@ -824,42 +1062,48 @@ fn contract(
     };
     if !c.sliding_slots.is_empty() {
         let s = cache(Attention::Sliding, c.sliding_slots.len());
-        inp.push(TensorSpec::fp16("K_sliding_in", &s));
-        inp.push(TensorSpec::fp16("V_sliding_in", &s));
+        inp.push(TensorSpec::fp16("K_sliding_in", &s, Role::KSliding));
+        inp.push(TensorSpec::fp16("V_sliding_in", &s, Role::VSliding));
     }
     if !c.full_slots.is_empty() {
         let s = cache(Attention::Full, c.full_slots.len());
-        inp.push(TensorSpec::fp16("K_full_in", &s));
-        inp.push(TensorSpec::fp16("V_full_in", &s));
+        inp.push(TensorSpec::fp16("K_full_in", &s, Role::KFull));
+        inp.push(TensorSpec::fp16("V_full_in", &s, Role::VFull));
     }
     for u in &c.consumes {
-        inp.push(TensorSpec::fp16(&format!("{}_k", u.alias), &alias_shape(u)));
-        inp.push(TensorSpec::fp16(&format!("{}_v", u.alias), &alias_shape(u)));
+        inp.extend(TensorSpec::shared(u.alias, &alias_shape(u)));
     }
 
     // The head's token first, as the runtime's packages declare it.
     let mut out = Vec::new();
     if c.has_head {
-        out.push(TensorSpec::int32("token_id", &[1]));
-        out.push(TensorSpec::fp16("token_logit", &[1]));
+        out.push(TensorSpec::int32("token_id", &[1], Role::TokenId));
+        out.push(TensorSpec::fp16("token_logit", &[1], Role::TokenLogit));
     }
-    out.push(TensorSpec::fp16("hidden_states_out", &[1, 1, h]));
+    out.push(TensorSpec::fp16(
+        "hidden_states_out",
+        &[1, 1, h],
+        Role::HiddenOut,
+    ));
     if !c.sliding_slots.is_empty() {
         let s = cache(Attention::Sliding, c.sliding_slots.len());
-        out.push(TensorSpec::fp16("K_sliding_out", &s));
-        out.push(TensorSpec::fp16("V_sliding_out", &s));
+        out.push(TensorSpec::fp16("K_sliding_out", &s, Role::KSliding));
+        out.push(TensorSpec::fp16("V_sliding_out", &s, Role::VSliding));
     }
     if !c.full_slots.is_empty() {
         let s = cache(Attention::Full, c.full_slots.len());
-        out.push(TensorSpec::fp16("K_full_out", &s));
-        out.push(TensorSpec::fp16("V_full_out", &s));
+        out.push(TensorSpec::fp16("K_full_out", &s, Role::KFull));
+        out.push(TensorSpec::fp16("V_full_out", &s, Role::VFull));
     }
     for u in &c.emits {
-        out.push(TensorSpec::fp16(&format!("{}_k", u.alias), &alias_shape(u)));
-        out.push(TensorSpec::fp16(&format!("{}_v", u.alias), &alias_shape(u)));
+        out.extend(TensorSpec::shared(u.alias, &alias_shape(u)));
     }
     if c.computes_per_layer_input && multi {
-        out.push(TensorSpec::fp16("per_layer_combined_out", &[1, 1, ple]));
+        out.push(TensorSpec::fp16(
+            "per_layer_combined_out",
+            &[1, 1, ple],
+            Role::PerLayerCombinedOut,
+        ));
     }
     (inp, out)
 }
@@ -1008,7 +1252,7 @@ pub fn render(plan: &Plan) -> String {
         p(d.producer_full)
     );
     for l in &plan.layouts {
-        let _ = writeln!(s, "\nlayout {} ({} chunks)", l.kind.label(), l.chunks.len());
+        let _ = writeln!(s, "\nlayout {} ({} chunks)", l.kind, l.chunks.len());
         for c in &l.chunks {
             let mut roles = Vec::new();
             if c.computes_per_layer_input {
@@ -1049,19 +1293,14 @@ pub fn render(plan: &Plan) -> String {
             let _ = writeln!(
                 s,
                 "  prefill KV copy (four-chunk -> {}): {} slots",
-                l.kind.label(),
+                l.kind,
                 l.kv_slot_map.len()
             );
             for m in &l.kv_slot_map {
                 let _ = writeln!(
                     s,
                     "      L{:<2} {:<7} {}[{}] -> {}[{}]",
-                    m.layer,
-                    m.attention.label(),
-                    m.from_chunk,
-                    m.from_slot,
-                    m.to_chunk,
-                    m.to_slot
+                    m.layer, m.attention, m.from_chunk, m.from_slot, m.to_chunk, m.to_slot
                 );
             }
         }
@@ -1191,7 +1430,7 @@ mod tests {
             merged
                 .emits
                 .iter()
-                .map(|e| (e.alias, e.layer))
+                .map(|e| (e.alias.as_str(), e.layer))
                 .collect::<Vec<_>>(),
             [("kv13", 13), ("kv14", 14)]
         );
@@ -1403,5 +1642,27 @@ mod tests {
         assert!(p.warnings[1].contains("merged_full holds 35 layers"));
         let four = plan(&e2b(), 2048, Mode::Four, None, &Functions::default()).unwrap();
         assert!(four.warnings.is_empty());
+    }
+
+    #[test]
+    fn a_plan_reads_back_as_written_and_old_records_get_their_roles() {
+        let p = plan(
+            &e2b(),
+            512,
+            Mode::All,
+            None,
+            &Functions::resolve(Mode::All, None, None),
+        )
+        .unwrap();
+        let json = serde_json::to_value(&p).unwrap();
+        let back: Plan = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(serde_json::to_value(&back).unwrap(), json);
+        let old: TensorSpec =
+            serde_json::from_str(r#"{"name": "kv13_k", "shape": [1], "dtype": "fp16"}"#).unwrap();
+        assert_eq!(old.role, Role::SharedK);
+        let old: TensorSpec =
+            serde_json::from_str(r#"{"name": "K_full_in", "shape": [1], "dtype": "fp16"}"#)
+                .unwrap();
+        assert_eq!(old.role, Role::KFull);
     }
 }

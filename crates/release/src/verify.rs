@@ -24,16 +24,14 @@ use crate::manifest::{self, check_rel_path, MANIFEST_FILE};
 use crate::sign::{self, SIG_FILE};
 use crate::strict_json;
 
-/// Arguments of `chunkforge verify`.
-#[derive(clap::Args, Clone, Debug)]
+/// What `chunkforge verify` checks.
+#[derive(Clone, Debug)]
 pub struct VerifyArgs {
     /// Release folder (with model.sig).
     pub release_dir: PathBuf,
-    /// ECDSA P-256 public key (SubjectPublicKeyInfo PEM, e.g. KEY.pub from `chunkforge keygen`).
-    #[arg(long)]
+    /// ECDSA P-256 public key (SubjectPublicKeyInfo PEM).
     pub public_key: PathBuf,
     /// Also check this zip of the release (and FILE.sha256 beside it).
-    #[arg(long)]
     pub archive: Option<PathBuf>,
 }
 
@@ -307,7 +305,9 @@ pub fn check_manifest(
 }
 
 /// Prints the verdict; an error (exit 1) when anything failed.
-pub fn run(a: &VerifyArgs) -> Result<()> {
+/// Verifies and prints the verdict; false when problems were found (each
+/// printed, naming its file).
+pub fn run(a: &VerifyArgs) -> Result<bool> {
     let r = verify(a)?;
     if r.problems.is_empty() {
         let what = match &r.summary {
@@ -334,14 +334,15 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
                 ""
             }
         );
-        return Ok(());
+        return Ok(true);
     }
     for p in &r.problems {
         eprintln!("FAIL {p}");
     }
-    Err(VerifyFailed {
+    let failed = VerifyFailed {
         dir: a.release_dir.clone(),
         count: r.problems.len(),
-    }
-    .into())
+    };
+    eprintln!("error: {failed}");
+    Ok(false)
 }

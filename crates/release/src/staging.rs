@@ -3,14 +3,12 @@
 //! so a failed or killed run leaves the previous outputs as they were.
 
 use std::fs;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use sha2::{Digest, Sha256};
 
 use crate::publish::{self, FileLock};
-use crate::pyenv::hex;
 
 const STAGING_PREFIX: &str = ".chunkforge-staging-";
 
@@ -221,59 +219,4 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().ok();
     drop(f);
     fs::rename(&tmp, path).with_context(|| format!("{}: cannot move into place", path.display()))
-}
-
-/// SHA-256 of a file, streamed.
-pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f
-            .read(&mut buf)
-            .with_context(|| format!("{}: read failed", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(hex(&h.finalize()))
-}
-
-/// SHA-256 of every regular file below `root`, by relative path.
-pub fn file_digests(root: &Path) -> Result<std::collections::BTreeMap<String, String>> {
-    let mut files = std::collections::BTreeMap::new();
-    for e in walkdir::WalkDir::new(root) {
-        let e = e.with_context(|| format!("walking {}", root.display()))?;
-        if e.file_type().is_file() {
-            let rel = e
-                .path()
-                .strip_prefix(root)
-                .unwrap_or(e.path())
-                .to_string_lossy()
-                .to_string();
-            files.insert(rel, sha256_file(e.path())?);
-        }
-    }
-    Ok(files)
-}
-
-/// Digest of a folder tree: SHA-256 over `path\0sha256\n` lines of every file,
-/// sorted by relative path.
-pub fn tree_digest(root: &Path) -> Result<String> {
-    let lines: String = file_digests(root)?
-        .iter()
-        .map(|(rel, h)| format!("{rel}\0{h}\n"))
-        .collect();
-    Ok(hex(&Sha256::digest(lines.as_bytes())))
-}
-
-/// Peak resident memory of this process (which embeds Python) in bytes.
-pub fn peak_rss_bytes() -> u64 {
-    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
 }

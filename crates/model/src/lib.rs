@@ -1,0 +1,13 @@
+//! chunkforge's model half, pure Rust: the Gemma 4 text config, checkpoint
+//! validation, the chunk plan (layouts, functions, I/O contracts with their
+//! roles), the conversion settings, and the records `build` and `parity`
+//! write. Everything the Python half and the release half read is one of these
+//! types.
+
+pub mod args;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod names;
+pub mod plan;
+pub mod records;

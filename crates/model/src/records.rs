@@ -1,0 +1,277 @@
+//! The records chunkforge writes and reads back: `build.json` and the
+//! conversion settings it hands Python. Written and read through these types
+//! only; fields later versions added are optional, so older records (and the
+//! tests' synthetic builds) still read.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::plan::{FunctionKind, LayoutKind, Mode, Plan};
+
+/// `build.json`'s `format`.
+pub const BUILD_FORMAT: &str = "chunkforge-build/1";
+/// INT4: the palettization the runtime's packages use.
+pub const NBITS: u32 = 4;
+/// Rows per look-up table (`per_grouped_channel`).
+pub const GROUP_SIZE: usize = 32;
+
+crate::named! {
+    /// Who computes the INT4 look-up tables.
+    pub enum Palettizer {
+        /// The Rust kernel: optimal, deterministic, each distinct weight once per build.
+        Chunkforge = "chunkforge",
+        /// coremltools' own k-means, for comparison.
+        Coremltools = "coremltools",
+    }
+}
+
+/// INT4 palettization settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Palettization {
+    pub nbits: u32,
+    pub granularity: String,
+    pub group_size: usize,
+    #[serde(default = "default_palettizer")]
+    pub palettizer: Palettizer,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub mode: String,
+    #[serde(default = "one")]
+    pub kmeans_workers: usize,
+}
+
+fn default_palettizer() -> Palettizer {
+    Palettizer::Chunkforge
+}
+
+fn one() -> usize {
+    1
+}
+
+/// What `ct.convert` is called with, defined here once and handed to Python
+/// as it is (recorded in build.json and the manifest).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ConversionSettings {
+    pub ctx: usize,
+    /// `ct.target` member.
+    pub minimum_deployment_target: String,
+    /// `ct.precision` member.
+    pub compute_precision: String,
+    /// `ct.ComputeUnit` member.
+    pub compute_units: String,
+    pub quantize: bool,
+    pub palettization: Option<Palettization>,
+}
+
+impl ConversionSettings {
+    /// The settings that shipped: iOS18, FP16, CPU_AND_NE and, with
+    /// `quantize`, INT4 per_grouped_channel palettization in groups of 32.
+    pub fn shipped(
+        ctx: usize,
+        quantize: bool,
+        palettizer: Palettizer,
+        kmeans_workers: usize,
+    ) -> Self {
+        ConversionSettings {
+            ctx,
+            minimum_deployment_target: "iOS18".into(),
+            compute_precision: "FLOAT16".into(),
+            compute_units: "CPU_AND_NE".into(),
+            quantize,
+            palettization: quantize.then(|| Palettization {
+                nbits: NBITS,
+                granularity: "per_grouped_channel".into(),
+                group_size: GROUP_SIZE,
+                palettizer,
+                mode: match palettizer {
+                    Palettizer::Chunkforge => "custom (chunkforge optimal LUT)".into(),
+                    Palettizer::Coremltools => "kmeans".into(),
+                },
+                kmeans_workers,
+            }),
+        }
+    }
+
+    /// The palettizer, if the build palettizes.
+    pub fn palettizer(&self) -> Option<Palettizer> {
+        self.palettization.as_ref().map(|p| p.palettizer)
+    }
+}
+
+/// What was asked for: the CLI's layout options, as `build --check` replays them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct BuildRequest {
+    pub mode: Option<Mode>,
+    #[serde(default)]
+    pub split: Option<String>,
+    #[serde(default)]
+    pub ctx: Option<u64>,
+    #[serde(default)]
+    pub verify_k: Option<usize>,
+    #[serde(default)]
+    pub prefill_len: Option<Vec<usize>>,
+}
+
+/// Tool versions: chunkforge's, and the Python side's by package.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ToolVersions {
+    pub chunkforge: String,
+    /// `python`, `torch`, `coremltools`, `transformers`, ... (as `runtime.versions` reports them).
+    pub python: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ToolVersions {
+    /// One Python-side version (`?` when not recorded).
+    pub fn python(&self, package: &str) -> &str {
+        self.python
+            .get(package)
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("?")
+    }
+}
+
+/// The checkpoint a build or parity run read.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointRecord {
+    pub dir: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub architecture: String,
+    #[serde(default)]
+    pub multimodal: bool,
+    #[serde(default)]
+    pub config_sha256: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor_prefix: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped_tensors: Option<usize>,
+}
+
+/// Python's counts for one converted function (`convert.save`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChunkStats {
+    pub mil_ops: u64,
+    pub op_counts: BTreeMap<String, u64>,
+    pub weight_bytes: u64,
+    pub palettized_weights: u64,
+    pub linear_ops: u64,
+    /// The Rust palettizer's cache counts (None when it did not run).
+    pub palettize_cache_hits: Option<u64>,
+    pub palettize_cache_misses: Option<u64>,
+    pub palettize_unmatched_groups: Option<u64>,
+    /// Kernel seconds inside the conversion.
+    #[serde(default, skip_serializing)]
+    pub palettize_seconds: Option<f64>,
+}
+
+impl ChunkStats {
+    /// A package's counts over its functions: ops, palettized weights and
+    /// cache counts add up; the weight blob is the bundle's, set by the caller.
+    pub fn add(&mut self, f: &ChunkStats) {
+        self.mil_ops += f.mil_ops;
+        self.linear_ops += f.linear_ops;
+        self.palettized_weights += f.palettized_weights;
+        let sum = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| a + b);
+        self.palettize_cache_hits = sum(self.palettize_cache_hits, f.palettize_cache_hits);
+        self.palettize_cache_misses = sum(self.palettize_cache_misses, f.palettize_cache_misses);
+        self.palettize_unmatched_groups = sum(
+            self.palettize_unmatched_groups,
+            f.palettize_unmatched_groups,
+        );
+        for (op, n) in &f.op_counts {
+            *self.op_counts.entry(op.clone()).or_default() += n;
+        }
+    }
+}
+
+/// Seconds per build phase.
+pub type Seconds = BTreeMap<String, f64>;
+
+/// One function of a built package.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FunctionRecord {
+    pub name: String,
+    pub kind: FunctionKind,
+    pub tokens: usize,
+    pub mil_ops: u64,
+    /// Its single-function blob size (a multifunction package's blob holds
+    /// each shared weight once).
+    pub weight_bytes: u64,
+    pub seconds: Seconds,
+}
+
+/// One built package (`chunks[]` of build.json).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChunkRecord {
+    pub name: String,
+    pub layout: LayoutKind,
+    pub package: String,
+    pub first_layer: usize,
+    pub last_layer: usize,
+    #[serde(default)]
+    pub layers: usize,
+    #[serde(default)]
+    pub mil_ops: u64,
+    pub weight_bytes: u64,
+    #[serde(default)]
+    pub linear_ops: u64,
+    #[serde(default)]
+    pub palettized_weights: u64,
+    /// Weights served from the per-build palettization cache.
+    #[serde(default)]
+    pub palettize_cache_hits: Option<u64>,
+    #[serde(default)]
+    pub palettize_cache_misses: Option<u64>,
+    /// Groups of weights not matched to a module tensor (palettized one by
+    /// one, uncached); 0 for every Gemma 4 chunk.
+    #[serde(default)]
+    pub palettize_unmatched_groups: Option<u64>,
+    #[serde(default)]
+    pub op_counts: BTreeMap<String, u64>,
+    /// Per function: its own program's ops and blob size.
+    #[serde(default)]
+    pub functions: Vec<FunctionRecord>,
+    pub sha256_tree: String,
+    #[serde(default)]
+    pub seconds: Seconds,
+}
+
+/// Wall time of a build: in total and per phase over all packages.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct BuildSeconds {
+    pub total: f64,
+    pub phases: Seconds,
+}
+
+/// Totals of the per-package palettization cache counts.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CacheTotals {
+    pub hits: u64,
+    pub misses: u64,
+}
+
+/// `build.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BuildRecord {
+    pub format: String,
+    #[serde(default)]
+    pub tree_sha256: String,
+    pub tool: ToolVersions,
+    pub checkpoint: CheckpointRecord,
+    pub request: BuildRequest,
+    pub settings: ConversionSettings,
+    pub plan: Plan,
+    pub chunks: Vec<ChunkRecord>,
+    #[serde(default)]
+    pub seconds: BuildSeconds,
+    #[serde(default)]
+    pub palettize_cache: CacheTotals,
+    #[serde(default)]
+    pub peak_rss_bytes: u64,
+}
+
+impl BuildRecord {
+    /// The record of package `name`.
+    pub fn chunk(&self, name: &str) -> Option<&ChunkRecord> {
+        self.chunks.iter().find(|c| c.name == name)
+    }
+}

@@ -1,0 +1,16 @@
+//! chunkforge's release half, pure Rust with no Python: digests, staging and
+//! crash-safe publishing, `manifest.json`, OpenSSF model signing, `verify`,
+//! and release archives. The fuzz targets link only this crate and the model
+//! crate.
+
+pub mod archive;
+pub mod hashing;
+pub mod keykind;
+pub mod manifest;
+pub mod package;
+pub mod publish;
+pub mod sign;
+pub mod staging;
+pub mod strict_json;
+pub mod verify;
+pub mod zipwalk;

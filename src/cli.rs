@@ -1,0 +1,405 @@
+//! The command line: clap structs only. Each command's options become a
+//! request in `commands/`, which does the work and renders the result.
+
+use std::path::PathBuf;
+
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::{Args, Parser, Subcommand};
+
+use crate::args;
+use crate::fixture::Shape;
+use crate::manifest::ReleaseLayout;
+use crate::names::Named;
+use crate::package::PackageRequest;
+use crate::parity::CorruptFunction;
+use crate::plan::{self, Mode};
+use crate::publish::OnLocked;
+use crate::records::Palettizer;
+use crate::verify::VerifyArgs;
+
+/// A value parser for a [`chunkforge_model::named!`] enum: its names are the
+/// possible values (listed in `--help`, checked while parsing).
+fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(T::NAMES).map(|s| {
+        s.parse::<T>()
+            .ok()
+            .expect("clap only passes one of the possible values")
+    })
+}
+
+#[derive(Parser)]
+#[command(
+    name = "chunkforge",
+    version,
+    about = "Gemma 4 checkpoint -> Core ML decode chunk packages for the Apple Neural Engine"
+)]
+pub struct Cli {
+    /// Show Python tracebacks and coremltools' own progress output.
+    #[arg(long, global = true)]
+    pub verbose: bool,
+    #[command(subcommand)]
+    pub command: Cmd,
+}
+
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// Hugging Face Gemma 4 checkpoint folder (config.json + safetensors). Without
+    /// it (and without GEMMA4_HF_DIR) a small built-in random checkpoint is used.
+    #[arg(long, env = "GEMMA4_HF_DIR")]
+    pub hf_dir: Option<PathBuf>,
+}
+
+#[derive(Args, Clone)]
+pub struct LayoutArgs {
+    /// Layouts: four (chunk1..4 reference), three (chunk1..3_3way), two (merged_chunk1/2),
+    /// one (merged_full), both (two+one), all (four with verify, three, two, one, prefill).
+    #[arg(long, default_value = "both", value_parser = named::<Mode>())]
+    pub mode: Mode,
+    /// Custom split instead of --mode: contiguous layer ranges covering every layer, e.g. 0-11,12-23,24-34.
+    #[arg(long)]
+    pub split: Option<String>,
+    /// Full-attention context length (KV cache entries), at most 131072.
+    #[arg(long, default_value_t = 2048, value_parser = args::ctx)]
+    pub ctx: usize,
+    #[command(flatten)]
+    pub functions: FunctionArgs,
+}
+
+#[derive(Args, Clone)]
+pub struct FunctionArgs {
+    /// Draft tokens of chunk1..4's verify_qK function (default with --mode all: 3).
+    #[arg(long)]
+    pub verify_k: Option<usize>,
+    /// Tokens per batched prefill call of prefill_chunk1..4, one function per value,
+    /// e.g. 64,128,512 (default with --mode all: 512).
+    #[arg(long, value_delimiter = ',')]
+    pub prefill_len: Option<Vec<usize>>,
+}
+
+impl FunctionArgs {
+    pub fn resolve(&self, mode: Mode) -> plan::Functions {
+        plan::Functions::resolve(mode, self.verify_k, self.prefill_len.as_deref())
+    }
+}
+
+#[derive(Subcommand)]
+pub enum Cmd {
+    /// Print the Python interpreter, package versions, cache paths and what this platform cannot do.
+    Doctor {
+        /// Only print the path of the cached environment's python executable (for scripts).
+        #[arg(long)]
+        venv_python: bool,
+    },
+    /// Create (or update) the pinned Python environment in the cache folder.
+    Setup,
+    /// Print the chunk plan for a checkpoint: layer ranges, KV slots, producer KV, I/O contracts.
+    Plan {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[command(flatten)]
+        layout: LayoutArgs,
+        /// Print the plan as JSON (the same data every other step consumes).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Convert a checkpoint into Core ML decode packages (.mlpackage) plus build.json.
+    Build(BuildCmd),
+    /// Check merged layouts against the four-chunk reference and the reference against transformers (torch, fp32, CPU).
+    Parity(ParityCmd),
+    /// Write a random-weight Gemma 4 checkpoint in the Hugging Face layout.
+    Fixture(FixtureCmd),
+    /// Describe a built .mlpackage: spec version, inputs/outputs, palettized weights, layers (no model load; works on Linux).
+    Inspect {
+        package: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write an ECDSA P-256 signing key pair: PREFIX.pem (PKCS#8, mode 0600) and PREFIX.pub.
+    Keygen {
+        /// File prefix; refuses to overwrite existing PREFIX.pem / PREFIX.pub.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Make a signed release folder (manifest.json + model.sig, OpenSSF model signing format) from a build.
+    Package(PackageCmd),
+    /// Check a release folder's signature, files and manifest (and optionally its zip).
+    Verify(VerifyCmd),
+    /// Run pytest inside the embedded interpreter (where chunkforge_native is importable).
+    #[command(hide = true)]
+    SelftestPython {
+        /// Arguments for pytest.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum BenchCmd {
+    /// Time `parity` (wall time, peak RSS) with default settings.
+    Parity {
+        #[command(flatten)]
+        model: ModelArgs,
+        #[arg(long, default_value = "all", value_parser = named::<Mode>())]
+        mode: Mode,
+        #[arg(long, default_value_t = 16)]
+        steps: usize,
+    },
+    /// Time `build` (wall time per phase, peak RSS) into a temporary folder.
+    Build(BenchBuildCmd),
+    /// Time hashing + signing a release (1 big file, 8 smaller ones) against openssl and model_signing.
+    Hash(HashBenchArgs),
+    /// INT4 g=32 palettization: the Rust kernel vs coremltools 9.0 (kmeans1d and scikit-learn,
+    /// 1 and 2 workers) on E2B-width matrices; seconds and MSE side by side.
+    Palettize {
+        /// Print {"results": [{"shape", "impl", "seconds", "mse"}, ...]} instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Small matrices only (seconds instead of many minutes; for tests).
+        #[arg(long)]
+        quick: bool,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+#[derive(Args, Clone)]
+pub struct BuildCmd {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    /// Output folder; packages appear there only when every one of them is complete.
+    #[arg(long, required_unless_present = "check")]
+    pub output: Option<PathBuf>,
+    /// Rebuild the build in this folder (same checkpoint and settings, from its
+    /// build.json) into a temporary folder and report whether every package is
+    /// byte-identical.
+    #[arg(long, conflicts_with = "output")]
+    pub check: Option<PathBuf>,
+    /// Skip INT4 palettization (FP16 weights).
+    #[arg(long)]
+    pub no_quantize: bool,
+    /// coremltools k-means worker processes for palettization.
+    #[arg(long, default_value_t = 1)]
+    pub kmeans_workers: usize,
+    /// INT4 palettizer: chunkforge (Rust kernel: optimal, deterministic, each distinct
+    /// weight once per build) or coremltools (its own k-means, for comparison).
+    #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
+    pub palettizer: Palettizer,
+    /// If another run is writing the same --output, fail at once instead of waiting for it.
+    #[arg(long)]
+    pub no_wait: bool,
+}
+
+#[derive(Args, Clone)]
+pub struct ParityCmd {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Layouts to check: three, two, one, both, all (four checks only the reference against
+    /// transformers; all also checks verify_qK and the prefill functions).
+    #[arg(long, default_value = "both", value_parser = named::<Mode>())]
+    pub mode: Mode,
+    #[command(flatten)]
+    pub functions: FunctionArgs,
+    /// A custom split to check instead of --mode, e.g. 0-11,12-23,24-34.
+    #[arg(long)]
+    pub split: Option<String>,
+    /// Decode steps (step t feeds prompt token t).
+    #[arg(long, default_value_t = 16)]
+    pub steps: usize,
+    /// Minimum cosine of the final normed hidden state per step.
+    #[arg(long, default_value_t = 0.9999, value_parser = args::cosine)]
+    pub tol_cos: f64,
+    /// Full-attention context length used for the caches, at most 131072.
+    #[arg(long, default_value_t = 512, value_parser = args::ctx)]
+    pub ctx: usize,
+    /// Prompt token ids (comma-separated); default: parity/default_prompt.json.
+    #[arg(long)]
+    pub prompt_ids: Option<String>,
+    /// Run the first N prompt tokens through the four-chunk reference, copy its KV
+    /// slots into each layout (plan's slot map), then decode the rest with the layout.
+    #[arg(long, default_value_t = 0)]
+    pub prefill: usize,
+    /// Read the INT4 weights back out of the packages in this build folder and
+    /// report their agreement with the fp32 reference.
+    #[arg(long)]
+    pub artifacts: Option<PathBuf>,
+    /// Minimum cosine per step for the INT4 artifacts.
+    #[arg(long, default_value_t = 0.85, value_parser = args::cosine)]
+    pub tol_cos_int4: f64,
+    /// Minimum fraction of steps whose INT4 token equals the reference's.
+    #[arg(long, default_value_t = 0.75, value_parser = args::fraction)]
+    pub min_top1_int4: f64,
+    /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
+    #[arg(long, default_value_t = 0.03, value_parser = args::non_negative)]
+    pub max_weight_rel_mse: f64,
+    /// Write the JSON report (schema: parity/report.schema.json) here.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Skip the transformers oracle.
+    #[arg(long)]
+    pub no_oracle: bool,
+    /// Testing aid: skip the prefill KV copy (shows the seed's integration bug).
+    #[arg(long, hide = true)]
+    pub skip_prefill_copy: bool,
+    /// Testing aid: corrupt one weight of this layer in the compared layouts.
+    #[arg(long, hide = true)]
+    pub corrupt_layer: Option<usize>,
+    /// Testing aid: with --corrupt-layer, corrupt the verify or prefill modules instead.
+    #[arg(long, hide = true, value_parser = named::<CorruptFunction>(), requires = "corrupt_layer")]
+    pub corrupt_function: Option<CorruptFunction>,
+}
+
+#[derive(Args, Clone)]
+pub struct FixtureCmd {
+    /// Folder to create.
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value = "e2b", value_parser = named::<Shape>())]
+    pub shape: Shape,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Gemma4ForConditionalGeneration layout: text_config, model.language_model.* names, extra vision tensors.
+    #[arg(long)]
+    pub multimodal: bool,
+    /// Number of safetensors shards (>1 writes model.safetensors.index.json).
+    #[arg(long, default_value_t = 1)]
+    pub shards: usize,
+    #[arg(long, default_value_t = 512)]
+    pub sliding_window: usize,
+    /// Vocabulary size (the LM head's rows).
+    #[arg(long, default_value_t = 512)]
+    pub vocab_size: usize,
+    /// The released model's widths (E2B: hidden 1536, 8x256/512 heads, MLP 6144)
+    /// instead of tiny ones, stored in bfloat16: for benchmarks (E2B ~2B parameters
+    /// with --vocab-size 16384).
+    #[arg(long)]
+    pub full_width: bool,
+}
+
+#[derive(Args, Clone)]
+pub struct BenchBuildCmd {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    #[arg(long, default_value_t = 1)]
+    pub kmeans_workers: usize,
+    #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
+    pub palettizer: Palettizer,
+    /// Print the build report JSON instead of a summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `chunkforge package`.
+#[derive(Args, Clone, Debug)]
+pub struct PackageCmd {
+    /// Build output folder (build.json + <name>.mlpackage folders).
+    pub build_dir: PathBuf,
+    /// Decode layout(s) to ship; two and one also ship chunk1..4 (prefill, verify).
+    #[arg(long, value_parser = named::<ReleaseLayout>())]
+    pub layout: ReleaseLayout,
+    /// ECDSA P-256 private key (PKCS#8 PEM, e.g. from `chunkforge keygen`).
+    #[arg(long)]
+    pub key: PathBuf,
+    /// Release folder to create or replace (replaced only once the new one is complete).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Release version recorded in the manifest [default: build-<first 12 hex of build.json's SHA-256>].
+    #[arg(long)]
+    pub version: Option<String>,
+    /// Model id recorded in the manifest: letters, digits, '.', '_', '-' [default: the checkpoint folder's name from build.json].
+    #[arg(long, value_parser = args::model_id)]
+    pub model_id: Option<String>,
+    /// Base URL the files will be served from; each manifest file entry gets `url`.
+    #[arg(long)]
+    pub base_url: Option<String>,
+    /// Parity report JSON (`chunkforge parity --report`) of the build's checkpoint; its
+    /// top-level `summary` object is embedded in the manifest. A failed report is refused.
+    #[arg(long)]
+    pub parity_report: Option<PathBuf>,
+    /// Embed a failed parity report anyway, recorded as failed (`ok: false`).
+    #[arg(long, requires = "parity_report")]
+    pub allow_failed_parity: bool,
+    /// Also write a deterministic zip of the release folder here, plus FILE.sha256.
+    #[arg(long)]
+    pub zip: Option<PathBuf>,
+    /// If another run is writing the same --output, fail at once instead of waiting for it.
+    #[arg(long)]
+    pub no_wait: bool,
+}
+
+impl PackageCmd {
+    pub fn request(self) -> PackageRequest {
+        PackageRequest {
+            build_dir: self.build_dir,
+            layout: self.layout,
+            key: self.key,
+            output: self.output,
+            version: self.version,
+            model_id: self.model_id,
+            base_url: self.base_url,
+            parity_report: self.parity_report,
+            allow_failed_parity: self.allow_failed_parity,
+            zip: self.zip,
+            on_locked: OnLocked::from_no_wait(self.no_wait),
+        }
+    }
+}
+
+/// `chunkforge verify`.
+#[derive(Args, Clone, Debug)]
+pub struct VerifyCmd {
+    /// Release folder (with model.sig).
+    pub release_dir: PathBuf,
+    /// ECDSA P-256 public key (SubjectPublicKeyInfo PEM, e.g. KEY.pub from `chunkforge keygen`).
+    #[arg(long)]
+    pub public_key: PathBuf,
+    /// Also check this zip of the release (and FILE.sha256 beside it).
+    #[arg(long)]
+    pub archive: Option<PathBuf>,
+}
+
+impl VerifyCmd {
+    pub fn request(self) -> VerifyArgs {
+        VerifyArgs {
+            release_dir: self.release_dir,
+            public_key: self.public_key,
+            archive: self.archive,
+        }
+    }
+}
+
+/// `chunkforge bench hash`.
+#[derive(Args, Clone, Debug)]
+pub struct HashBenchArgs {
+    /// Folder for the test data (removed afterwards unless --keep) [default: the system temp folder].
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Size of the single big file, MiB.
+    #[arg(long, default_value_t = 2048)]
+    pub big_mib: u64,
+    /// Size of each of the smaller files, MiB.
+    #[arg(long, default_value_t = 256)]
+    pub small_mib: u64,
+    /// Number of smaller files.
+    #[arg(long, default_value_t = 8)]
+    pub small_count: usize,
+    /// Runs per tool; the best is reported.
+    #[arg(long, default_value_t = 2)]
+    pub repeat: usize,
+    /// model_signing executable [default: signing-venv/bin/model_signing in the cache folder (README: Cache folders),
+    /// made by scripts/setup-signing.sh]; skipped with a note when absent.
+    #[arg(long)]
+    pub model_signing: Option<PathBuf>,
+    /// Keep the generated data.
+    #[arg(long)]
+    pub keep: bool,
+}

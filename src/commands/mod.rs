@@ -1,0 +1,135 @@
+//! One module per command: each turns its options into a request, does the
+//! work through the library, renders its own output and says how it ended.
+
+mod bench;
+mod build;
+mod doctor;
+mod fixture;
+mod inspect;
+mod keygen;
+mod package;
+mod parity;
+mod plan;
+mod selftest;
+mod setup;
+mod verify;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Result;
+
+use crate::cli::{Cli, Cmd, LayoutArgs, ModelArgs};
+use crate::config::TextConfig;
+use crate::py::env as pyenv;
+use crate::{fixture as fixtures, plan as planner};
+
+/// How a command ended; the process exit code (README: Exit codes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExitStatus {
+    /// Did what was asked; every check held.
+    Success,
+    /// Ran to the end, and a check it exists for failed: parity below the
+    /// tolerances, a release that does not verify, a rebuild that differs.
+    CheckFailed,
+    /// Could not do what was asked: bad input or options, a failed build,
+    /// an I/O error. Nothing was published.
+    Error,
+    /// Ctrl-C or SIGTERM: unfinished work removed (exit set by the handler).
+    Interrupted,
+}
+
+impl ExitStatus {
+    pub fn code(self) -> u8 {
+        match self {
+            ExitStatus::Success => 0,
+            ExitStatus::CheckFailed => 1,
+            ExitStatus::Error => 2,
+            ExitStatus::Interrupted => 130,
+        }
+    }
+}
+
+impl From<ExitStatus> for ExitCode {
+    fn from(s: ExitStatus) -> ExitCode {
+        ExitCode::from(s.code())
+    }
+}
+
+/// What a check command found, as an exit status.
+fn verdict(ok: bool) -> ExitStatus {
+    if ok {
+        ExitStatus::Success
+    } else {
+        ExitStatus::CheckFailed
+    }
+}
+
+/// Runs the parsed command.
+pub fn run(cli: Cli) -> Result<ExitStatus> {
+    let verbose = cli.verbose;
+    match cli.command {
+        Cmd::Doctor { venv_python } => doctor::run(venv_python, verbose),
+        Cmd::Setup => setup::run(verbose),
+        Cmd::Plan {
+            model,
+            layout,
+            json,
+        } => plan::run(&model, &layout, json, verbose),
+        Cmd::Build(args) => build::run(args, verbose),
+        Cmd::Parity(args) => parity::run(args, verbose),
+        Cmd::Inspect { package, json } => inspect::run(&package, json, verbose),
+        Cmd::Fixture(args) => fixture::run(args, verbose),
+        Cmd::Keygen { out } => keygen::run(&out),
+        Cmd::Package(args) => package::run(args),
+        Cmd::Verify(args) => verify::run(args),
+        Cmd::SelftestPython { args } => selftest::run(&args, verbose),
+        Cmd::Bench { what } => bench::run(what, verbose),
+    }
+}
+
+/// The checkpoint folder: `--hf-dir` / GEMMA4_HF_DIR, else the built-in
+/// random checkpoint (made on first use).
+fn resolve_checkpoint(model: &ModelArgs, verbose: bool) -> Result<PathBuf> {
+    match &model.hf_dir {
+        Some(d) => {
+            if !d.is_dir() {
+                anyhow::bail!(
+                    "{}: checkpoint folder does not exist (--hf-dir / GEMMA4_HF_DIR)",
+                    d.display()
+                );
+            }
+            Ok(d.clone())
+        }
+        None => {
+            pyenv::activate(verbose)?;
+            fixtures::default_checkpoint(verbose)
+        }
+    }
+}
+
+/// coremltools and safetensors take paths as Python strings: refuse a path that
+/// is not valid UTF-8 instead of silently writing somewhere else.
+fn require_utf8(path: &Path, what: &str) -> Result<()> {
+    if path.to_str().is_none() {
+        anyhow::bail!(
+            "{}: the {what} path is not valid UTF-8; coremltools needs UTF-8 paths, choose another folder name",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// The config and plan of the checkpoint in `dir` for the layout options.
+fn plan_for(dir: &Path, layout: &LayoutArgs) -> Result<(TextConfig, planner::Plan)> {
+    let cfg = TextConfig::load(dir)?;
+    let functions = layout.functions.resolve(layout.mode);
+    let plan = planner::plan(
+        &cfg,
+        layout.ctx,
+        layout.mode,
+        layout.split.as_deref(),
+        &functions,
+    )?;
+    Ok((cfg, plan))
+}
