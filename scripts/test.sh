@@ -10,13 +10,30 @@ cargo clippy --release --all-targets --quiet -- -D warnings
 cargo build --release --all-targets
 ./target/release/chunkforge setup
 VENV_PY="$(./target/release/chunkforge doctor --venv-python)"
-"$VENV_PY" -m pip install --quiet --disable-pip-version-check -r python/requirements-test.txt
+# The test tools (pytest, ruff, mypy) live in a folder of their own next to the
+# pinned environment ($CACHE/venv/bin/python), named after the SHA-256 of
+# their requirements: the pinned environment holds exactly requirements.txt.
+CACHE="$(dirname "$(dirname "$(dirname "$VENV_PY")")")"
+TOOLS="$CACHE/test-tools-$(sha256sum python/requirements-test.txt | cut -c1-16)"
+if [ ! -d "$TOOLS" ]; then
+  echo "== Installing the test tools into $TOOLS"
+  rm -rf "$TOOLS.partial"
+  "$VENV_PY" -m pip install --quiet --disable-pip-version-check --target "$TOOLS.partial" -r python/requirements-test.txt
+  mv "$TOOLS.partial" "$TOOLS"
+fi
+# mypy and pytest run under the pinned interpreter (torch etc. import from
+# there) with the tools in front on PYTHONPATH, which the embedded interpreter
+# of `chunkforge selftest-python` (tests/palettize.rs) reads too. Only these
+# commands get it: other environments (scripts/setup-signing.sh) stay as they are.
+TOOLS_PATH="$TOOLS${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== Python lint and format (ruff)"
-"$VENV_PY" -m ruff check python/
-"$VENV_PY" -m ruff format --check python/
+"$TOOLS/bin/ruff" check python/
+"$TOOLS/bin/ruff" format --check python/
+echo "== Python types (mypy)"
+PYTHONPATH="$TOOLS_PATH" "$VENV_PY" -m mypy --config-file python/mypy.ini --python-executable "$VENV_PY" --cache-dir "$CACHE/mypy-cache" python/
 echo "== Python tests"
-"$VENV_PY" -m pytest -q python/tests
+PYTHONPATH="$TOOLS_PATH" "$VENV_PY" -m pytest -q python/tests
 echo "== Rust tests"
 bash scripts/setup-signing.sh  # model-signing 1.1.1 for the release cross-checks (tests/release.rs)
-cargo test --release -- --test-threads="${CHUNKFORGE_TEST_THREADS:-2}"
+PYTHONPATH="$TOOLS_PATH" cargo test --release -- --test-threads="${CHUNKFORGE_TEST_THREADS:-2}"

@@ -26,10 +26,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from .contract import BenchArgs, BenchReport, BenchResult
 from .runtime import ChunkforgeError
 
 GROUP = 32
@@ -158,14 +160,14 @@ def run_coremltools(weight: np.ndarray, workers: int, kmeans1d: bool) -> tuple[n
 def implementations(shape: tuple[int, int]) -> list[tuple[str, Callable[[np.ndarray], Any]]]:
     impls: list[tuple[str, Callable[[np.ndarray], Any]]] = [("chunkforge", run_chunkforge)]
     for w in (1, 2):
-        impls.append((f"coremltools-kmeans1d-w{w}", lambda x, w=w: run_coremltools(x, w, True)))
+        impls.append((f"coremltools-kmeans1d-w{w}", partial(run_coremltools, workers=w, kmeans1d=True)))
     if shape[0] <= SKLEARN_MAX_ROWS:
         for w in (1, 2):
-            impls.append((f"coremltools-sklearn-w{w}", lambda x, w=w: run_coremltools(x, w, False)))
+            impls.append((f"coremltools-sklearn-w{w}", partial(run_coremltools, workers=w, kmeans1d=False)))
     return impls
 
 
-def run(args: dict[str, Any]) -> dict[str, Any]:
+def run(args: BenchArgs) -> BenchReport:
     """Benchmark every implementation on every shape.
 
     `args`: {"quick": bool, "seed": int, "progress": bool (one stderr line per run)}.
@@ -180,7 +182,7 @@ def run(args: dict[str, Any]) -> dict[str, Any]:
     tiny = make_weight((GROUP, 64), seed)
     for _impl, fn in implementations((GROUP, 64)):
         fn(tiny)
-    results = []
+    results: list[BenchResult] = []
     for i, shape in enumerate(shapes):
         weight = make_weight(shape, seed + i)
         for impl, fn in implementations(shape):

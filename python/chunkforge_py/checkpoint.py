@@ -12,11 +12,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .contract import CheckpointInfo
+
 
 class Checkpoint:
     """Reads text-decoder tensors by their unprefixed name (``layers.3.mlp.up_proj.weight``)."""
 
-    def __init__(self, info: dict[str, Any]):
+    def __init__(self, info: CheckpointInfo):
         self.prefix: str = info["prefix"]
         self.files: dict[str, str] = info["files"]
         self._handles: dict[str, Any] = {}

@@ -12,12 +12,24 @@ import json
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from .checkpoint import Checkpoint
+from .contract import (
+    BundleStats,
+    CheckpointInfo,
+    ChunkPlan,
+    ChunkStats,
+    Contract,
+    FunctionPlan,
+    MilStats,
+    PalettizeSettings,
+    PalettizeStats,
+    Plan,
+)
 from .model import Chunk, build_chunk
 from .runtime import ChunkforgeError
 
@@ -25,7 +37,7 @@ NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}
 
 
-def find_chunk(plan: dict[str, Any], name: str) -> dict[str, Any]:
+def find_chunk(plan: Plan, name: str) -> ChunkPlan:
     for layout in plan["layouts"]:
         for chunk in layout["chunks"]:
             if chunk["name"] == name:
@@ -33,7 +45,7 @@ def find_chunk(plan: dict[str, Any], name: str) -> dict[str, Any]:
     raise ChunkforgeError(f"chunk {name} is not in the plan")
 
 
-def find_function(chunk: dict[str, Any], function: str | None) -> dict[str, Any]:
+def find_function(chunk: ChunkPlan, function: str | None) -> FunctionPlan:
     """The chunk's function called ``function`` (None: its default, the first).
     A chunk that lists no functions is one decode function with its own contract."""
     if "functions" not in chunk:
@@ -44,11 +56,11 @@ def find_function(chunk: dict[str, Any], function: str | None) -> dict[str, Any]
     raise ChunkforgeError(f"chunk {chunk['name']} has no function {function}")
 
 
-def _io(chunk: dict[str, Any]) -> dict[str, Any]:
+def _io(chunk: ChunkPlan) -> Contract:
     return {"inputs": chunk["inputs"], "outputs": chunk["outputs"]}
 
 
-def load(plan: dict[str, Any], name: str, ckpt_info: dict[str, Any], function: str | None = None) -> Chunk:
+def load(plan: Plan, name: str, ckpt_info: CheckpointInfo, function: str | None = None) -> Chunk:
     """Build the torch module of one of the chunk's functions in fp16 with its weights from the checkpoint."""
     chunk = find_chunk(plan, name)
     ckpt = Checkpoint(ckpt_info)
@@ -70,7 +82,7 @@ def check_finite(module: Chunk, prefix: str) -> None:
             )
 
 
-def example_inputs(function: dict[str, Any], dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
+def example_inputs(function: FunctionPlan, dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
     out = []
     for spec in function["inputs"]:
         t = torch.zeros(spec["shape"], dtype=TORCH_DTYPES[spec["dtype"]] if spec["dtype"] != "fp16" else dtype)
@@ -85,9 +97,9 @@ def trace(module: Chunk) -> torch.jit.ScriptModule:
 
 def convert(
     traced: torch.jit.ScriptModule,
-    plan: dict[str, Any],
+    plan: Plan,
     name: str,
-    palettize: dict[str, Any] | None = None,
+    palettize: PalettizeSettings | None = None,
     function: str | None = None,
 ) -> Any:
     """ct.convert with the shipped settings. With `palettize` (the settings
@@ -114,7 +126,7 @@ def convert(
         compute_units=ct.ComputeUnit.CPU_AND_NE,
         pass_pipeline=pipeline,
     )
-    if dispatcher is not None:
+    if dispatcher is not None and palettize is not None:
         check_palettized(mlmodel, name, int(palettize["group_size"]))
         mlmodel._chunkforge_palettize_stats = dispatcher.stats()
     return mlmodel
@@ -154,7 +166,7 @@ def linear_weights(mlmodel: Any) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def palettize(mlmodel: Any, plan: dict[str, Any], name: str, settings: dict[str, Any]) -> Any:
+def palettize(mlmodel: Any, plan: Plan, name: str, settings: PalettizeSettings) -> Any:
     """coremltools' own INT4 per_grouped_channel k-means palettization of every
     linear weight (`--palettizer coremltools`, for comparison; `--kmeans-workers`
     processes). The Rust kernel runs inside `convert` instead.
@@ -181,7 +193,7 @@ def palettize(mlmodel: Any, plan: dict[str, Any], name: str, settings: dict[str,
     return palettize_weights(mlmodel, OptimizationConfig(op_type_configs={"linear": cfg}))
 
 
-def mil_stats(mlmodel: Any) -> dict[str, Any]:
+def mil_stats(mlmodel: Any) -> MilStats:
     prog = mlmodel._mil_program
     ops = list(prog.functions["main"].operations)
     counts: dict[str, int] = {}
@@ -231,9 +243,9 @@ def weight_bytes(path: str) -> int:
     return os.path.getsize(weights) if os.path.exists(weights) else 0
 
 
-def save(mlmodel: Any, path: str) -> dict[str, Any]:
+def save(mlmodel: Any, path: str) -> ChunkStats:
     """Write the package to ``path`` (a temporary name chosen by Rust) and return its stats."""
-    stats = mil_stats(mlmodel)
+    mil = mil_stats(mlmodel)
     # The conversion date would make two builds of the same model differ.
     metadata = mlmodel.user_defined_metadata
     if "com.github.apple.coremltools.conversion_date" in metadata:
@@ -241,19 +253,22 @@ def save(mlmodel: Any, path: str) -> dict[str, Any]:
     mlmodel.save(path)
     serialize_spec_deterministically(path)
     normalize_manifest(path)
-    stats["weight_bytes"] = weight_bytes(path)
-    stats["palettized_weights"] = stats["op_counts"].get("constexpr_lut_to_dense", 0)
-    stats["linear_ops"] = stats["op_counts"].get("linear", 0)
     # palette: weight-cache counts of the Rust palettizer (None when it did not run).
-    pal = getattr(mlmodel, "_chunkforge_palettize_stats", None) or {}
-    stats["palettize_cache_hits"] = pal.get("palettize_cache_hits")
-    stats["palettize_cache_misses"] = pal.get("palettize_cache_misses")
-    stats["palettize_unmatched_groups"] = pal.get("palettize_unmatched_groups")
-    stats["palettize_seconds"] = pal.get("palettize_seconds")
+    pal = cast(PalettizeStats, getattr(mlmodel, "_chunkforge_palettize_stats", None) or {})
+    stats: ChunkStats = {
+        **mil,
+        "weight_bytes": weight_bytes(path),
+        "palettized_weights": mil["op_counts"].get("constexpr_lut_to_dense", 0),
+        "linear_ops": mil["op_counts"].get("linear", 0),
+        "palettize_cache_hits": pal.get("palettize_cache_hits"),
+        "palettize_cache_misses": pal.get("palettize_cache_misses"),
+        "palettize_unmatched_groups": pal.get("palettize_unmatched_groups"),
+        "palettize_seconds": pal.get("palettize_seconds"),
+    }
     return stats
 
 
-def combine(parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]]) -> dict[str, Any]:
+def combine(parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]]) -> BundleStats:
     """Bundle single-function packages ``(package path, function name)`` into the
     packages ``targets`` (``(path, [function, ...])``, each target's first
     function its default).

@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any
 
+from .contract import FixtureArgs, FixtureInfo
+
 # Layer structure of the released checkpoints; widths are kept tiny.
 SHAPES: dict[str, dict[str, Any]] = {
     "e2b": {
@@ -106,7 +108,7 @@ def write_fixture(
     sliding_window: int = 512,
     vocab_size: int = 512,
     full_width: bool = False,
-) -> dict[str, Any]:
+) -> FixtureInfo:
     """Write a random-weight checkpoint into ``out_dir`` (which must exist and be empty).
 
     ``multimodal`` writes a ``Gemma4ForConditionalGeneration``-style directory:
@@ -182,7 +184,7 @@ def write_fixture(
     return {"tensors": len(names), "parameters": int(sum(t.numel() for t in tensors.values()))}
 
 
-def write_fixture_json(args: dict[str, Any]) -> dict[str, Any]:
+def write_fixture_json(args: FixtureArgs) -> FixtureInfo:
     """Entry point for Rust: ``write_fixture`` with its arguments in one dict."""
     return write_fixture(
         args["out_dir"],

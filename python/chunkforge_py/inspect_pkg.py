@@ -7,6 +7,14 @@ import os
 import re
 from typing import Any
 
+from .contract import (
+    DescribeArgs,
+    FunctionDescription,
+    IoDescription,
+    LinearWeight,
+    PackageDescription,
+    PalettizedConst,
+)
 from .runtime import ChunkforgeError
 
 # ArrayFeatureType.ArrayDataType values in the Core ML spec.
@@ -32,12 +40,12 @@ def read_package(path: str, program: bool = True) -> tuple[Any, Any, str]:
     return spec, prog, spec.description.defaultFunctionName or "main"
 
 
-def describe(args: dict[str, Any]) -> dict[str, Any]:
+def describe(args: DescribeArgs) -> PackageDescription:
     path = args["path"]
     spec, prog, default = read_package(path)
     kind = spec.WhichOneof("Type")
 
-    def io(features: Any) -> list[dict[str, Any]]:
+    def io(features: Any) -> list[IoDescription]:
         return [
             {
                 "name": f.name,
@@ -50,9 +58,11 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
     desc = spec.description
     # A multifunction package describes each function; its top-level I/O is
     # the default function's.
-    functions = [{"name": f.name, "inputs": io(f.input), "outputs": io(f.output)} for f in desc.functions]
+    functions: list[FunctionDescription] = [
+        {"name": f.name, "inputs": io(f.input), "outputs": io(f.output)} for f in desc.functions
+    ]
     top = next((f for f in functions if f["name"] == default), None)
-    out: dict[str, Any] = {
+    out: PackageDescription = {
         "path": path,
         "specification_version": int(spec.specificationVersion),
         "model_type": kind,
@@ -79,9 +89,9 @@ def describe(args: dict[str, Any]) -> dict[str, Any]:
     main = prog.functions[default]
     out["opset"] = main.opset_version.name if hasattr(main.opset_version, "name") else str(main.opset_version)
     ops = list(main.operations)
-    luts = []
+    luts: list[PalettizedConst] = []
     layers: set[int] = set()
-    linear_weights = []
+    linear_weights: list[LinearWeight] = []
     for op in ops:
         if op.op_type == "constexpr_lut_to_dense":
             luts.append(

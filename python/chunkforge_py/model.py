@@ -8,17 +8,21 @@ order of its inputs and outputs) comes from the plan computed in Rust.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
 
 from .checkpoint import Checkpoint
+from .contract import ChunkPlan, Dims, FunctionPlan, LayerPlan
 
 # Blocked positions of the additive masks, as the runtime writes them: fp16
 # -inf (0xFC00). Every row keeps at least one visible position, so softmax
 # never sees a row of -inf.
 MASK_MIN = float("-inf")
+
+# Tensors by attention kind, two each (cos/sin, K/V).
+Pair = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +54,7 @@ def linear(hidden: int, out: int) -> nn.Linear:
 class Attention(nn.Module):
     """Self-attention of one layer. Shared-KV layers have no K/V projections at all."""
 
-    def __init__(self, dims: dict[str, Any], spec: dict[str, Any]):
+    def __init__(self, dims: Dims, spec: LayerPlan):
         super().__init__()
         self.sliding = spec["attention"] == "sliding"
         self.head_dim = dims["head_dim_sliding"] if self.sliding else dims["head_dim_full"]
@@ -126,7 +130,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Module names follow the checkpoint's tensor names, so loading is a table."""
 
-    def __init__(self, dims: dict[str, Any], spec: dict[str, Any]):
+    layer_scalar: torch.Tensor  # a buffer (register_buffer below)
+
+    def __init__(self, dims: Dims, spec: LayerPlan):
         super().__init__()
         hidden = dims["hidden_size"]
         eps = dims["rms_norm_eps"]
@@ -163,7 +169,7 @@ class Chunk(nn.Module):
     records the hidden state after every layer (parity localises with it).
     """
 
-    def __init__(self, dims: dict[str, Any], chunk: dict[str, Any], function: dict[str, Any] | None = None):
+    def __init__(self, dims: Dims, chunk: ChunkPlan, function: FunctionPlan | None = None):
         super().__init__()
         self.dims = dims
         self.chunk = chunk
@@ -226,12 +232,17 @@ class Chunk(nn.Module):
         else:
             per_layer = inp["per_layer_combined"].view(1, t, n_layers, ple)
 
-        rope = {"sliding": self._rope(inp, "s"), "full": self._rope(inp, "f")}
-        masks = self._masks(inp)
-        caches = {
-            "sliding": (inp.get("K_sliding_in"), inp.get("V_sliding_in")),
-            "full": (inp.get("K_full_in"), inp.get("V_full_in")),
-        }
+        # A chunk's inputs hold the RoPE rows, mask and (decode, verify) caches
+        # of every attention kind its layers use; the others are None.
+        rope = cast(Pair, {"sliding": self._rope(inp, "s"), "full": self._rope(inp, "f")})
+        masks = cast(dict[str, torch.Tensor], self._masks(inp))
+        caches = cast(
+            Pair,
+            {
+                "sliding": (inp.get("K_sliding_in"), inp.get("V_sliding_in")),
+                "full": (inp.get("K_full_in"), inp.get("V_full_in")),
+            },
+        )
         # decode: updated cache slots; verify: the t new rows; prefill: by layer.
         new_slots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"sliding": [], "full": []}
         layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -243,7 +254,7 @@ class Chunk(nn.Module):
 
         trace: list[torch.Tensor] = []
         for spec in self.layer_specs:
-            layer = self.layers[str(spec["index"])]
+            layer = cast(DecoderLayer, self.layers[str(spec["index"])])
             kind = spec["attention"]
             attn = layer.self_attn
             cos, sin = rope[kind]
@@ -259,10 +270,11 @@ class Chunk(nn.Module):
                     new_slots[kind].append((k_new, v_new) if self.kind == "verify" else (keys, values))
                     keys = keys[..., : attn.head_dim]
                     values = values[..., : attn.head_dim]
-                if kv.get("alias"):
+                produced = kv.get("alias")
+                if produced:
                     windowed = self.kind == "verify" and kind == "sliding"
                     # verify hands on the window cache extended by its rows (see attend_windows).
-                    producer_kv[kv["alias"]] = (keys[:, :, 1:], values[:, :, 1:]) if windowed else (keys, values)
+                    producer_kv[produced] = (keys[:, :, 1:], values[:, :, 1:]) if windowed else (keys, values)
             else:
                 keys, values = producer_kv[kv["alias"]]
             if self.kind == "verify" and kind == "sliding":
@@ -423,12 +435,12 @@ class Chunk(nn.Module):
 
 
 def build_chunk(
-    dims: dict[str, Any],
-    chunk: dict[str, Any],
+    dims: Dims,
+    chunk: ChunkPlan,
     ckpt: Checkpoint,
     dtype: torch.dtype,
     share: bool = False,
-    function: dict[str, Any] | None = None,
+    function: FunctionPlan | None = None,
 ) -> Chunk:
     """The module of one of the chunk's functions (default: the first) with its
     weights; ``share`` reuses tensors across modules (parity)."""

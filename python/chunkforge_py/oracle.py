@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+    from .stepper import Embeddings
 
 
 def load_hf_model(config_path: str, ckpt: Checkpoint) -> Any:
@@ -52,7 +55,7 @@ def load_hf_model(config_path: str, ckpt: Checkpoint) -> Any:
     return model
 
 
-def teacher_forced(model: Any, prompt: list[int], emb: Any) -> dict[str, torch.Tensor]:
+def teacher_forced(model: Any, prompt: list[int], emb: Embeddings) -> dict[str, torch.Tensor]:
     """Final normed hidden and softcapped logits at every prompt position (one causal forward).
 
     transformers gets the embeddings the runtime feeds the chunks (``emb``: scaled

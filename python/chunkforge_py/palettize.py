@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from .contract import PalettizeSettings, PalettizeStats
 from .runtime import ChunkforgeError
 
 # Bump when the kernel's output for the same input could change.
@@ -79,7 +80,7 @@ def palettize_weight(
     key = cache_key(weight, nbits, group_size) if uses is None or uses > 1 else None
     hit = _CACHE.get(key) if key is not None else None
     try:
-        if hit is not None:
+        if hit is not None and key is not None:
             if hit[1] is not None:
                 hit[1] -= 1
                 if hit[1] <= 0:
@@ -200,7 +201,7 @@ class Dispatcher:
         finally:
             self.seconds += time.perf_counter() - started
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PalettizeStats:
         return {
             "palettize_cache_hits": self.counts["hits"],
             "palettize_cache_misses": self.counts["misses"],
@@ -209,7 +210,7 @@ class Dispatcher:
         }
 
 
-def conversion_pipeline(traced: Any, name: str, settings: dict[str, Any]) -> tuple[Any, Dispatcher]:
+def conversion_pipeline(traced: Any, name: str, settings: PalettizeSettings) -> tuple[Any, Dispatcher]:
     """ct.convert's default pass pipeline with coremltools' palettization pass
     appended last (public API: `PassPipeline.append_pass`, and `set_options`
     for its config, as `PassPipeline.DEFAULT_PALETTIZATION` sets it), in
@@ -222,7 +223,8 @@ def conversion_pipeline(traced: Any, name: str, settings: dict[str, Any]) -> tup
 
     nbits = int(settings["nbits"])
     group = int(settings["group_size"])
-    uses = int(settings["layouts"]) if settings.get("layouts") is not None else None
+    layouts = settings.get("layouts")
+    uses = int(layouts) if layouts is not None else None
     tensors = [(n, t.detach().numpy()) for n, t in list(traced.named_parameters()) + list(traced.named_buffers())]
     dispatcher = Dispatcher(name, tensors, nbits, group, uses)
     config = OptimizationConfig(

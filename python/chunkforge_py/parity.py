@@ -13,6 +13,22 @@ from typing import Any
 import torch
 
 from .checkpoint import Checkpoint
+from .contract import (
+    ArtifactRecord,
+    ArtifactSummary,
+    ChunkPlan,
+    Dims,
+    FunctionArtifactSummary,
+    LayerDivergence,
+    Localisation,
+    OracleRecord,
+    ParityLayout,
+    ParityReport,
+    ParityRequest,
+    ParitySummary,
+    StepRecord,
+    WorstWeight,
+)
 from .runtime import ChunkforgeError
 from .stepper import Embeddings, LayoutRunner, PrefillRunner
 
@@ -43,7 +59,7 @@ def corrupt_modules(modules: dict[str, Any], layer: int) -> str:
     raise ChunkforgeError(f"--corrupt-layer {layer}: no chunk of this layout holds layer {layer}")
 
 
-def localise(ref: dict[str, Any], got: dict[str, Any], chunks: list[dict[str, Any]], tol: float) -> dict[str, Any]:
+def localise(ref: dict[str, Any], got: dict[str, Any], chunks: list[ChunkPlan], tol: float) -> LayerDivergence:
     """First layer whose output hidden state diverges from the reference's."""
     for layer in sorted(got["trace"]):
         c = cosine(ref["trace"][layer], got["trace"][layer])
@@ -54,25 +70,27 @@ def localise(ref: dict[str, Any], got: dict[str, Any], chunks: list[dict[str, An
 
 
 def first_divergence(
-    ref_trace: dict[int, torch.Tensor], got_trace: dict[int, torch.Tensor], chunks: list[dict[str, Any]], tol: float
-) -> dict[str, Any]:
+    ref_trace: dict[int, torch.Tensor], got_trace: dict[int, torch.Tensor], chunks: list[ChunkPlan], tol: float
+) -> LayerDivergence:
     """The first layer whose hidden state leaves the reference's."""
     return localise({"trace": ref_trace}, {"trace": got_trace}, chunks, tol)
 
 
 def run_prefill(
-    req: dict[str, Any],
-    dims: dict[str, Any],
+    req: ParityRequest,
+    dims: Dims,
     ckpt: Checkpoint,
     emb: Embeddings,
     prompt: list[int],
-    four: dict[str, Any],
+    four: ParityLayout,
     ref: LayoutRunner,
     pf: PrefillRunner | None = None,
 ) -> tuple[dict[str, Any], PrefillRunner]:
     """Prefill ``prompt`` with the shortest prefill function that holds it and
     load its K/V into a fresh four-chunk runner (sharing the reference's modules)."""
-    layout = req["prefill_layout"]
+    layout = req.get("prefill_layout")
+    if layout is None:
+        raise ChunkforgeError(f"--prefill {len(prompt)}: the plan has no prefill functions")
     lens = sorted(f["tokens"] for f in layout["chunks"][0]["functions"])
     fits = [n for n in lens if n >= len(prompt)]
     if not fits:
@@ -93,12 +111,12 @@ def cache_cosine(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, t
 
 
 def prefill_record(
-    records: list[dict[str, Any]],
-    localisation: dict[str, Any],
+    records: list[StepRecord],
+    localisation: dict[str, Localisation],
     prefilled: dict[str, Any],
     ref: LayoutRunner,
     ref_results: list[dict[str, Any]],
-    four: dict[str, Any],
+    four: ParityLayout,
     tol: float,
 ) -> None:
     """Prefill of n tokens against n reference decode steps: the caches it
@@ -130,15 +148,15 @@ def prefill_record(
 
 
 def verify_records(
-    records: list[dict[str, Any]],
-    localisation: dict[str, Any],
+    records: list[StepRecord],
+    localisation: dict[str, Localisation],
     vr: LayoutRunner,
     emb: Embeddings,
     prompt: list[int],
     steps: int,
     k: int,
     ref_results: list[dict[str, Any]],
-    four: dict[str, Any],
+    four: ParityLayout,
     tol: float,
 ) -> None:
     """Speculative decode with every draft accepted: verify_qK on K
@@ -171,35 +189,35 @@ def verify_records(
 
 
 def artifact_functions(
-    req: dict[str, Any],
-    dims: dict[str, Any],
+    req: ParityRequest,
+    dims: Dims,
     ckpt: Checkpoint,
     emb: Embeddings,
     prompt: list[int],
     steps: int,
-    four: dict[str, Any],
+    four: ParityLayout,
     q: LayoutRunner,
     q_results: list[dict[str, Any]],
     build_dir: str,
     tol: float,
-) -> dict[str, Any]:
+) -> dict[str, FunctionArtifactSummary]:
     """verify_qK of chunk1..4 and the prefill functions of prefill_chunk1..4,
     with the weights read back from their packages, against the INT4
     four-chunk decode ``q`` of the same build (which ran ``steps`` steps)."""
-    out: dict[str, Any] = {}
+    out: dict[str, FunctionArtifactSummary] = {}
     k = next((f["tokens"] for f in four["chunks"][0]["functions"] if f["kind"] == "verify"), None)
     if k:
         vq = LayoutRunner(dims, four, ckpt, modules=q.modules)
         replaced, _ = load_artifacts_into(vq.verify_modules(ckpt), four["chunks"], build_dir)
-        recs: list[dict[str, Any]] = []
+        recs: list[StepRecord] = []
         verify_records(recs, {}, vq, emb, prompt, steps, k, q_results, four, tol)
         out["verify_qK"] = function_summary(recs, replaced)
     n = int(req.get("prefill") or 0)
-    if n and req.get("prefill_layout"):
+    pf_layout = req.get("prefill_layout")
+    if n and pf_layout:
         again = LayoutRunner(dims, four, ckpt, modules=q.modules)
         for t in range(n):
             again.step(emb, prompt[t], t)
-        pf_layout = req["prefill_layout"]
         fits = sorted(f["tokens"] for f in pf_layout["chunks"][0]["functions"] if f["tokens"] >= n)
         pf = PrefillRunner(dims, pf_layout, ckpt, fits[0])
         replaced, _ = load_artifacts_into(pf.modules, pf_layout["chunks"], build_dir)
@@ -210,7 +228,7 @@ def artifact_functions(
     return out
 
 
-def function_summary(records: list[dict[str, Any]], replaced: dict[str, int]) -> dict[str, Any]:
+def function_summary(records: list[StepRecord], replaced: dict[str, int]) -> FunctionArtifactSummary:
     """The artifact summary of one function's records."""
     return {
         "weights_replaced": replaced,
@@ -243,7 +261,7 @@ def artifact_weights(package: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_artifacts(runner: LayoutRunner, build_dir: str) -> tuple[dict[str, int], dict[str, Any]]:
+def load_artifacts(runner: LayoutRunner, build_dir: str) -> tuple[dict[str, int], WorstWeight]:
     """Replace every projection weight of the runner's modules with the package's
     dequantized one. Returns replaced counts per chunk and the worst relative
     MSE (dequantized vs checkpoint weight), which exposes a weight stored in the
@@ -252,10 +270,10 @@ def load_artifacts(runner: LayoutRunner, build_dir: str) -> tuple[dict[str, int]
 
 
 def load_artifacts_into(
-    modules: dict[str, Any], chunks: list[dict[str, Any]], build_dir: str
-) -> tuple[dict[str, int], dict[str, Any]]:
+    modules: dict[str, Any], chunks: list[ChunkPlan], build_dir: str
+) -> tuple[dict[str, int], WorstWeight]:
     counts = {}
-    worst = {"weight": None, "rel_mse": 0.0}
+    worst: WorstWeight = {"weight": None, "rel_mse": 0.0}
     for chunk in chunks:
         mod = modules[chunk["name"]]
         dense = artifact_weights(os.path.join(build_dir, f"{chunk['name']}.mlpackage"))
@@ -286,7 +304,7 @@ def load_artifacts_into(
     return counts, worst
 
 
-def run(req: dict[str, Any]) -> dict[str, Any]:
+def run(req: ParityRequest) -> ParityReport:
     started = time.perf_counter()
     torch.set_grad_enabled(False)
     plan = req["plan"]
@@ -304,33 +322,36 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     if steps > dims["ctx"]:
         raise ChunkforgeError(f"--steps {steps} exceeds --ctx {dims['ctx']}")
 
-    layouts = {layout["name"]: layout for layout in req["layouts"]}
+    layouts: dict[str, ParityLayout] = {layout["name"]: layout for layout in req["layouts"]}
     ref_layout = layouts.pop(req["reference"])
     ref = LayoutRunner(dims, ref_layout, ckpt)
     runners = {name: LayoutRunner(dims, layout, ckpt) for name, layout in layouts.items()}
     corrupted = None
     # Test hook: break one layer of the compared layouts, or (--corrupt-function)
     # of the verify or prefill modules only.
+    # (--corrupt-function requires --corrupt-layer.)
     corrupt_function = req.get("corrupt_function")
-    if req.get("corrupt_layer") is not None and not corrupt_function:
+    corrupt_layer = req.get("corrupt_layer")
+    if corrupt_layer is not None and not corrupt_function:
         for r in runners.values():
-            corrupted = corrupt(r, int(req["corrupt_layer"]))
+            corrupted = corrupt(r, int(corrupt_layer))
 
     prefill = int(req.get("prefill") or 0)
     if prefill >= steps:
         raise ChunkforgeError(f"--prefill {prefill} leaves no decode steps (--steps {steps})")
 
-    records: list[dict[str, Any]] = []
+    records: list[StepRecord] = []
     ref_results: list[dict[str, Any]] = []
-    localisation: dict[str, Any] = {}
-    prefilled = None
+    localisation: dict[str, Localisation] = {}
+    # Set (non-empty) exactly when ``prefill``.
+    prefilled: dict[str, Any] = {}
     if prefill:
         # The runtime's start of a prompt: one batched prefill call writes every
         # layer's K/V into the four-chunk caches; merged layouts copy those by
         # the slot map before their first decode step.
         prefilled, pf = run_prefill(req, dims, ckpt, emb, prompt[:prefill], ref_layout, ref)
-        if corrupt_function == "prefill":
-            corrupted = corrupt_modules(pf.modules, int(req["corrupt_layer"]))
+        if corrupt_function == "prefill" and corrupt_layer is not None:
+            corrupted = corrupt_modules(pf.modules, int(corrupt_layer))
             prefilled, pf = run_prefill(req, dims, ckpt, emb, prompt[:prefill], ref_layout, ref, pf)
         runners = {"four": prefilled["runner"], **runners}
     for t in range(steps):
@@ -369,11 +390,11 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     if verify_k:
         vr = LayoutRunner(dims, ref_layout, ckpt, modules=ref.modules)
         vr.verify_modules(ckpt)
-        if corrupt_function == "verify":
-            corrupted = corrupt_modules(vr.verify_modules(), int(req["corrupt_layer"]))
+        if corrupt_function == "verify" and corrupt_layer is not None:
+            corrupted = corrupt_modules(vr.verify_modules(), int(corrupt_layer))
         verify_records(records, localisation, vr, emb, prompt, steps, verify_k, ref_results, ref_layout, tol)
 
-    oracle: list[dict[str, Any]] = []
+    oracle: list[OracleRecord] = []
     if req.get("oracle", True):
         from .oracle import load_hf_model, teacher_forced
 
@@ -392,10 +413,10 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
                 }
             )
 
-    artifacts: list[dict[str, Any]] = []
-    artifact_summary: dict[str, Any] = {}
-    if req.get("artifacts"):
-        build_dir = req["artifacts"]
+    artifacts: list[ArtifactRecord] = []
+    artifact_summary: dict[str, ArtifactSummary] = {}
+    build_dir = req.get("artifacts")
+    if build_dir:
         first_tokens: list[int] | None = None
         for name, layout in req["artifact_layouts"].items():
             q = LayoutRunner(dims, layout, ckpt)
@@ -452,7 +473,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     failed_steps = [r for r in records if not r["ok"]]
     failed_oracle = [o for o in oracle if not o["ok"]]
     failed_artifacts = [n for n, s in artifact_summary.items() if not s["ok"]]
-    summary = {
+    summary: ParitySummary = {
         "ok": not failed_steps and not failed_oracle and not failed_artifacts,
         "steps": steps,
         "decode_steps": steps - prefill,
@@ -463,7 +484,15 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         "oracle_ok": not failed_oracle if oracle else None,
         "oracle_min_cos": min((o["cos"] for o in oracle), default=None),
         "first_failure": (
-            {k: failed_steps[0][k] for k in ("layout", "step", "cos", "ref_token", "token")} if failed_steps else None
+            {
+                "layout": failed_steps[0]["layout"],
+                "step": failed_steps[0]["step"],
+                "cos": failed_steps[0]["cos"],
+                "ref_token": failed_steps[0]["ref_token"],
+                "token": failed_steps[0]["token"],
+            }
+            if failed_steps
+            else None
         ),
         "localisation": localisation or None,
         "prefill": (

@@ -7,6 +7,8 @@ import logging
 import os
 import warnings
 
+from .contract import PlatformLimits
+
 
 class ChunkforgeError(Exception):
     """An error already phrased for the user: what failed, on which file or weight, what to do."""
@@ -44,7 +46,7 @@ def versions() -> dict[str, str]:
     return out
 
 
-def platform_limits() -> dict[str, object]:
+def platform_limits() -> PlatformLimits:
     """What coremltools can and cannot do on this platform."""
     import platform
 

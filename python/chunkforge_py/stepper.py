@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from .checkpoint import Checkpoint
+from .contract import ChunkPlan, Dims, FunctionKind, FunctionPlan, Layout, ParityLayout, SlotCopy
 from .model import MASK_MIN, Chunk, build_chunk
 
 
-def inv_freq(dims: dict[str, Any], kind: str) -> torch.Tensor:
+def inv_freq(dims: Dims, kind: str) -> torch.Tensor:
     """Rotary inverse frequencies. Full layers use Gemma 4's proportional RoPE:
     only the first ``partial_rotary_factor * head_dim / 2`` pairs rotate, with
     exponents taken over the whole head dim; the rest have frequency 0.
@@ -28,9 +29,7 @@ def inv_freq(dims: dict[str, Any], kind: str) -> torch.Tensor:
     return torch.cat([rotated, torch.zeros(hd // 2 - angles, dtype=torch.float32)])
 
 
-def rope(
-    dims: dict[str, Any], kind: str, pos: int, dtype: torch.dtype, tokens: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(dims: Dims, kind: str, pos: int, dtype: torch.dtype, tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin rows [1, 1, tokens, head_dim] for positions pos..pos+tokens-1."""
     positions = torch.arange(pos, pos + tokens, dtype=torch.float32).view(-1, 1)
     freqs = positions * inv_freq(dims, kind).float().view(1, -1)
@@ -80,7 +79,7 @@ def prefill_masks(real: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
 class Embeddings:
     """The CPU-side lookups the runtime does before the first chunk."""
 
-    def __init__(self, dims: dict[str, Any], ckpt: Checkpoint):
+    def __init__(self, dims: Dims, ckpt: Checkpoint):
         self.dims = dims
         # Stored dtype, memory-mapped: only the looked-up rows are converted
         # (the per-layer table of a real E2B is 262144 x 8960).
@@ -112,8 +111,8 @@ class LayoutRunner:
 
     def __init__(
         self,
-        dims: dict[str, Any],
-        layout: dict[str, Any],
+        dims: Dims,
+        layout: Layout | ParityLayout,
         ckpt: Checkpoint,
         dtype: torch.dtype = torch.float32,
         modules: dict[str, Chunk] | None = None,
@@ -258,7 +257,7 @@ class LayoutRunner:
                         upd[slot, :, w - m :, :hd] = rows[0, :, n - m : n]
                     cache[f"{kv}_{label}_in"] = upd
 
-    def load_prefill(self, source: LayoutRunner, slot_map: list[dict[str, Any]]) -> None:
+    def load_prefill(self, source: LayoutRunner, slot_map: list[SlotCopy]) -> None:
         """Copy the four-chunk reference's KV slots into this layout's caches using the plan's slot map."""
         for m in slot_map:
             kind = "sliding" if m["attention"] == "sliding" else "full"
@@ -267,7 +266,7 @@ class LayoutRunner:
                 self.caches[m["to_chunk"]][f"{kv}_{kind}_in"][m["to_slot"]] = src.clone()
 
 
-def function_of(chunk: dict[str, Any], kind: str, tokens: int | None = None) -> dict[str, Any]:
+def function_of(chunk: ChunkPlan, kind: FunctionKind, tokens: int | None = None) -> FunctionPlan:
     """The chunk's function of ``kind`` (with ``tokens`` tokens, if given)."""
     for f in chunk["functions"]:
         if f["kind"] == kind and (tokens is None or f["tokens"] == tokens):
@@ -276,7 +275,7 @@ def function_of(chunk: dict[str, Any], kind: str, tokens: int | None = None) -> 
 
 
 def chain(
-    chunks: list[dict[str, Any]],
+    chunks: list[ChunkPlan],
     modules: dict[str, Chunk],
     shared: dict[str, torch.Tensor],
     caches: dict[str, dict[str, torch.Tensor]] | None = None,
@@ -312,7 +311,7 @@ class PrefillRunner:
     """The prefill packages' functions of ``tokens`` tokens, run as the runtime
     runs them on the start of a prompt."""
 
-    def __init__(self, dims: dict[str, Any], layout: dict[str, Any], ckpt: Checkpoint, tokens: int):
+    def __init__(self, dims: Dims, layout: Layout | ParityLayout, ckpt: Checkpoint, tokens: int):
         self.dims = dims
         self.chunks = layout["chunks"]
         self.tokens = tokens
@@ -352,9 +351,10 @@ class PrefillRunner:
             out = outs[c["name"]]
             for i, layer in enumerate(self.functions[c["name"]].get("kv_layers", [])):
                 layer_kv[layer] = (out[f"K{i}"], out[f"V{i}"])
-            for alias, layer in producers.items():
-                if f"{alias}_k" in out:
-                    layer_kv[layer] = (out[f"{alias}_k"], out[f"{alias}_v"])
+            for alias, producer in producers.items():
+                # Only a model with KV sharing (producer layers) has kv13/kv14.
+                if f"{alias}_k" in out and producer is not None:
+                    layer_kv[producer] = (out[f"{alias}_k"], out[f"{alias}_v"])
         head = outs[self.chunks[-1]["name"]]
         return {
             "token": int(head["token_id"][0]),

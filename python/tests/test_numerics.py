@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import pytest
 import torch
 from chunkforge_py import fixture, model, stepper
+from chunkforge_py.checkpoint import Checkpoint
+from chunkforge_py.contract import Dims
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextRotaryEmbedding
 
 
-def dims_for(cfg: dict) -> dict:
+def dims_for(cfg: dict) -> Dims:
+    """Just the dims the RoPE tables read."""
     rope = cfg["rope_parameters"]
-    return {
-        "head_dim_sliding": cfg["head_dim"],
-        "head_dim_full": cfg["global_head_dim"],
-        "rope_theta_sliding": rope["sliding_attention"]["rope_theta"],
-        "rope_theta_full": rope["full_attention"]["rope_theta"],
-        "partial_rotary_factor_full": rope["full_attention"]["partial_rotary_factor"],
-    }
+    return cast(
+        Dims,
+        {
+            "head_dim_sliding": cfg["head_dim"],
+            "head_dim_full": cfg["global_head_dim"],
+            "rope_theta_sliding": rope["sliding_attention"]["rope_theta"],
+            "rope_theta_full": rope["full_attention"]["rope_theta"],
+            "partial_rotary_factor_full": rope["full_attention"]["partial_rotary_factor"],
+        },
+    )
 
 
 @pytest.mark.parametrize("head_dims", [(32, 64), (256, 512)])
@@ -42,7 +49,7 @@ def test_rope_tables_match_transformers(head_dims: tuple[int, int]) -> None:
 def test_full_rope_rotates_only_the_first_quarter_of_pairs() -> None:
     # E2B numbers: 512-dim full heads, partial_rotary_factor 0.25 -> 64 rotating pairs,
     # exponents over the whole 512 dims; the other 192 pairs never rotate.
-    dims = {"head_dim_full": 512, "rope_theta_full": 1e6, "partial_rotary_factor_full": 0.25}
+    dims = cast(Dims, {"head_dim_full": 512, "rope_theta_full": 1e6, "partial_rotary_factor_full": 0.25})
     inv = stepper.inv_freq(dims, "full")
     assert inv.shape == (256,)
     assert torch.all(inv[64:] == 0) and torch.all(inv[:64] > 0)
@@ -57,6 +64,7 @@ def test_rmsnorm_matches_transformers() -> None:
     ours = model.RMSNorm(64, 1e-6)
     ref = Gemma4RMSNorm(64, eps=1e-6)
     w = torch.randn(64)
+    assert ours.weight is not None
     ours.weight.data = w.clone()
     ref.weight.data = w.clone()
     torch.testing.assert_close(ours(x), ref(x))
@@ -77,7 +85,9 @@ def test_step_masks_follow_transformers_sliding_and_causal_rules(pos: int, windo
         visible = key_pos >= 0 and bool(sliding_rule(0, 0, torch.tensor(pos), torch.tensor(key_pos)))
         assert (float(sliding.view(-1)[s]) == 0) == visible, (s, key_pos)
     for j in range(ctx):
-        assert (float(full.view(-1)[j]) == 0) == bool(causal_mask_function(0, 0, torch.tensor(pos), torch.tensor(j)))
+        # transformers annotates the positions as int; its mask functions run on tensors.
+        rule = causal_mask_function(0, 0, torch.tensor(pos), torch.tensor(j))  # type: ignore[arg-type]
+        assert (float(full.view(-1)[j]) == 0) == bool(rule)
     assert update.view(-1).tolist() == [1.0 if j == pos else 0.0 for j in range(ctx)]
 
 
@@ -98,8 +108,8 @@ def test_step_inputs_are_what_the_runtime_feeds() -> None:
     hidden, per_layer = 64, 4 * 32
     embed = torch.randn(10, hidden, dtype=torch.bfloat16)
     ple = torch.randn(10, per_layer, dtype=torch.bfloat16)
-    dims = {"embed_scale": math.sqrt(hidden), "per_layer_embed_scale": math.sqrt(32)}
-    emb = stepper.Embeddings(dims, _Tables(embed, ple))
+    dims = cast(Dims, {"embed_scale": math.sqrt(hidden), "per_layer_embed_scale": math.sqrt(32)})
+    emb = stepper.Embeddings(dims, cast(Checkpoint, _Tables(embed, ple)))
     want_h = (embed[3].float() * math.sqrt(hidden)).half().float()
     want_p = (ple[3].float() * math.sqrt(32)).half().float()
     assert torch.equal(emb.hidden(3, torch.float32).view(-1), want_h)
@@ -128,8 +138,10 @@ def test_prefill_window_band_matches_transformers() -> None:
     n, w = 12, 5
     causal, last = stepper.prefill_masks(9, n, torch.float32)
     chunk = model.Chunk.__new__(model.Chunk)
-    chunk.kind, chunk.tokens, chunk.dims = "prefill", n, {"sliding_window": w}
-    sliding = chunk._masks({"causal_mask": causal})["sliding"][0, 0]
+    chunk.kind, chunk.tokens, chunk.dims = "prefill", n, cast(Dims, {"sliding_window": w})
+    band = chunk._masks({"causal_mask": causal})["sliding"]
+    assert band is not None
+    sliding = band[0, 0]
     rule = sliding_window_causal_mask_function(w)
     for i in range(n):
         for j in range(n):

@@ -7,12 +7,15 @@ run them with `chunkforge selftest-python python/tests/test_palettize_native.py`
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import pytest
 
 native = pytest.importorskip("chunkforge_native")
 
 from chunkforge_py import bench_palettize, palettize  # noqa: E402
+from chunkforge_py.contract import PalettizeSettings, Plan  # noqa: E402
 from chunkforge_py.runtime import ChunkforgeError  # noqa: E402
 
 
@@ -22,7 +25,7 @@ def weight(rows: int, cols: int, seed: int, std: float = 0.02) -> np.ndarray:
 
 @pytest.mark.parametrize("shape", [(64, 96), (128, 257), (32, 1536)])
 def test_kernel_mse_not_above_coremltools_kmeans1d(shape):
-    w = weight(*shape, seed=shape[1])
+    w = weight(shape[0], shape[1], seed=shape[1])
     lut, idx = native.palettize_int4(w, 32, 4)
     assert lut.dtype == np.float16 and lut.shape == (shape[0] // 32, 16)
     assert idx.dtype == np.uint8 and idx.shape == shape and idx.max() < 16
@@ -100,7 +103,7 @@ def test_degenerate_groups_exact():
     assert lut[0, 0] == np.float16(0.5) and (idx[:32] == 0).all()
 
 
-def _one_linear_model(w: np.ndarray, settings: dict | None = None):
+def _one_linear_model(w: np.ndarray, settings: PalettizeSettings | None = None):
     """A one-linear torch model converted like a build converts a chunk: with
     `settings`, palettized by the kernel inside the conversion."""
     import torch
@@ -123,7 +126,8 @@ def _one_linear_model(w: np.ndarray, settings: dict | None = None):
             }
         ]
     }
-    return convert.convert(traced, plan, "t", settings)
+    # A hand-made plan: only what `convert` reads.
+    return convert.convert(traced, cast(Plan, plan), "t", settings)
 
 
 def test_kernel_palettizes_inside_the_conversion(tmp_path):
@@ -196,7 +200,8 @@ def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path)
         "inputs": [{"name": "x", "shape": [1, 48], "dtype": "fp16"}],
         "outputs": [{"name": f"y{i}", "dtype": "fp16"} for i in range(3)],
     }
-    ml = convert.convert(traced, {"layouts": [{"chunks": [chunk]}]}, "t", {"nbits": 4, "group_size": 32})
+    plan = cast(Plan, {"layouts": [{"chunks": [chunk]}]})
+    ml = convert.convert(traced, plan, "t", {"nbits": 4, "group_size": 32})
     stats = ml._chunkforge_palettize_stats
     assert stats["palettize_unmatched_groups"] == 2
     ml.save(str(tmp_path / "three.mlpackage"))

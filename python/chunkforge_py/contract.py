@@ -1,0 +1,542 @@
+"""The typed seam between the Rust binary and this package.
+
+Every dict Rust hands to Python (the chunk plan, checkpoint info, build
+settings, parity and fixture requests) and every dict Python hands back (a
+package's stats, the parity report, a package description) is one of these
+TypedDicts. They describe plain JSON-like data and cost nothing at run time:
+the values are ordinary dicts. The Rust side of each is named in its docstring
+(serde field names are the keys).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NotRequired, TypedDict
+
+# ---- the plan (src/plan.rs) ---------------------------------------------
+
+DType = Literal["fp16", "fp32", "int32"]
+Attention = Literal["sliding", "full"]
+# Runtime names of the producer KV read by KV-shared sliding / full layers.
+Alias = Literal["kv13", "kv14"]
+FunctionKind = Literal["decode", "verify", "prefill"]
+LayoutKind = Literal["four", "three", "two", "one", "split", "prefill"]
+# What a tensor of a function's contract carries.
+Role = Literal[
+    "hidden",
+    "hidden_out",
+    "mask_full",
+    "mask_sliding",
+    "mask_causal",
+    "update_mask",
+    "update_indicator",
+    "per_layer_raw",
+    "per_layer_combined",
+    "per_layer_combined_out",
+    "cos_sliding",
+    "sin_sliding",
+    "cos_full",
+    "sin_full",
+    "k_sliding",
+    "v_sliding",
+    "k_full",
+    "v_full",
+    "shared_k",
+    "shared_v",
+    "new_k_sliding",
+    "new_v_sliding",
+    "new_k_full",
+    "new_v_full",
+    "layer_k",
+    "layer_v",
+    "last_position_mask",
+    "token_id",
+    "token_logit",
+    "token_ids",
+]
+
+
+class TensorSpec(TypedDict):
+    """`plan::TensorSpec`: one input or output of a function, in contract order."""
+
+    name: str
+    shape: list[int]
+    dtype: DType
+    # role (and alias/layer where they apply) are being added on the Rust
+    # side: NotRequired until every plan Rust hands over carries them.
+    role: NotRequired[Role]
+    # shared_k/shared_v: which producer KV the tensor carries.
+    alias: NotRequired[Alias]
+    # layer_k/layer_v: the layer whose K/V the tensor holds.
+    layer: NotRequired[int]
+
+
+class Contract(TypedDict):
+    """A function's inputs and outputs, in the order Core ML sees them."""
+
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+class FunctionPlan(Contract):
+    """`plan::FunctionPlan`: one function of a package."""
+
+    name: str
+    kind: FunctionKind
+    tokens: int
+    # Prefill only (absent otherwise): the layer whose K/V each K{i}/V{i} output holds.
+    kv_layers: NotRequired[list[int]]
+
+
+class OwnKv(TypedDict):
+    """`plan::KvSource::Own`: the layer computes its K/V into ``slot`` of its
+    kind's cache; a producer layer also carries the alias shared layers read."""
+
+    kind: Literal["own"]
+    slot: int
+    alias: Alias | None
+
+
+class SharedKv(TypedDict):
+    """`plan::KvSource::Shared`: the layer reads the producer's K/V through ``alias``."""
+
+    kind: Literal["shared"]
+    alias: Alias
+    producer: int
+
+
+# `plan::KvSource`, tagged by "kind".
+KvSource = OwnKv | SharedKv
+
+
+class LayerPlan(TypedDict):
+    """`plan::LayerPlan`."""
+
+    index: int
+    attention: Attention
+    mlp_width: int
+    kv: KvSource
+
+
+class AliasUse(TypedDict):
+    """`plan::AliasUse`: producer KV a chunk emits or consumes."""
+
+    alias: Alias
+    layer: int
+    attention: Attention
+
+
+class ChunkPlan(TypedDict):
+    """`plan::ChunkPlan`: one package."""
+
+    name: str
+    first_layer: int
+    last_layer: int
+    layers: list[LayerPlan]
+    sliding_slots: list[int]
+    full_slots: list[int]
+    emits: list[AliasUse]
+    consumes: list[AliasUse]
+    computes_per_layer_input: bool
+    has_head: bool
+    # The default function's contract.
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    # Every function, the default first. Rust always sends it; chunks made by
+    # hand (the kernel's Python tests) may leave it out, which
+    # `convert.find_function` reads as one decode function with the chunk's own
+    # contract.
+    functions: NotRequired[list[FunctionPlan]]
+
+
+class SlotCopy(TypedDict):
+    """`plan::SlotCopy`: one KV slot copy from the four-chunk caches into a layout's."""
+
+    layer: int
+    attention: Attention
+    from_chunk: str
+    from_slot: int
+    to_chunk: str
+    to_slot: int
+
+
+class Layout(TypedDict):
+    """`plan::Layout`."""
+
+    kind: LayoutKind
+    chunks: list[ChunkPlan]
+    kv_slot_map: list[SlotCopy]
+
+
+class Dims(TypedDict):
+    """`plan::Dims`: the model dimensions every consumer of the plan needs."""
+
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    vocab_size_per_layer_input: int
+    num_attention_heads: int
+    num_kv_heads_sliding: int
+    num_kv_heads_full: int
+    head_dim_sliding: int
+    head_dim_full: int
+    max_head_dim: int
+    sliding_window: int
+    ctx: int
+    hidden_size_per_layer_input: int
+    embed_scale: float
+    per_layer_embed_scale: float
+    rms_norm_eps: float
+    final_logit_softcapping: float | None
+    rope_theta_sliding: float
+    rope_theta_full: float
+    partial_rotary_factor_full: float
+    kv_start: int
+    producer_sliding: int | None
+    producer_full: int | None
+    layer_types: list[Attention]
+
+
+class PlanDims(TypedDict):
+    """The part of a plan every consumer reads (parity sends only this)."""
+
+    dims: Dims
+
+
+class Plan(PlanDims):
+    """`plan::Plan`, as `chunkforge plan --json` prints it and `build` hands it over."""
+
+    layouts: list[Layout]
+    contract_notes: list[str]
+    warnings: list[str]
+
+
+# ---- build (src/build.rs) -----------------------------------------------
+
+
+class CheckpointInfo(TypedDict):
+    """A checkpoint Rust has validated: the tensor-name prefix and each
+    (prefixed) tensor name's safetensors file."""
+
+    prefix: str
+    files: dict[str, str]
+
+
+class PalettizeSettings(TypedDict):
+    """The build settings `convert.convert` / `convert.palettize` and
+    `palettize.conversion_pipeline` read (build.rs `settings_json`)."""
+
+    nbits: int
+    group_size: int
+    # coremltools' k-means worker processes (`--palettizer coremltools`).
+    kmeans_workers: NotRequired[int]
+    palettizer: NotRequired[Literal["chunkforge", "coremltools"]]
+    # Conversions that use each weight (the palettization cache drops an entry
+    # after its last use); absent or None keeps entries for the process's life.
+    layouts: NotRequired[int | None]
+
+
+class PalettizeStats(TypedDict):
+    """`palettize.Dispatcher.stats()`: the Rust kernel's counts for one conversion."""
+
+    palettize_cache_hits: int
+    palettize_cache_misses: int
+    palettize_unmatched_groups: int
+    palettize_seconds: float
+
+
+class MilStats(TypedDict):
+    mil_ops: int
+    op_counts: dict[str, int]
+
+
+class ChunkStats(MilStats):
+    """What `convert.save` returns for one function's package. The palettize_*
+    counts are None when the Rust palettizer did not run."""
+
+    weight_bytes: int
+    palettized_weights: int
+    linear_ops: int
+    palettize_cache_hits: int | None
+    palettize_cache_misses: int | None
+    palettize_unmatched_groups: int | None
+    palettize_seconds: float | None
+
+
+class BundleStats(TypedDict):
+    """What `convert.combine` returns."""
+
+    weight_bytes: int
+
+
+# ---- parity (src/parity.rs) ---------------------------------------------
+
+
+class ParityLayout(TypedDict):
+    """parity.rs `layout_json`: a layout named by its kind's label."""
+
+    name: LayoutKind
+    chunks: list[ChunkPlan]
+    kv_slot_map: list[SlotCopy]
+
+
+class ParityRequest(TypedDict):
+    """What `parity.run` gets. Rust sends every key; the ones read with a
+    default (NotRequired here) may be left out by a hand-made request."""
+
+    plan: PlanDims
+    # The layout every other one is compared against ("four").
+    reference: str
+    layouts: list[ParityLayout]
+    checkpoint: CheckpointInfo
+    config_path: str
+    prompt_ids: list[int]
+    steps: int
+    tol_cos: float
+    prefill: NotRequired[int | None]
+    prefill_layout: NotRequired[ParityLayout | None]
+    skip_prefill_copy: NotRequired[bool]
+    oracle: NotRequired[bool]
+    corrupt_layer: NotRequired[int | None]
+    # Requires corrupt_layer.
+    corrupt_function: NotRequired[Literal["verify", "prefill"] | None]
+    # The build folder whose packages' INT4 weights are checked, or None.
+    artifacts: NotRequired[str | None]
+    artifact_layouts: dict[str, ParityLayout]
+    tol_cos_int4: float
+    min_top1_int4: float
+    max_weight_rel_mse: float
+
+
+class StepRecord(TypedDict):
+    """One layout (or function) at one step against the reference."""
+
+    layout: str
+    step: int
+    cos: float
+    ref_token: int
+    token: int
+    margin: float
+    ok: bool
+
+
+class OracleRecord(TypedDict):
+    """The reference against transformers at one step."""
+
+    step: int
+    hf_token: int
+    ref_token: int
+    cos: float
+    margin: float
+    ok: bool
+
+
+class ArtifactRecord(TypedDict):
+    """A layout with its packages' INT4 weights at one step."""
+
+    layout: str
+    step: int
+    cos: float
+    ref_token: int
+    token: int
+    same_token: bool
+
+
+class LayerDivergence(TypedDict):
+    """The first layer whose hidden state leaves the reference's (all None:
+    every layer matches, the divergence is in the head)."""
+
+    layer: int | None
+    chunk: str | None
+    cos: float | None
+
+
+class Localisation(LayerDivergence):
+    step: int
+
+
+class WorstWeight(TypedDict):
+    weight: str | None
+    rel_mse: float
+
+
+class LayoutArtifactSummary(TypedDict):
+    """A decode layout with its packages' INT4 weights, over every step."""
+
+    weights_replaced: dict[str, int]
+    worst_weight: WorstWeight
+    min_cos: float
+    mean_cos: float
+    top1_agreement: float
+    tokens_match_other_layouts: bool
+    ok: bool
+
+
+class FunctionArtifactSummary(TypedDict):
+    """verify_qK / prefill_bN with their packages' weights, against the INT4
+    four-chunk decode of the same build."""
+
+    weights_replaced: dict[str, int]
+    min_cos: float
+    steps: int
+    tokens_match: bool
+    ok: bool
+
+
+ArtifactSummary = LayoutArtifactSummary | FunctionArtifactSummary
+
+
+class FirstFailure(TypedDict):
+    layout: str
+    step: int
+    cos: float
+    ref_token: int
+    token: int
+
+
+class PrefillSummary(TypedDict):
+    tokens: int
+    function: str
+    kv_copied: bool
+
+
+class ParitySummary(TypedDict):
+    ok: bool
+    steps: int
+    decode_steps: int
+    tol_cos: float
+    layouts: list[str]
+    min_cos: float | None
+    min_margin: float | None
+    oracle_ok: bool | None
+    oracle_min_cos: float | None
+    first_failure: FirstFailure | None
+    localisation: dict[str, Localisation] | None
+    prefill: PrefillSummary | None
+    verify_k: int | None
+    artifacts: dict[str, ArtifactSummary] | None
+    corrupted_chunk: str | None
+    seconds: float
+
+
+class ParityReport(TypedDict):
+    """What `parity.run` returns (Rust adds format, checkpoint, prompt_ids and tool)."""
+
+    steps: list[StepRecord]
+    oracle: list[OracleRecord]
+    artifacts: list[ArtifactRecord]
+    summary: ParitySummary
+
+
+# ---- fixture (src/fixture.rs) -------------------------------------------
+
+FixtureShape = Literal["e2b", "e4b"]
+
+
+class FixtureArgs(TypedDict):
+    """What `fixture.write_fixture_json` gets."""
+
+    out_dir: str
+    shape: FixtureShape
+    seed: int
+    multimodal: bool
+    shards: int
+    sliding_window: int
+    vocab_size: NotRequired[int]
+    full_width: NotRequired[bool]
+
+
+class FixtureInfo(TypedDict):
+    """What `fixture.write_fixture` returns."""
+
+    tensors: int
+    parameters: int
+
+
+# ---- inspect (src/main.rs `inspect`) ------------------------------------
+
+
+class DescribeArgs(TypedDict):
+    path: str
+
+
+class IoDescription(TypedDict):
+    name: str
+    shape: list[int]
+    # fp16 / fp32 / int32, or the spec's data type number for any other.
+    dtype: str
+
+
+class FunctionDescription(TypedDict):
+    name: str
+    inputs: list[IoDescription]
+    outputs: list[IoDescription]
+    # ML programs only:
+    mil_ops: NotRequired[int]
+    linear_ops: NotRequired[int]
+    int4_g32_linear_ops: NotRequired[int]
+
+
+class PalettizedConst(TypedDict):
+    name: str
+    weight_shape: list[int]
+    lut_shape: list[int]
+    indices_dtype: str
+
+
+class LinearWeight(TypedDict):
+    op: str
+    weight: str
+    weight_op: str
+
+
+class PackageDescription(TypedDict):
+    """What `inspect_pkg.describe` returns. The keys after ``functions`` are
+    there only for an ML program (and describe its default function)."""
+
+    path: str
+    specification_version: int
+    model_type: str
+    default_function: str
+    inputs: list[IoDescription]
+    outputs: list[IoDescription]
+    functions: list[FunctionDescription]
+    opset: NotRequired[str]
+    mil_ops: NotRequired[int]
+    palettized: NotRequired[list[PalettizedConst]]
+    linear: NotRequired[list[LinearWeight]]
+    layers: NotRequired[list[int]]
+
+
+# ---- runtime and bench (src/main.rs `doctor`, src/bench_palettize.rs) ----
+
+
+class PlatformLimits(TypedDict):
+    system: str
+    machine: str
+    can_predict: bool
+    can_compile_mlmodelc: bool
+    can_load_compute_plan: bool
+
+
+class BenchArgs(TypedDict):
+    """What `bench_palettize.run` gets (each key optional there)."""
+
+    quick: NotRequired[bool]
+    seed: NotRequired[int]
+    progress: NotRequired[bool]
+
+
+class BenchResult(TypedDict):
+    shape: list[int]
+    impl: str
+    seconds: float
+    mse: float
+    lut_shape: list[int]
+
+
+class BenchReport(TypedDict):
+    results: list[BenchResult]
+    group_size: int
+    nbits: int
+    weight_std: float
+    seed: int
