@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use pyo3::prelude::*;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
@@ -16,7 +15,7 @@ use crate::hashing;
 use crate::plan::{ChunkPlan, LayoutKind, Plan};
 use crate::progress::{self, BuildProgress};
 use crate::publish::{OnLocked, OutputLock};
-use crate::py::calls;
+use crate::py::calls::{self, CheckpointFiles, ChunkJob, WeightCache};
 use crate::py::env as pyenv;
 use crate::records::{
     BuildRecord, BuildRequest, BuildSeconds, CacheTotals, CheckpointRecord, ChunkRecord,
@@ -35,20 +34,8 @@ pub struct Settings {
     pub lock: Option<OnLocked>,
 }
 
-const PHASES: [&str; 6] = ["load", "trace", "convert", "palettize", "save", "bundle"];
-
-/// Runs one Python phase under a spinner and returns its result and seconds.
-fn phase<'py>(
-    progress: &BuildProgress,
-    label: String,
-    f: impl FnOnce() -> PyResult<Bound<'py, PyAny>>,
-) -> PyResult<(Bound<'py, PyAny>, f64)> {
-    let pb = progress.phase(label);
-    let t = Instant::now();
-    let r = f();
-    pb.finish_and_clear();
-    r.map(|v| (v, t.elapsed().as_secs_f64()))
-}
+/// The phase the bundle of a multifunction package is timed under.
+const BUNDLE: &str = "bundle";
 
 pub fn run(
     hf_dir: &Path,
@@ -72,23 +59,18 @@ pub fn run(
     for w in &plan.warnings {
         progress.println(format!("warning: {w}"));
     }
-    let plan_json = serde_json::to_value(plan)?;
-    let ckpt_json = json!({
-        "prefix": ckpt.prefix,
-        "files": ckpt.files.iter().map(|(k, v)| (k.clone(), Value::String(v.to_string_lossy().into()))).collect::<serde_json::Map<_, _>>(),
-    });
-    // `layouts`: each function of each layout holds every weight of its layers
-    // once, so the palettization cache keeps a result until that many
-    // conversions have used it.
-    let conv = &settings.conversion;
-    let pal = conv.palettization.as_ref();
-    let settings_json = json!({
-        "nbits": pal.map(|p| p.nbits), "group_size": pal.map(|p| p.group_size),
-        "kmeans_workers": pal.map(|p| p.kmeans_workers),
-        "palettizer": conv.palettizer(),
-        "layouts": plan.layouts.iter().map(|l| l.chunks.first().map_or(0, |c| c.functions.len())).sum::<usize>(),
-    });
+    let checkpoint = CheckpointFiles::of(ckpt);
     let verbose = settings.verbose;
+    // Each function of each layout holds every weight of its layers once, so
+    // the build's palettization cache keeps a result until that many
+    // conversions have used it. The cache lives as long as this run.
+    let uses: usize = plan
+        .layouts
+        .iter()
+        .map(|l| l.chunks.first().map_or(0, |c| c.functions.len()))
+        .sum();
+    let cache = WeightCache::new(uses)
+        .map_err(|e| anyhow!("palettization cache: {}", pyenv::render_error(e, verbose)))?;
 
     let mut records: Vec<ChunkRecord> = Vec::new();
     for unit in &units {
@@ -105,47 +87,50 @@ pub fn run(
         let mut done = Vec::new();
         for (layout, chunk) in unit {
             let name = &chunk.name;
+            let paths: Vec<PathBuf> = chunk
+                .functions
+                .iter()
+                .map(|f| {
+                    if bundled {
+                        part_path(name, &f.name)
+                    } else {
+                        staging.dir.join(format!("{name}.mlpackage"))
+                    }
+                })
+                .collect();
+            let job = ChunkJob {
+                dims: &plan.dims,
+                chunk,
+                checkpoint: &checkpoint,
+                settings: &settings.conversion,
+                paths: paths
+                    .iter()
+                    .map(|p| p.to_string_lossy().into_owned())
+                    .collect(),
+            };
+            let converted = calls::convert_chunk(&job, &cache, &progress)
+                .map_err(|e| anyhow!("building {name}: {}", pyenv::render_error(e, verbose)))?;
             let mut functions = Vec::new();
             let mut seconds = Seconds::new();
             let mut stats: Option<ChunkStats> = None;
-            for f in &chunk.functions {
-                let label = if chunk.functions.len() > 1 {
-                    format!("{name}/{}", f.name)
-                } else {
-                    name.clone()
-                };
-                let path = if bundled {
-                    part_path(name, &f.name)
-                } else {
-                    staging.dir.join(format!("{name}.mlpackage"))
-                };
-                let (fstats, fsecs) = convert_function(
-                    &progress,
-                    &label,
-                    &plan_json,
-                    &ckpt_json,
-                    &settings_json,
-                    conv,
-                    name,
-                    (chunk.functions.len() > 1).then_some(f.name.as_str()),
-                    &path,
-                )
-                .map_err(|e| anyhow!("building {label}: {}", pyenv::render_error(e, verbose)))?;
-                for (k, v) in &fsecs {
+            for (f, c) in chunk.functions.iter().zip(converted.functions) {
+                for (k, v) in &c.seconds {
                     *seconds.entry(k.clone()).or_default() += v;
                 }
                 functions.push(FunctionRecord {
                     name: f.name.clone(),
                     kind: f.kind,
                     tokens: f.tokens,
-                    mil_ops: fstats.mil_ops,
-                    weight_bytes: fstats.weight_bytes,
-                    seconds: fsecs,
+                    mil_ops: c.stats.mil_ops,
+                    weight_bytes: c.stats.weight_bytes,
+                    seconds: c.seconds,
                 });
                 match &mut stats {
-                    None => stats = Some(fstats),
-                    Some(acc) => acc.add(&fstats),
+                    None => stats = Some(c.stats),
+                    Some(acc) => acc.add(&c.stats),
                 }
+            }
+            for (f, path) in chunk.functions.iter().zip(&paths) {
                 parts.push((path.to_string_lossy().into_owned(), f.name.clone()));
             }
             let stats = stats.expect("every chunk has a function");
@@ -171,11 +156,7 @@ pub fn run(
                     )
                 })
                 .collect();
-            let bundle = Python::attach(|py| -> PyResult<Value> {
-                let conv = py.import("chunkforge_py.convert")?;
-                pyenv::from_py(&conv.call_method1("combine", (parts.clone(), targets))?)
-            })
-            .map_err(|e| {
+            let bundle = calls::combine(&parts, &targets).map_err(|e| {
                 anyhow!(
                     "bundling {}: {}",
                     names.join(" + "),
@@ -183,7 +164,7 @@ pub fn run(
                 )
             });
             pb.finish_and_clear();
-            let bundle: Bundle = serde_json::from_value(bundle?)?;
+            let bundle = bundle?;
             for (path, _) in &parts {
                 std::fs::remove_dir_all(path).with_context(|| format!("{path}: cannot remove"))?;
             }
@@ -191,7 +172,7 @@ pub fn run(
             let share = t.elapsed().as_secs_f64() / unit.len() as f64;
             for d in &mut done {
                 d.4.weight_bytes = bundle.weight_bytes;
-                d.3.insert(PHASES[5].to_string(), share);
+                d.3.insert(BUNDLE.to_string(), share);
             }
         }
         for (layout, chunk, functions, seconds, stats) in done {
@@ -285,12 +266,6 @@ pub fn run(
     Ok(record)
 }
 
-/// `convert.combine`'s reply: the bundle's weight blob size.
-#[derive(serde::Deserialize)]
-struct Bundle {
-    weight_bytes: u64,
-}
-
 /// Packages converted together: each alone, except a four-chunk package and
 /// the prefill package of the same layers, which are bundled from one set of
 /// programs so their weight blobs are byte-identical (the runtime's
@@ -324,76 +299,6 @@ fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
         }
     }
     units
-}
-
-/// Load → trace → convert (→ palettize) → save of one function of `name` into
-/// `path`; returns its stats and seconds per phase.
-#[allow(clippy::too_many_arguments)]
-fn convert_function(
-    progress: &BuildProgress,
-    label: &str,
-    plan_json: &Value,
-    ckpt_json: &Value,
-    settings_json: &Value,
-    settings: &ConversionSettings,
-    name: &str,
-    function: Option<&str>,
-    path: &Path,
-) -> PyResult<(ChunkStats, Seconds)> {
-    Python::attach(|py| {
-        let conv = py.import("chunkforge_py.convert")?;
-        let plan_py = pyenv::to_py(py, plan_json)?;
-        let ckpt_py = pyenv::to_py(py, ckpt_json)?;
-        let mut secs = Seconds::new();
-        let (module, s) = phase(progress, format!("{label}: load weights"), || {
-            conv.call_method1("load", (&plan_py, name, &ckpt_py, function))
-        })?;
-        secs.insert(PHASES[0].into(), s);
-        let (traced, s) = phase(progress, format!("{label}: trace"), || {
-            conv.call_method1("trace", (&module,))
-        })?;
-        secs.insert(PHASES[1].into(), s);
-        drop(module);
-        // The kernel palettizes inside ct.convert (its seconds are split
-        // out of the conversion's below); coremltools' k-means runs on
-        // the converted model.
-        let palettizer = settings.palettizer();
-        let in_convert = palettizer == Some(Palettizer::Chunkforge);
-        let sp = pyenv::to_py(py, settings_json)?;
-        let group = settings.palettization.as_ref().map_or(0, |p| p.group_size);
-        let int4 = format!("INT4 per_grouped_channel, group {group}");
-        let what = if in_convert {
-            format!("{label}: convert + palettize (ct.convert, iOS18, FP16, {int4})")
-        } else {
-            format!("{label}: convert (ct.convert, iOS18, FP16)")
-        };
-        let (mut ml, s) = phase(progress, what, || {
-            let palettize = in_convert.then_some(&sp);
-            conv.call_method1("convert", (&traced, &plan_py, name, palettize, function))
-        })?;
-        secs.insert(PHASES[2].into(), s);
-        drop(traced);
-        if palettizer == Some(Palettizer::Coremltools) {
-            let (p, s) = phase(progress, format!("{label}: palettize ({int4})"), || {
-                conv.call_method1("palettize", (&ml, &plan_py, name, &sp))
-            })?;
-            ml = p;
-            secs.insert(PHASES[3].into(), s);
-        }
-        let (stats, s) = phase(progress, format!("{label}: save"), || {
-            conv.call_method1("save", (&ml, path.to_string_lossy().to_string()))
-        })?;
-        secs.insert(PHASES[4].into(), s);
-        let stats: ChunkStats = serde_json::from_value(pyenv::from_py(&stats)?)
-            .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("convert.save: {e}")))?;
-        if let Some(k) = stats.palettize_seconds {
-            // Kernel time inside the conversion: reported as palettize.
-            let convert = secs.entry(PHASES[2].into()).or_default();
-            *convert = (*convert - k).max(0.0);
-            secs.insert(PHASES[3].into(), k);
-        }
-        Ok((stats, secs))
-    })
 }
 
 /// The line `build` ends with: packages, time per phase, peak memory.
@@ -546,6 +451,7 @@ pub fn compare(old: &Path, fresh_dir: &Path, fresh: &BuildRecord) -> Result<bool
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn a_relative_checkpoint_dir_is_taken_relative_to_build_json() {

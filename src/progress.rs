@@ -18,6 +18,7 @@ pub fn spinner(msg: impl Into<String>) -> ProgressBar {
 }
 
 /// The bar over all chunks of a build, with room for one phase spinner below it.
+#[derive(Clone)]
 pub struct BuildProgress {
     multi: MultiProgress,
     pub bar: ProgressBar,

@@ -221,18 +221,41 @@ class CheckpointInfo(TypedDict):
     files: dict[str, str]
 
 
-class PalettizeSettings(TypedDict):
-    """The build settings `convert.convert` / `convert.palettize` and
-    `palettize.conversion_pipeline` read (build.rs `settings_json`)."""
+class Palettization(TypedDict):
+    """records.rs `Palettization`: INT4 per_grouped_channel settings."""
 
     nbits: int
+    granularity: str
     group_size: int
+    palettizer: Literal["chunkforge", "coremltools"]
+    mode: str
     # coremltools' k-means worker processes (`--palettizer coremltools`).
-    kmeans_workers: NotRequired[int]
-    palettizer: NotRequired[Literal["chunkforge", "coremltools"]]
-    # Conversions that use each weight (the palettization cache drops an entry
-    # after its last use); absent or None keeps entries for the process's life.
-    layouts: NotRequired[int | None]
+    kmeans_workers: int
+
+
+class ConversionSettings(TypedDict):
+    """records.rs `ConversionSettings`: what `ct.convert` is called with, defined
+    once on the Rust side (`ConversionSettings::shipped`). Each string is the
+    name of a coremltools enum member (`ct.target`, `ct.precision`,
+    `ct.ComputeUnit`)."""
+
+    ctx: int
+    minimum_deployment_target: str
+    compute_precision: str
+    compute_units: str
+    quantize: bool
+    palettization: Palettization | None
+
+
+class ChunkJob(TypedDict):
+    """py/calls.rs `ChunkJob`: one package to convert, every function of it."""
+
+    dims: Dims
+    chunk: ChunkPlan
+    checkpoint: CheckpointInfo
+    settings: ConversionSettings
+    # Where each function's package goes, in the chunk's function order.
+    paths: list[str]
 
 
 class PalettizeStats(TypedDict):
@@ -260,6 +283,20 @@ class ChunkStats(MilStats):
     palettize_cache_misses: int | None
     palettize_unmatched_groups: int | None
     palettize_seconds: float | None
+
+
+class ConvertedFunction(TypedDict):
+    """One function of a `convert_chunk` job: its counts and seconds per phase."""
+
+    name: str
+    stats: ChunkStats
+    seconds: dict[str, float]
+
+
+class ConvertedChunk(TypedDict):
+    """What `convert.convert_chunk` returns (py/calls.rs `ConvertedChunk`)."""
+
+    functions: list[ConvertedFunction]
 
 
 class BundleStats(TypedDict):

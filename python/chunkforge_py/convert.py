@@ -1,9 +1,10 @@
 """Trace a chunk module and turn it into a palettized Core ML package.
 
-Each phase is its own function so the Rust side can show a spinner per phase
-and time it. The settings are the ones that shipped: iOS18 minimum target, FP16
-compute precision, CPU_AND_NE, INT4 per_grouped_channel palettization with
-group size 32.
+`convert_chunk` is the one call the Rust build loop makes per package: every
+function of it is loaded, traced, converted (and palettized) and saved, each
+phase reported through the progress callback and timed. The conversion
+settings come from Rust (`ConversionSettings`, records.rs); none is written
+here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import numpy as np
@@ -21,16 +24,22 @@ from .checkpoint import Checkpoint
 from .contract import (
     BundleStats,
     CheckpointInfo,
+    ChunkJob,
     ChunkPlan,
     ChunkStats,
     Contract,
+    ConversionSettings,
+    ConvertedChunk,
+    ConvertedFunction,
+    Dims,
     FunctionPlan,
     MilStats,
-    PalettizeSettings,
+    Palettization,
     PalettizeStats,
     Plan,
 )
 from .model import Chunk, build_chunk
+from .palettize import WeightCache
 from .runtime import ChunkforgeError
 
 NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
@@ -60,12 +69,11 @@ def _io(chunk: ChunkPlan) -> Contract:
     return {"inputs": chunk["inputs"], "outputs": chunk["outputs"]}
 
 
-def load(plan: Plan, name: str, ckpt_info: CheckpointInfo, function: str | None = None) -> Chunk:
+def load(dims: Dims, chunk: ChunkPlan, ckpt_info: CheckpointInfo, function: FunctionPlan) -> Chunk:
     """Build the torch module of one of the chunk's functions in fp16 with its weights from the checkpoint."""
-    chunk = find_chunk(plan, name)
     ckpt = Checkpoint(ckpt_info)
     try:
-        module = build_chunk(plan["dims"], chunk, ckpt, torch.float16, function=find_function(chunk, function))
+        module = build_chunk(dims, chunk, ckpt, torch.float16, function=function)
     finally:
         ckpt.close()
     check_finite(module, ckpt_info["prefix"])
@@ -97,37 +105,37 @@ def trace(module: Chunk) -> torch.jit.ScriptModule:
 
 def convert(
     traced: torch.jit.ScriptModule,
-    plan: Plan,
+    function: FunctionPlan,
     name: str,
-    palettize: PalettizeSettings | None = None,
-    function: str | None = None,
+    settings: ConversionSettings,
+    cache: WeightCache | None = None,
 ) -> Any:
-    """ct.convert with the shipped settings. With `palettize` (the settings
-    of `palettize` below), the Rust kernel's INT4 palettization runs as the
-    last pass of the conversion itself (see `palettize.conversion_pipeline`);
-    its counts and kernel seconds are attached to the model for `save`."""
+    """ct.convert with `settings`. With the chunkforge palettizer, the Rust
+    kernel's INT4 palettization runs as the last pass of the conversion itself
+    (see `palettize.conversion_pipeline`; `cache`: the build's results); its
+    counts and kernel seconds are attached to the model for `save`."""
     import coremltools as ct
 
-    spec = find_function(find_chunk(plan, name), function)
-    inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=NP_DTYPES[t["dtype"]]) for t in spec["inputs"]]
-    outputs = [ct.TensorType(name=t["name"], dtype=NP_DTYPES[t["dtype"]]) for t in spec["outputs"]]
+    inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=NP_DTYPES[t["dtype"]]) for t in function["inputs"]]
+    outputs = [ct.TensorType(name=t["name"], dtype=NP_DTYPES[t["dtype"]]) for t in function["outputs"]]
+    pal = settings["palettization"]
     pipeline = dispatcher = None
-    if palettize is not None:
+    if pal is not None and pal["palettizer"] == "chunkforge":
         from .palettize import conversion_pipeline
 
-        pipeline, dispatcher = conversion_pipeline(traced, name, palettize)
+        pipeline, dispatcher = conversion_pipeline(traced, name, pal, cache)
     mlmodel = ct.convert(
         traced,
         inputs=inputs,
         outputs=outputs,
         convert_to="mlprogram",
-        minimum_deployment_target=ct.target.iOS18,
-        compute_precision=ct.precision.FLOAT16,
-        compute_units=ct.ComputeUnit.CPU_AND_NE,
+        minimum_deployment_target=getattr(ct.target, settings["minimum_deployment_target"]),
+        compute_precision=getattr(ct.precision, settings["compute_precision"]),
+        compute_units=getattr(ct.ComputeUnit, settings["compute_units"]),
         pass_pipeline=pipeline,
     )
-    if dispatcher is not None and palettize is not None:
-        check_palettized(mlmodel, name, int(palettize["group_size"]))
+    if dispatcher is not None and pal is not None:
+        check_palettized(mlmodel, name, int(pal["group_size"]))
         mlmodel._chunkforge_palettize_stats = dispatcher.stats()
     return mlmodel
 
@@ -166,7 +174,7 @@ def linear_weights(mlmodel: Any) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def palettize(mlmodel: Any, plan: Plan, name: str, settings: PalettizeSettings) -> Any:
+def palettize(mlmodel: Any, name: str, settings: Palettization) -> Any:
     """coremltools' own INT4 per_grouped_channel k-means palettization of every
     linear weight (`--palettizer coremltools`, for comparison; `--kmeans-workers`
     processes). The Rust kernel runs inside `convert` instead.
@@ -184,11 +192,11 @@ def palettize(mlmodel: Any, plan: Plan, name: str, settings: PalettizeSettings) 
     cfg = OpPalettizerConfig(
         mode="kmeans",
         nbits=int(settings["nbits"]),
-        granularity="per_grouped_channel",
+        granularity=settings["granularity"],
         group_size=group,
         channel_axis=0,
         weight_threshold=0,
-        num_kmeans_workers=int(settings.get("kmeans_workers", 1)),
+        num_kmeans_workers=int(settings["kmeans_workers"]),
     )
     return palettize_weights(mlmodel, OptimizationConfig(op_type_configs={"linear": cfg}))
 
@@ -253,7 +261,7 @@ def save(mlmodel: Any, path: str) -> ChunkStats:
     mlmodel.save(path)
     serialize_spec_deterministically(path)
     normalize_manifest(path)
-    # palette: weight-cache counts of the Rust palettizer (None when it did not run).
+    # Weight-cache counts of the Rust palettizer (None when it did not run).
     pal = cast(PalettizeStats, getattr(mlmodel, "_chunkforge_palettize_stats", None) or {})
     stats: ChunkStats = {
         **mil,
@@ -313,7 +321,59 @@ def combine(parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]]) 
     return {"weight_bytes": weight_bytes(targets[0][0])}
 
 
-def timed(fn: Any, *args: Any) -> tuple[Any, float]:
-    t = time.perf_counter()
-    r = fn(*args)
-    return r, time.perf_counter() - t
+class _Phases:
+    """Times the phases of one function's conversion, telling `progress` each
+    one's label as it starts."""
+
+    def __init__(self, label: str, progress: Callable[[str], None]):
+        self.label, self.progress = label, progress
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, key: str, what: str) -> Iterator[None]:
+        self.progress(f"{self.label}: {what}")
+        started = time.perf_counter()
+        yield
+        self.seconds[key] = time.perf_counter() - started
+
+
+def convert_chunk(job: ChunkJob, cache: WeightCache, progress: Callable[[str], None]) -> ConvertedChunk:
+    """Every function of one package, each load → trace → convert (+ the
+    kernel's palettization) → [coremltools' palettization] → save into its
+    path. `progress(label)` is told each phase as it starts; `cache` is the
+    build's palettization cache (Rust owns it: one per build)."""
+    chunk, settings = job["chunk"], job["settings"]
+    name = chunk["name"]
+    functions = chunk["functions"]
+    pal = settings["palettization"]
+    out: list[ConvertedFunction] = []
+    for function, path in zip(functions, job["paths"], strict=True):
+        phases = _Phases(f"{name}/{function['name']}" if len(functions) > 1 else name, progress)
+        with phases("load", "load weights"):
+            module = load(job["dims"], chunk, job["checkpoint"], function)
+        with phases("trace", "trace"):
+            traced = trace(module)
+        del module
+        int4 = f"INT4 {pal['granularity']}, group {pal['group_size']}" if pal is not None else ""
+        target = f"{settings['minimum_deployment_target']}, FP16"
+        in_convert = pal is not None and pal["palettizer"] == "chunkforge"
+        what = (
+            f"convert + palettize (ct.convert, {target}, {int4})" if in_convert else f"convert (ct.convert, {target})"
+        )
+        with phases("convert", what):
+            ml = convert(traced, function, name, settings, cache)
+        del traced
+        if pal is not None and pal["palettizer"] == "coremltools":
+            with phases("palettize", f"palettize ({int4})"):
+                ml = palettize(ml, name, pal)
+        with phases("save", "save"):
+            stats = save(ml, path)
+        del ml
+        seconds = phases.seconds
+        kernel = stats["palettize_seconds"]
+        if kernel is not None:
+            # Kernel time inside the conversion: reported as palettize.
+            seconds["convert"] = max(seconds["convert"] - kernel, 0.0)
+            seconds["palettize"] = kernel
+        out.append({"name": function["name"], "stats": stats, "seconds": seconds})
+    return {"functions": out}

@@ -45,14 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from .contract import PalettizeSettings, PalettizeStats
+from .contract import Palettization, PalettizeStats
 from .runtime import ChunkforgeError
 
 # Bump when the kernel's output for the same input could change.
 KERNEL_VERSION = 2
-
-# key -> [lut, uses left]
-_CACHE: dict[str, list[Any]] = {}
 
 
 def cache_key(weight: np.ndarray, nbits: int, group_size: int) -> str:
@@ -63,38 +60,51 @@ def cache_key(weight: np.ndarray, nbits: int, group_size: int) -> str:
     return h.hexdigest()
 
 
-def palettize_weight(
-    weight: np.ndarray, nbits: int, group_size: int, name: str, uses: int | None = None
-) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(lut [groups, 2**nbits] fp16, indices [rows, cols] uint8, cache hit) for one weight.
+class WeightCache:
+    """One build's palettization results (module docstring). The Rust build
+    loop makes one per build and hands it to every conversion, so its
+    lifetime is the build's.
 
-    `uses`: how many times this build will ask for the weight (its number of
-    layouts); the cached result is dropped after the last, and 1 skips the
-    cache. None keeps the result for the life of the process.
-    """
-    import chunkforge_native
+    `uses`: how many conversions of the build hold each weight (its layouts'
+    functions); an entry is dropped after its last use, and 1 caches (and
+    hashes) nothing. None keeps entries until the cache is dropped."""
 
-    if weight.dtype != np.float16 or weight.ndim != 2:
-        raise ChunkforgeError(f"{name}: expected a 2-D float16 weight, got {weight.dtype} {weight.shape}")
-    weight = np.ascontiguousarray(weight)
-    key = cache_key(weight, nbits, group_size) if uses is None or uses > 1 else None
-    hit = _CACHE.get(key) if key is not None else None
-    try:
-        if hit is not None and key is not None:
-            if hit[1] is not None:
-                hit[1] -= 1
-                if hit[1] <= 0:
-                    del _CACHE[key]
-            lut = hit[0]
-            return lut, chunkforge_native.indices_int4(weight, lut, group_size, nbits, name), True
-        lut, indices = chunkforge_native.palettize_int4(weight, group_size, nbits, name)
-    except ValueError as e:
-        raise ChunkforgeError(f"palettizing {e}") from None
-    # Read-only: a cached LUT is shared between packages.
-    lut.flags.writeable = False
-    if key is not None:
-        _CACHE[key] = [lut, None if uses is None else uses - 1]
-    return lut, indices, False
+    def __init__(self, uses: int | None = None):
+        self.uses = uses
+        # key -> [lut, uses left]
+        self._entries: dict[str, list[Any]] = {}
+
+    def size(self) -> int:
+        return len(self._entries)
+
+    def palettize_weight(
+        self, weight: np.ndarray, nbits: int, group_size: int, name: str
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(lut [groups, 2**nbits] fp16, indices [rows, cols] uint8, cache hit) for one weight."""
+        import chunkforge_native
+
+        if weight.dtype != np.float16 or weight.ndim != 2:
+            raise ChunkforgeError(f"{name}: expected a 2-D float16 weight, got {weight.dtype} {weight.shape}")
+        weight = np.ascontiguousarray(weight)
+        uses = self.uses
+        key = cache_key(weight, nbits, group_size) if uses is None or uses > 1 else None
+        hit = self._entries.get(key) if key is not None else None
+        try:
+            if hit is not None and key is not None:
+                if hit[1] is not None:
+                    hit[1] -= 1
+                    if hit[1] <= 0:
+                        del self._entries[key]
+                lut = hit[0]
+                return lut, chunkforge_native.indices_int4(weight, lut, group_size, nbits, name), True
+            lut, indices = chunkforge_native.palettize_int4(weight, group_size, nbits, name)
+        except ValueError as e:
+            raise ChunkforgeError(f"palettizing {e}") from None
+        # Read-only: a cached LUT is shared between packages.
+        lut.flags.writeable = False
+        if key is not None:
+            self._entries[key] = [lut, None if uses is None else uses - 1]
+        return lut, indices, False
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -110,8 +120,10 @@ class _Feeder:
     compresses the weights one after another), so one weight's indices are
     alive at a time rather than the whole package's."""
 
-    def __init__(self, name: str, weight: np.ndarray, nbits: int, group: int, uses: int | None, counts: dict[str, int]):
-        self.name, self.weight, self.nbits, self.group, self.uses = name, weight, nbits, group, uses
+    def __init__(
+        self, name: str, weight: np.ndarray, nbits: int, group: int, cache: WeightCache, counts: dict[str, int]
+    ):
+        self.name, self.weight, self.nbits, self.group, self.cache = name, weight, nbits, group, cache
         self.counts = counts
         self.groups = weight.shape[0] // group
         self.next = 0
@@ -131,7 +143,7 @@ class _Feeder:
     def serve(self) -> tuple[np.ndarray, np.ndarray]:
         """The next group's LUT and flat indices."""
         if self.result is None:
-            lut, indices, hit = palettize_weight(self.weight, self.nbits, self.group, self.name, self.uses)
+            lut, indices, hit = self.cache.palettize_weight(self.weight, self.nbits, self.group, self.name)
             self.counts["hits" if hit else "misses"] += 1
             self.result = (lut, indices)
         lut, indices = self.result
@@ -165,8 +177,12 @@ class Dispatcher:
     tied embedding's gather, which no chunk holds) would make coremltools
     refuse the config as a conflict."""
 
-    def __init__(self, name: str, tensors: list[tuple[str, np.ndarray]], nbits: int, group: int, uses: int | None):
-        self.name, self.nbits, self.group, self.uses = name, nbits, group, uses
+    def __init__(
+        self, name: str, tensors: list[tuple[str, np.ndarray]], nbits: int, group: int, cache: WeightCache | None
+    ):
+        self.name, self.nbits, self.group = name, nbits, group
+        # No build cache: every weight is palettized for this conversion only.
+        self.cache = cache if cache is not None else WeightCache(uses=1)
         self.heads: dict[bytes, list[tuple[str, np.ndarray]]] = {}
         for tname, t in tensors:
             if t.ndim == 2 and t.dtype == np.float16 and t.shape[0] >= group and t.shape[0] % group == 0:
@@ -179,7 +195,7 @@ class Dispatcher:
     def _match(self, head: np.ndarray) -> _Feeder | None:
         for tname, t in self.heads.get(_head_key(head), []):
             if _same_bits(t[: self.group], head):
-                return _Feeder(f"{self.name}: weight {tname}", t, self.nbits, self.group, self.uses, self.counts)
+                return _Feeder(f"{self.name}: weight {tname}", t, self.nbits, self.group, self.cache, self.counts)
         return None
 
     def __call__(self, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -192,7 +208,7 @@ class Dispatcher:
             if self.feeder is None:
                 self.unmatched_groups += 1
                 label = f"{self.name}: a weight group"
-                lut, indices, _ = palettize_weight(val, self.nbits, self.group, label, uses=1)
+                lut, indices, _ = WeightCache(uses=1).palettize_weight(val, self.nbits, self.group, label)
                 return lut[0], indices.reshape(-1)
             out = self.feeder.serve()
             if self.feeder.done():
@@ -210,7 +226,9 @@ class Dispatcher:
         }
 
 
-def conversion_pipeline(traced: Any, name: str, settings: PalettizeSettings) -> tuple[Any, Dispatcher]:
+def conversion_pipeline(
+    traced: Any, name: str, settings: Palettization, cache: WeightCache | None
+) -> tuple[Any, Dispatcher]:
     """ct.convert's default pass pipeline with coremltools' palettization pass
     appended last (public API: `PassPipeline.append_pass`, and `set_options`
     for its config, as `PassPipeline.DEFAULT_PALETTIZATION` sets it), in
@@ -223,16 +241,14 @@ def conversion_pipeline(traced: Any, name: str, settings: PalettizeSettings) -> 
 
     nbits = int(settings["nbits"])
     group = int(settings["group_size"])
-    layouts = settings.get("layouts")
-    uses = int(layouts) if layouts is not None else None
     tensors = [(n, t.detach().numpy()) for n, t in list(traced.named_parameters()) + list(traced.named_buffers())]
-    dispatcher = Dispatcher(name, tensors, nbits, group, uses)
+    dispatcher = Dispatcher(name, tensors, nbits, group, cache)
     config = OptimizationConfig(
         op_type_configs={
             "linear": OpPalettizerConfig(
                 mode="custom",
                 lut_function=dispatcher,
-                granularity="per_grouped_channel",
+                granularity=settings["granularity"],
                 group_size=group,
                 channel_axis=0,
                 weight_threshold=0,
@@ -243,14 +259,6 @@ def conversion_pipeline(traced: Any, name: str, settings: PalettizeSettings) -> 
     pipeline.append_pass("compression::palettize_weights")
     pipeline.set_options("compression::palettize_weights", {"config": config})
     return pipeline, dispatcher
-
-
-def cache_size() -> int:
-    return len(_CACHE)
-
-
-def clear_cache() -> None:
-    _CACHE.clear()
 
 
 def read_palettized(path: str) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ import pytest
 native = pytest.importorskip("chunkforge_native")
 
 from chunkforge_py import bench_palettize, palettize  # noqa: E402
-from chunkforge_py.contract import PalettizeSettings, Plan  # noqa: E402
+from chunkforge_py.contract import ConversionSettings, FunctionPlan  # noqa: E402
 from chunkforge_py.runtime import ChunkforgeError  # noqa: E402
 
 
@@ -47,38 +47,39 @@ def test_deterministic_and_cached():
     a = native.palettize_int4(w, 32, 4)
     b = native.palettize_int4(w.copy(), 32, 4)
     assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
-    lut1, idx1, hit1 = palettize.palettize_weight(w, 4, 32, "w")
-    lut2, idx2, hit2 = palettize.palettize_weight(w.copy(), 4, 32, "w")
+    cache = palettize.WeightCache()
+    lut1, idx1, hit1 = cache.palettize_weight(w, 4, 32, "w")
+    lut2, idx2, hit2 = cache.palettize_weight(w.copy(), 4, 32, "w")
     assert (hit1, hit2) == (False, True)
     assert lut1.tobytes() == a[0].tobytes() and idx2.tobytes() == a[1].tobytes()
     # Different settings are a different cache entry.
-    _, _, hit3 = palettize.palettize_weight(w, 4, 16, "w")
+    _, _, hit3 = cache.palettize_weight(w, 4, 16, "w")
     assert not hit3
 
 
 def test_cache_drops_entries_after_their_last_use():
-    palettize.clear_cache()
     w = weight(64, 40, seed=12)
     # One layout: nothing is kept.
-    assert palettize.palettize_weight(w, 4, 32, "w", uses=1)[2] is False
-    assert palettize.cache_size() == 0
-    assert palettize.palettize_weight(w, 4, 32, "w", uses=1)[2] is False
+    one = palettize.WeightCache(uses=1)
+    assert one.palettize_weight(w, 4, 32, "w")[2] is False
+    assert one.size() == 0
+    assert one.palettize_weight(w, 4, 32, "w")[2] is False
     # Three layouts: two hits, then the entry is gone.
-    first = palettize.palettize_weight(w, 4, 32, "w", uses=3)
-    assert palettize.cache_size() == 1
-    hits = [palettize.palettize_weight(w.copy(), 4, 32, "w", uses=3) for _ in range(2)]
+    three = palettize.WeightCache(uses=3)
+    first = three.palettize_weight(w, 4, 32, "w")
+    assert three.size() == 1
+    hits = [three.palettize_weight(w.copy(), 4, 32, "w") for _ in range(2)]
     assert [h[2] for h in hits] == [True, True]
     assert all(h[1].tobytes() == first[1].tobytes() for h in hits)
-    assert palettize.cache_size() == 0
-    assert palettize.palettize_weight(w, 4, 32, "w", uses=3)[2] is False
-    palettize.clear_cache()
+    assert three.size() == 0
+    assert three.palettize_weight(w, 4, 32, "w")[2] is False
 
 
 def test_non_finite_weight_names_weight_and_position():
     w = weight(64, 8, seed=1)
     w[40, 3] = np.inf
     with pytest.raises(ChunkforgeError, match=r"layers\.3\.mlp\.up_proj.*row 40, column 3"):
-        palettize.palettize_weight(w, 4, 32, "layers.3.mlp.up_proj")
+        palettize.WeightCache().palettize_weight(w, 4, 32, "layers.3.mlp.up_proj")
     w[40, 3] = np.nan
     with pytest.raises(ValueError, match="NaN/Inf"):
         native.palettize_int4(w, 32, 4)
@@ -103,9 +104,10 @@ def test_degenerate_groups_exact():
     assert lut[0, 0] == np.float16(0.5) and (idx[:32] == 0).all()
 
 
-def _one_linear_model(w: np.ndarray, settings: PalettizeSettings | None = None):
+def _one_linear_model(w: np.ndarray, cache: palettize.WeightCache | None = None):
     """A one-linear torch model converted like a build converts a chunk: with
-    `settings`, palettized by the kernel inside the conversion."""
+    `cache`, palettized by the kernel inside the conversion (the shipped
+    settings, INT4 in groups of 32)."""
     import torch
     from chunkforge_py import convert
 
@@ -113,26 +115,39 @@ def _one_linear_model(w: np.ndarray, settings: PalettizeSettings | None = None):
     with torch.no_grad():
         lin.weight.copy_(torch.from_numpy(w))
     traced = torch.jit.trace(lin, (torch.zeros(1, w.shape[1], dtype=torch.float16),))
-    plan = {
-        "layouts": [
-            {
-                "chunks": [
-                    {
-                        "name": "t",
-                        "inputs": [{"name": "x", "shape": [1, w.shape[1]], "dtype": "fp16"}],
-                        "outputs": [{"name": "y", "dtype": "fp16"}],
-                    }
-                ]
-            }
-        ]
+    # A hand-made function: only what `convert` reads.
+    function = {
+        "inputs": [{"name": "x", "shape": [1, w.shape[1]], "dtype": "fp16"}],
+        "outputs": [{"name": "y", "dtype": "fp16"}],
     }
-    # A hand-made plan: only what `convert` reads.
-    return convert.convert(traced, cast(Plan, plan), "t", settings)
+    settings = shipped_settings(quantize=cache is not None)
+    return convert.convert(traced, cast(FunctionPlan, function), "t", settings, cache)
+
+
+def shipped_settings(quantize: bool) -> ConversionSettings:
+    """What `ConversionSettings::shipped` (records.rs) hands Python."""
+    return {
+        "ctx": 1,
+        "minimum_deployment_target": "iOS18",
+        "compute_precision": "FLOAT16",
+        "compute_units": "CPU_AND_NE",
+        "quantize": quantize,
+        "palettization": {
+            "nbits": 4,
+            "granularity": "per_grouped_channel",
+            "group_size": 32,
+            "palettizer": "chunkforge",
+            "mode": "custom (chunkforge optimal LUT)",
+            "kmeans_workers": 1,
+        }
+        if quantize
+        else None,
+    }
 
 
 def test_kernel_palettizes_inside_the_conversion(tmp_path):
     w = weight(96, 64, seed=3)
-    ml = _one_linear_model(w, {"nbits": 4, "group_size": 32, "layouts": 1})
+    ml = _one_linear_model(w, palettize.WeightCache(uses=1))
     stats = ml._chunkforge_palettize_stats
     assert (stats["palettize_cache_hits"], stats["palettize_cache_misses"]) == (0, 1)
     assert stats["palettize_unmatched_groups"] == 0 and stats["palettize_seconds"] > 0
@@ -147,19 +162,18 @@ def test_kernel_palettizes_inside_the_conversion(tmp_path):
 
 
 def test_conversions_count_uses_per_layout():
-    palettize.clear_cache()
     w = weight(64, 48, seed=21)
+    one, three = palettize.WeightCache(uses=1), palettize.WeightCache(uses=3)
 
-    def run(layouts: int) -> tuple[int, int]:
-        stats = _one_linear_model(w, {"nbits": 4, "group_size": 32, "layouts": layouts})._chunkforge_palettize_stats
+    def run(cache: palettize.WeightCache) -> tuple[int, int]:
+        stats = _one_linear_model(w, cache)._chunkforge_palettize_stats
         return stats["palettize_cache_hits"], stats["palettize_cache_misses"]
 
     # One layout: never cached.
-    assert [run(1), run(1)] == [(0, 1), (0, 1)] and palettize.cache_size() == 0
+    assert [run(one), run(one)] == [(0, 1), (0, 1)] and one.size() == 0
     # Three layouts: paid once, served twice, then dropped.
-    assert [run(3), run(3), run(3)] == [(0, 1), (1, 0), (1, 0)]
-    assert palettize.cache_size() == 0
-    palettize.clear_cache()
+    assert [run(three), run(three), run(three)] == [(0, 1), (1, 0), (1, 0)]
+    assert three.size() == 0
 
 
 def test_a_first_group_matching_no_module_tensor_is_palettized_alone():
@@ -195,13 +209,12 @@ def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path)
             return self.l1(x), self.l2(x), self.l3(x)
 
     traced = torch.jit.trace(Three().eval(), (torch.zeros(1, 48, dtype=torch.float16),))
-    chunk = {
-        "name": "t",
+    function = {
         "inputs": [{"name": "x", "shape": [1, 48], "dtype": "fp16"}],
         "outputs": [{"name": f"y{i}", "dtype": "fp16"} for i in range(3)],
     }
-    plan = cast(Plan, {"layouts": [{"chunks": [chunk]}]})
-    ml = convert.convert(traced, plan, "t", {"nbits": 4, "group_size": 32})
+    cache = palettize.WeightCache()
+    ml = convert.convert(traced, cast(FunctionPlan, function), "t", shipped_settings(quantize=True), cache)
     stats = ml._chunkforge_palettize_stats
     assert stats["palettize_unmatched_groups"] == 2
     ml.save(str(tmp_path / "three.mlpackage"))
@@ -217,12 +230,12 @@ def test_kernel_errors_inside_coremltools_name_the_weight():
     w = weight(64, 24, seed=22)
     w[33, 5] = np.inf
     with pytest.raises(ChunkforgeError, match=r"t: weight weight .*row 33, column 5"):
-        _one_linear_model(w, {"nbits": 4, "group_size": 32, "layouts": 1})
+        _one_linear_model(w, palettize.WeightCache(uses=1))
 
 
 def test_weights_coremltools_cannot_group_are_errors():
     with pytest.raises(ChunkforgeError, match="48 output channels, not a multiple of the palettization group size 32"):
-        _one_linear_model(weight(48, 16, seed=25), {"nbits": 4, "group_size": 32, "layouts": 1})
+        _one_linear_model(weight(48, 16, seed=25), palettize.WeightCache(uses=1))
 
 
 def test_a_linear_weight_left_unpalettized_is_an_error():

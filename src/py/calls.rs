@@ -2,14 +2,24 @@
 //! to JSON, each reply is read back into a Rust type (the Python side's
 //! `contract.py` mirrors these).
 
+use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, Result};
+use indicatif::ProgressBar;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyCFunction, PyDict, PyTuple};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::env::call_json;
+use crate::checkpoint::Checkpoint;
+use crate::plan::{ChunkPlan, Dims};
+use crate::progress::BuildProgress;
+use crate::records::{ChunkStats, ConversionSettings, Seconds};
 
 /// `chunkforge_py.<module>.<func>(request)` (no argument when `request` is
 /// `()`), its reply read as `T`.
@@ -111,4 +121,139 @@ struct PathArg<'a> {
 pub fn describe(package: &Path, verbose: bool) -> Result<PackageDescription> {
     let path = package.to_string_lossy();
     call("inspect_pkg", "describe", &PathArg { path: &path }, verbose)
+}
+
+/// The checkpoint as Python opens it: the tensor-name prefix and each
+/// (prefixed) tensor name's safetensors file.
+#[derive(Serialize)]
+pub struct CheckpointFiles {
+    pub prefix: String,
+    pub files: BTreeMap<String, String>,
+}
+
+impl CheckpointFiles {
+    pub fn of(ckpt: &Checkpoint) -> Self {
+        CheckpointFiles {
+            prefix: ckpt.prefix.clone(),
+            files: ckpt
+                .files
+                .iter()
+                .map(|(k, v)| (k.clone(), v.to_string_lossy().into_owned()))
+                .collect(),
+        }
+    }
+}
+
+/// One package to convert: its plan (every function), the model's dims, the
+/// checkpoint, the settings, and where each function's package goes.
+#[derive(Serialize)]
+pub struct ChunkJob<'a> {
+    pub dims: &'a Dims,
+    pub chunk: &'a ChunkPlan,
+    pub checkpoint: &'a CheckpointFiles,
+    pub settings: &'a ConversionSettings,
+    /// In the chunk's function order.
+    pub paths: Vec<String>,
+}
+
+/// One converted function: its counts and seconds per phase.
+#[derive(Deserialize)]
+pub struct ConvertedFunction {
+    pub name: String,
+    pub stats: ChunkStats,
+    pub seconds: Seconds,
+}
+
+/// `convert.convert_chunk`'s reply.
+#[derive(Deserialize)]
+pub struct ConvertedChunk {
+    pub functions: Vec<ConvertedFunction>,
+}
+
+/// The build's palettization cache, a `palettize.WeightCache`: made once per
+/// build and handed to every conversion, dropped (with its LUTs) when the
+/// build ends.
+pub struct WeightCache(Py<PyAny>);
+
+impl WeightCache {
+    /// `uses`: conversions that hold each weight (an entry is dropped after its last).
+    pub fn new(uses: usize) -> PyResult<Self> {
+        Python::attach(|py| {
+            let cache = py
+                .import("chunkforge_py.palettize")?
+                .getattr("WeightCache")?
+                .call1((uses,))?;
+            Ok(WeightCache(cache.unbind()))
+        })
+    }
+}
+
+/// A JSON-serializable value as a Python object.
+fn to_py<'py, T: Serialize>(py: Python<'py>, v: &T) -> PyResult<Bound<'py, PyAny>> {
+    let json = serde_json::to_string(v).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    py.import("json")?.call_method1("loads", (json,))
+}
+
+/// A Python reply read as `T` (through JSON).
+fn from_py<T: DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
+    let json: String = obj
+        .py()
+        .import("json")?
+        .call_method1("dumps", (obj,))?
+        .extract()?;
+    serde_json::from_str(&json)
+        .map_err(|e| PyValueError::new_err(format!("bad reply from {what}: {e}")))
+}
+
+/// `convert.convert_chunk(job, cache, progress)`: the one call per package.
+/// Python names each phase as it starts; the phase is shown under `progress`.
+pub fn convert_chunk(
+    job: &ChunkJob,
+    cache: &WeightCache,
+    progress: &BuildProgress,
+) -> PyResult<ConvertedChunk> {
+    let current: Arc<Mutex<Option<ProgressBar>>> = Arc::default();
+    let result = Python::attach(|py| {
+        let shown = progress.clone();
+        let slot = Arc::clone(&current);
+        let report = PyCFunction::new_closure(
+            py,
+            Some(c"progress"),
+            Some(c"Shows a build phase as it starts."),
+            move |args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
+                let label: String = args.get_item(0)?.extract()?;
+                let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(previous) = slot.take() {
+                    previous.finish_and_clear();
+                }
+                *slot = Some(shown.phase(label));
+                Ok(())
+            },
+        )?;
+        let reply = py
+            .import("chunkforge_py.convert")?
+            .call_method1("convert_chunk", (to_py(py, job)?, cache.0.bind(py), report))?;
+        from_py(&reply, "convert.convert_chunk")
+    });
+    if let Some(last) = current.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        last.finish_and_clear();
+    }
+    result
+}
+
+/// `convert.combine`'s reply: the bundle's weight blob size.
+#[derive(Deserialize)]
+pub struct Bundle {
+    pub weight_bytes: u64,
+}
+
+/// `convert.combine(parts, targets)`: single-function packages bundled into
+/// multifunction ones sharing one weight blob.
+pub fn combine(parts: &[(String, String)], targets: &[(String, Vec<String>)]) -> PyResult<Bundle> {
+    Python::attach(|py| {
+        let reply = py
+            .import("chunkforge_py.convert")?
+            .call_method1("combine", (parts.to_vec(), targets.to_vec()))?;
+        from_py(&reply, "convert.combine")
+    })
 }
