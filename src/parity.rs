@@ -1,6 +1,7 @@
 //! `chunkforge parity`: merged layouts vs the four-chunk reference, the
-//! reference vs transformers, prefill hand-off and INT4 artifacts. The numbers
-//! come from Python (torch, fp32 CPU); printing, verdict and report are here.
+//! reference vs transformers, verify_qK and prefill hand-off, and INT4
+//! artifacts. The numbers and each check's verdict come from Python (torch,
+//! fp32 CPU) as a typed `ParityReport`; printing and the report file are here.
 
 use std::path::{Path, PathBuf};
 
@@ -12,7 +13,10 @@ use crate::config::TextConfig;
 use crate::hashing;
 use crate::plan::{self, LayoutKind, Mode, Plan};
 use crate::progress;
-use crate::py::env as pyenv;
+use crate::py::calls;
+use crate::records::{
+    ArtifactSummary, ParityCheckpoint, ParityReport, ParitySummary, ToolVersions, PARITY_FORMAT,
+};
 use crate::staging;
 
 /// Options of one parity run.
@@ -50,13 +54,12 @@ chunkforge_model::named! {
 pub const DEFAULT_PROMPT: &str = include_str!("../parity/default_prompt.json");
 
 fn default_prompt() -> Result<Vec<i64>> {
-    let v: Value = serde_json::from_str(DEFAULT_PROMPT)?;
-    Ok(v["prompt_ids"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_i64)
-        .collect())
+    #[derive(serde::Deserialize)]
+    struct Prompt {
+        prompt_ids: Vec<i64>,
+    }
+    let p: Prompt = serde_json::from_str(DEFAULT_PROMPT)?;
+    Ok(p.prompt_ids)
 }
 
 /// Parses `--prompt-ids 2,105,23` (commas or spaces).
@@ -168,142 +171,126 @@ pub fn run(
             ""
         }
     ));
-    let result = pyenv::call_json("parity", "run", &req, opts.verbose);
+    let result: Result<ParityReport> = calls::call("parity", "run", &req, opts.verbose);
     sp.finish_and_clear();
     let mut report = result?;
-
-    for r in report["steps"].as_array().into_iter().flatten() {
-        println!(
-            "{:<6} step {:>3}  cos {:.6}  ref {:>6}  token {:>6}  margin {:>7.3}  {}",
-            r["layout"].as_str().unwrap_or(""),
-            r["step"].as_i64().unwrap_or(-1),
-            r["cos"].as_f64().unwrap_or(f64::NAN),
-            r["ref_token"].as_i64().unwrap_or(-1),
-            r["token"].as_i64().unwrap_or(-1),
-            r["margin"].as_f64().unwrap_or(f64::NAN),
-            if r["ok"].as_bool() == Some(true) {
-                "OK"
-            } else {
-                "FAIL"
-            }
-        );
-    }
-    for o in report["oracle"].as_array().into_iter().flatten() {
-        println!(
-            "reference vs transformers step {:>3}  cos {:.6}  hf {:>6}  ref {:>6}  margin {:>7.3}  {}",
-            o["step"].as_i64().unwrap_or(-1),
-            o["cos"].as_f64().unwrap_or(f64::NAN),
-            o["hf_token"].as_i64().unwrap_or(-1),
-            o["ref_token"].as_i64().unwrap_or(-1),
-            o["margin"].as_f64().unwrap_or(f64::NAN),
-            if o["ok"].as_bool() == Some(true) { "OK" } else { "FAIL" }
-        );
-    }
-    let summary = report["summary"].clone();
-    if let Some(arts) = summary["artifacts"].as_object() {
-        for (name, s) in arts {
-            let verdict = if s["ok"].as_bool() == Some(true) {
-                "OK"
-            } else {
-                "FAIL"
-            };
-            if s["tokens_match"].is_boolean() {
-                // verify_qK / prefill_bN with their packages' weights, against the
-                // INT4 four-chunk decode of the same build.
-                println!(
-                    "INT4 artifacts {name:<6} vs the INT4 four-chunk decode: min cos {:.6} over {} steps, tokens match: {}  ({} weights read back)  {verdict}",
-                    s["min_cos"].as_f64().unwrap_or(f64::NAN),
-                    s["steps"],
-                    s["tokens_match"],
-                    s["weights_replaced"].as_object().map_or(0, |m| m.values().filter_map(Value::as_u64).sum::<u64>()),
-                );
-                continue;
-            }
-            println!(
-                "INT4 artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({} weights read back, worst relative MSE {:.2e} in {})  {}",
-                s["min_cos"].as_f64().unwrap_or(f64::NAN),
-                s["mean_cos"].as_f64().unwrap_or(f64::NAN),
-                100.0 * s["top1_agreement"].as_f64().unwrap_or(0.0),
-                s["weights_replaced"].as_object().map_or(0, |m| m.values().filter_map(Value::as_u64).sum::<u64>()),
-                s["worst_weight"]["rel_mse"].as_f64().unwrap_or(f64::NAN),
-                s["worst_weight"]["weight"].as_str().unwrap_or("-"),
-                verdict
-            );
-        }
-    }
-
-    let versions = pyenv::call_json("runtime", "versions", &Value::Null, opts.verbose)?;
-    if let Some(obj) = report.as_object_mut() {
-        obj.insert("format".into(), json!("chunkforge-parity/1"));
-        obj.insert(
-            "checkpoint".into(),
-            json!({"dir": hf_dir.to_string_lossy(), "config_sha256": hashing::sha256_file(&hf_dir.join("config.json"))?}),
-        );
-        obj.insert(
-            "prompt_ids".into(),
-            json!(prompt.iter().take(opts.steps).collect::<Vec<_>>()),
-        );
-        obj.insert(
-            "tool".into(),
-            json!({"chunkforge": env!("CARGO_PKG_VERSION"), "python": versions}),
-        );
-    }
+    print_checks(&report);
+    report.format = PARITY_FORMAT.into();
+    report.checkpoint = ParityCheckpoint {
+        dir: hf_dir.to_string_lossy().into_owned(),
+        config_sha256: hashing::sha256_file(&hf_dir.join("config.json"))?,
+    };
+    report.prompt_ids = prompt.iter().take(opts.steps).copied().collect();
+    report.tool = ToolVersions {
+        chunkforge: env!("CARGO_PKG_VERSION").into(),
+        python: calls::versions(opts.verbose)?,
+    };
     if let Some(path) = &opts.report {
         staging::write_atomic(path, &serde_json::to_vec_pretty(&report)?)
             .with_context(|| format!("writing the parity report {}", path.display()))?;
     }
+    print_verdict(&report.summary, opts);
+    Ok(report.summary.ok)
+}
 
-    let ok = summary["ok"].as_bool() == Some(true);
-    let tol = opts.tol_cos;
-    if ok {
-        println!("PARITY OK across {} steps (cos >= {tol}).", opts.steps);
-    } else {
-        println!("PARITY FAIL");
-        if let Some(f) = summary["first_failure"].as_object() {
-            println!(
-                "first failing step: layout {} step {} (cos {:.6}, token {} vs reference {})",
-                f["layout"].as_str().unwrap_or(""),
-                f["step"],
-                f["cos"].as_f64().unwrap_or(f64::NAN),
-                f["token"],
-                f["ref_token"]
-            );
-        }
-        for (name, loc) in summary["localisation"].as_object().into_iter().flatten() {
-            match loc["layer"].as_u64() {
-                Some(layer) => println!(
-                    "{name}: first divergence at layer {layer} in {} (cos {:.6} vs the reference's hidden state after that layer, step {})",
-                    loc["chunk"].as_str().unwrap_or("?"),
-                    loc["cos"].as_f64().unwrap_or(f64::NAN),
-                    loc["step"]
-                ),
-                None => println!(
-                    "{name}: every layer's hidden state matches the reference at step {}; the divergence is in the final norm / head",
-                    loc["step"]
-                ),
-            }
-        }
-        if summary["oracle_ok"].as_bool() == Some(false) {
-            println!("the four-chunk reference disagrees with transformers (see the `reference vs transformers` lines)");
-        }
-        for (name, s) in summary["artifacts"].as_object().into_iter().flatten() {
-            if s["ok"].as_bool() != Some(true) && s["tokens_match"].is_boolean() {
-                println!(
-                    "INT4 artifacts of {name} fail: its package's weights do not reproduce the INT4 \
-                     four-chunk decode (cos >= {} and the same token at every step)",
-                    opts.tol_cos
-                );
-            } else if s["ok"].as_bool() != Some(true) {
-                println!(
-                    "INT4 artifacts of {name} fail: thresholds --tol-cos-int4 {}, --min-top1-int4 {}, \
-                     --max-weight-rel-mse {}; tokens match the other layouts' INT4 models: {}",
-                    opts.tol_cos_int4,
-                    opts.min_top1_int4,
-                    opts.max_weight_rel_mse,
-                    s["tokens_match_other_layouts"]
-                );
-            }
+/// One line per step, oracle step and INT4 artifact check.
+fn print_checks(report: &ParityReport) {
+    let verdict = |ok: bool| if ok { "OK" } else { "FAIL" };
+    for r in &report.steps {
+        println!(
+            "{:<6} step {:>3}  cos {:.6}  ref {:>6}  token {:>6}  margin {:>7.3}  {}",
+            r.layout,
+            r.step,
+            r.cos,
+            r.ref_token,
+            r.token,
+            r.margin,
+            verdict(r.ok)
+        );
+    }
+    for o in &report.oracle {
+        println!(
+            "reference vs transformers step {:>3}  cos {:.6}  hf {:>6}  ref {:>6}  margin {:>7.3}  {}",
+            o.step,
+            o.cos,
+            o.hf_token,
+            o.ref_token,
+            o.margin,
+            verdict(o.ok)
+        );
+    }
+    for (name, s) in report.summary.artifacts.iter().flatten() {
+        let replaced = s.weights_replaced();
+        match s {
+            ArtifactSummary::Function(f) => println!(
+                // verify_qK / prefill_bN with their packages' weights, against the
+                // INT4 four-chunk decode of the same build.
+                "INT4 artifacts {name:<6} vs the INT4 four-chunk decode: min cos {:.6} over {} steps, tokens match: {}  ({replaced} weights read back)  {}",
+                f.min_cos,
+                f.steps,
+                f.tokens_match,
+                verdict(f.ok)
+            ),
+            ArtifactSummary::Layout(l) => println!(
+                "INT4 artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({replaced} weights read back, worst relative MSE {:.2e} in {})  {}",
+                l.min_cos,
+                l.mean_cos,
+                100.0 * l.top1_agreement,
+                l.worst_weight.rel_mse,
+                l.worst_weight.weight.as_deref().unwrap_or("-"),
+                verdict(l.ok)
+            ),
         }
     }
-    Ok(ok)
+}
+
+/// The verdict, and for a failure where it starts.
+fn print_verdict(summary: &ParitySummary, opts: &ParityOptions) {
+    let tol = opts.tol_cos;
+    if summary.ok {
+        println!("PARITY OK across {} steps (cos >= {tol}).", opts.steps);
+        return;
+    }
+    println!("PARITY FAIL");
+    if let Some(f) = &summary.first_failure {
+        println!(
+            "first failing step: layout {} step {} (cos {:.6}, token {} vs reference {})",
+            f.layout, f.step, f.cos, f.token, f.ref_token
+        );
+    }
+    for (name, loc) in summary.localisation.iter().flatten() {
+        match loc.layer {
+            Some(layer) => println!(
+                "{name}: first divergence at layer {layer} in {} (cos {:.6} vs the reference's hidden state after that layer, step {})",
+                loc.chunk.as_deref().unwrap_or("?"),
+                loc.cos.unwrap_or(f64::NAN),
+                loc.step
+            ),
+            None => println!(
+                "{name}: every layer's hidden state matches the reference at step {}; the divergence is in the final norm / head",
+                loc.step
+            ),
+        }
+    }
+    if summary.oracle_ok == Some(false) {
+        println!("the four-chunk reference disagrees with transformers (see the `reference vs transformers` lines)");
+    }
+    for (name, s) in summary.artifacts.iter().flatten() {
+        match s {
+            ArtifactSummary::Function(f) if !f.ok => println!(
+                "INT4 artifacts of {name} fail: its package's weights do not reproduce the INT4 \
+                 four-chunk decode (cos >= {} and the same token at every step)",
+                opts.tol_cos
+            ),
+            ArtifactSummary::Layout(l) if !l.ok => println!(
+                "INT4 artifacts of {name} fail: thresholds --tol-cos-int4 {}, --min-top1-int4 {}, \
+                 --max-weight-rel-mse {}; tokens match the other layouts' INT4 models: {}",
+                opts.tol_cos_int4,
+                opts.min_top1_int4,
+                opts.max_weight_rel_mse,
+                l.tokens_match_other_layouts
+            ),
+            _ => {}
+        }
+    }
 }

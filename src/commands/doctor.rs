@@ -34,10 +34,10 @@ pub fn run(venv_python: bool, verbose: bool) -> Result<ExitStatus> {
     let v = calls::versions(verbose)?;
     println!(
         "embedded interpreter: Python {}",
-        v.get("python").and_then(|p| p.as_str()).unwrap_or("?")
+        v.get("python").map_or("?", String::as_str)
     );
     for (k, val) in v.iter().filter(|(k, _)| *k != "python") {
-        println!("  {k:<14} {}", val.as_str().unwrap_or("?"));
+        println!("  {k:<14} {val}");
     }
     let lim = calls::platform_limits(verbose)?;
     println!("platform: {} {}", lim.system, lim.machine);

@@ -13,13 +13,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyTuple};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 
 use super::env::call_json;
 use crate::checkpoint::Checkpoint;
 use crate::plan::{ChunkPlan, Dims};
 use crate::progress::BuildProgress;
-use crate::records::{ChunkStats, ConversionSettings, Seconds};
+use crate::records::{ChunkStats, ConversionSettings, Seconds, Versions};
 
 /// `chunkforge_py.<module>.<func>(request)` (no argument when `request` is
 /// `()`), its reply read as `T`.
@@ -34,7 +33,7 @@ pub fn call<R: Serialize, T: DeserializeOwned>(
 }
 
 /// Versions of the Python-side tools, by package, `python` first.
-pub fn versions(verbose: bool) -> Result<Map<String, Value>> {
+pub fn versions(verbose: bool) -> Result<Versions> {
     call("runtime", "versions", &(), verbose)
 }
 

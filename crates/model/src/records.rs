@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use indexmap::IndexMap;
 use serde::{Deserialize, Serialize};
 
 use crate::plan::{FunctionKind, LayoutKind, Mode, Plan};
@@ -117,16 +118,16 @@ pub struct BuildRequest {
 pub struct ToolVersions {
     pub chunkforge: String,
     /// `python`, `torch`, `coremltools`, `transformers`, ... (as `runtime.versions` reports them).
-    pub python: serde_json::Map<String, serde_json::Value>,
+    pub python: Versions,
 }
+
+/// Versions by package, in the order Python reported them.
+pub type Versions = IndexMap<String, String>;
 
 impl ToolVersions {
     /// One Python-side version (`?` when not recorded).
     pub fn python(&self, package: &str) -> &str {
-        self.python
-            .get(package)
-            .and_then(serde_json::Value::as_str)
-            .unwrap_or("?")
+        self.python.get(package).map_or("?", String::as_str)
     }
 }
 
@@ -273,5 +274,193 @@ impl BuildRecord {
     /// The record of package `name`.
     pub fn chunk(&self, name: &str) -> Option<&ChunkRecord> {
         self.chunks.iter().find(|c| c.name == name)
+    }
+}
+
+/// The parity report's `format`.
+pub const PARITY_FORMAT: &str = "chunkforge-parity/1";
+
+/// One layout (or function) at one step against the reference.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub layout: String,
+    pub step: i64,
+    pub cos: f64,
+    pub ref_token: i64,
+    pub token: i64,
+    pub margin: f64,
+    pub ok: bool,
+}
+
+/// The reference against transformers at one step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OracleRecord {
+    pub step: i64,
+    pub hf_token: i64,
+    pub ref_token: i64,
+    pub cos: f64,
+    pub margin: f64,
+    pub ok: bool,
+}
+
+/// A layout with its packages' INT4 weights at one step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ArtifactRecord {
+    pub layout: String,
+    pub step: i64,
+    pub cos: f64,
+    pub ref_token: i64,
+    pub token: i64,
+    pub same_token: bool,
+}
+
+/// The INT4 weight farthest from the checkpoint's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorstWeight {
+    pub weight: Option<String>,
+    pub rel_mse: f64,
+}
+
+/// A decode layout with its packages' INT4 weights, over every step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayoutArtifacts {
+    pub weights_replaced: IndexMap<String, u64>,
+    pub worst_weight: WorstWeight,
+    pub min_cos: f64,
+    pub mean_cos: f64,
+    pub top1_agreement: f64,
+    pub tokens_match_other_layouts: bool,
+    pub ok: bool,
+}
+
+/// verify_qK / prefill_bN with their packages' weights, against the INT4
+/// four-chunk decode of the same build.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FunctionArtifacts {
+    pub weights_replaced: IndexMap<String, u64>,
+    pub min_cos: f64,
+    pub steps: u64,
+    pub tokens_match: bool,
+    pub ok: bool,
+}
+
+/// The INT4 artifact check of a layout or of a function.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ArtifactSummary {
+    Function(FunctionArtifacts),
+    Layout(LayoutArtifacts),
+}
+
+impl ArtifactSummary {
+    pub fn ok(&self) -> bool {
+        match self {
+            ArtifactSummary::Function(f) => f.ok,
+            ArtifactSummary::Layout(l) => l.ok,
+        }
+    }
+
+    pub fn weights_replaced(&self) -> u64 {
+        match self {
+            ArtifactSummary::Function(f) => f.weights_replaced.values().sum(),
+            ArtifactSummary::Layout(l) => l.weights_replaced.values().sum(),
+        }
+    }
+}
+
+/// The first failing step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FirstFailure {
+    pub layout: String,
+    pub step: i64,
+    pub cos: f64,
+    pub ref_token: i64,
+    pub token: i64,
+}
+
+/// Where a failing layout first leaves the reference (no layer: every
+/// layer matches, the divergence is in the head).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Localisation {
+    pub layer: Option<u64>,
+    pub chunk: Option<String>,
+    pub cos: Option<f64>,
+    pub step: i64,
+}
+
+/// The prefill hand-off a run checked.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PrefillSummary {
+    pub tokens: u64,
+    pub function: String,
+    pub kv_copied: bool,
+}
+
+/// The verdict of a parity run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParitySummary {
+    pub ok: bool,
+    pub steps: u64,
+    pub decode_steps: u64,
+    pub tol_cos: f64,
+    pub layouts: Vec<String>,
+    pub min_cos: Option<f64>,
+    pub min_margin: Option<f64>,
+    pub oracle_ok: Option<bool>,
+    pub oracle_min_cos: Option<f64>,
+    pub first_failure: Option<FirstFailure>,
+    pub localisation: Option<IndexMap<String, Localisation>>,
+    pub prefill: Option<PrefillSummary>,
+    pub verify_k: Option<u64>,
+    pub artifacts: Option<IndexMap<String, ArtifactSummary>>,
+    #[serde(default)]
+    pub corrupted_chunk: Option<String>,
+    #[serde(default)]
+    pub seconds: f64,
+}
+
+/// The checkpoint a parity run read.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ParityCheckpoint {
+    pub dir: String,
+    pub config_sha256: String,
+}
+
+/// The parity report (`parity --report`; schema: parity/report.schema.json).
+/// Python returns the checks; Rust adds what it knows (format, checkpoint,
+/// prompt, tools).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ParityReport {
+    pub steps: Vec<StepRecord>,
+    pub oracle: Vec<OracleRecord>,
+    #[serde(default)]
+    pub artifacts: Vec<ArtifactRecord>,
+    pub summary: ParitySummary,
+    #[serde(default)]
+    pub format: String,
+    #[serde(default)]
+    pub checkpoint: ParityCheckpoint,
+    #[serde(default)]
+    pub prompt_ids: Vec<i64>,
+    #[serde(default)]
+    pub tool: ToolVersions,
+}
+
+impl ParityReport {
+    /// Every check whose own verdict is a failure, named.
+    pub fn failed_checks(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (i, r) in self.steps.iter().enumerate().filter(|(_, r)| !r.ok) {
+            out.push(format!("steps[{i}] (layout {}, step {})", r.layout, r.step));
+        }
+        for (i, r) in self.oracle.iter().enumerate().filter(|(_, r)| !r.ok) {
+            out.push(format!("oracle[{i}] (layout reference, step {})", r.step));
+        }
+        for (name, a) in self.summary.artifacts.iter().flatten() {
+            if !a.ok() {
+                out.push(format!("the INT4 artifact check of {name}"));
+            }
+        }
+        out
     }
 }
