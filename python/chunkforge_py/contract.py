@@ -61,9 +61,9 @@ class TensorSpec(TypedDict):
     name: str
     shape: list[int]
     dtype: DType
-    # role (and alias/layer where they apply) are being added on the Rust
-    # side: NotRequired until every plan Rust hands over carries them.
-    role: NotRequired[Role]
+    # What the tensor carries; the Python side finds tensors by it (roles.py),
+    # never by name.
+    role: Role
     # shared_k/shared_v: which producer KV the tensor carries.
     alias: NotRequired[Alias]
     # layer_k/layer_v: the layer whose K/V the tensor holds.
@@ -83,7 +83,9 @@ class FunctionPlan(Contract):
     name: str
     kind: FunctionKind
     tokens: int
-    # Prefill only (absent otherwise): the layer whose K/V each K{i}/V{i} output holds.
+    # Prefill only (absent otherwise): the layers whose K/V its outputs hold, in
+    # order (each layer_k/layer_v spec also names its own layer, which is what
+    # Python reads).
     kv_layers: NotRequired[list[int]]
 
 

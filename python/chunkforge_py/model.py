@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint
+from .contract import Attention as AttentionKind
 from .contract import ChunkPlan, Dims, FunctionPlan, LayerPlan
+from .roles import CACHE, MASK, NEW_ROWS, ROPE, Key, bind, in_order
 
 # Blocked positions of the additive masks, as the runtime writes them: fp16
 # -inf (0xFC00). Every row keeps at least one visible position, so softmax
@@ -22,7 +24,9 @@ from .contract import ChunkPlan, Dims, FunctionPlan, LayerPlan
 MASK_MIN = float("-inf")
 
 # Tensors by attention kind, two each (cos/sin, K/V).
-Pair = dict[str, tuple[torch.Tensor, torch.Tensor]]
+Pair = dict[AttentionKind, tuple[torch.Tensor, torch.Tensor]]
+# A call's inputs or outputs by what they carry (see roles.py).
+Tensors = dict[Key, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -165,7 +169,8 @@ class Chunk(nn.Module):
     ``verify`` runs K tokens against read-only caches and returns their new K/V
     rows, ``prefill`` runs the first N tokens from empty caches and returns
     every layer's K/V. ``forward`` takes the function's inputs in plan order
-    and returns its outputs in plan order. With ``trace_layers`` set, it also
+    and returns its outputs in plan order; in between, tensors are found by
+    their role (roles.py), never by name. With ``trace_layers`` set, it also
     records the hidden state after every layer (parity localises with it).
     """
 
@@ -183,8 +188,6 @@ class Chunk(nn.Module):
         # Keyed by the global layer index so parameter (and Core ML const) names
         # match the checkpoint's: layers.15.self_attn.q_proj.weight.
         self.layers = nn.ModuleDict({str(spec["index"]): DecoderLayer(dims, spec) for spec in self.layer_specs})
-        self.input_names = [t["name"] for t in self.function["inputs"]]
-        self.output_names = [t["name"] for t in self.function["outputs"]]
         n_layers = dims["num_hidden_layers"]
         ple = dims["hidden_size_per_layer_input"]
         if chunk["computes_per_layer_input"]:
@@ -213,44 +216,39 @@ class Chunk(nn.Module):
     # ---- one call ----------------------------------------------------
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inp = dict(zip(self.input_names, args, strict=False))
+        inp = bind(self.function["inputs"], args)
         dims = self.dims
         n_layers = dims["num_hidden_layers"]
         ple = dims["hidden_size_per_layer_input"]
         t = self.tokens
-        h = inp["hidden_states"]
-        out: dict[str, torch.Tensor] = {}
+        h = inp[Key("hidden")]
+        out: Tensors = {}
 
         if self.chunk["computes_per_layer_input"]:
             # per_layer_raw arrives already multiplied by per_layer_embed_scale (the
             # runtime scales the looked-up row), so it is used as is.
-            raw = inp["per_layer_raw"].view(1, t, n_layers, ple)
+            raw = inp[Key("per_layer_raw")].view(1, t, n_layers, ple)
             proj = self.per_layer_model_projection(h) * (dims["hidden_size"] ** -0.5)
             proj = self.per_layer_projection_norm(proj.view(1, t, n_layers, ple))
             per_layer = (proj + raw) * (2.0**-0.5)
-            out["per_layer_combined_out"] = per_layer.reshape(1, t, n_layers * ple)
+            out[Key("per_layer_combined_out")] = per_layer.reshape(1, t, n_layers * ple)
         else:
-            per_layer = inp["per_layer_combined"].view(1, t, n_layers, ple)
+            per_layer = inp[Key("per_layer_combined")].view(1, t, n_layers, ple)
 
         # A chunk's inputs hold the RoPE rows, mask and (decode, verify) caches
         # of every attention kind its layers use; the others are None.
-        rope = cast(Pair, {"sliding": self._rope(inp, "s"), "full": self._rope(inp, "f")})
-        masks = cast(dict[str, torch.Tensor], self._masks(inp))
-        caches = cast(
-            Pair,
-            {
-                "sliding": (inp.get("K_sliding_in"), inp.get("V_sliding_in")),
-                "full": (inp.get("K_full_in"), inp.get("V_full_in")),
-            },
-        )
+        rope = cast(Pair, {"sliding": self._rope(inp, "sliding"), "full": self._rope(inp, "full")})
+        masks = cast(dict[AttentionKind, torch.Tensor], self._masks(inp))
+        caches = cast(Pair, {kind: (inp.get(Key(k)), inp.get(Key(v))) for kind, (k, v) in CACHE.items()})
         # decode: updated cache slots; verify: the t new rows; prefill: by layer.
-        new_slots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {"sliding": [], "full": []}
+        new_slots: dict[AttentionKind, list[tuple[torch.Tensor, torch.Tensor]]] = {"sliding": [], "full": []}
         layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Producer KV visible to shared layers: the emitting layer's updated cache
-        # (local) or the kv13/kv14 input from an earlier chunk.
+        # (local) or the shared KV input from an earlier chunk, by alias.
         producer_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for alias in self.chunk["consumes"]:
-            producer_kv[alias["alias"]] = (inp[f"{alias['alias']}_k"], inp[f"{alias['alias']}_v"])
+        for use in self.chunk["consumes"]:
+            alias = use["alias"]
+            producer_kv[alias] = (inp[Key("shared_k", alias)], inp[Key("shared_v", alias)])
 
         trace: list[torch.Tensor] = []
         for spec in self.layer_specs:
@@ -279,7 +277,7 @@ class Chunk(nn.Module):
                 keys, values = producer_kv[kv["alias"]]
             if self.kind == "verify" and kind == "sliding":
                 # Own cache: the window + t rows, the first window starts at row 1;
-                # kv13 from an earlier chunk already dropped that row.
+                # shared sliding KV from an earlier chunk already dropped that row.
                 first = 1 if kv["kind"] == "own" else 0
                 a = self.attend_windows(attn, x, cos, sin, keys, values, masks[kind], first)
             else:
@@ -292,22 +290,27 @@ class Chunk(nn.Module):
         if self.chunk["has_head"]:
             self._head(h, inp, out)
         else:
-            out["hidden_states_out"] = h
-        for label in ("sliding", "full"):
-            if new_slots[label]:
+            out[Key("hidden_out")] = h
+        for kind, slots in new_slots.items():
+            if slots:
                 if self.kind == "verify":
-                    out[f"new_K_{label}"] = torch.cat([k for k, _ in new_slots[label]], dim=0)
-                    out[f"new_V_{label}"] = torch.cat([v for _, v in new_slots[label]], dim=0)
+                    k_role, v_role = NEW_ROWS[kind]
+                    out[Key(k_role)] = torch.cat([k for k, _ in slots], dim=0)
+                    out[Key(v_role)] = torch.cat([v for _, v in slots], dim=0)
                 else:
-                    out[f"K_{label}_out"] = torch.stack([k[0] for k, _ in new_slots[label]], dim=0)
-                    out[f"V_{label}_out"] = torch.stack([v[0] for _, v in new_slots[label]], dim=0)
-        for i, index in enumerate(self.function.get("kv_layers", [])):
-            out[f"K{i}"], out[f"V{i}"] = layer_kv[index]
-        for alias in self.chunk["emits"]:
-            k, v = producer_kv[alias["alias"]]
-            out[f"{alias['alias']}_k"] = k
-            out[f"{alias['alias']}_v"] = v
-        return tuple(out[name] for name in self.output_names)
+                    k_role, v_role = CACHE[kind]
+                    out[Key(k_role)] = torch.stack([k[0] for k, _ in slots], dim=0)
+                    out[Key(v_role)] = torch.stack([v[0] for _, v in slots], dim=0)
+        for index, (k, v) in layer_kv.items():
+            out[Key("layer_k", layer=index)] = k
+            out[Key("layer_v", layer=index)] = v
+        for use in self.chunk["emits"]:
+            k, v = producer_kv[use["alias"]]
+            out[Key("shared_k", use["alias"])] = k
+            out[Key("shared_v", use["alias"])] = v
+        # Only what the function returns: prefill's producer layers, say, hand
+        # on their K/V as shared KV and not also as their layer's rows.
+        return tuple(in_order(self.function["outputs"], out))
 
     def attend_windows(
         self,
@@ -323,7 +326,7 @@ class Chunk(nn.Module):
         """Sliding attention of verify's K tokens, each over its own window.
 
         ``keys`` is the window cache followed by the K new rows (or, in a later
-        chunk, that minus its oldest row: kv13 of W + K - 1 rows). Token i's
+        chunk, that minus its oldest row: the shared KV of W + K - 1 rows). Token i's
         window is the W rows ending at its own row, so it sees exactly the
         positions (p + i - W, p + i] a decode step at p + i would, and mask row
         i is the runtime's decode-style row for that window (the last
@@ -341,17 +344,18 @@ class Chunk(nn.Module):
             rows.append(attn.attend(x[:, row], cos[:, row], sin[:, row], *window, mask[:, :, row]))
         return torch.cat(rows, dim=1)
 
-    def _rope(self, inp: dict[str, torch.Tensor], s: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _rope(self, inp: Tensors, kind: AttentionKind) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """cos/sin rows arrive as [1, 1, t, hd]; the t tokens sit on axis 1 of q/k."""
-        cos, sin = inp.get(f"cos_{s}"), inp.get(f"sin_{s}")
+        cos_role, sin_role = ROPE[kind]
+        cos, sin = inp.get(Key(cos_role)), inp.get(Key(sin_role))
         if self.tokens == 1 or cos is None or sin is None:
             return cos, sin
         return cos.transpose(1, 2), sin.transpose(1, 2)
 
-    def _masks(self, inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    def _masks(self, inp: Tensors) -> dict[AttentionKind, torch.Tensor | None]:
         if self.kind != "prefill":
-            return {"sliding": inp.get("causal_mask_sliding"), "full": inp.get("causal_mask_full")}
-        causal = inp["causal_mask"]
+            return {kind: inp.get(Key(role)) for kind, role in MASK.items()}
+        causal = inp[Key("mask_causal")]
         n, w = self.tokens, self.dims["sliding_window"]
         if n <= w:
             return {"sliding": causal, "full": causal}
@@ -364,12 +368,12 @@ class Chunk(nn.Module):
         band = nn.functional.pad(causal.transpose(2, 3)[:, :, : n - w + 1, :], (0, 0, w - 1, 0))
         return {"sliding": causal + band, "full": causal}
 
-    def _head(self, h: torch.Tensor, inp: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+    def _head(self, h: torch.Tensor, inp: Tensors, out: Tensors) -> None:
         """Final norm, tied head, softcap, argmax in the graph."""
         normed = self.norm(h)
         if self.kind == "prefill":
             # The prompt's last real token, picked by the runtime's one-hot mask.
-            last = (normed * inp["last_position_mask"]).sum(dim=1, keepdim=True)
+            last = (normed * inp[Key("last_position_mask")]).sum(dim=1, keepdim=True)
             logits = self.lm_head(last).float()
         else:
             logits = self.lm_head(normed).float()
@@ -379,25 +383,25 @@ class Chunk(nn.Module):
         if self.kind == "verify":
             # One token per draft position; the hidden state out is the
             # pre-norm residual stream, as the runtime's verify contract has it.
-            out["token_ids"] = torch.argmax(logits, dim=-1).to(torch.int32)
-            out["hidden_states_out"] = h
+            out[Key("token_ids")] = torch.argmax(logits, dim=-1).to(torch.int32)
+            out[Key("hidden_out")] = h
             self.last_logits = logits.view(self.tokens, -1)
             return
         logit, token = torch.max(logits.view(-1), dim=0, keepdim=True)
-        out["token_id"] = token.to(torch.int32)
-        out["token_logit"] = logit.to(h.dtype)
-        out["hidden_states_out"] = normed
+        out[Key("token_id")] = token.to(torch.int32)
+        out[Key("token_logit")] = logit.to(h.dtype)
+        out[Key("hidden_out")] = normed
         self.last_logits = logits.view(-1)
 
     def update_cache(
         self,
-        kind: str,
+        kind: AttentionKind,
         cache: tuple[torch.Tensor, torch.Tensor],
         slot: int,
         k_new: torch.Tensor,
         v_new: torch.Tensor,
         head_dim: int,
-        inp: dict[str, torch.Tensor],
+        inp: Tensors,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this token's K/V into slot ``slot``; returns the updated [1, kv, L, max_hd] slot.
 
@@ -422,13 +426,13 @@ class Chunk(nn.Module):
         elif self.kind == "verify":
             # update_indicator [1, 1, ctx, t] scatters the t rows to their
             # positions; its row sums mark which cache rows they replace.
-            ind = inp["update_indicator"]
+            ind = inp[Key("update_indicator")]
             m = ind.sum(dim=-1, keepdim=True)
             keys = k_cache * (1 - m) + torch.matmul(ind, k_new)
             values = v_cache * (1 - m) + torch.matmul(ind, v_new)
         else:
             # Full cache: one-hot update_mask selects this position's row.
-            m = inp["update_mask"]
+            m = inp[Key("update_mask")]
             keys = k_cache * (1 - m) + k_new * m
             values = v_cache * (1 - m) + v_new * m
         return keys, values

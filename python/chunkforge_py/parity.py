@@ -30,7 +30,7 @@ from .contract import (
     WorstWeight,
 )
 from .runtime import ChunkforgeError
-from .stepper import Embeddings, LayoutRunner, PrefillRunner
+from .stepper import Caches, Embeddings, LayoutRunner, PrefillRunner
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,11 +102,11 @@ def run_prefill(
     return {**res, "runner": runner, "function": f"prefill_b{pf.tokens}", "chunks": layout["chunks"]}, pf
 
 
-def cache_cosine(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]) -> float:
+def cache_cosine(a: Caches, b: Caches) -> float:
     """Cosine between two sets of caches, all slots of all chunks at once."""
-    names = sorted((c, n) for c in a for n in a[c])
+    keys = sorted((c, key) for c in a for key in a[c])
     return cosine(
-        torch.cat([a[c][n].reshape(-1) for c, n in names]), torch.cat([b[c][n].reshape(-1) for c, n in names])
+        torch.cat([a[c][key].reshape(-1) for c, key in keys]), torch.cat([b[c][key].reshape(-1) for c, key in keys])
     )
 
 

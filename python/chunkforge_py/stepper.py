@@ -10,7 +10,11 @@ import torch
 
 from .checkpoint import Checkpoint
 from .contract import ChunkPlan, Dims, FunctionKind, FunctionPlan, Layout, ParityLayout, SlotCopy
-from .model import MASK_MIN, Chunk, build_chunk
+from .model import MASK_MIN, Chunk, Tensors, build_chunk
+from .roles import CACHE, CACHE_ROLES, NEW_ROW_ROLES, NEW_ROWS, ROPE, Key, bind, in_order
+
+# Each chunk's own caches, by chunk name (the cache tensors of its inputs).
+Caches = dict[str, Tensors]
 
 
 def inv_freq(dims: Dims, kind: str) -> torch.Tensor:
@@ -95,7 +99,7 @@ class Embeddings:
         return self._scaled(self.per_layer, token, self.dims["per_layer_embed_scale"], dtype)
 
     def rows(self, tokens: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states [1, T, H] and per_layer_raw [1, T, L*P] of several tokens."""
+        """The hidden [1, T, H] and per-layer raw [1, T, L*P] rows of several tokens."""
         hidden = torch.cat([self.hidden(t, dtype) for t in tokens], dim=1)
         per_layer = torch.cat([self.per_layer_raw(t, dtype) for t in tokens], dim=1)
         return hidden, per_layer
@@ -126,15 +130,15 @@ class LayoutRunner:
 
     def reset(self) -> None:
         """Empty caches, as after ChunkedEngine.reset()."""
-        self.caches: dict[str, dict[str, torch.Tensor]] = {}
+        self.caches: Caches = {}
         for c in self.chunks:
             self.caches[c["name"]] = {
-                t["name"]: torch.zeros(t["shape"], dtype=self.dtype)
+                Key(t["role"]): torch.zeros(t["shape"], dtype=self.dtype)
                 for t in c["inputs"]
-                if t["name"].startswith(("K_", "V_"))
+                if t["role"] in CACHE_ROLES
             }
 
-    def snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
+    def snapshot(self) -> Caches:
         """The caches as they stand (calls replace cache tensors, never edit them)."""
         return {name: dict(cache) for name, cache in self.caches.items()}
 
@@ -145,36 +149,31 @@ class LayoutRunner:
         if pos >= ctx:
             raise ValueError(f"position {pos} is beyond the full-attention context ({ctx})")
         full_mask, sliding_mask, update = step_masks(ctx, w, pos, dt)
-        shared = self._rows(emb, [token], pos)
-        shared.update({"causal_mask_full": full_mask, "causal_mask_sliding": sliding_mask, "update_mask": update})
-        outs, trace = chain(self.chunks, self.modules, shared, self.caches)
+        feeds = self._rows(emb, [token], pos)
+        feeds.update({Key("mask_full"): full_mask, Key("mask_sliding"): sliding_mask, Key("update_mask"): update})
+        outs, trace = chain(self.chunks, self.modules, feeds, self.caches)
         for c in self.chunks:
+            # A decode call returns its caches updated, under the roles they came in with.
             cache = self.caches[c["name"]]
-            for name, value in outs[c["name"]].items():
-                if name.endswith("_out") and name.startswith(("K_", "V_")):
-                    cache[name[: -len("_out")] + "_in"] = value
+            for key, value in outs[c["name"]].items():
+                if key.role in CACHE_ROLES:
+                    cache[key] = value
         last = self.chunks[-1]
         head = outs[last["name"]]
         return {
-            "token": int(head["token_id"][0]),
+            "token": int(head[Key("token_id")][0]),
             "logits": self.modules[last["name"]].last_logits.detach().float(),
-            "hidden": head["hidden_states_out"].detach().float().view(-1),
+            "hidden": head[Key("hidden_out")].detach().float().view(-1),
             "trace": {layer: h.view(-1) for layer, h in trace.items()},
         }
 
-    def _rows(self, emb: Embeddings, tokens: list[int], pos: int) -> dict[str, torch.Tensor]:
+    def _rows(self, emb: Embeddings, tokens: list[int], pos: int) -> Tensors:
         """Embeddings and RoPE rows of ``tokens`` at positions pos.., as the runtime feeds them."""
-        d, dt = self.dims, self.dtype
-        hidden, per_layer = emb.rows(tokens, dt)
-        cos_s, sin_s = rope(d, "sliding", pos, dt, len(tokens))
-        cos_f, sin_f = rope(d, "full", pos, dt, len(tokens))
+        hidden, per_layer = emb.rows(tokens, self.dtype)
         return {
-            "hidden_states": hidden,
-            "per_layer_raw": per_layer,
-            "cos_s": cos_s,
-            "sin_s": sin_s,
-            "cos_f": cos_f,
-            "sin_f": sin_f,
+            Key("hidden"): hidden,
+            Key("per_layer_raw"): per_layer,
+            **rope_rows(self.dims, pos, self.dtype, len(tokens)),
         }
 
     def verify_modules(self, ckpt: Checkpoint | None = None) -> dict[str, Chunk]:
@@ -196,23 +195,23 @@ class LayoutRunner:
         if pos + k > d["ctx"]:
             raise ValueError(f"positions {pos}..{pos + k - 1} are beyond the full-attention context ({d['ctx']})")
         full_mask, sliding_mask, indicator = step_masks(d["ctx"], d["sliding_window"], pos, dt, k)
-        shared = self._rows(emb, tokens, pos)
-        shared.update(
-            {"causal_mask_full": full_mask, "causal_mask_sliding": sliding_mask, "update_indicator": indicator}
+        feeds = self._rows(emb, tokens, pos)
+        feeds.update(
+            {Key("mask_full"): full_mask, Key("mask_sliding"): sliding_mask, Key("update_indicator"): indicator}
         )
         modules = self.verify_modules()
-        outs, trace = chain(self.chunks, modules, shared, self.caches)
+        outs, trace = chain(self.chunks, modules, feeds, self.caches)
         last = self.chunks[-1]
         head = outs[last["name"]]
         return {
-            "tokens": [int(x) for x in head["token_ids"].view(-1)],
+            "tokens": [int(x) for x in head[Key("token_ids")].view(-1)],
             "logits": modules[last["name"]].last_logits.detach().float(),
-            "hidden": head["hidden_states_out"].detach().float().view(k, -1),
+            "hidden": head[Key("hidden_out")].detach().float().view(k, -1),
             "trace": {layer: h.view(k, -1) for layer, h in trace.items()},
-            "new": {name: {n: v for n, v in o.items() if n.startswith("new_")} for name, o in outs.items()},
+            "new": {name: {key: v for key, v in o.items() if key.role in NEW_ROW_ROLES} for name, o in outs.items()},
         }
 
-    def commit(self, new: dict[str, dict[str, torch.Tensor]], pos: int, k: int) -> None:
+    def commit(self, new: Caches, pos: int, k: int) -> None:
         """Write accepted verify rows into the caches, as the runtime does after
         acceptance: window caches shift by k and take the rows at their end,
         full caches take them at positions pos..pos+k-1 (rows padded to the
@@ -220,19 +219,19 @@ class LayoutRunner:
         mhd = self.dims["max_head_dim"]
         for c in self.chunks:
             cache = self.caches[c["name"]]
-            for kv in ("K", "V"):
-                for label in ("sliding", "full"):
-                    rows = new[c["name"]].get(f"new_{kv}_{label}")
+            for kind, cache_roles in CACHE.items():
+                for cache_role, new_role in zip(cache_roles, NEW_ROWS[kind], strict=True):
+                    rows = new[c["name"]].get(Key(new_role))
                     if rows is None:
                         continue
                     rows = torch.nn.functional.pad(rows[:, :, :k], (0, mhd - rows.shape[-1]))
-                    old = cache[f"{kv}_{label}_in"]
-                    if label == "sliding":
-                        cache[f"{kv}_{label}_in"] = torch.cat([old[:, :, k:], rows], dim=2)
+                    old = cache[Key(cache_role)]
+                    if kind == "sliding":
+                        cache[Key(cache_role)] = torch.cat([old[:, :, k:], rows], dim=2)
                     else:
                         upd = old.clone()
                         upd[:, :, pos : pos + k] = rows
-                        cache[f"{kv}_{label}_in"] = upd
+                        cache[Key(cache_role)] = upd
 
     def load_prefill_kv(self, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
         """Write prefill's per-layer K/V of positions 0..n-1 into this layout's
@@ -247,23 +246,22 @@ class LayoutRunner:
                 label = spec["attention"]
                 k_rows, v_rows = layer_kv[spec["index"]]
                 hd = k_rows.shape[-1]
-                for kv, rows in (("K", k_rows), ("V", v_rows)):
-                    upd = cache[f"{kv}_{label}_in"].clone()
+                for role, rows in zip(CACHE[label], (k_rows, v_rows), strict=True):
+                    upd = cache[Key(role)].clone()
                     slot = spec["kv"]["slot"]
                     if label == "full":
                         upd[slot, :, :n, :hd] = rows[0, :, :n]
                     else:
                         m = min(n, w)
                         upd[slot, :, w - m :, :hd] = rows[0, :, n - m : n]
-                    cache[f"{kv}_{label}_in"] = upd
+                    cache[Key(role)] = upd
 
     def load_prefill(self, source: LayoutRunner, slot_map: list[SlotCopy]) -> None:
         """Copy the four-chunk reference's KV slots into this layout's caches using the plan's slot map."""
         for m in slot_map:
-            kind = "sliding" if m["attention"] == "sliding" else "full"
-            for kv in ("K", "V"):
-                src = source.caches[m["from_chunk"]][f"{kv}_{kind}_in"][m["from_slot"]]
-                self.caches[m["to_chunk"]][f"{kv}_{kind}_in"][m["to_slot"]] = src.clone()
+            for role in CACHE[m["attention"]]:
+                src = source.caches[m["from_chunk"]][Key(role)][m["from_slot"]]
+                self.caches[m["to_chunk"]][Key(role)][m["to_slot"]] = src.clone()
 
 
 def function_of(chunk: ChunkPlan, kind: FunctionKind, tokens: int | None = None) -> FunctionPlan:
@@ -274,35 +272,44 @@ def function_of(chunk: ChunkPlan, kind: FunctionKind, tokens: int | None = None)
     raise ValueError(f"{chunk['name']} has no {kind} function" + (f" of {tokens} tokens" if tokens else ""))
 
 
+def rope_rows(dims: Dims, pos: int, dtype: torch.dtype, tokens: int) -> Tensors:
+    """The cos/sin rows of both attention kinds for positions pos..pos+tokens-1."""
+    rows: Tensors = {}
+    for kind, (cos_role, sin_role) in ROPE.items():
+        rows[Key(cos_role)], rows[Key(sin_role)] = rope(dims, kind, pos, dtype, tokens)
+    return rows
+
+
 def chain(
     chunks: list[ChunkPlan],
     modules: dict[str, Chunk],
-    shared: dict[str, torch.Tensor],
-    caches: dict[str, dict[str, torch.Tensor]] | None = None,
-) -> tuple[dict[str, dict[str, torch.Tensor]], dict[int, torch.Tensor]]:
+    feeds: Tensors,
+    caches: Caches | None = None,
+) -> tuple[dict[str, Tensors], dict[int, torch.Tensor]]:
     """Runs one call through the chunks in order, as the runtime chains them:
-    each chunk takes its inputs from its own caches or the per-call inputs,
-    and hands ``hidden_states_out``, ``per_layer_combined_out`` and
-    kv13/kv14 to the next. Returns every chunk's outputs by name and the
-    hidden state after every layer."""
-    shared = dict(shared)
-    outs: dict[str, dict[str, torch.Tensor]] = {}
+    each chunk takes its inputs from its own caches or the per-call ``feeds``,
+    and hands its hidden states, combined per-layer inputs and shared KV on
+    to the next. Returns every chunk's outputs by role and the hidden state
+    after every layer."""
+    feeds = dict(feeds)
+    outs: dict[str, Tensors] = {}
     trace: dict[int, torch.Tensor] = {}
     for c in chunks:
         mod = modules[c["name"]]
         cache = (caches or {}).get(c["name"], {})
-        args = [cache[n] if n in cache else shared[n] for n in mod.input_names]
+        # The function's inputs in contract order, its own caches first.
+        args = in_order(mod.function["inputs"], {**feeds, **cache})
         with torch.no_grad():
-            out = dict(zip(mod.output_names, mod(*args), strict=False))
+            out = bind(mod.function["outputs"], mod(*args))
         for spec, h in zip(c["layers"], mod.trace_layers or [], strict=False):
             trace[spec["index"]] = h.detach().float()[0]
-        for name, value in out.items():
-            if name.startswith(("kv13_", "kv14_")):
-                shared[name] = value
-            elif name == "per_layer_combined_out":
-                shared["per_layer_combined"] = value
-            elif name == "hidden_states_out":
-                shared["hidden_states"] = value
+        for key, value in out.items():
+            if key.role in ("shared_k", "shared_v"):
+                feeds[key] = value
+            elif key.role == "per_layer_combined_out":
+                feeds[Key("per_layer_combined")] = value
+            elif key.role == "hidden_out":
+                feeds[Key("hidden")] = value
         outs[c["name"]] = out
     return outs, trace
 
@@ -331,34 +338,28 @@ class PrefillRunner:
         padded = prompt + [prompt[-1]] * (self.tokens - n)
         hidden, per_layer = emb.rows(padded, dt)
         causal, last = prefill_masks(n, self.tokens, dt)
-        cos_s, sin_s = rope(self.dims, "sliding", 0, dt, self.tokens)
-        cos_f, sin_f = rope(self.dims, "full", 0, dt, self.tokens)
-        shared = {
-            "hidden_states": hidden,
-            "per_layer_raw": per_layer,
-            "causal_mask": causal,
-            "last_position_mask": last,
-            "cos_s": cos_s,
-            "sin_s": sin_s,
-            "cos_f": cos_f,
-            "sin_f": sin_f,
+        feeds: Tensors = {
+            Key("hidden"): hidden,
+            Key("per_layer_raw"): per_layer,
+            Key("mask_causal"): causal,
+            Key("last_position_mask"): last,
+            **rope_rows(self.dims, 0, dt, self.tokens),
         }
-        outs, trace = chain(self.chunks, self.modules, shared)
-        d = self.dims
-        producers = {"kv13": d["producer_sliding"], "kv14": d["producer_full"]}
+        outs, trace = chain(self.chunks, self.modules, feeds)
         layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for c in self.chunks:
             out = outs[c["name"]]
-            for i, layer in enumerate(self.functions[c["name"]].get("kv_layers", [])):
-                layer_kv[layer] = (out[f"K{i}"], out[f"V{i}"])
-            for alias, producer in producers.items():
-                # Only a model with KV sharing (producer layers) has kv13/kv14.
-                if f"{alias}_k" in out and producer is not None:
-                    layer_kv[producer] = (out[f"{alias}_k"], out[f"{alias}_v"])
+            for key, k_rows in out.items():
+                if key.role == "layer_k" and key.layer is not None:
+                    layer_kv[key.layer] = (k_rows, out[Key("layer_v", layer=key.layer)])
+            # Producer layers (only a model with KV sharing has them) hand on
+            # their K/V as shared KV, not as their layer's rows.
+            for use in c["emits"]:
+                layer_kv[use["layer"]] = (out[Key("shared_k", use["alias"])], out[Key("shared_v", use["alias"])])
         head = outs[self.chunks[-1]["name"]]
         return {
-            "token": int(head["token_id"][0]),
-            "logit": float(head["token_logit"][0]),
+            "token": int(head[Key("token_id")][0]),
+            "logit": float(head[Key("token_logit")][0]),
             "kv": layer_kv,
             "trace": {layer: h[:n] for layer, h in trace.items()},
         }

@@ -10,6 +10,7 @@ import torch
 from chunkforge_py import fixture, model, stepper
 from chunkforge_py.checkpoint import Checkpoint
 from chunkforge_py.contract import Dims
+from chunkforge_py.roles import Key
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextRotaryEmbedding
 
@@ -139,7 +140,7 @@ def test_prefill_window_band_matches_transformers() -> None:
     causal, last = stepper.prefill_masks(9, n, torch.float32)
     chunk = model.Chunk.__new__(model.Chunk)
     chunk.kind, chunk.tokens, chunk.dims = "prefill", n, cast(Dims, {"sliding_window": w})
-    band = chunk._masks({"causal_mask": causal})["sliding"]
+    band = chunk._masks({Key("mask_causal"): causal})["sliding"]
     assert band is not None
     sliding = band[0, 0]
     rule = sliding_window_causal_mask_function(w)
