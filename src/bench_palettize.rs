@@ -2,8 +2,10 @@
 //! Rust kernel and coremltools on the same matrices) and prints the table.
 
 use anyhow::Result;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
 
+use crate::py::calls;
 use crate::py::env as pyenv;
 
 pub fn run(json_out: bool, quick: bool, seed: u64, verbose: bool) -> Result<()> {
@@ -22,7 +24,7 @@ pub fn run(json_out: bool, quick: bool, seed: u64, verbose: bool) -> Result<()> 
         if quick { "quick" } else { "E2B-width" },
         rayon::current_num_threads()
     );
-    let report = pyenv::call_json(
+    let report: BenchReport = calls::call(
         "bench_palettize",
         "run",
         &json!({"quick": quick, "seed": seed, "progress": true}),
@@ -36,41 +38,58 @@ pub fn run(json_out: bool, quick: bool, seed: u64, verbose: bool) -> Result<()> 
     Ok(())
 }
 
+/// One implementation on one matrix.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct BenchResult {
+    pub shape: Vec<usize>,
+    #[serde(rename = "impl")]
+    pub implementation: String,
+    pub seconds: f64,
+    pub mse: f64,
+    pub lut_shape: Vec<usize>,
+}
+
+/// `bench_palettize.run`'s report (`--json` prints it).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct BenchReport {
+    pub results: Vec<BenchResult>,
+    pub group_size: usize,
+    pub nbits: u32,
+    pub weight_std: f64,
+    pub seed: u64,
+}
+
 /// One table: per shape, every implementation with seconds, MSE, and how the
 /// Rust kernel compares (time: impl / chunkforge; MSE: chunkforge / impl).
-pub fn render(report: &Value) -> String {
-    let results = report["results"].as_array().cloned().unwrap_or_default();
+pub fn render(report: &BenchReport) -> String {
     let mut out = format!(
         "{:<14} {:<26} {:>10} {:>12} {:>12} {:>14}\n",
         "shape", "impl", "seconds", "mse", "time ratio", "mse ratio"
     );
-    let mut shapes: Vec<Value> = Vec::new();
-    for r in &results {
-        if !shapes.contains(&r["shape"]) {
-            shapes.push(r["shape"].clone());
+    let mut shapes: Vec<&[usize]> = Vec::new();
+    for r in &report.results {
+        if !shapes.contains(&r.shape.as_slice()) {
+            shapes.push(&r.shape);
         }
     }
     for shape in shapes {
-        let rows: Vec<&Value> = results.iter().filter(|r| r["shape"] == shape).collect();
-        let ours = rows.iter().find(|r| r["impl"] == "chunkforge");
-        let (our_s, our_mse) = ours.map_or((f64::NAN, f64::NAN), |r| {
-            (
-                r["seconds"].as_f64().unwrap_or(f64::NAN),
-                r["mse"].as_f64().unwrap_or(f64::NAN),
-            )
-        });
-        let label = format!("{}x{}", shape[0], shape[1]);
+        let rows: Vec<&BenchResult> = report.results.iter().filter(|r| r.shape == shape).collect();
+        let ours = rows.iter().find(|r| r.implementation == "chunkforge");
+        let (our_s, our_mse) = ours.map_or((f64::NAN, f64::NAN), |r| (r.seconds, r.mse));
+        let label = shape
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join("x");
         for r in rows {
-            let s = r["seconds"].as_f64().unwrap_or(f64::NAN);
-            let mse = r["mse"].as_f64().unwrap_or(f64::NAN);
             out.push_str(&format!(
                 "{:<14} {:<26} {:>10.3} {:>12.5e} {:>11.1}x {:>14.6}\n",
                 label,
-                r["impl"].as_str().unwrap_or("?"),
-                s,
-                mse,
-                s / our_s,
-                our_mse / mse
+                r.implementation,
+                r.seconds,
+                r.mse,
+                r.seconds / our_s,
+                our_mse / r.mse
             ));
         }
     }

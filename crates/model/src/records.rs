@@ -396,22 +396,36 @@ pub struct PrefillSummary {
     pub kv_copied: bool,
 }
 
-/// The verdict of a parity run.
+/// The verdict of a parity run (`ok` is the one field a hand-written summary
+/// must have).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ParitySummary {
     pub ok: bool,
+    #[serde(default)]
     pub steps: u64,
+    #[serde(default)]
     pub decode_steps: u64,
+    #[serde(default)]
     pub tol_cos: f64,
+    #[serde(default)]
     pub layouts: Vec<String>,
+    #[serde(default)]
     pub min_cos: Option<f64>,
+    #[serde(default)]
     pub min_margin: Option<f64>,
+    #[serde(default)]
     pub oracle_ok: Option<bool>,
+    #[serde(default)]
     pub oracle_min_cos: Option<f64>,
+    #[serde(default)]
     pub first_failure: Option<FirstFailure>,
+    #[serde(default)]
     pub localisation: Option<IndexMap<String, Localisation>>,
+    #[serde(default)]
     pub prefill: Option<PrefillSummary>,
+    #[serde(default)]
     pub verify_k: Option<u64>,
+    #[serde(default)]
     pub artifacts: Option<IndexMap<String, ArtifactSummary>>,
     #[serde(default)]
     pub corrupted_chunk: Option<String>,

@@ -11,10 +11,13 @@ use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
 use chunkforge_model::plan::{ChunkPlan, FunctionKind, Layout, LayoutKind, TensorSpec};
-use chunkforge_model::records::{BuildRecord, ChunkRecord, BUILD_FORMAT};
+use chunkforge_model::records::{
+    BuildRecord, ChunkRecord, ParityReport, BUILD_FORMAT, PARITY_FORMAT,
+};
 
 use crate::hashing::FileDigest;
 use crate::strict_json;
@@ -308,7 +311,7 @@ pub fn parity_summary(
     path: &Path,
     build: &Build,
     allow_failed: bool,
-) -> Result<Value, ReleaseInputError> {
+) -> Result<EmbeddedParity, ReleaseInputError> {
     let bad = |message: String| ReleaseInputError::Parity {
         path: path.to_path_buf(),
         message,
@@ -325,13 +328,25 @@ pub fn parity_summary(
             ))
         }
     };
-    if v["format"] != PARITY_FORMAT {
+    let format = v.get("format").unwrap_or(&Value::Null);
+    if format != PARITY_FORMAT {
         return Err(bad(format!(
-            "format is {}, expected \"{PARITY_FORMAT}\" (written by `chunkforge parity --report`)",
-            v["format"]
+            "format is {format}, expected \"{PARITY_FORMAT}\" (written by `chunkforge parity --report`)"
         )));
     }
-    let theirs = v["checkpoint"]["config_sha256"].as_str().unwrap_or("");
+    let ok = match summary.get("ok") {
+        Some(Value::Bool(ok)) => *ok,
+        other => {
+            return Err(bad(format!(
+                "summary.ok is {}, expected true or false",
+                other.unwrap_or(&Value::Null)
+            )))
+        }
+    };
+    let embedded = summary.clone();
+    let report: ParityReport = serde_json::from_value(v)
+        .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
+    let theirs = report.checkpoint.config_sha256.as_str();
     let ours = build.record.checkpoint.config_sha256.as_str();
     if ours.is_empty() {
         return Err(build.err(
@@ -342,17 +357,11 @@ pub fn parity_summary(
         return Err(bad(format!(
             "is about another checkpoint: its config.json digest is {} ({}), the build's is {ours} ({}); run parity on the checkpoint that was built",
             if theirs.is_empty() { "missing" } else { theirs },
-            v["checkpoint"]["dir"].as_str().unwrap_or("?"),
+            if report.checkpoint.dir.is_empty() { "?" } else { &report.checkpoint.dir },
             build.record.checkpoint.dir,
         )));
     }
-    let ok = summary["ok"].as_bool().ok_or_else(|| {
-        bad(format!(
-            "summary.ok is {}, expected true or false",
-            summary["ok"]
-        ))
-    })?;
-    let failed = failed_checks(&v);
+    let failed = report.failed_checks();
     if ok {
         if let Some(f) = failed.first() {
             return Err(bad(format!(
@@ -368,35 +377,32 @@ pub fn parity_summary(
                 .unwrap_or_default()
         )));
     }
-    Ok(summary.clone())
+    Ok(EmbeddedParity {
+        ok,
+        summary: embedded,
+    })
 }
 
-const PARITY_FORMAT: &str = "chunkforge-parity/1";
+/// What `package` signs beside the resource list (the predicate's
+/// `chunkforge` member): enough for a downloader to know what it is looking
+/// at before it reads the manifest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PredicateSummary {
+    pub format: String,
+    pub model_id: String,
+    pub version: String,
+    pub layout: ReleaseLayout,
+    pub packages: Vec<String>,
+    pub manifest_sha256: String,
+    pub files: usize,
+    pub bytes: u64,
+}
 
-/// Every check of a parity report whose own `ok` is not true, named.
-fn failed_checks(report: &Value) -> Vec<String> {
-    let mut out = Vec::new();
-    for list in ["steps", "oracle"] {
-        for (i, r) in report[list].as_array().into_iter().flatten().enumerate() {
-            if r["ok"] != true {
-                out.push(format!(
-                    "{list}[{i}] (layout {}, step {})",
-                    r["layout"].as_str().unwrap_or("reference"),
-                    r["step"]
-                ));
-            }
-        }
-    }
-    for (name, a) in report["summary"]["artifacts"]
-        .as_object()
-        .into_iter()
-        .flatten()
-    {
-        if a["ok"] != true {
-            out.push(format!("the INT4 artifact check of {name}"));
-        }
-    }
-    out
+/// A parity report's summary as the manifest embeds it, and its verdict.
+pub struct EmbeddedParity {
+    pub ok: bool,
+    /// The report's `summary`, verbatim.
+    pub summary: Value,
 }
 
 /// Everything the manifest says besides the file list.
@@ -405,7 +411,7 @@ pub struct ManifestInputs<'a> {
     pub layout: ReleaseLayout,
     pub version: &'a str,
     pub model_id: &'a str,
-    pub parity: Option<Value>,
+    pub parity: Option<EmbeddedParity>,
     pub base_url: Option<&'a str>,
 }
 
@@ -518,7 +524,7 @@ pub fn build_manifest(
     );
     m.insert("settings".into(), json!(b.settings));
     if let Some(p) = &inp.parity {
-        m.insert("parity".into(), p.clone());
+        m.insert("parity".into(), p.summary.clone());
     }
     m.insert(
         "tools".into(),

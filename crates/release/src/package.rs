@@ -14,13 +14,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
-use serde_json::{json, Value};
+use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use crate::archive;
 use crate::hashing::{self, FileDigest};
 use crate::manifest::{
-    self, Build, ManifestInputs, ReleaseChunk, ReleaseInputError, ReleaseLayout, MANIFEST_FILE,
+    self, Build, ManifestInputs, PredicateSummary, ReleaseChunk, ReleaseInputError, ReleaseLayout,
+    MANIFEST_FILE,
 };
 use crate::publish::{OnLocked, OutputLock};
 use crate::sign::{self, SIG_FILE};
@@ -270,17 +271,20 @@ fn predicate_summary(
     manifest_digest: &FileDigest,
     files: usize,
     bytes: u64,
-) -> Value {
-    json!({
-        "format": manifest::FORMAT,
-        "model_id": inp.model_id,
-        "version": inp.version,
-        "layout": inp.layout,
-        "packages": packages.iter().map(|c| format!("{}.mlpackage", c.name())).collect::<Vec<_>>(),
-        "manifest_sha256": manifest_digest.hex(),
-        "files": files,
-        "bytes": bytes,
-    })
+) -> PredicateSummary {
+    PredicateSummary {
+        format: manifest::FORMAT.into(),
+        model_id: inp.model_id.into(),
+        version: inp.version.into(),
+        layout: inp.layout,
+        packages: packages
+            .iter()
+            .map(|c| format!("{}.mlpackage", c.name()))
+            .collect(),
+        manifest_sha256: manifest_digest.hex(),
+        files,
+        bytes,
+    }
 }
 
 pub fn package(a: &PackageRequest) -> Result<PackageReport> {
@@ -308,7 +312,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         .map(|p| manifest::parity_summary(p, &build, a.allow_failed_parity))
         .transpose()?;
     if let (Some(p), Some(s)) = (&a.parity_report, &parity) {
-        if s["ok"] == false {
+        if !s.ok {
             eprintln!(
                 "warning: {}: parity FAILED; embedded in the manifest as failed (summary.ok false)",
                 p.display()
@@ -462,16 +466,14 @@ pub fn sign_into(
     name: &str,
     key: &p256::ecdsa::SigningKey,
     files: &[(String, FileDigest)],
-    summary: Option<Value>,
+    summary: Option<PredicateSummary>,
 ) -> Result<String> {
-    let st = sign::statement(name, files, &[SIG_FILE], summary.map(|s| ("chunkforge", s)));
+    let summary = summary.map(|s| ("chunkforge", json!(s)));
+    let st = sign::statement(name, files, &[SIG_FILE], summary);
     let bundle = sign::sign_bundle(key, &st);
     let path = root.join(SIG_FILE);
     fs::write(&path, bundle).with_context(|| format!("{}: cannot write", path.display()))?;
-    Ok(st["subject"][0]["digest"]["sha256"]
-        .as_str()
-        .unwrap_or("")
-        .to_string())
+    Ok(sign::root_hex(files))
 }
 
 /// Writes the archive and its digest file beside their final names under

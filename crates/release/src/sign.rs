@@ -255,12 +255,12 @@ pub fn root_digest(resources: &[Resource]) -> [u8; 32] {
 /// Builds the in-toto statement for `files` (any order; sorted here by path
 /// components). `extra` is added to the predicate beside `serialization` and
 /// `resources` (model_signing verifiers ignore unknown predicate fields).
-pub fn statement(
-    model_name: &str,
-    files: &[(String, FileDigest)],
-    ignore_paths: &[&str],
-    extra: Option<(&str, Value)>,
-) -> Value {
+/// The hex digest of the resource list `statement` signs (its subject's).
+pub fn root_hex(files: &[(String, FileDigest)]) -> String {
+    hex(&root_digest(&sorted_resources(files)))
+}
+
+fn sorted_resources(files: &[(String, FileDigest)]) -> Vec<Resource> {
     let mut resources: Vec<Resource> = files
         .iter()
         .map(|(n, d)| Resource {
@@ -269,6 +269,16 @@ pub fn statement(
         })
         .collect();
     resources.sort_by(|a, b| hashing::cmp_components(&a.name, &b.name));
+    resources
+}
+
+pub fn statement(
+    model_name: &str,
+    files: &[(String, FileDigest)],
+    ignore_paths: &[&str],
+    extra: Option<(&str, Value)>,
+) -> Value {
+    let resources = sorted_resources(files);
     let root = root_digest(&resources);
     let mut predicate = Map::new();
     predicate.insert(

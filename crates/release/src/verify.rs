@@ -20,7 +20,7 @@ use serde_json::Value;
 
 use crate::archive;
 use crate::hashing::{self, hex};
-use crate::manifest::{self, check_rel_path, MANIFEST_FILE};
+use crate::manifest::{self, check_rel_path, PredicateSummary, MANIFEST_FILE};
 use crate::sign::{self, SIG_FILE};
 use crate::strict_json;
 
@@ -40,7 +40,7 @@ pub struct VerifyArgs {
 pub struct Report {
     /// The statement's subject name and chunkforge's predicate summary, if any.
     pub model_name: String,
-    pub summary: Option<Value>,
+    pub summary: Option<PredicateSummary>,
     pub files: usize,
     pub has_manifest: bool,
     pub problems: Vec<String>,
@@ -95,7 +95,10 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
     };
 
     r.model_name = v.model_name.clone();
-    r.summary = v.predicate.get("chunkforge").cloned();
+    r.summary = v
+        .predicate
+        .get("chunkforge")
+        .and_then(|s| serde_json::from_value(s.clone()).ok());
     let p = &mut r.problems;
     // The signed list itself: safe, unique paths.
     let mut signed: BTreeMap<String, [u8; 32]> = BTreeMap::new();
@@ -313,9 +316,7 @@ pub fn run(a: &VerifyArgs) -> Result<bool> {
         let what = match &r.summary {
             Some(s) => format!(
                 "release '{}' {} (layout {})",
-                s["model_id"].as_str().unwrap_or("?"),
-                s["version"].as_str().unwrap_or("?"),
-                s["layout"].as_str().unwrap_or("?")
+                s.model_id, s.version, s.layout
             ),
             None => format!("model '{}'", r.model_name),
         };
