@@ -12,7 +12,7 @@ use serde_json::Value;
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
 use crate::hashing;
-use crate::plan::{ChunkPlan, LayoutKind, Plan};
+use crate::plan::{ChunkPlan, LayoutKind, Mode, Plan};
 use crate::progress::{self, BuildProgress};
 use crate::publish::{OnLocked, OutputLock};
 use crate::py::calls::{self, CheckpointFiles, ChunkJob, WeightCache};
@@ -325,6 +325,8 @@ pub fn summary(record: &BuildRecord, out: &Path) -> String {
 pub struct Rebuild {
     pub hf_dir: Option<PathBuf>,
     pub request: BuildRequest,
+    /// `request`'s mode and context, checked.
+    pub mode: Mode,
     pub ctx: usize,
     pub quantize: bool,
     pub palettizer: Palettizer,
@@ -368,7 +370,7 @@ pub fn request_of(build_json: &Path, hf_override: &Option<PathBuf>) -> Result<Re
             build_json.display()
         )
     })?;
-    let (Some(_), Some(ctx)) = (r.request.mode, r.request.ctx) else {
+    let (Some(mode), Some(ctx)) = (r.request.mode, r.request.ctx) else {
         bail!(
             "{}: request.mode and request.ctx missing or invalid (not a chunkforge build.json?)",
             build_json.display()
@@ -406,6 +408,7 @@ pub fn request_of(build_json: &Path, hf_override: &Option<PathBuf>) -> Result<Re
     Ok(Rebuild {
         hf_dir,
         request: r.request,
+        mode,
         ctx,
         quantize: r.settings.quantize,
         palettizer,

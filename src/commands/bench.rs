@@ -5,7 +5,7 @@ use anyhow::Result;
 use clap::{Args, FromArgMatches};
 
 use super::build::BuildJob;
-use super::ExitStatus;
+use super::{ExitStatus, Layout};
 use crate::build;
 use crate::cli::{BenchBuildCmd, BenchCmd, ParityCmd};
 use crate::progress::peak_rss_bytes;
@@ -45,8 +45,8 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
 fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
     let result = BuildJob {
-        model: &args.model,
-        layout: &args.layout,
+        hf_dir: args.model.hf_dir.as_deref(),
+        layout: Layout::of(&args.layout),
         quantize: true,
         kmeans_workers: args.kmeans_workers,
         palettizer: args.palettizer,

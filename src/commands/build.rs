@@ -5,20 +5,20 @@ use std::path::Path;
 
 use anyhow::Result;
 
-use super::{plan_for, require_utf8, resolve_checkpoint, verdict, ExitStatus};
+use super::{plan_for, require_utf8, resolve_checkpoint, verdict, ExitStatus, Layout};
 use crate::build::{self, Settings};
 use crate::checkpoint::{self, Checkpoint};
-use crate::cli::{BuildCmd, FunctionArgs, LayoutArgs, ModelArgs};
-use crate::publish::{self, OnLocked};
+use crate::cli::BuildCmd;
+use crate::publish::OnLocked;
 use crate::py::env as pyenv;
-use crate::records::{BuildRecord, BuildRequest, ConversionSettings, Palettizer, GROUP_SIZE};
+use crate::records::{BuildRecord, ConversionSettings, Palettizer, GROUP_SIZE};
 
-/// One build of `model` with `layout` into `out`. `lock`: what to do when
-/// another run holds `out`'s lock (None: `out` is a fresh temporary folder of
-/// this run, not locked).
+/// One build of the checkpoint in `hf_dir` (None: the built-in one).
+/// `lock`: what to do when another run holds the output's lock (None: the
+/// output is a fresh temporary folder of this run, not locked).
 pub(super) struct BuildJob<'a> {
-    pub model: &'a ModelArgs,
-    pub layout: &'a LayoutArgs,
+    pub hf_dir: Option<&'a Path>,
+    pub layout: Layout,
     pub quantize: bool,
     pub kmeans_workers: usize,
     pub palettizer: Palettizer,
@@ -28,9 +28,9 @@ pub(super) struct BuildJob<'a> {
 impl BuildJob<'_> {
     pub(super) fn run(&self, out: &Path, verbose: bool) -> Result<BuildRecord> {
         require_utf8(out, "output")?;
-        let dir = resolve_checkpoint(self.model, verbose)?;
+        let dir = resolve_checkpoint(self.hf_dir, verbose)?;
         require_utf8(&dir, "checkpoint")?;
-        let (cfg, plan) = plan_for(&dir, self.layout)?;
+        let (cfg, plan) = plan_for(&dir, &self.layout)?;
         let ckpt = Checkpoint::open(&dir, &cfg)?;
         if self.quantize {
             checkpoint::check_groupable(&ckpt, &cfg, GROUP_SIZE)?;
@@ -46,13 +46,7 @@ impl BuildJob<'_> {
             verbose,
             lock: self.lock,
         };
-        let request = BuildRequest {
-            mode: Some(self.layout.mode),
-            split: self.layout.split.clone(),
-            ctx: Some(self.layout.ctx as u64),
-            verify_k: self.layout.functions.verify_k,
-            prefill_len: self.layout.functions.prefill_len.clone(),
-        };
+        let request = self.layout.record();
         build::run(&dir, &cfg, &ckpt, &plan, request, out, &settings)
     }
 }
@@ -66,36 +60,32 @@ pub fn run(args: BuildCmd, verbose: bool) -> Result<ExitStatus> {
         .as_ref()
         .expect("clap: --output is required without --check");
     let record = BuildJob {
-        model: &args.model,
-        layout: &args.layout,
+        hf_dir: args.model.hf_dir.as_deref(),
+        layout: Layout::of(&args.layout),
         quantize: !args.no_quantize,
         kmeans_workers: args.kmeans_workers,
         palettizer: args.palettizer,
-        lock: Some(publish::OnLocked::from_no_wait(args.no_wait)),
+        lock: Some(OnLocked::from_no_wait(args.no_wait)),
     }
     .run(output, verbose)?;
     eprintln!("{}", build::summary(&record, output));
     Ok(ExitStatus::Success)
 }
 
-/// `--check DIR`: the same build again into a temporary folder; exit 1 when
-/// any package differs.
+/// `--check DIR`: the recorded build again into a temporary folder; exit 1
+/// when any package differs.
 fn check(dir: &Path, args: &BuildCmd, verbose: bool) -> Result<ExitStatus> {
     let old = build::request_of(&dir.join("build.json"), &args.model.hf_dir)?;
-    let model = ModelArgs { hf_dir: old.hf_dir };
-    let layout = LayoutArgs {
-        mode: old.request.mode.expect("checked by request_of"),
-        split: old.request.split,
-        ctx: old.ctx,
-        functions: FunctionArgs {
+    let tmp = std::env::temp_dir().join(format!("chunkforge-check-{}", std::process::id()));
+    let result = BuildJob {
+        hf_dir: old.hf_dir.as_deref(),
+        layout: Layout {
+            mode: old.mode,
+            split: old.request.split,
+            ctx: old.ctx,
             verify_k: old.request.verify_k,
             prefill_len: old.request.prefill_len,
         },
-    };
-    let tmp = std::env::temp_dir().join(format!("chunkforge-check-{}", std::process::id()));
-    let result = BuildJob {
-        model: &model,
-        layout: &layout,
         quantize: old.quantize,
         kmeans_workers: args.kmeans_workers,
         palettizer: old.palettizer,

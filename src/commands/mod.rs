@@ -19,9 +19,11 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 
-use crate::cli::{Cli, Cmd, LayoutArgs, ModelArgs};
+use crate::cli::{Cli, Cmd, LayoutArgs};
 use crate::config::TextConfig;
+use crate::plan::Mode;
 use crate::py::env as pyenv;
+use crate::records::BuildRequest;
 use crate::{fixture as fixtures, plan as planner};
 
 /// How a command ended; the process exit code (README: Exit codes).
@@ -90,8 +92,8 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
 
 /// The checkpoint folder: `--hf-dir` / GEMMA4_HF_DIR, else the built-in
 /// random checkpoint (made on first use).
-fn resolve_checkpoint(model: &ModelArgs, verbose: bool) -> Result<PathBuf> {
-    match &model.hf_dir {
+fn resolve_checkpoint(hf_dir: Option<&Path>, verbose: bool) -> Result<PathBuf> {
+    match hf_dir {
         Some(d) => {
             if !d.is_dir() {
                 anyhow::bail!(
@@ -99,7 +101,7 @@ fn resolve_checkpoint(model: &ModelArgs, verbose: bool) -> Result<PathBuf> {
                     d.display()
                 );
             }
-            Ok(d.clone())
+            Ok(d.to_path_buf())
         }
         None => {
             pyenv::activate(verbose)?;
@@ -120,16 +122,53 @@ fn require_utf8(path: &Path, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// The config and plan of the checkpoint in `dir` for the layout options.
-fn plan_for(dir: &Path, layout: &LayoutArgs) -> Result<(TextConfig, planner::Plan)> {
+/// The config of the checkpoint in `dir` and its plan for `request`.
+fn plan_for(dir: &Path, request: &Layout) -> Result<(TextConfig, planner::Plan)> {
     let cfg = TextConfig::load(dir)?;
-    let functions = layout.functions.resolve(layout.mode);
+    let functions = planner::Functions::resolve(
+        request.mode,
+        request.verify_k,
+        request.prefill_len.as_deref(),
+    );
     let plan = planner::plan(
         &cfg,
-        layout.ctx,
-        layout.mode,
-        layout.split.as_deref(),
+        request.ctx,
+        request.mode,
+        request.split.as_deref(),
         &functions,
     )?;
     Ok((cfg, plan))
+}
+
+/// A layout request with its mode and context known (a recorded one is
+/// checked to have both).
+pub(crate) struct Layout {
+    pub mode: Mode,
+    pub split: Option<String>,
+    pub ctx: usize,
+    pub verify_k: Option<usize>,
+    pub prefill_len: Option<Vec<usize>>,
+}
+
+impl Layout {
+    fn of(args: &LayoutArgs) -> Self {
+        Layout {
+            mode: args.mode,
+            split: args.split.clone(),
+            ctx: args.ctx,
+            verify_k: args.functions.verify_k,
+            prefill_len: args.functions.prefill_len.clone(),
+        }
+    }
+
+    /// As build.json records it.
+    fn record(&self) -> BuildRequest {
+        BuildRequest {
+            mode: Some(self.mode),
+            split: self.split.clone(),
+            ctx: Some(self.ctx as u64),
+            verify_k: self.verify_k,
+            prefill_len: self.prefill_len.clone(),
+        }
+    }
 }

@@ -12,7 +12,7 @@ use crate::py::env as pyenv;
 
 /// Runs parity as `args` asks; returns whether every check passed.
 pub(super) fn check(args: ParityCmd, verbose: bool) -> Result<bool> {
-    let dir = resolve_checkpoint(&args.model, verbose)?;
+    let dir = resolve_checkpoint(args.model.hf_dir.as_deref(), verbose)?;
     let cfg = TextConfig::load(&dir)?;
     let ckpt = Checkpoint::open(&dir, &cfg)?;
     pyenv::activate(verbose)?;

@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 
-use super::{plan_for, resolve_checkpoint, ExitStatus};
+use super::{plan_for, resolve_checkpoint, ExitStatus, Layout};
 use crate::cli::{LayoutArgs, ModelArgs};
 use crate::plan::render;
 
@@ -12,8 +12,8 @@ pub fn run(
     json: bool,
     verbose: bool,
 ) -> Result<ExitStatus> {
-    let dir = resolve_checkpoint(model, verbose)?;
-    let (_, plan) = plan_for(&dir, layout)?;
+    let dir = resolve_checkpoint(model.hf_dir.as_deref(), verbose)?;
+    let (_, plan) = plan_for(&dir, &Layout::of(layout))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
     } else {

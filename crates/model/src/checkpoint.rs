@@ -448,8 +448,7 @@ pub fn expected_tensors(cfg: &TextConfig) -> Vec<(String, Vec<usize>)> {
             l("self_attn.o_proj.weight"),
             vec![h, cfg.num_attention_heads * hd],
         ));
-        let owns = cfg.num_kv_shared_layers == 0 || i < cfg.kv_start();
-        if owns {
+        if cfg.owns_kv(i) {
             t.push((l("self_attn.k_proj.weight"), vec![kvh * hd, h]));
             t.push((l("self_attn.v_proj.weight"), vec![kvh * hd, h]));
             t.push((l("self_attn.k_norm.weight"), vec![hd]));

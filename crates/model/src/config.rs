@@ -498,6 +498,11 @@ impl TextConfig {
         self.num_hidden_layers - self.num_kv_shared_layers
     }
 
+    /// Whether layer `i` computes its own K/V (the rest read a producer's).
+    pub fn owns_kv(&self, i: usize) -> bool {
+        i < self.kv_start()
+    }
+
     /// The last KV-owning layer of `kind`, whose cache the shared layers of that kind read.
     pub fn producer(&self, kind: Attention) -> Option<usize> {
         (0..self.kv_start())
@@ -507,8 +512,7 @@ impl TextConfig {
 
     /// Feed-forward width of layer `i` (KV-shared layers are double-wide when configured).
     pub fn mlp_width(&self, i: usize) -> usize {
-        let shared = self.num_kv_shared_layers > 0 && i >= self.kv_start();
-        if self.use_double_wide_mlp && shared {
+        if self.use_double_wide_mlp && !self.owns_kv(i) {
             2 * self.intermediate_size
         } else {
             self.intermediate_size

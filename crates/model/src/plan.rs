@@ -643,7 +643,7 @@ pub fn plan_layout(cfg: &TextConfig, ctx: usize, kind: LayoutKind, spans: &[Span
             let mut consumes: Vec<AliasUse> = Vec::new();
             for i in a..=b {
                 let kind_i = cfg.layer_types[i];
-                let kv = if shared && i >= kv_start {
+                let kv = if !cfg.owns_kv(i) {
                     let p =
                         producer_of(kind_i).expect("validated: every shared kind has a producer");
                     let alias = alias_of(kind_i);
