@@ -6,14 +6,15 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use serde_json::{json, Value};
+use indexmap::IndexMap;
+use serde::Serialize;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
 use crate::hashing;
 use crate::plan::{self, LayoutKind, Mode, Plan};
 use crate::progress;
-use crate::py::calls;
+use crate::py::calls::{self, CheckpointFiles};
 use crate::records::{
     ArtifactSummary, ParityCheckpoint, ParityReport, ParitySummary, ToolVersions, PARITY_FORMAT,
 };
@@ -73,8 +74,52 @@ pub fn parse_prompt(text: &str) -> Result<Vec<i64>> {
         .collect()
 }
 
-fn layout_json(l: &plan::Layout) -> Value {
-    json!({"name": l.kind, "chunks": l.chunks, "kv_slot_map": l.kv_slot_map})
+/// A layout as parity compares it: named by its kind.
+#[derive(Serialize)]
+struct ParityLayout<'a> {
+    name: LayoutKind,
+    chunks: &'a [plan::ChunkPlan],
+    kv_slot_map: &'a [plan::SlotCopy],
+}
+
+impl<'a> From<&'a plan::Layout> for ParityLayout<'a> {
+    fn from(l: &'a plan::Layout) -> Self {
+        ParityLayout {
+            name: l.kind,
+            chunks: &l.chunks,
+            kv_slot_map: &l.kv_slot_map,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct DimsOnly<'a> {
+    dims: &'a plan::Dims,
+}
+
+/// What `parity.run` is asked to check (contract.py `ParityRequest`).
+#[derive(Serialize)]
+struct ParityRequest<'a> {
+    plan: DimsOnly<'a>,
+    /// The layout every other one is compared against.
+    reference: LayoutKind,
+    layouts: Vec<ParityLayout<'a>>,
+    checkpoint: CheckpointFiles,
+    config_path: String,
+    prompt_ids: &'a [i64],
+    steps: usize,
+    tol_cos: f64,
+    prefill: usize,
+    prefill_layout: Option<ParityLayout<'a>>,
+    skip_prefill_copy: bool,
+    oracle: bool,
+    corrupt_layer: Option<usize>,
+    corrupt_function: Option<CorruptFunction>,
+    artifacts: Option<String>,
+    artifact_layouts: IndexMap<LayoutKind, ParityLayout<'a>>,
+    tol_cos_int4: f64,
+    min_top1_int4: f64,
+    max_weight_rel_mse: f64,
 }
 
 /// Runs parity; returns whether everything passed.
@@ -117,43 +162,45 @@ pub fn run(
         .layouts
         .iter()
         .find(|l| l.kind == LayoutKind::Prefill)
-        .map(layout_json);
-    let mut layouts = vec![layout_json(&four)];
-    layouts.extend(compared.iter().map(|l| layout_json(l)));
-    let artifact_layouts: serde_json::Map<String, Value> = requested
+        .map(ParityLayout::from);
+    let mut layouts = vec![ParityLayout::from(&four)];
+    layouts.extend(compared.iter().map(|l| ParityLayout::from(*l)));
+    let artifact_layouts = requested
         .layouts
         .iter()
         .filter(decode)
-        .map(|l| (l.kind.to_string(), layout_json(l)))
+        .map(|l| (l.kind, ParityLayout::from(l)))
         .collect();
     let prompt = match &opts.prompt_ids {
         Some(p) => p.clone(),
         None => default_prompt()?,
     };
-    let req = json!({
-        "plan": {"dims": requested.dims},
-        "reference": "four",
-        "layouts": layouts,
-        "checkpoint": {
-            "prefix": ckpt.prefix,
-            "files": ckpt.files.iter().map(|(k, v)| (k.clone(), Value::String(v.to_string_lossy().into()))).collect::<serde_json::Map<_, _>>(),
+    let req = ParityRequest {
+        plan: DimsOnly {
+            dims: &requested.dims,
         },
-        "config_path": hf_dir.join("config.json").to_string_lossy(),
-        "prompt_ids": prompt,
-        "steps": opts.steps,
-        "tol_cos": opts.tol_cos,
-        "prefill": opts.prefill,
-        "prefill_layout": prefill_layout,
-        "skip_prefill_copy": opts.skip_prefill_copy,
-        "oracle": opts.oracle,
-        "corrupt_layer": opts.corrupt_layer,
-        "corrupt_function": opts.corrupt_function,
-        "artifacts": opts.artifacts.as_ref().map(|p| p.to_string_lossy().to_string()),
-        "artifact_layouts": artifact_layouts,
-        "tol_cos_int4": opts.tol_cos_int4,
-        "min_top1_int4": opts.min_top1_int4,
-        "max_weight_rel_mse": opts.max_weight_rel_mse,
-    });
+        reference: LayoutKind::Four,
+        layouts,
+        checkpoint: CheckpointFiles::of(ckpt),
+        config_path: hf_dir.join("config.json").to_string_lossy().into_owned(),
+        prompt_ids: &prompt,
+        steps: opts.steps,
+        tol_cos: opts.tol_cos,
+        prefill: opts.prefill,
+        prefill_layout,
+        skip_prefill_copy: opts.skip_prefill_copy,
+        oracle: opts.oracle,
+        corrupt_layer: opts.corrupt_layer,
+        corrupt_function: opts.corrupt_function,
+        artifacts: opts
+            .artifacts
+            .as_ref()
+            .map(|p| p.to_string_lossy().into_owned()),
+        artifact_layouts,
+        tol_cos_int4: opts.tol_cos_int4,
+        min_top1_int4: opts.min_top1_int4,
+        max_weight_rel_mse: opts.max_weight_rel_mse,
+    };
     for w in &requested.warnings {
         eprintln!("note: {w}");
     }

@@ -403,6 +403,17 @@ fn split_builds_three_packages_whose_contracts_chain() {
     );
     let build = json_file(&out.join("build.json"));
     assert_eq!(build["tree_sha256"].as_str().unwrap().len(), 64);
+    // README "Exit codes": a rebuild that differs is a failed check, exit 1.
+    let pkg = build["chunks"][0]["package"].as_str().unwrap();
+    let spec = out.join(pkg).join("Data/com.apple.CoreML/model.mlmodel");
+    let mut bytes = fs::read(&spec).unwrap();
+    bytes.push(0);
+    fs::write(&spec, bytes).unwrap();
+    let check = run(&["build", "--check", out.to_str().unwrap()]);
+    let text = stdout(&check);
+    assert_eq!(check.status.code(), Some(1), "{text}\n{}", stderr(&check));
+    assert!(text.contains(&format!("{pkg}: DIFFERS")), "{text}");
+    assert!(text.contains("model.mlmodel: content differs"), "{text}");
 }
 
 /// Runs chunkforge in `cwd`; asserts success and returns stdout.

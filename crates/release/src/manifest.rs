@@ -68,12 +68,24 @@ impl ReleaseLayout {
     }
 }
 
+chunkforge_model::named! {
+    /// What the runtime uses a package for (the manifest's `roles`).
+    pub enum PackageRole {
+        /// Token-by-token decode (`chunk1..4`, or a merged layout's packages).
+        Decode = "decode",
+        /// Speculative verify of K draft tokens (`verify_qK`).
+        Verify = "verify",
+        /// Batched prefill (`prefill_chunk1..4`).
+        Prefill = "prefill",
+    }
+}
+
 /// One package of a release: its chunk plan (from build.json), the layout it
 /// belongs to, and what the runtime uses it for.
 pub struct ReleaseChunk<'a> {
     pub layout: LayoutKind,
     pub plan: &'a ChunkPlan,
-    pub roles: Vec<&'static str>,
+    pub roles: Vec<PackageRole>,
 }
 
 impl ReleaseChunk<'_> {
@@ -185,11 +197,11 @@ impl Build {
         let roles_of = |c: &ChunkPlan| {
             let has = |k: FunctionKind| c.functions.iter().any(|f| f.kind == k);
             if has(FunctionKind::Prefill) {
-                vec!["prefill"]
+                vec![PackageRole::Prefill]
             } else if has(FunctionKind::Verify) {
-                vec!["decode", "verify"]
+                vec![PackageRole::Decode, PackageRole::Verify]
             } else {
-                vec!["decode"]
+                vec![PackageRole::Decode]
             }
         };
         let mut ship = decode.clone();
