@@ -143,11 +143,8 @@ class ChunkPlan(TypedDict):
     # The default function's contract.
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
-    # Every function, the default first. Rust always sends it; chunks made by
-    # hand (the kernel's Python tests) may leave it out, which
-    # `convert.find_function` reads as one decode function with the chunk's own
-    # contract.
-    functions: NotRequired[list[FunctionPlan]]
+    # Every function, the default first.
+    functions: list[FunctionPlan]
 
 
 class SlotCopy(TypedDict):

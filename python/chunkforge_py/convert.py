@@ -27,7 +27,6 @@ from .contract import (
     ChunkJob,
     ChunkPlan,
     ChunkStats,
-    Contract,
     ConversionSettings,
     ConvertedChunk,
     ConvertedFunction,
@@ -36,7 +35,6 @@ from .contract import (
     MilStats,
     Palettization,
     PalettizeStats,
-    Plan,
 )
 from .model import Chunk, build_chunk
 from .palettize import WeightCache
@@ -44,29 +42,6 @@ from .runtime import ChunkforgeError
 
 NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}
-
-
-def find_chunk(plan: Plan, name: str) -> ChunkPlan:
-    for layout in plan["layouts"]:
-        for chunk in layout["chunks"]:
-            if chunk["name"] == name:
-                return chunk
-    raise ChunkforgeError(f"chunk {name} is not in the plan")
-
-
-def find_function(chunk: ChunkPlan, function: str | None) -> FunctionPlan:
-    """The chunk's function called ``function`` (None: its default, the first).
-    A chunk that lists no functions is one decode function with its own contract."""
-    if "functions" not in chunk:
-        chunk = {**chunk, "functions": [{"name": "main", "kind": "decode", "tokens": 1, **_io(chunk)}]}
-    for f in chunk["functions"]:
-        if function is None or f["name"] == function:
-            return f
-    raise ChunkforgeError(f"chunk {chunk['name']} has no function {function}")
-
-
-def _io(chunk: ChunkPlan) -> Contract:
-    return {"inputs": chunk["inputs"], "outputs": chunk["outputs"]}
 
 
 def load(dims: Dims, chunk: ChunkPlan, ckpt_info: CheckpointInfo, function: FunctionPlan) -> Chunk:
