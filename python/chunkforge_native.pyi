@@ -1,5 +1,5 @@
 """The Rust kernels the chunkforge binary registers as ``chunkforge_native``
-(src/native.rs) before its interpreter starts: importable only inside the
+(src/py/native.rs) before its interpreter starts: importable only inside the
 binary, so this stub is what type checkers see."""
 
 import numpy as np

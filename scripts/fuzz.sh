@@ -44,22 +44,26 @@ make_seeds() {
     cargo build --release
     local cf="$root/target/release/chunkforge"
     "$cf" keygen --out "$t/k" >/dev/null
-    local b="$t/build" plan_chunks="" n
+    local b="$t/build" n
     for n in chunk1 chunk2 chunk3 chunk4; do
         mkdir -p "$b/$n.mlpackage/Data/com.apple.CoreML/weights"
         printf '{"name": "%s"}\n' "$n" >"$b/$n.mlpackage/Manifest.json"
         printf 'spec of %s\n' "$n" >"$b/$n.mlpackage/Data/com.apple.CoreML/model.mlmodel"
         printf 'weights of %s' "$n" >"$b/$n.mlpackage/Data/com.apple.CoreML/weights/weight.bin"
-        plan_chunks+="${plan_chunks:+,}{\"name\": \"$n\", \"first_layer\": 0, \"last_layer\": 0, \"inputs\": [], \"outputs\": []}"
     done
-    cat >"$b/build.json" <<JSON
-{"format": "chunkforge-build/1",
- "tool": {"chunkforge": "0.1.0", "python": {"python": "3.11", "torch": "2.11.0", "coremltools": "9.0", "transformers": "5.5.0"}},
- "checkpoint": {"architecture": "Gemma4ForCausalLM", "config_sha256": "00"},
- "settings": {"ctx": 2048},
- "plan": {"dims": {}, "layouts": [{"kind": "four", "chunks": [$plan_chunks], "kv_slot_map": {}}]},
- "chunks": []}
-JSON
+    # The real plan of the built-in checkpoint, in a build record with the
+    # shipped settings (records.rs `BuildRecord`; no per-package records).
+    "$cf" plan --mode four --json >"$t/plan.json"
+    {
+        printf '{"format": "chunkforge-build/1",\n'
+        printf ' "tool": {"chunkforge": "0.1.0", "python": {"python": "3.11", "torch": "2.11.0", "coremltools": "9.0", "transformers": "5.5.0"}},\n'
+        printf ' "checkpoint": {"dir": "/models/gemma-4-e2b-tiny", "architecture": "Gemma4ForCausalLM", "config_sha256": "00"},\n'
+        printf ' "request": {"mode": "four", "ctx": 2048},\n'
+        printf ' "settings": {"ctx": 2048, "minimum_deployment_target": "iOS18", "compute_precision": "FLOAT16", "compute_units": "CPU_AND_NE", "quantize": false, "palettization": null},\n'
+        printf ' "plan": '
+        cat "$t/plan.json"
+        printf ',\n "chunks": []}\n'
+    } >"$b/build.json"
     "$cf" package "$b" --layout four --key "$t/k.pem" --output "$t/rel" --version 1.0.0 \
         --base-url https://models.example.com/x --zip "$t/rel.zip" >/dev/null
     "$cf" verify "$t/rel" --public-key "$t/k.pub" --archive "$t/rel.zip" >/dev/null

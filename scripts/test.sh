@@ -22,9 +22,10 @@ if [ ! -d "$TOOLS" ]; then
   mv "$TOOLS.partial" "$TOOLS"
 fi
 # mypy and pytest run under the pinned interpreter (torch etc. import from
-# there) with the tools in front on PYTHONPATH, which the embedded interpreter
-# of `chunkforge selftest-python` (tests/palettize.rs) reads too. Only these
-# commands get it: other environments (scripts/setup-signing.sh) stay as they are.
+# there) with the tools in front on PYTHONPATH. Only these commands get it;
+# of the Rust tests, only the `chunkforge selftest-python` run (tests/palettize.rs)
+# puts CHUNKFORGE_TEST_TOOLS on its PYTHONPATH, so every other chunkforge the
+# tests start sees the pinned environment alone.
 TOOLS_PATH="$TOOLS${PYTHONPATH:+:$PYTHONPATH}"
 
 echo "== Python lint and format (ruff)"
@@ -36,4 +37,4 @@ echo "== Python tests"
 PYTHONPATH="$TOOLS_PATH" "$VENV_PY" -m pytest -q python/tests
 echo "== Rust tests"
 bash scripts/setup-signing.sh  # model-signing 1.1.1 for the release cross-checks (tests/release.rs)
-PYTHONPATH="$TOOLS_PATH" cargo test --release -- --test-threads="${CHUNKFORGE_TEST_THREADS:-2}"
+CHUNKFORGE_TEST_TOOLS="$TOOLS" cargo test --release -- --test-threads="${CHUNKFORGE_TEST_THREADS:-2}"

@@ -7,6 +7,7 @@ use serde_json::json;
 
 use crate::py::calls;
 use crate::py::env as pyenv;
+use crate::records::Palettizer;
 
 pub fn run(json_out: bool, quick: bool, seed: u64, verbose: bool) -> Result<()> {
     // scikit-learn's k-means deadlocks in forked coremltools workers unless
@@ -74,7 +75,9 @@ pub fn render(report: &BenchReport) -> String {
     }
     for shape in shapes {
         let rows: Vec<&BenchResult> = report.results.iter().filter(|r| r.shape == shape).collect();
-        let ours = rows.iter().find(|r| r.implementation == "chunkforge");
+        let ours = rows
+            .iter()
+            .find(|r| r.implementation == Palettizer::Chunkforge.as_str());
         let (our_s, our_mse) = ours.map_or((f64::NAN, f64::NAN), |r| (r.seconds, r.mse));
         let label = shape
             .iter()

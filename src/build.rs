@@ -108,8 +108,13 @@ pub fn run(
                     .map(|p| p.to_string_lossy().into_owned())
                     .collect(),
             };
-            let converted = calls::convert_chunk(&job, &cache, &progress)
-                .map_err(|e| anyhow!("building {name}: {}", pyenv::render_error(e, verbose)))?;
+            let converted = calls::convert_chunk(&job, &cache, &progress).map_err(|e| {
+                let function = e.function.as_deref().unwrap_or(name);
+                anyhow!(
+                    "building {function}: {}",
+                    pyenv::render_error(e.error, verbose)
+                )
+            })?;
             let mut functions = Vec::new();
             let mut seconds = Seconds::new();
             let mut stats: Option<ChunkStats> = None;
@@ -299,24 +304,6 @@ fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
         }
     }
     units
-}
-
-/// The line `build` ends with: packages, time per phase, peak memory.
-pub fn summary(record: &BuildRecord, out: &Path) -> String {
-    let phases: Vec<String> = record
-        .seconds
-        .phases
-        .iter()
-        .map(|(k, v)| format!("{k} {v:.1}s"))
-        .collect();
-    format!(
-        "wrote {} packages to {} in {:.1}s ({}); peak RSS {:.0} MiB",
-        record.chunks.len(),
-        out.display(),
-        record.seconds.total,
-        phases.join(", "),
-        record.peak_rss_bytes as f64 / (1024.0 * 1024.0)
-    )
 }
 
 /// What `build --check` replays of an earlier build: its checkpoint, layout

@@ -10,12 +10,9 @@ use crate::args;
 use crate::fixture::Shape;
 use crate::manifest::ReleaseLayout;
 use crate::names::Named;
-use crate::package::PackageRequest;
 use crate::parity::CorruptFunction;
-use crate::plan::{self, Mode};
-use crate::publish::OnLocked;
+use crate::plan::Mode;
 use crate::records::Palettizer;
-use crate::verify::VerifyArgs;
 
 /// A value parser for a [`chunkforge_model::named!`] enum: its names are the
 /// possible values (listed in `--help`, checked while parsing).
@@ -74,12 +71,6 @@ pub struct FunctionArgs {
     /// e.g. 64,128,512 (default with --mode all: 512).
     #[arg(long, value_delimiter = ',')]
     pub prefill_len: Option<Vec<usize>>,
-}
-
-impl FunctionArgs {
-    pub fn resolve(&self, mode: Mode) -> plan::Functions {
-        plan::Functions::resolve(mode, self.verify_k, self.prefill_len.as_deref())
-    }
 }
 
 #[derive(Subcommand)]
@@ -336,24 +327,6 @@ pub struct PackageCmd {
     pub no_wait: bool,
 }
 
-impl PackageCmd {
-    pub fn request(self) -> PackageRequest {
-        PackageRequest {
-            build_dir: self.build_dir,
-            layout: self.layout,
-            key: self.key,
-            output: self.output,
-            version: self.version,
-            model_id: self.model_id,
-            base_url: self.base_url,
-            parity_report: self.parity_report,
-            allow_failed_parity: self.allow_failed_parity,
-            zip: self.zip,
-            on_locked: OnLocked::from_no_wait(self.no_wait),
-        }
-    }
-}
-
 /// `chunkforge verify`.
 #[derive(Args, Clone, Debug)]
 pub struct VerifyCmd {
@@ -365,16 +338,6 @@ pub struct VerifyCmd {
     /// Also check this zip of the release (and FILE.sha256 beside it).
     #[arg(long)]
     pub archive: Option<PathBuf>,
-}
-
-impl VerifyCmd {
-    pub fn request(self) -> VerifyArgs {
-        VerifyArgs {
-            release_dir: self.release_dir,
-            public_key: self.public_key,
-            archive: self.archive,
-        }
-    }
 }
 
 /// `chunkforge bench hash`.

@@ -17,7 +17,7 @@ fn main() -> ExitCode {
     // The Rust kernels must be importable before the interpreter starts.
     pyo3::append_to_inittab!(chunkforge_native);
     let cli = Cli::parse();
-    staging::install_interrupt_handler();
+    staging::install_interrupt_handler(ExitStatus::Interrupted.code().into());
     match commands::run(cli) {
         Ok(status) => status.into(),
         Err(e) => {

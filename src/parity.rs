@@ -15,9 +15,7 @@ use crate::hashing;
 use crate::plan::{self, LayoutKind, Mode, Plan};
 use crate::progress;
 use crate::py::calls::{self, CheckpointFiles};
-use crate::records::{
-    ArtifactSummary, ParityCheckpoint, ParityReport, ParitySummary, ToolVersions, PARITY_FORMAT,
-};
+use crate::records::{ParityCheckpoint, ParityReport, ToolVersions, PARITY_FORMAT};
 use crate::staging;
 
 /// Options of one parity run.
@@ -122,13 +120,14 @@ struct ParityRequest<'a> {
     max_weight_rel_mse: f64,
 }
 
-/// Runs parity; returns whether everything passed.
+/// Runs parity and writes `--report`; returns the report (its
+/// `summary.ok`: whether everything passed).
 pub fn run(
     hf_dir: &Path,
     cfg: &TextConfig,
     ckpt: &Checkpoint,
     opts: &ParityOptions,
-) -> Result<bool> {
+) -> Result<ParityReport> {
     if opts.steps == 0 {
         bail!("--steps must be at least 1");
     }
@@ -221,7 +220,6 @@ pub fn run(
     let result: Result<ParityReport> = calls::call("parity", "run", &req, opts.verbose);
     sp.finish_and_clear();
     let mut report = result?;
-    print_checks(&report);
     report.format = PARITY_FORMAT.into();
     report.checkpoint = ParityCheckpoint {
         dir: hf_dir.to_string_lossy().into_owned(),
@@ -236,108 +234,5 @@ pub fn run(
         staging::write_atomic(path, &serde_json::to_vec_pretty(&report)?)
             .with_context(|| format!("writing the parity report {}", path.display()))?;
     }
-    print_verdict(&report.summary, opts);
-    Ok(report.summary.ok)
-}
-
-/// One line per step, oracle step and INT4 artifact check.
-fn print_checks(report: &ParityReport) {
-    let verdict = |ok: bool| if ok { "OK" } else { "FAIL" };
-    for r in &report.steps {
-        println!(
-            "{:<6} step {:>3}  cos {:.6}  ref {:>6}  token {:>6}  margin {:>7.3}  {}",
-            r.layout,
-            r.step,
-            r.cos,
-            r.ref_token,
-            r.token,
-            r.margin,
-            verdict(r.ok)
-        );
-    }
-    for o in &report.oracle {
-        println!(
-            "reference vs transformers step {:>3}  cos {:.6}  hf {:>6}  ref {:>6}  margin {:>7.3}  {}",
-            o.step,
-            o.cos,
-            o.hf_token,
-            o.ref_token,
-            o.margin,
-            verdict(o.ok)
-        );
-    }
-    for (name, s) in report.summary.artifacts.iter().flatten() {
-        let replaced = s.weights_replaced();
-        match s {
-            ArtifactSummary::Function(f) => println!(
-                // verify_qK / prefill_bN with their packages' weights, against the
-                // INT4 four-chunk decode of the same build.
-                "INT4 artifacts {name:<6} vs the INT4 four-chunk decode: min cos {:.6} over {} steps, tokens match: {}  ({replaced} weights read back)  {}",
-                f.min_cos,
-                f.steps,
-                f.tokens_match,
-                verdict(f.ok)
-            ),
-            ArtifactSummary::Layout(l) => println!(
-                "INT4 artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({replaced} weights read back, worst relative MSE {:.2e} in {})  {}",
-                l.min_cos,
-                l.mean_cos,
-                100.0 * l.top1_agreement,
-                l.worst_weight.rel_mse,
-                l.worst_weight.weight.as_deref().unwrap_or("-"),
-                verdict(l.ok)
-            ),
-        }
-    }
-}
-
-/// The verdict, and for a failure where it starts.
-fn print_verdict(summary: &ParitySummary, opts: &ParityOptions) {
-    let tol = opts.tol_cos;
-    if summary.ok {
-        println!("PARITY OK across {} steps (cos >= {tol}).", opts.steps);
-        return;
-    }
-    println!("PARITY FAIL");
-    if let Some(f) = &summary.first_failure {
-        println!(
-            "first failing step: layout {} step {} (cos {:.6}, token {} vs reference {})",
-            f.layout, f.step, f.cos, f.token, f.ref_token
-        );
-    }
-    for (name, loc) in summary.localisation.iter().flatten() {
-        match loc.layer {
-            Some(layer) => println!(
-                "{name}: first divergence at layer {layer} in {} (cos {:.6} vs the reference's hidden state after that layer, step {})",
-                loc.chunk.as_deref().unwrap_or("?"),
-                loc.cos.unwrap_or(f64::NAN),
-                loc.step
-            ),
-            None => println!(
-                "{name}: every layer's hidden state matches the reference at step {}; the divergence is in the final norm / head",
-                loc.step
-            ),
-        }
-    }
-    if summary.oracle_ok == Some(false) {
-        println!("the four-chunk reference disagrees with transformers (see the `reference vs transformers` lines)");
-    }
-    for (name, s) in summary.artifacts.iter().flatten() {
-        match s {
-            ArtifactSummary::Function(f) if !f.ok => println!(
-                "INT4 artifacts of {name} fail: its package's weights do not reproduce the INT4 \
-                 four-chunk decode (cos >= {} and the same token at every step)",
-                opts.tol_cos
-            ),
-            ArtifactSummary::Layout(l) if !l.ok => println!(
-                "INT4 artifacts of {name} fail: thresholds --tol-cos-int4 {}, --min-top1-int4 {}, \
-                 --max-weight-rel-mse {}; tokens match the other layouts' INT4 models: {}",
-                opts.tol_cos_int4,
-                opts.min_top1_int4,
-                opts.max_weight_rel_mse,
-                l.tokens_match_other_layouts
-            ),
-            _ => {}
-        }
-    }
+    Ok(report)
 }

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{ok, run, stderr, stdout};
+use common::{ok, run_env, stderr, stdout};
 
 #[test]
 fn native_kernel_python_tests_pass_inside_the_binary() {
@@ -14,7 +14,11 @@ fn native_kernel_python_tests_pass_inside_the_binary() {
         env!("CARGO_MANIFEST_DIR"),
         "/python/tests/test_palettize_native.py"
     );
-    let o = run(&["selftest-python", "-q", "-p", "no:cacheprovider", path]);
+    // pytest comes from the test-tools folder (scripts/test.sh), put on the
+    // path of this one run only: the other runs see the pinned environment alone.
+    let tools = std::env::var("CHUNKFORGE_TEST_TOOLS").unwrap_or_default();
+    let args = ["selftest-python", "-q", "-p", "no:cacheprovider", path];
+    let o = run_env(&args, &[("PYTHONPATH", &tools)]);
     let out = stdout(&o);
     assert!(o.status.success(), "pytest failed:\n{out}\n{}", stderr(&o));
     // The module must have run, not been skipped for a missing chunkforge_native.

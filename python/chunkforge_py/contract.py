@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal, NotRequired, TypedDict
 
-# ---- the plan (src/plan.rs) ---------------------------------------------
+# ---- the plan (crates/model/src/plan.rs) --------------------------------
 
 DType = Literal["fp16", "fp32", "int32"]
 Attention = Literal["sliding", "full"]
@@ -209,7 +209,7 @@ class Plan(PlanDims):
     warnings: list[str]
 
 
-# ---- build (src/build.rs) -----------------------------------------------
+# ---- build (crates/model/src/records.rs, src/py/calls.rs, src/build.rs) --
 
 
 class CheckpointInfo(TypedDict):
@@ -308,7 +308,7 @@ class BundleStats(TypedDict):
 
 
 class ParityLayout(TypedDict):
-    """parity.rs `layout_json`: a layout named by its kind's label."""
+    """parity.rs `ParityLayout`: a layout named by its kind."""
 
     name: LayoutKind
     chunks: list[ChunkPlan]
@@ -320,8 +320,8 @@ class ParityRequest(TypedDict):
     default (NotRequired here) may be left out by a hand-made request."""
 
     plan: PlanDims
-    # The layout every other one is compared against ("four").
-    reference: str
+    # The layout every other one is compared against (the four-chunk one).
+    reference: LayoutKind
     layouts: list[ParityLayout]
     checkpoint: CheckpointInfo
     config_path: str
@@ -337,7 +337,7 @@ class ParityRequest(TypedDict):
     corrupt_function: NotRequired[Literal["verify", "prefill"] | None]
     # The build folder whose packages' INT4 weights are checked, or None.
     artifacts: NotRequired[str | None]
-    artifact_layouts: dict[str, ParityLayout]
+    artifact_layouts: dict[LayoutKind, ParityLayout]
     tol_cos_int4: float
     min_top1_int4: float
     max_weight_rel_mse: float
@@ -488,7 +488,7 @@ class FixtureInfo(TypedDict):
     parameters: int
 
 
-# ---- inspect (src/main.rs `inspect`) ------------------------------------
+# ---- inspect (src/commands/inspect.rs, src/py/calls.rs) -----------------
 
 
 class DescribeArgs(TypedDict):
@@ -543,7 +543,7 @@ class PackageDescription(TypedDict):
     layers: NotRequired[list[int]]
 
 
-# ---- runtime and bench (src/main.rs `doctor`, src/bench_palettize.rs) ----
+# ---- runtime and bench (src/commands/doctor.rs, src/bench_palettize.rs) --
 
 
 class PlatformLimits(TypedDict):

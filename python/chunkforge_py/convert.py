@@ -165,7 +165,7 @@ def palettize(mlmodel: Any, name: str, settings: Palettization) -> Any:
         if shape[0] % group != 0:
             raise group_size_error(name, wname, shape[0], group)
     cfg = OpPalettizerConfig(
-        mode="kmeans",
+        mode=settings["mode"],
         nbits=int(settings["nbits"]),
         granularity=settings["granularity"],
         group_size=group,
@@ -297,25 +297,25 @@ def combine(parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]]) 
 
 
 class _Phases:
-    """Times the phases of one function's conversion, telling `progress` each
-    one's label as it starts."""
+    """Times the phases of one function's conversion, telling `progress` the
+    function (`chunk` or `chunk/function`) and each phase as it starts."""
 
-    def __init__(self, label: str, progress: Callable[[str], None]):
+    def __init__(self, label: str, progress: Callable[[str, str], None]):
         self.label, self.progress = label, progress
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, key: str, what: str) -> Iterator[None]:
-        self.progress(f"{self.label}: {what}")
+        self.progress(self.label, what)
         started = time.perf_counter()
         yield
         self.seconds[key] = time.perf_counter() - started
 
 
-def convert_chunk(job: ChunkJob, cache: WeightCache, progress: Callable[[str], None]) -> ConvertedChunk:
+def convert_chunk(job: ChunkJob, cache: WeightCache, progress: Callable[[str, str], None]) -> ConvertedChunk:
     """Every function of one package, each load → trace → convert (+ the
     kernel's palettization) → [coremltools' palettization] → save into its
-    path. `progress(label)` is told each phase as it starts; `cache` is the
+    path. `progress(function, phase)` is told each phase as it starts; `cache` is the
     build's palettization cache (Rust owns it: one per build)."""
     chunk, settings = job["chunk"], job["settings"]
     name = chunk["name"]

@@ -323,7 +323,8 @@ def run(req: ParityRequest) -> ParityReport:
         raise ChunkforgeError(f"--steps {steps} exceeds --ctx {dims['ctx']}")
 
     layouts: dict[str, ParityLayout] = {layout["name"]: layout for layout in req["layouts"]}
-    ref_layout = layouts.pop(req["reference"])
+    reference = req["reference"]
+    ref_layout = layouts.pop(reference)
     ref = LayoutRunner(dims, ref_layout, ckpt)
     runners = {name: LayoutRunner(dims, layout, ckpt) for name, layout in layouts.items()}
     corrupted = None
@@ -353,14 +354,14 @@ def run(req: ParityRequest) -> ParityReport:
         if corrupt_function == "prefill" and corrupt_layer is not None:
             corrupted = corrupt_modules(pf.modules, int(corrupt_layer))
             prefilled, pf = run_prefill(req, dims, ckpt, emb, prompt[:prefill], ref_layout, ref, pf)
-        runners = {"four": prefilled["runner"], **runners}
+        runners = {reference: prefilled["runner"], **runners}
     for t in range(steps):
         token = prompt[t]
         if t == prefill and prefill:
             prefill_record(records, localisation, prefilled, ref, ref_results, ref_layout, tol)
             if not req.get("skip_prefill_copy"):
                 for name, r in runners.items():
-                    if name != "four":
+                    if name != reference:
                         r.load_prefill(prefilled["runner"], layouts[name]["kv_slot_map"])
         r_ref = ref.step(emb, token, t)
         ref_results.append(
@@ -454,7 +455,7 @@ def run(req: ParityRequest) -> ParityReport:
                 and worst["rel_mse"] <= req["max_weight_rel_mse"]
                 and tokens == first_tokens
             )
-            if name == "four":
+            if name == reference:
                 # The packages' own verify and prefill weights against the same
                 # INT4 model's sequential decode: equal up to fp32 rounding.
                 artifact_summary.update(

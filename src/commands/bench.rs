@@ -4,9 +4,8 @@
 use anyhow::Result;
 use clap::{Args, FromArgMatches};
 
-use super::build::BuildJob;
+use super::build::{summary, BuildJob};
 use super::{ExitStatus, Layout};
-use crate::build;
 use crate::cli::{BenchBuildCmd, BenchCmd, ParityCmd};
 use crate::progress::peak_rss_bytes;
 use crate::records::{BuildRecord, Seconds};
@@ -59,7 +58,7 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&record)?);
     } else {
         print_phases(&record);
-        println!("{}", build::summary(&record, &tmp));
+        println!("{}", summary(&record, &tmp));
     }
     Ok(())
 }

@@ -68,7 +68,7 @@ pub fn run(args: BuildCmd, verbose: bool) -> Result<ExitStatus> {
         lock: Some(OnLocked::from_no_wait(args.no_wait)),
     }
     .run(output, verbose)?;
-    eprintln!("{}", build::summary(&record, output));
+    eprintln!("{}", summary(&record, output));
     Ok(ExitStatus::Success)
 }
 
@@ -107,4 +107,22 @@ fn check(dir: &Path, args: &BuildCmd, verbose: bool) -> Result<ExitStatus> {
         );
     }
     Ok(verdict(same))
+}
+
+/// The line `build` ends with: packages, time per phase, peak memory.
+pub(super) fn summary(record: &BuildRecord, out: &Path) -> String {
+    let phases: Vec<String> = record
+        .seconds
+        .phases
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.1}s"))
+        .collect();
+    format!(
+        "wrote {} packages to {} in {:.1}s ({}); peak RSS {:.0} MiB",
+        record.chunks.len(),
+        out.display(),
+        record.seconds.total,
+        phases.join(", "),
+        record.peak_rss_bytes as f64 / (1024.0 * 1024.0)
+    )
 }

@@ -5,9 +5,14 @@ use std::path::Path;
 use anyhow::Result;
 
 use super::ExitStatus;
-use crate::package::keygen;
+use crate::sign::keygen;
 
-pub fn run(out: &Path) -> Result<ExitStatus> {
-    keygen(out)?;
+pub fn run(prefix: &Path) -> Result<ExitStatus> {
+    let (pem, public) = keygen(prefix)?;
+    eprintln!(
+        "wrote private key {} (mode 0600) and public key {}",
+        pem.display(),
+        public.display()
+    );
     Ok(ExitStatus::Success)
 }

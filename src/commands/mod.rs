@@ -37,7 +37,8 @@ pub enum ExitStatus {
     /// Could not do what was asked: bad input or options, a failed build,
     /// an I/O error. Nothing was published.
     Error,
-    /// Ctrl-C or SIGTERM: unfinished work removed (exit set by the handler).
+    /// Ctrl-C or SIGTERM: unfinished work removed (the interrupt handler
+    /// exits with it, from whatever the command was doing).
     Interrupted,
 }
 

@@ -204,40 +204,78 @@ fn from_py<T: DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<
         .map_err(|e| PyValueError::new_err(format!("bad reply from {what}: {e}")))
 }
 
+/// A failed `convert_chunk`: the function it was converting (`chunk` or
+/// `chunk/function`, None before the first phase) and Python's error.
+pub struct ChunkError {
+    pub function: Option<String>,
+    pub error: PyErr,
+}
+
+/// The phase on screen and the function it belongs to.
+#[derive(Default)]
+struct Phase {
+    bar: Option<ProgressBar>,
+    function: Option<String>,
+}
+
 /// `convert.convert_chunk(job, cache, progress)`: the one call per package.
-/// Python names each phase as it starts; the phase is shown under `progress`.
+/// Python names each function and phase as it starts; the phase is shown
+/// under `progress`.
 pub fn convert_chunk(
     job: &ChunkJob,
     cache: &WeightCache,
     progress: &BuildProgress,
-) -> PyResult<ConvertedChunk> {
-    let current: Arc<Mutex<Option<ProgressBar>>> = Arc::default();
+) -> Result<ConvertedChunk, ChunkError> {
+    let current: Arc<Mutex<Phase>> = Arc::default();
     let result = Python::attach(|py| {
         let shown = progress.clone();
         let slot = Arc::clone(&current);
         let report = PyCFunction::new_closure(
             py,
             Some(c"progress"),
-            Some(c"Shows a build phase as it starts."),
+            Some(c"Shows a build phase as it starts: progress(function, phase)."),
             move |args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
-                let label: String = args.get_item(0)?.extract()?;
+                let function: String = args.get_item(0)?.extract()?;
+                let what: String = args.get_item(1)?.extract()?;
                 let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(previous) = slot.take() {
+                if let Some(previous) = slot.bar.take() {
                     previous.finish_and_clear();
                 }
-                *slot = Some(shown.phase(label));
+                slot.bar = Some(shown.phase(format!("{function}: {what}")));
+                slot.function = Some(function);
                 Ok(())
             },
         )?;
         let reply = py
             .import("chunkforge_py.convert")?
             .call_method1("convert_chunk", (to_py(py, job)?, cache.0.bind(py), report))?;
-        from_py(&reply, "convert.convert_chunk")
+        let converted: ConvertedChunk = from_py(&reply, "convert.convert_chunk")?;
+        let sent: Vec<&str> = job
+            .chunk
+            .functions
+            .iter()
+            .map(|f| f.name.as_str())
+            .collect();
+        let got: Vec<&str> = converted
+            .functions
+            .iter()
+            .map(|f| f.name.as_str())
+            .collect();
+        if sent != got {
+            return Err(PyValueError::new_err(format!(
+                "convert.convert_chunk converted functions {got:?} of {sent:?}"
+            )));
+        }
+        Ok(converted)
     });
-    if let Some(last) = current.lock().unwrap_or_else(|e| e.into_inner()).take() {
+    let mut phase = current.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(last) = phase.bar.take() {
         last.finish_and_clear();
     }
-    result
+    result.map_err(|error| ChunkError {
+        function: phase.function.take(),
+        error,
+    })
 }
 
 /// `convert.combine`'s reply: the bundle's weight blob size.

@@ -12,6 +12,7 @@ use pyo3::types::PyList;
 use sha2::{Digest, Sha256};
 
 use crate::cache_dir::cache_dir;
+use crate::hashing::hex;
 use crate::progress;
 use crate::py::error::PythonError;
 
@@ -33,10 +34,6 @@ pub fn python_dir() -> PathBuf {
 
 fn requirements_digest() -> String {
     hex(&Sha256::digest(REQUIREMENTS.as_bytes()))
-}
-
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn stamp_path(venv: &Path) -> PathBuf {
@@ -250,18 +247,4 @@ pub fn call_json(
             message: format!("bad reply from {module}.{func}: {e}"),
         })
     })
-}
-
-/// A JSON value as a Python object (dicts and lists), for calls that keep Python handles.
-pub fn to_py<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
-    py.import("json")?.call_method1("loads", (v.to_string(),))
-}
-
-pub fn from_py(obj: &Bound<'_, PyAny>) -> PyResult<serde_json::Value> {
-    let s: String = obj
-        .py()
-        .import("json")?
-        .call_method1("dumps", (obj,))?
-        .extract()?;
-    serde_json::from_str(&s).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
 }

@@ -1,4 +1,5 @@
-//! The Python half, seen from Rust: the pinned environment (`env`), the
+//! The Python half, seen from Rust: the pinned environment and the embedded
+//! interpreter (`env`), the typed calls into `chunkforge_py` (`calls`), the
 //! native module Python imports (`native`), and the error of a failed call.
 
 pub mod calls;

@@ -2,8 +2,6 @@
 //! contracts are decided. Torch modules, conversion, parity and manifests all
 //! read this plain data; none of them re-derives a boundary.
 
-use std::fmt::Write as _;
-
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Attention, TextConfig};
@@ -901,24 +899,22 @@ fn verify_contract(
         p.role = Role::PerLayerCombinedOut;
         out.push(p);
     }
-    for (kind, label, slots, roles) in [
+    for (kind, slots, roles) in [
         (
             Attention::Sliding,
-            "sliding",
             &c.sliding_slots,
             (Role::NewKSliding, Role::NewVSliding),
         ),
         (
             Attention::Full,
-            "full",
             &c.full_slots,
             (Role::NewKFull, Role::NewVFull),
         ),
     ] {
         if !slots.is_empty() {
             let shape = [slots.len(), cfg.kv_heads_of(kind), k, cfg.head_dim_of(kind)];
-            out.push(TensorSpec::fp16(&format!("new_K_{label}"), &shape, roles.0));
-            out.push(TensorSpec::fp16(&format!("new_V_{label}"), &shape, roles.1));
+            out.push(TensorSpec::fp16(&format!("new_K_{kind}"), &shape, roles.0));
+            out.push(TensorSpec::fp16(&format!("new_V_{kind}"), &shape, roles.1));
         }
     }
     out.extend(r.aliases(&c.emits, alias_len));
@@ -1224,95 +1220,6 @@ fn contract_notes(d: &Dims) -> Vec<String> {
         "update_mask: one-hot fp16 write position of the full caches, declared by every decode chunk"
             .into(),
     ]
-}
-
-/// Human-readable rendering for `chunkforge plan`.
-pub fn render(plan: &Plan) -> String {
-    let d = &plan.dims;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "model: {} layers, hidden {}, heads {}/{} kv, head dim {} sliding / {} full, window {}, ctx {}",
-        d.num_hidden_layers,
-        d.hidden_size,
-        d.num_attention_heads,
-        d.num_kv_heads_sliding,
-        d.head_dim_sliding,
-        d.head_dim_full,
-        d.sliding_window,
-        d.ctx
-    );
-    let p = |x: Option<usize>| x.map_or("none".to_string(), |v| format!("L{v}"));
-    let _ = writeln!(
-        s,
-        "KV sharing: layers {}..{} read shared KV; producers: sliding {} (kv13), full {} (kv14)",
-        d.kv_start,
-        d.num_hidden_layers - 1,
-        p(d.producer_sliding),
-        p(d.producer_full)
-    );
-    for l in &plan.layouts {
-        let _ = writeln!(s, "\nlayout {} ({} chunks)", l.kind, l.chunks.len());
-        for c in &l.chunks {
-            let mut roles = Vec::new();
-            if c.computes_per_layer_input {
-                roles.push("PLE projection".to_string());
-            }
-            for e in &c.emits {
-                roles.push(format!("emits {} (L{})", e.alias, e.layer));
-            }
-            for e in &c.consumes {
-                roles.push(format!("reads {} (L{})", e.alias, e.layer));
-            }
-            if c.has_head {
-                roles.push("norm + head".to_string());
-            }
-            let _ = writeln!(
-                s,
-                "  {:<16} layers {:>2}-{:<2} ({:>2}) KV slots: {} sliding {:?}, {} full {:?}; {}",
-                c.name,
-                c.first_layer,
-                c.last_layer,
-                c.layer_count(),
-                c.sliding_slots.len(),
-                c.sliding_slots,
-                c.full_slots.len(),
-                c.full_slots,
-                roles.join(", ")
-            );
-            let io = |ts: &[TensorSpec]| {
-                ts.iter()
-                    .map(|t| format!("{}{:?}", t.name, t.shape))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            };
-            let _ = writeln!(s, "      in:  {}", io(&c.inputs));
-            let _ = writeln!(s, "      out: {}", io(&c.outputs));
-        }
-        if !l.kv_slot_map.is_empty() {
-            let _ = writeln!(
-                s,
-                "  prefill KV copy (four-chunk -> {}): {} slots",
-                l.kind,
-                l.kv_slot_map.len()
-            );
-            for m in &l.kv_slot_map {
-                let _ = writeln!(
-                    s,
-                    "      L{:<2} {:<7} {}[{}] -> {}[{}]",
-                    m.layer, m.attention, m.from_chunk, m.from_slot, m.to_chunk, m.to_slot
-                );
-            }
-        }
-    }
-    let _ = writeln!(s, "\nruntime feed:");
-    for n in &plan.contract_notes {
-        let _ = writeln!(s, "  {n}");
-    }
-    for w in &plan.warnings {
-        let _ = writeln!(s, "\nwarning: {w}");
-    }
-    s
 }
 
 #[cfg(test)]

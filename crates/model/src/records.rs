@@ -125,9 +125,9 @@ pub struct ToolVersions {
 pub type Versions = IndexMap<String, String>;
 
 impl ToolVersions {
-    /// One Python-side version (`?` when not recorded).
-    pub fn python(&self, package: &str) -> &str {
-        self.python.get(package).map_or("?", String::as_str)
+    /// One Python-side version, if recorded.
+    pub fn python(&self, package: &str) -> Option<&str> {
+        self.python.get(package).map(String::as_str)
     }
 }
 
@@ -382,10 +382,10 @@ pub struct FirstFailure {
 /// layer matches, the divergence is in the head).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Localisation {
+    pub step: i64,
     pub layer: Option<u64>,
     pub chunk: Option<String>,
     pub cos: Option<f64>,
-    pub step: i64,
 }
 
 /// The prefill hand-off a run checked.
@@ -436,7 +436,9 @@ pub struct ParitySummary {
 /// The checkpoint a parity run read.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ParityCheckpoint {
+    #[serde(default)]
     pub dir: String,
+    #[serde(default)]
     pub config_sha256: String,
 }
 

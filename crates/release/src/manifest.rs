@@ -16,7 +16,7 @@ use serde_json::{json, Map, Value};
 
 use chunkforge_model::plan::{ChunkPlan, FunctionKind, Layout, LayoutKind, TensorSpec};
 use chunkforge_model::records::{
-    BuildRecord, ChunkRecord, ParityReport, BUILD_FORMAT, PARITY_FORMAT,
+    BuildRecord, ChunkRecord, ParityCheckpoint, ParityReport, BUILD_FORMAT, PARITY_FORMAT,
 };
 
 use crate::hashing::FileDigest;
@@ -346,6 +346,30 @@ pub fn parity_summary(
             "format is {format}, expected \"{PARITY_FORMAT}\" (written by `chunkforge parity --report`)"
         )));
     }
+    // The checkpoint first: a report about another model is refused as such,
+    // whatever else is wrong with it.
+    #[derive(Deserialize)]
+    struct About {
+        #[serde(default)]
+        checkpoint: ParityCheckpoint,
+    }
+    let about: About = serde_json::from_value(v.clone())
+        .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
+    let theirs = about.checkpoint.config_sha256.as_str();
+    let ours = build.record.checkpoint.config_sha256.as_str();
+    if ours.is_empty() {
+        return Err(build.err(
+            "has no checkpoint.config_sha256, so no parity report can be matched to it".into(),
+        ));
+    }
+    if theirs != ours {
+        return Err(bad(format!(
+            "is about another checkpoint: its config.json digest is {} ({}), the build's is {ours} ({}); run parity on the checkpoint that was built",
+            if theirs.is_empty() { "missing" } else { theirs },
+            if about.checkpoint.dir.is_empty() { "?" } else { &about.checkpoint.dir },
+            build.record.checkpoint.dir,
+        )));
+    }
     let ok = match summary.get("ok") {
         Some(Value::Bool(ok)) => *ok,
         other => {
@@ -358,21 +382,6 @@ pub fn parity_summary(
     let embedded = summary.clone();
     let report: ParityReport = serde_json::from_value(v)
         .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
-    let theirs = report.checkpoint.config_sha256.as_str();
-    let ours = build.record.checkpoint.config_sha256.as_str();
-    if ours.is_empty() {
-        return Err(build.err(
-            "has no checkpoint.config_sha256, so no parity report can be matched to it".into(),
-        ));
-    }
-    if theirs != ours {
-        return Err(bad(format!(
-            "is about another checkpoint: its config.json digest is {} ({}), the build's is {ours} ({}); run parity on the checkpoint that was built",
-            if theirs.is_empty() { "missing" } else { theirs },
-            if report.checkpoint.dir.is_empty() { "?" } else { &report.checkpoint.dir },
-            build.record.checkpoint.dir,
-        )));
-    }
     let failed = report.failed_checks();
     if ok {
         if let Some(f) = failed.first() {

@@ -489,33 +489,6 @@ fn write_zip_staged(root: &Path, z: &Path) -> Result<(PathBuf, PathBuf, String)>
     Ok((tmp_zip, tmp_sha, digest))
 }
 
-/// One line for the terminal.
-pub fn summary(r: &PackageReport, out: &Path) -> String {
-    let mut s = format!(
-        "wrote release {} ({} files, {:.1} MiB, subject sha256 {}) with {}",
-        out.display(),
-        r.files,
-        r.bytes as f64 / (1024.0 * 1024.0),
-        r.root_digest,
-        SIG_FILE
-    );
-    if let Some((z, d)) = &r.zip {
-        s.push_str(&format!("; archive {} (sha256 {d})", z.display()));
-    }
-    s
-}
-
-/// `chunkforge keygen`.
-pub fn keygen(prefix: &Path) -> Result<()> {
-    let (pem, public) = sign::keygen(prefix)?;
-    eprintln!(
-        "wrote private key {} (mode 0600) and public key {}",
-        pem.display(),
-        public.display()
-    );
-    Ok(())
-}
-
 /// Assembles a release of arbitrary files the way `package` does (copy while
 /// hashing, sign, rename into place), without a manifest: what `bench hash`
 /// times against openssl and model_signing.

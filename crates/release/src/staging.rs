@@ -20,9 +20,10 @@ static LIVE_STAGING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec:
 pub static PUBLISH_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Installs the Ctrl-C / SIGTERM handler: wait for any publish in progress,
-/// remove this run's staging folders, say so, exit 130.
-pub fn install_interrupt_handler() {
-    let _ = ctrlc::set_handler(|| {
+/// remove this run's staging folders, say so, exit with `exit_code` (the
+/// binary's `ExitStatus::Interrupted`, 130).
+pub fn install_interrupt_handler(exit_code: i32) {
+    let _ = ctrlc::set_handler(move || {
         let _publishing = PUBLISH_LOCK.lock();
         let dirs = LIVE_STAGING.lock().map(|v| v.clone()).unwrap_or_default();
         // A folder with a journal holds previous entries a failed publish
@@ -43,7 +44,7 @@ pub fn install_interrupt_handler() {
         // _exit, not exit: no atexit handlers, so the embedded interpreter (busy
         // on the main thread) is not finalised under its own feet.
         // SAFETY: _exit only terminates the process.
-        unsafe { libc::_exit(130) }
+        unsafe { libc::_exit(exit_code) }
     });
 }
 

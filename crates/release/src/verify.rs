@@ -46,14 +46,6 @@ pub struct Report {
     pub problems: Vec<String>,
 }
 
-/// Verification found problems; each was printed, naming its file.
-#[derive(Debug, thiserror::Error)]
-#[error("{}: verification FAILED ({count} problem{})", dir.display(), if *count == 1 { "" } else { "s" })]
-pub struct VerifyFailed {
-    pub dir: PathBuf,
-    pub count: usize,
-}
-
 /// What a signature may leave unsigned: `model.sig`, and the git metadata
 /// `model_signing sign` puts into `ignore_paths` by default (so folders it
 /// signs verify).
@@ -305,45 +297,4 @@ pub fn check_manifest(
             ));
         }
     }
-}
-
-/// Prints the verdict; an error (exit 1) when anything failed.
-/// Verifies and prints the verdict; false when problems were found (each
-/// printed, naming its file).
-pub fn run(a: &VerifyArgs) -> Result<bool> {
-    let r = verify(a)?;
-    if r.problems.is_empty() {
-        let what = match &r.summary {
-            Some(s) => format!(
-                "release '{}' {} (layout {})",
-                s.model_id, s.version, s.layout
-            ),
-            None => format!("model '{}'", r.model_name),
-        };
-        println!(
-            "OK {}: {what}: signature valid, {} files match the signature{}{}",
-            a.release_dir.display(),
-            r.files,
-            if r.has_manifest {
-                ", manifest.json agrees"
-            } else {
-                " (no manifest.json: a model_signing directory, not a chunkforge release)"
-            },
-            if a.archive.is_some() {
-                ", archive matches"
-            } else {
-                ""
-            }
-        );
-        return Ok(true);
-    }
-    for p in &r.problems {
-        eprintln!("FAIL {p}");
-    }
-    let failed = VerifyFailed {
-        dir: a.release_dir.clone(),
-        count: r.problems.len(),
-    };
-    eprintln!("error: {failed}");
-    Ok(false)
 }
