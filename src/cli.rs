@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 
 use crate::args;
@@ -17,7 +17,14 @@ use crate::records::Palettizer;
 /// A value parser for a [`chunkforge_model::named!`] enum: its names are the
 /// possible values (listed in `--help`, checked while parsing).
 fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
-    PossibleValuesParser::new(T::NAMES).map(|s| {
+    let values = T::NAMES.iter().zip(T::DOCS).map(|(name, doc)| {
+        let value = PossibleValue::new(*name);
+        match doc.trim() {
+            "" => value,
+            doc => value.help(doc.trim_end_matches('.')),
+        }
+    });
+    PossibleValuesParser::new(values).map(|s| {
         s.parse::<T>()
             .ok()
             .expect("clap only passes one of the possible values")

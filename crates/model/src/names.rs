@@ -7,22 +7,26 @@
 pub trait Named: Copy + std::str::FromStr + 'static {
     /// Every name, in declaration order.
     const NAMES: &'static [&'static str];
+    /// Each value's doc comment, for `--help`.
+    const DOCS: &'static [&'static str];
     fn as_str(self) -> &'static str;
 }
 
 /// `named! { /// docs  pub enum Mode { /// docs  Four = "four", ... } }`
 #[macro_export]
 macro_rules! named {
-    ($(#[$meta:meta])* pub enum $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+    ($(#[$meta:meta])* pub enum $name:ident { $($(#[doc = $vdoc:literal])* $variant:ident = $text:literal),+ $(,)? }) => {
         $(#[$meta])*
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub enum $name { $($(#[$vmeta])* $variant),+ }
+        pub enum $name { $($(#[doc = $vdoc])* $variant),+ }
 
         impl $name {
             /// Every value, in declaration order.
             pub const ALL: &'static [$name] = &[$($name::$variant),+];
             /// Every name, in declaration order.
             pub const NAMES: &'static [&'static str] = &[$($text),+];
+            /// Each value's doc comment (empty without one), in declaration order.
+            pub const DOCS: &'static [&'static str] = &[$(concat!("" $(, $vdoc)*)),+];
 
             pub fn as_str(self) -> &'static str {
                 match self { $($name::$variant => $text),+ }
@@ -31,6 +35,7 @@ macro_rules! named {
 
         impl $crate::names::Named for $name {
             const NAMES: &'static [&'static str] = $name::NAMES;
+            const DOCS: &'static [&'static str] = $name::DOCS;
             fn as_str(self) -> &'static str {
                 $name::as_str(self)
             }
@@ -74,7 +79,11 @@ macro_rules! named {
 mod tests {
     named! {
         /// A test set.
-        pub enum Pet { Cat = "cat", Dog = "dog" }
+        pub enum Pet {
+            /// Purrs.
+            Cat = "cat",
+            Dog = "dog",
+        }
     }
 
     #[test]
@@ -85,6 +94,7 @@ mod tests {
             assert_eq!(serde_json::from_str::<Pet>(&j).unwrap(), *p);
         }
         assert_eq!(Pet::NAMES, ["cat", "dog"]);
+        assert_eq!(Pet::DOCS, [" Purrs.", ""]);
         assert!("cow".parse::<Pet>().unwrap_err().contains("cat, dog"));
     }
 }

@@ -18,11 +18,12 @@ pub const NBITS: u32 = 4;
 pub const GROUP_SIZE: usize = 32;
 
 crate::named! {
-    /// Who computes the INT4 look-up tables.
+    /// Who computes the INT4 look-up tables: `chunkforge`, the Rust kernel
+    /// (optimal, deterministic, each distinct weight once per build), or
+    /// `coremltools`, its own k-means, for comparison. (The CLI's `--help`
+    /// says this on the option, so the values carry no docs of their own.)
     pub enum Palettizer {
-        /// The Rust kernel: optimal, deterministic, each distinct weight once per build.
         Chunkforge = "chunkforge",
-        /// coremltools' own k-means, for comparison.
         Coremltools = "coremltools",
     }
 }
