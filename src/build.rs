@@ -306,15 +306,36 @@ fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
     units
 }
 
+/// A layout request with its mode and context known (a recorded one is
+/// checked to have both).
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub mode: Mode,
+    pub split: Option<String>,
+    pub ctx: usize,
+    pub verify_k: Option<usize>,
+    pub prefill_len: Option<Vec<usize>>,
+}
+
+impl Layout {
+    /// As build.json records it.
+    pub fn record(&self) -> BuildRequest {
+        BuildRequest {
+            mode: Some(self.mode),
+            split: self.split.clone(),
+            ctx: Some(self.ctx as u64),
+            verify_k: self.verify_k,
+            prefill_len: self.prefill_len.clone(),
+        }
+    }
+}
+
 /// What `build --check` replays of an earlier build: its checkpoint, layout
 /// request and quantization.
 #[derive(Debug)]
 pub struct Rebuild {
     pub hf_dir: Option<PathBuf>,
-    pub request: BuildRequest,
-    /// `request`'s mode and context, checked.
-    pub mode: Mode,
-    pub ctx: usize,
+    pub layout: Layout,
     pub quantize: bool,
     pub palettizer: Palettizer,
 }
@@ -394,9 +415,13 @@ pub fn request_of(build_json: &Path, hf_override: &Option<PathBuf>) -> Result<Re
         .unwrap_or(Palettizer::Chunkforge);
     Ok(Rebuild {
         hf_dir,
-        request: r.request,
-        mode,
-        ctx,
+        layout: Layout {
+            mode,
+            split: r.request.split,
+            ctx,
+            verify_k: r.request.verify_k,
+            prefill_len: r.request.prefill_len,
+        },
         quantize: r.settings.quantize,
         palettizer,
     })

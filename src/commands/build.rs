@@ -79,13 +79,7 @@ fn check(dir: &Path, args: &BuildCmd, verbose: bool) -> Result<ExitStatus> {
     let tmp = std::env::temp_dir().join(format!("chunkforge-check-{}", std::process::id()));
     let result = BuildJob {
         hf_dir: old.hf_dir.as_deref(),
-        layout: Layout {
-            mode: old.mode,
-            split: old.request.split,
-            ctx: old.ctx,
-            verify_k: old.request.verify_k,
-            prefill_len: old.request.prefill_len,
-        },
+        layout: old.layout,
         quantize: old.quantize,
         kmeans_workers: args.kmeans_workers,
         palettizer: old.palettizer,

@@ -19,11 +19,10 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 
+pub(crate) use crate::build::Layout;
 use crate::cli::{Cli, Cmd, LayoutArgs};
 use crate::config::TextConfig;
-use crate::plan::Mode;
 use crate::py::env as pyenv;
-use crate::records::BuildRequest;
 use crate::{fixture as fixtures, plan as planner};
 
 /// How a command ended; the process exit code (README: Exit codes).
@@ -141,35 +140,15 @@ fn plan_for(dir: &Path, request: &Layout) -> Result<(TextConfig, planner::Plan)>
     Ok((cfg, plan))
 }
 
-/// A layout request with its mode and context known (a recorded one is
-/// checked to have both).
-pub(crate) struct Layout {
-    pub mode: Mode,
-    pub split: Option<String>,
-    pub ctx: usize,
-    pub verify_k: Option<usize>,
-    pub prefill_len: Option<Vec<usize>>,
-}
-
 impl Layout {
-    fn of(args: &LayoutArgs) -> Self {
+    /// The CLI's layout options.
+    pub fn of(args: &LayoutArgs) -> Self {
         Layout {
             mode: args.mode,
             split: args.split.clone(),
             ctx: args.ctx,
             verify_k: args.functions.verify_k,
             prefill_len: args.functions.prefill_len.clone(),
-        }
-    }
-
-    /// As build.json records it.
-    fn record(&self) -> BuildRequest {
-        BuildRequest {
-            mode: Some(self.mode),
-            split: self.split.clone(),
-            ctx: Some(self.ctx as u64),
-            verify_k: self.verify_k,
-            prefill_len: self.prefill_len.clone(),
         }
     }
 }

@@ -14,7 +14,8 @@ use pyo3::types::{PyCFunction, PyDict, PyTuple};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::env::call_json;
+use super::env::render_error;
+use super::error::PythonError;
 use crate::checkpoint::Checkpoint;
 use crate::plan::{ChunkPlan, Dims};
 use crate::progress::BuildProgress;
@@ -28,8 +29,20 @@ pub fn call<R: Serialize, T: DeserializeOwned>(
     request: &R,
     verbose: bool,
 ) -> Result<T> {
-    let reply = call_json(module, func, &serde_json::to_value(request)?, verbose)?;
-    serde_json::from_value(reply).map_err(|e| anyhow!("bad reply from {module}.{func}: {e}"))
+    let args = serde_json::to_value(request)?;
+    let reply = Python::attach(|py| {
+        let m = py.import(format!("chunkforge_py.{module}"))?;
+        let result = if args.is_null() {
+            m.call_method0(func)?
+        } else {
+            m.call_method1(func, (to_py(py, &args)?,))?
+        };
+        dumps(&result)
+    })
+    .map_err(|e| PythonError {
+        message: render_error(e, verbose),
+    })?;
+    serde_json::from_str(&reply).map_err(|e| anyhow!("bad reply from {module}.{func}: {e}"))
 }
 
 /// Versions of the Python-side tools, by package, `python` first.
@@ -193,14 +206,17 @@ fn to_py<'py, T: Serialize>(py: Python<'py>, v: &T) -> PyResult<Bound<'py, PyAny
     py.import("json")?.call_method1("loads", (json,))
 }
 
-/// A Python reply read as `T` (through JSON).
-fn from_py<T: DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
-    let json: String = obj
-        .py()
+/// A Python object as JSON text.
+fn dumps(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    obj.py()
         .import("json")?
         .call_method1("dumps", (obj,))?
-        .extract()?;
-    serde_json::from_str(&json)
+        .extract()
+}
+
+/// A Python reply read as `T` (through JSON).
+fn from_py<T: DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
+    serde_json::from_str(&dumps(obj)?)
         .map_err(|e| PyValueError::new_err(format!("bad reply from {what}: {e}")))
 }
 

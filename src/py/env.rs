@@ -14,7 +14,6 @@ use sha2::{Digest, Sha256};
 use crate::cache_dir::cache_dir;
 use crate::hashing::hex;
 use crate::progress;
-use crate::py::error::PythonError;
 
 /// The pinned Python requirements, compiled in so the stamp always matches the binary.
 pub const REQUIREMENTS: &str = include_str!("../../python/requirements.txt");
@@ -219,32 +218,5 @@ pub fn render_error(err: PyErr, verbose: bool) -> String {
             out.push_str(" (run with --verbose for the Python traceback)");
         }
         out
-    })
-}
-
-/// Calls `chunkforge_py.<module>.<func>(*args)` and converts the result through JSON.
-pub fn call_json(
-    module: &str,
-    func: &str,
-    args: &serde_json::Value,
-    verbose: bool,
-) -> Result<serde_json::Value, PythonError> {
-    Python::attach(|py| -> PyResult<String> {
-        let json = py.import("json")?;
-        let m = py.import(format!("chunkforge_py.{module}"))?;
-        let result = if args.is_null() {
-            m.call_method0(func)?
-        } else {
-            m.call_method1(func, (json.call_method1("loads", (args.to_string(),))?,))?
-        };
-        json.call_method1("dumps", (result,))?.extract()
-    })
-    .map_err(|e| PythonError {
-        message: render_error(e, verbose),
-    })
-    .and_then(|s| {
-        serde_json::from_str(&s).map_err(|e| PythonError {
-            message: format!("bad reply from {module}.{func}: {e}"),
-        })
     })
 }
