@@ -271,7 +271,7 @@ pub struct FixtureCmd {
     pub shards: usize,
     #[arg(long, default_value_t = 512)]
     pub sliding_window: usize,
-    /// Vocabulary size (the LM head's rows).
+    /// Vocabulary size: the LM head's rows and the tokenizer's tokens (at least 260).
     #[arg(long, default_value_t = 512)]
     pub vocab_size: usize,
     /// The released model's widths (E2B: hidden 1536, 8x256/512 heads, MLP 6144)

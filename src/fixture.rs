@@ -12,7 +12,8 @@ use crate::py::calls;
 use crate::staging;
 
 /// Bumped whenever the fixture generator changes, so cached defaults are regenerated.
-const DEFAULT_FIXTURE_VERSION: u32 = 2;
+/// (v3: tokenizer files and generation_config.json added; weights unchanged.)
+const DEFAULT_FIXTURE_VERSION: u32 = 3;
 
 chunkforge_model::named! {
     /// The fixture's layer structure.

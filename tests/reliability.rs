@@ -666,6 +666,35 @@ fn fixture_refuses_to_overwrite_a_checkpoint() {
 }
 
 #[test]
+fn fixture_refuses_a_vocabulary_too_small_for_its_tokenizer() {
+    // 4 special tokens + 256 bytes: 259 cannot hold the byte-level tokenizer.
+    let parent = tempdir("tiny-vocab");
+    let out = parent.join("ckpt");
+    let o = run(&[
+        "fixture",
+        "--out",
+        out.to_str().unwrap(),
+        "--vocab-size",
+        "259",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(
+            "--vocab-size 259: the fixture's byte-level tokenizer needs at least 260 tokens"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("Traceback"), "{err}");
+    assert_eq!(
+        fs::read_dir(&parent).unwrap().count(),
+        0,
+        "nothing may be left in {}",
+        parent.display()
+    );
+}
+
+#[test]
 fn sigkill_during_keygen_never_leaves_a_partial_key() {
     let dir = tempdir("kill-keygen");
     for i in 0..40u64 {

@@ -4,6 +4,8 @@ These stand in for real checkpoints, which cannot be downloaded here. They keep
 the real model's layer structure (layer types, KV sharing, double-wide MLP,
 two head dims, per-layer embeddings, tied head, softcap) at tiny widths, and
 are written by ``transformers`` itself so the real loading path is exercised.
+Each also ships the files of a tokenizer (see ``tokenizer``) and a
+``generation_config.json``, as Hugging Face checkpoints do.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 from typing import Any
 
 from .contract import FixtureArgs, FixtureInfo
+from .tokenizer import BOS, EOS, PAD, SPECIAL_IDS, write_tokenizer
 
 # Layer structure of the released checkpoints; widths are kept tiny.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -83,6 +86,10 @@ def text_config_dict(
         "final_logit_softcapping": 30.0,
         "tie_word_embeddings": True,
         "max_position_embeddings": 4096,
+        # The fixture tokenizer's ids (transformers' Gemma 4 defaults too).
+        "pad_token_id": SPECIAL_IDS[PAD],
+        "eos_token_id": SPECIAL_IDS[EOS],
+        "bos_token_id": SPECIAL_IDS[BOS],
         "rms_norm_eps": 1e-6,
         # A larger init scale keeps the top-1 logit well clear of the runner-up,
         # so parity's "identical token" check is not decided by rounding.
@@ -114,17 +121,23 @@ def write_fixture(
     ``multimodal`` writes a ``Gemma4ForConditionalGeneration``-style directory:
     config under ``text_config``, tensors under ``model.language_model.``, and
     extra vision tensors that a loader must skip. ``shards`` > 1 writes
-    ``model.safetensors.index.json`` with that many shard files.
+    ``model.safetensors.index.json`` with that many shard files. The tokenizer
+    files and ``generation_config.json`` do not depend on ``seed``.
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig, GenerationConfig
 
     if shape not in SHAPES:
         raise ValueError(f"unknown fixture shape {shape!r}; expected one of {sorted(SHAPES)}")
     torch.manual_seed(seed)
     cfg_kwargs = text_config_dict(shape, sliding_window=sliding_window, vocab_size=vocab_size, full_width=full_width)
     config = Gemma4TextConfig(**cfg_kwargs)
+    # First, so a vocabulary too small for the tokenizer fails before the model is built.
+    write_tokenizer(out_dir, vocab_size=config.vocab_size, model_max_length=config.max_position_embeddings)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out_dir)
     model = Gemma4ForCausalLM(config).eval()
     # Norm weights initialise to ones; perturb them so a loader that drops or
     # swaps a norm produces visibly different numbers.
