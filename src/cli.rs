@@ -13,6 +13,7 @@ use crate::names::Named;
 use crate::parity::CorruptFunction;
 use crate::plan::Mode;
 use crate::records::Palettizer;
+use crate::run::RunLayout;
 
 /// A value parser for a [`chunkforge_model::named!`] enum: its names are the
 /// possible values (listed in `--help`, checked while parsing).
@@ -119,8 +120,14 @@ pub enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
-    /// Make a signed release folder (manifest.json + model.sig, OpenSSF model signing format) from a build.
+    /// Make a signed release folder from a build: the packages, the runtime's side files,
+    /// hf_model/, manifest.json and model.sig (OpenSSF model signing format).
     Package(PackageCmd),
+    /// Build, check parity, then package and sign: one command from checkpoint to release
+    /// (refuses to sign when parity fails).
+    Release(ReleaseCmd),
+    /// Generate text from a release folder alone: the app's runtime emulated on the CPU.
+    Run(RunCmd),
     /// Check a release folder's signature, files and manifest (and optionally its zip).
     Verify(VerifyCmd),
     /// Run pytest inside the embedded interpreter (where chunkforge_native is importable).
@@ -301,7 +308,25 @@ pub struct BenchBuildCmd {
 pub struct PackageCmd {
     /// Build output folder (build.json + <name>.mlpackage folders).
     pub build_dir: PathBuf,
-    /// Decode layout(s) to ship; two and one also ship chunk1..4 (prefill, verify).
+    #[command(flatten)]
+    pub release: ReleaseArgs,
+    /// The checkpoint the side files and hf_model/ come from [default: build.json's
+    /// checkpoint folder]; its config.json must be the one the build was made from.
+    #[arg(long)]
+    pub hf_dir: Option<PathBuf>,
+    /// Parity report JSON (`chunkforge parity --report`) of the build's checkpoint; its
+    /// top-level `summary` object is embedded in the manifest. A failed report is refused.
+    #[arg(long)]
+    pub parity_report: Option<PathBuf>,
+    /// Embed a failed parity report anyway, recorded as failed (`ok: false`).
+    #[arg(long, requires = "parity_report")]
+    pub allow_failed_parity: bool,
+}
+
+/// What goes into a release folder and where (`package` and `release`).
+#[derive(Args, Clone, Debug)]
+pub struct ReleaseArgs {
+    /// Decode layout(s) to ship; chunk1..4 (decode, verify) and prefill_chunk1..4 ship with every layout.
     #[arg(long, value_parser = named::<ReleaseLayout>())]
     pub layout: ReleaseLayout,
     /// ECDSA P-256 private key (PKCS#8 PEM, e.g. from `chunkforge keygen`).
@@ -313,25 +338,89 @@ pub struct PackageCmd {
     /// Release version recorded in the manifest [default: build-<first 12 hex of build.json's SHA-256>].
     #[arg(long)]
     pub version: Option<String>,
-    /// Model id recorded in the manifest: letters, digits, '.', '_', '-' [default: the checkpoint folder's name from build.json].
+    /// Model id recorded in the manifest and model_config.json: letters, digits, '.', '_', '-'
+    /// [default: the checkpoint folder's name from build.json].
     #[arg(long, value_parser = args::model_id)]
     pub model_id: Option<String>,
     /// Base URL the files will be served from; each manifest file entry gets `url`.
     #[arg(long)]
     pub base_url: Option<String>,
-    /// Parity report JSON (`chunkforge parity --report`) of the build's checkpoint; its
-    /// top-level `summary` object is embedded in the manifest. A failed report is refused.
-    #[arg(long)]
-    pub parity_report: Option<PathBuf>,
-    /// Embed a failed parity report anyway, recorded as failed (`ok: false`).
-    #[arg(long, requires = "parity_report")]
-    pub allow_failed_parity: bool,
     /// Also write a deterministic zip of the release folder here, plus FILE.sha256.
     #[arg(long)]
     pub zip: Option<PathBuf>,
+    /// Rows of the RoPE tables (cos/sin_*.npy) [default: the build's context length].
+    #[arg(long)]
+    pub rope_positions: Option<usize>,
+    /// Release without hf_model/tokenizer.json (the app must bring its own tokenizer).
+    #[arg(long)]
+    pub no_tokenizer: bool,
     /// If another run is writing the same --output, fail at once instead of waiting for it.
     #[arg(long)]
     pub no_wait: bool,
+}
+
+/// `chunkforge release`.
+#[derive(Args, Clone)]
+pub struct ReleaseCmd {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub release: ReleaseArgs,
+    /// Where the build goes (kept, for `build --check` and `parity --artifacts`) [default: OUTPUT.build].
+    #[arg(long)]
+    pub build_dir: Option<PathBuf>,
+    /// Full-attention context length (KV cache entries), at most 131072.
+    #[arg(long, default_value_t = 2048, value_parser = args::ctx)]
+    pub ctx: usize,
+    #[command(flatten)]
+    pub functions: FunctionArgs,
+    /// Skip INT4 palettization (FP16 weights).
+    #[arg(long)]
+    pub no_quantize: bool,
+    /// Parity decode steps.
+    #[arg(long, default_value_t = 16)]
+    pub steps: usize,
+    /// Also compile each package to .mlmodelc (`xcrun coremlcompiler compile`; macOS only,
+    /// reported as skipped elsewhere).
+    #[arg(long)]
+    pub compile: bool,
+    /// Skip the build when --build-dir already holds a complete one of this checkpoint
+    /// with these settings (anything else there is an error).
+    #[arg(long)]
+    pub reuse_build: bool,
+    /// Testing aid: corrupt one weight of this layer in parity's compared layouts.
+    #[arg(long, hide = true)]
+    pub corrupt_layer: Option<usize>,
+}
+
+/// `chunkforge run`.
+#[derive(Args, Clone)]
+pub struct RunCmd {
+    /// Release folder (from `package` or `release`).
+    pub release_dir: PathBuf,
+    /// Prompt text, tokenized with the release's hf_model/tokenizer.json.
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    pub prompt: Option<String>,
+    /// Prompt token ids (comma-separated) instead of text.
+    #[arg(long)]
+    pub prompt_ids: Option<String>,
+    /// Tokens to generate (fewer if the model emits eos first).
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: usize,
+    /// Decode layout: auto picks by file presence, as the runtime does.
+    #[arg(long, default_value = "auto", value_parser = named::<RunLayout>())]
+    pub layout: RunLayout,
+    /// Speculative decoding with chunk1..4's verify_qK: K tokens per call (the
+    /// packages' K), drafts by prompt lookup.
+    #[arg(long)]
+    pub speculate: Option<usize>,
+    /// Print {"layout", "prompt_ids", "generated_ids", "text", ...} as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `chunkforge verify`.

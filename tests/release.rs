@@ -22,6 +22,21 @@ use sha2::{Digest, Sha256};
 
 const WEIGHT: &str = "merged_chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin";
 
+/// The side files every release carries beside its packages.
+const SIDE_FILES: [&str; 11] = [
+    "cos_full.npy",
+    "cos_sliding.npy",
+    "embed_tokens_per_layer_q8.bin",
+    "embed_tokens_per_layer_scales.bin",
+    "embed_tokens_q8.bin",
+    "embed_tokens_scales.bin",
+    "model_config.json",
+    "per_layer_norm_weight.bin",
+    "per_layer_projection.bin",
+    "sin_full.npy",
+    "sin_sliding.npy",
+];
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -108,6 +123,19 @@ fn plan_json() -> &'static Value {
     })
 }
 
+/// The tiny E2B fixture the synthetic builds name as their checkpoint (the
+/// side files and hf_model/ of their releases come from it).
+fn checkpoint_dir() -> PathBuf {
+    common::fixture("e2b", &[])
+}
+
+fn config_sha256() -> String {
+    format!(
+        "{:x}",
+        Sha256::digest(fs::read(checkpoint_dir().join("config.json")).unwrap())
+    )
+}
+
 /// Same digest as build.json's `sha256_tree`.
 fn tree_digest(dir: &Path) -> String {
     let mut lines = Vec::new();
@@ -181,8 +209,8 @@ fn synthetic_build(dir: &Path, skip: &[&str], big_mib: usize) -> PathBuf {
     let build = json!({
         "format": "chunkforge-build/1",
         "tool": {"chunkforge": "0.1.0", "python": {"python": "3.11", "torch": "2.11.0", "coremltools": "9.0", "transformers": "5.5.0"}},
-        "checkpoint": {"dir": "/models/gemma-4-e2b-tiny", "architecture": "Gemma4ForCausalLM", "multimodal": false,
-                       "config_sha256": format!("{:x}", Sha256::digest(b"config"))},
+        "checkpoint": {"dir": s(&checkpoint_dir()), "architecture": "Gemma4ForCausalLM", "multimodal": false,
+                       "config_sha256": config_sha256()},
         "request": {"mode": "all"},
         "settings": {"ctx": 2048, "minimum_deployment_target": "iOS18", "compute_precision": "FLOAT16",
                      "compute_units": "CPU_AND_NE", "quantize": true,
@@ -1057,6 +1085,9 @@ fn layouts_ship_the_right_packages() {
         dirs.sort();
         let mut want: Vec<String> = names.iter().map(|n| format!("{n}.mlpackage")).collect();
         want.extend(["manifest.json".into(), "model.sig".into()]);
+        // The runtime's side files and hf_model/ ship with every layout.
+        want.extend(SIDE_FILES.iter().map(|f| f.to_string()));
+        want.push("hf_model".into());
         want.sort();
         assert_eq!(dirs, want, "layout {layout}");
         // The KV slot map is copied from the build's plan, never recomputed.
@@ -1272,7 +1303,7 @@ fn package_args<'a>(
 fn parity_report(step_ok: bool, summary: Value) -> Value {
     json!({
         "format": "chunkforge-parity/1",
-        "checkpoint": {"dir": "/models/gemma-4-e2b-tiny", "config_sha256": format!("{:x}", Sha256::digest(b"config"))},
+        "checkpoint": {"dir": s(&checkpoint_dir()), "config_sha256": config_sha256()},
         "prompt_ids": [2],
         "steps": [{"layout": "two", "step": 0, "cos": 1.0, "ref_token": 5, "token": if step_ok { 5 } else { 6 }, "margin": 1.0, "ok": step_ok}],
         "oracle": [], "artifacts": [],
@@ -1545,6 +1576,49 @@ fn release_of_a_real_build_all_verifies_and_matches_the_schema() {
     );
     assert_eq!(functions("prefill_chunk4"), [json!("prefill_b512")]);
     assert_eq!(m["prefill"]["layout"], "prefill");
+    // Every file has its roles; the side files and hf_model/ are listed.
+    let roles: BTreeMap<String, Value> = m["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["path"].as_str().unwrap().to_string(), f["roles"].clone()))
+        .collect();
+    assert_eq!(roles["embed_tokens_q8.bin"], json!(["embedding"]));
+    assert_eq!(roles["per_layer_projection.bin"], json!(["embedding"]));
+    assert_eq!(roles["cos_full.npy"], json!(["rope"]));
+    assert_eq!(roles["model_config.json"], json!(["config"]));
+    assert_eq!(roles["hf_model/tokenizer.json"], json!(["tokenizer"]));
+    assert_eq!(roles["hf_model/config.json"], json!(["tokenizer"]));
+    assert_eq!(
+        roles["chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin"],
+        json!(["decode", "verify"])
+    );
+    assert_eq!(
+        roles["prefill_chunk2.mlpackage/Manifest.json"],
+        json!(["prefill"])
+    );
+    assert_eq!(
+        roles["merged_full.mlpackage/Data/com.apple.CoreML/model.mlmodel"],
+        json!(["decode"])
+    );
+    assert_eq!(m["compiled"]["mlmodelc"], json!(false));
+    // Groups of equal files, each listed with the digest every member has.
+    let digest: BTreeMap<&str, &Value> = m["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["path"].as_str().unwrap(), &f["sha256"]))
+        .collect();
+    for g in m["shared_blobs"].as_array().unwrap() {
+        let paths = g["paths"].as_array().unwrap();
+        assert!(paths.len() >= 2);
+        for p in paths {
+            assert_eq!(digest[p.as_str().unwrap()], &g["sha256"]);
+        }
+    }
+    let cfg: Value =
+        serde_json::from_slice(&fs::read(out.join("model_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["context_length"], b["settings"]["ctx"]);
 }
 
 #[test]
@@ -1714,7 +1788,13 @@ fn unsafe_model_ids_are_refused_naming_the_option() {
             && e.contains("pass --model-id"),
         "{e}"
     );
-    let o = package(&["--model-id", "gemma-4-e2b_it.v1"]);
+    // The checkpoint build.json names is gone now: --hf-dir gives it.
+    let o = package(&[
+        "--model-id",
+        "gemma-4-e2b_it.v1",
+        "--hf-dir",
+        s(&checkpoint_dir()),
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(manifest(&out)["model"]["id"], json!("gemma-4-e2b_it.v1"));
 }
@@ -2118,4 +2198,77 @@ fn verify_exit_codes_follow_the_readme_table() {
         "missing --public-key: {}",
         stderr(&o)
     );
+}
+
+/// A release is the whole folder: a build without prefill_chunk1..4, a
+/// package whose causal_mask_full disagrees with the context length, and a
+/// checkpoint without a tokenizer are refused, each naming the problem;
+/// --no-tokenizer ships without one on purpose.
+#[test]
+fn package_refuses_incomplete_folders() {
+    let w = tempdir("incomplete");
+    let (private, _) = keys(&w, "k");
+    let out = w.join("rel");
+    let edit = |tag: &str, f: &dyn Fn(&mut Value)| -> PathBuf {
+        let build = synthetic_build(&w.join(tag), &[], 0);
+        let bj = build.join("build.json");
+        let mut b: Value = serde_json::from_slice(&fs::read(&bj).unwrap()).unwrap();
+        f(&mut b);
+        fs::write(&bj, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
+        build
+    };
+    let no_prefill = edit("no-prefill", &|b| {
+        b["plan"]["layouts"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|l| l["kind"] != "prefill");
+    });
+    let o = run(&package_args(&no_prefill, "two", &private, &out, &[]));
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("no prefill_chunk1..4") && e.contains("build.json"),
+        "{e}"
+    );
+    assert!(!out.exists());
+
+    let bad_mask = edit("bad-mask", &|b| {
+        let chunk1 = &mut b["plan"]["layouts"][0]["chunks"][0];
+        assert_eq!(chunk1["name"], "chunk1");
+        for t in chunk1["functions"][0]["inputs"].as_array_mut().unwrap() {
+            if t["name"] == "causal_mask_full" {
+                t["shape"][3] = json!(1024);
+            }
+        }
+    });
+    let e = stderr(&run(&package_args(&bad_mask, "two", &private, &out, &[])));
+    assert!(
+        e.contains("chunk1.mlpackage")
+            && e.contains("causal_mask_full")
+            && e.contains("context_length is 2048"),
+        "{e}"
+    );
+    assert!(!out.exists());
+
+    // A checkpoint without tokenizer.json: refused, unless --no-tokenizer.
+    let bare = w.join("bare-checkpoint");
+    fs::create_dir_all(&bare).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        fs::copy(checkpoint_dir().join(f), bare.join(f)).unwrap();
+    }
+    let build = synthetic_build(&w.join("bare"), &[], 0);
+    let hf = ["--hf-dir", s(&bare)];
+    let e = stderr(&run(&package_args(&build, "two", &private, &out, &hf)));
+    assert!(
+        e.contains(&format!("{}", bare.join("tokenizer.json").display()))
+            && e.contains("--no-tokenizer"),
+        "{e}"
+    );
+    assert!(!out.exists());
+    let mut args = hf.to_vec();
+    args.push("--no-tokenizer");
+    ok(&package_args(&build, "two", &private, &out, &args));
+    assert!(!out.join("hf_model/tokenizer.json").exists());
+    assert!(out.join("hf_model/config.json").exists());
+    assert!(out.join("cos_full.npy").exists());
 }

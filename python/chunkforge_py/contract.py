@@ -576,3 +576,67 @@ class BenchReport(TypedDict):
     nbits: int
     weight_std: float
     seed: int
+
+
+# ---- run (src/run.rs) -------------------------------------------------------
+
+# A layout as `run` gets it: the plan of hf_model/config.json at the release's
+# context length, checked against manifest.json.
+RunLayout = Layout
+
+
+class RunFiles(TypedDict):
+    """Paths of the release's side files `run` reads (Rust checked each one's
+    size, header and manifest digest)."""
+
+    embed_tokens_q8: str
+    embed_tokens_scales: str
+    embed_tokens_per_layer_q8: str
+    embed_tokens_per_layer_scales: str
+    cos_sliding: str
+    sin_sliding: str
+    cos_full: str
+    sin_full: str
+    # hf_model/tokenizer.json (may be absent in a release made with --no-tokenizer).
+    tokenizer: str
+
+
+class RunRequest(TypedDict):
+    """What `emulate.run` gets."""
+
+    release: str
+    dims: Dims
+    decode: RunLayout
+    four: RunLayout
+    prefill: RunLayout
+    files: RunFiles
+    prompt: NotRequired[str | None]
+    prompt_ids: NotRequired[list[int] | None]
+    max_tokens: int
+    # Draft tokens per verify_qK call (its K), or None for plain decode.
+    speculate: NotRequired[int | None]
+    eos_token_ids: list[int]
+
+
+class Speculation(TypedDict):
+    k: int
+    calls: int
+    drafts: int
+    accepted_drafts: int
+
+
+class RunResult(TypedDict):
+    layout: LayoutKind
+    chunks: list[str]
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    text: str | None
+    # eos, max_tokens or context.
+    stopped: str
+    prefill_tokens: int
+    prefill_function: str
+    load_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens_per_second: float
+    speculation: Speculation | None

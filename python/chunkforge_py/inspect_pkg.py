@@ -22,6 +22,14 @@ ARRAY_DTYPES = {65552: "fp16", 65568: "fp32", 131104: "int32"}
 LAYER_RE = re.compile(r"^layers_(\d+)_")
 
 
+def const_key(name: str) -> str:
+    """A package const's name reduced to the torch parameter path with dots as
+    underscores (coremltools appends `_promoted_to_fp16`, `_palettized`, ...)."""
+    for suffix in ("_palettized", "_promoted_to_fp16", "_to_fp16"):
+        name = name.removesuffix(suffix)
+    return name
+
+
 def read_package(path: str, program: bool = True) -> tuple[Any, Any, str]:
     """A saved package's spec, its MIL program (None with ``program=False`` or
     for a non-ML-program model) and the default function's name, read without

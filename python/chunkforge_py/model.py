@@ -39,10 +39,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        out = (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
         if self.weight is not None:
-            out = out * self.weight.float()
-        return out.to(x.dtype)
+            # The weight is used as it is stored, with no cast in between, so
+            # the converted program keeps it as a const under its own name
+            # (`layers_0_input_layernorm_weight`) and `run` can read it back.
+            out = out * self.weight
+        return out
 
 
 def rotate_half(x: torch.Tensor, head_dim: int) -> torch.Tensor:

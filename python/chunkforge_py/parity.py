@@ -239,17 +239,9 @@ def function_summary(records: list[StepRecord], replaced: dict[str, int]) -> Fun
     }
 
 
-def const_key(name: str) -> str:
-    """A package const's name reduced to the torch parameter path with dots as
-    underscores (coremltools appends `_promoted_to_fp16`, `_palettized`, ...)."""
-    for suffix in ("_palettized", "_promoted_to_fp16", "_to_fp16"):
-        name = name.removesuffix(suffix)
-    return name
-
-
 def artifact_weights(package: str) -> dict[str, torch.Tensor]:
     """Dense fp32 weights of every palettized const in a built package (LUT + indices -> dense)."""
-    from .inspect_pkg import read_package
+    from .inspect_pkg import const_key, read_package
 
     if not os.path.isdir(package):
         raise ChunkforgeError(f"{package}: package not found (build it with `chunkforge build --mode all`)")

@@ -4,7 +4,8 @@ layout, exactly as the Swift runtime does with the Core ML packages."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -80,8 +81,18 @@ def prefill_masks(real: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return causal, last
 
 
+class EmbeddingSource(Protocol):
+    """The rows the runtime looks up on the CPU before the first chunk."""
+
+    def rows(self, tokens: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+# RoPE rows of both attention kinds: (pos, dtype, tokens) -> cos/sin by role.
+RopeSource = Callable[[int, torch.dtype, int], Tensors]
+
+
 class Embeddings:
-    """The CPU-side lookups the runtime does before the first chunk."""
+    """The CPU-side lookups the runtime does before the first chunk, from the checkpoint."""
 
     def __init__(self, dims: Dims, ckpt: Checkpoint):
         self.dims = dims
@@ -117,32 +128,36 @@ class LayoutRunner:
         self,
         dims: Dims,
         layout: Layout | ParityLayout,
-        ckpt: Checkpoint,
+        ckpt: Checkpoint | None,
         dtype: torch.dtype = torch.float32,
         modules: dict[str, Chunk] | None = None,
+        rope: RopeSource | None = None,
+        verify: dict[str, Chunk] | None = None,
     ):
         self.dims = dims
         self.layout = layout
         self.dtype = dtype
         self.chunks = layout["chunks"]
-        self.modules = modules or {c["name"]: build_chunk(dims, c, ckpt, dtype, share=True) for c in self.chunks}
+        if modules is None:
+            if ckpt is None:
+                raise ValueError("a layout runner needs the checkpoint or the modules")
+            modules = {c["name"]: build_chunk(dims, c, ckpt, dtype, share=True) for c in self.chunks}
+        self.modules = modules
+        # The RoPE rows: computed (parity), or read from the release's tables (run).
+        self.rope: RopeSource = rope or (lambda pos, dt, n: rope_rows(dims, pos, dt, n))
+        if verify is not None:
+            self._verify = verify
         self.reset()
 
     def reset(self) -> None:
         """Empty caches, as after ChunkedEngine.reset()."""
-        self.caches: Caches = {}
-        for c in self.chunks:
-            self.caches[c["name"]] = {
-                Key(t["role"]): torch.zeros(t["shape"], dtype=self.dtype)
-                for t in c["inputs"]
-                if t["role"] in CACHE_ROLES
-            }
+        self.caches = empty_caches(self.chunks, self.dtype)
 
     def snapshot(self) -> Caches:
         """The caches as they stand (calls replace cache tensors, never edit them)."""
         return {name: dict(cache) for name, cache in self.caches.items()}
 
-    def step(self, emb: Embeddings, token: int, pos: int) -> dict[str, Any]:
+    def step(self, emb: EmbeddingSource, token: int, pos: int) -> dict[str, Any]:
         """One decode step at position ``pos``; returns token, logits, normed hidden, per-layer trace."""
         d, dt = self.dims, self.dtype
         ctx, w = d["ctx"], d["sliding_window"]
@@ -167,13 +182,13 @@ class LayoutRunner:
             "trace": {layer: h.view(-1) for layer, h in trace.items()},
         }
 
-    def _rows(self, emb: Embeddings, tokens: list[int], pos: int) -> Tensors:
+    def _rows(self, emb: EmbeddingSource, tokens: list[int], pos: int) -> Tensors:
         """Embeddings and RoPE rows of ``tokens`` at positions pos.., as the runtime feeds them."""
         hidden, per_layer = emb.rows(tokens, self.dtype)
         return {
             Key("hidden"): hidden,
             Key("per_layer_raw"): per_layer,
-            **rope_rows(self.dims, pos, self.dtype, len(tokens)),
+            **self.rope(pos, self.dtype, len(tokens)),
         }
 
     def verify_modules(self, ckpt: Checkpoint | None = None) -> dict[str, Chunk]:
@@ -187,7 +202,7 @@ class LayoutRunner:
             }
         return self._verify
 
-    def verify(self, emb: Embeddings, tokens: list[int], pos: int) -> dict[str, Any]:
+    def verify(self, emb: EmbeddingSource, tokens: list[int], pos: int) -> dict[str, Any]:
         """``verify_qK`` on K draft tokens at pos..pos+K-1 against the caches as
         they stand (not written): per position token, logits, pre-norm hidden,
         per-layer trace, and each chunk's new K/V rows for ``commit``."""
@@ -237,31 +252,59 @@ class LayoutRunner:
         """Write prefill's per-layer K/V of positions 0..n-1 into this layout's
         own-KV slots, as the runtime does after a prefill call: full slots at
         their positions, window slots the newest min(n, W) at their end."""
-        w = self.dims["sliding_window"]
-        for c in self.chunks:
-            cache = self.caches[c["name"]]
-            for spec in c["layers"]:
-                if spec["kv"]["kind"] != "own":
-                    continue
-                label = spec["attention"]
-                k_rows, v_rows = layer_kv[spec["index"]]
-                hd = k_rows.shape[-1]
-                for role, rows in zip(CACHE[label], (k_rows, v_rows), strict=True):
-                    upd = cache[Key(role)].clone()
-                    slot = spec["kv"]["slot"]
-                    if label == "full":
-                        upd[slot, :, :n, :hd] = rows[0, :, :n]
-                    else:
-                        m = min(n, w)
-                        upd[slot, :, w - m :, :hd] = rows[0, :, n - m : n]
-                    cache[Key(role)] = upd
+        write_prefill_kv(self.caches, self.chunks, layer_kv, n, self.dims["sliding_window"])
 
     def load_prefill(self, source: LayoutRunner, slot_map: list[SlotCopy]) -> None:
         """Copy the four-chunk reference's KV slots into this layout's caches using the plan's slot map."""
-        for m in slot_map:
-            for role in CACHE[m["attention"]]:
-                src = source.caches[m["from_chunk"]][Key(role)][m["from_slot"]]
-                self.caches[m["to_chunk"]][Key(role)][m["to_slot"]] = src.clone()
+        copy_slots(source.caches, self.caches, slot_map)
+
+
+def empty_caches(chunks: list[ChunkPlan], dtype: torch.dtype) -> Caches:
+    """Every chunk's cache inputs, zeroed, as after ChunkedEngine.reset()."""
+    return {
+        c["name"]: {
+            Key(t["role"]): torch.zeros(t["shape"], dtype=dtype) for t in c["inputs"] if t["role"] in CACHE_ROLES
+        }
+        for c in chunks
+    }
+
+
+def write_prefill_kv(
+    caches: Caches,
+    chunks: list[ChunkPlan],
+    layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    n: int,
+    window: int,
+) -> None:
+    """Write prefill's per-layer K/V of positions 0..n-1 into the own-KV slots
+    of ``chunks``' caches, as the runtime does after a prefill call: full slots
+    at their positions, window slots the newest min(n, W) at their end."""
+    for c in chunks:
+        cache = caches[c["name"]]
+        for spec in c["layers"]:
+            if spec["kv"]["kind"] != "own":
+                continue
+            label = spec["attention"]
+            k_rows, v_rows = layer_kv[spec["index"]]
+            hd = k_rows.shape[-1]
+            for role, rows in zip(CACHE[label], (k_rows, v_rows), strict=True):
+                upd = cache[Key(role)].clone()
+                slot = spec["kv"]["slot"]
+                if label == "full":
+                    upd[slot, :, :n, :hd] = rows[0, :, :n]
+                else:
+                    m = min(n, window)
+                    upd[slot, :, window - m :, :hd] = rows[0, :, n - m : n]
+                cache[Key(role)] = upd
+
+
+def copy_slots(source: Caches, dest: Caches, slot_map: list[SlotCopy]) -> None:
+    """Copy whole KV slots from the four-chunk caches into a layout's by the
+    slot map, in layer order (the runtime's copyKVSlots)."""
+    for m in slot_map:
+        for role in CACHE[m["attention"]]:
+            src = source[m["from_chunk"]][Key(role)][m["from_slot"]]
+            dest[m["to_chunk"]][Key(role)][m["to_slot"]] = src.clone()
 
 
 def function_of(chunk: ChunkPlan, kind: FunctionKind, tokens: int | None = None) -> FunctionPlan:
@@ -318,17 +361,30 @@ class PrefillRunner:
     """The prefill packages' functions of ``tokens`` tokens, run as the runtime
     runs them on the start of a prompt."""
 
-    def __init__(self, dims: Dims, layout: Layout | ParityLayout, ckpt: Checkpoint, tokens: int):
+    def __init__(
+        self,
+        dims: Dims,
+        layout: Layout | ParityLayout,
+        ckpt: Checkpoint | None,
+        tokens: int,
+        modules: dict[str, Chunk] | None = None,
+        rope: RopeSource | None = None,
+    ):
         self.dims = dims
         self.chunks = layout["chunks"]
         self.tokens = tokens
         self.functions = {c["name"]: function_of(c, "prefill", tokens) for c in self.chunks}
-        self.modules = {
-            c["name"]: build_chunk(dims, c, ckpt, torch.float32, share=True, function=self.functions[c["name"]])
-            for c in self.chunks
-        }
+        if modules is None:
+            if ckpt is None:
+                raise ValueError("prefill modules need the checkpoint or the modules")
+            modules = {
+                c["name"]: build_chunk(dims, c, ckpt, torch.float32, share=True, function=self.functions[c["name"]])
+                for c in self.chunks
+            }
+        self.modules = modules
+        self.rope: RopeSource = rope or (lambda pos, dt, n: rope_rows(dims, pos, dt, n))
 
-    def run(self, emb: Embeddings, prompt: list[int]) -> dict[str, Any]:
+    def run(self, emb: EmbeddingSource, prompt: list[int]) -> dict[str, Any]:
         """Prefill ``prompt`` (padded to the function's length with its last
         token): the token after it, its logit, every own-KV layer's K/V rows
         and the per-layer hidden states [n, H]."""
@@ -343,7 +399,7 @@ class PrefillRunner:
             Key("per_layer_raw"): per_layer,
             Key("mask_causal"): causal,
             Key("last_position_mask"): last,
-            **rope_rows(self.dims, 0, dt, self.tokens),
+            **self.rope(0, dt, self.tokens),
         }
         outs, trace = chain(self.chunks, self.modules, feeds)
         layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -10,6 +10,8 @@ mod keygen;
 mod package;
 mod parity;
 mod plan;
+mod release;
+mod run;
 mod selftest;
 mod setup;
 mod verify;
@@ -84,6 +86,8 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Fixture(args) => fixture::run(args, verbose),
         Cmd::Keygen { out } => keygen::run(&out),
         Cmd::Package(args) => package::run(args),
+        Cmd::Release(args) => release::run(args, verbose),
+        Cmd::Run(args) => run::run(args, verbose),
         Cmd::Verify(args) => verify::run(args),
         Cmd::SelftestPython { args } => selftest::run(&args, verbose),
         Cmd::Bench { what } => bench::run(what, verbose),

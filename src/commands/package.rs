@@ -1,10 +1,12 @@
 //! `chunkforge package`: a signed release folder from a build.
 
+use std::path::PathBuf;
+
 use anyhow::Result;
 
 use super::ExitStatus;
-use crate::cli::PackageCmd;
-use crate::package::{package, PackageReport, PackageRequest};
+use crate::cli::{PackageCmd, ReleaseArgs};
+use crate::package::{package, Compiled, PackageReport, PackageRequest};
 use crate::publish::OnLocked;
 use crate::sign::SIG_FILE;
 
@@ -16,30 +18,70 @@ pub fn run(args: PackageCmd) -> Result<ExitStatus> {
 }
 
 fn request(a: PackageCmd) -> PackageRequest {
+    release_request(
+        a.build_dir,
+        a.release,
+        a.hf_dir,
+        a.parity_report,
+        a.allow_failed_parity,
+        Compiled::not("not compiled: `chunkforge package` ships .mlpackage folders (compile with `chunkforge release --compile` on macOS)"),
+    )
+}
+
+/// The package request of a build folder and the release options.
+pub(super) fn release_request(
+    build_dir: PathBuf,
+    r: ReleaseArgs,
+    hf_dir: Option<PathBuf>,
+    parity_report: Option<PathBuf>,
+    allow_failed_parity: bool,
+    compiled: Compiled,
+) -> PackageRequest {
     PackageRequest {
-        build_dir: a.build_dir,
-        layout: a.layout,
-        key: a.key,
-        output: a.output,
-        version: a.version,
-        model_id: a.model_id,
-        base_url: a.base_url,
-        parity_report: a.parity_report,
-        allow_failed_parity: a.allow_failed_parity,
-        zip: a.zip,
-        on_locked: OnLocked::from_no_wait(a.no_wait),
+        build_dir,
+        layout: r.layout,
+        key: r.key,
+        output: r.output,
+        version: r.version,
+        model_id: r.model_id,
+        base_url: r.base_url,
+        parity_report,
+        allow_failed_parity,
+        zip: r.zip,
+        on_locked: OnLocked::from_no_wait(r.no_wait),
+        hf_dir,
+        no_tokenizer: r.no_tokenizer,
+        rope_positions: r.rope_positions,
+        compiled,
     }
 }
 
-/// One line for the terminal.
-fn summary(r: &PackageReport, request: &PackageRequest) -> String {
+/// The side files, then one line for the terminal.
+pub(super) fn summary(r: &PackageReport, request: &PackageRequest) -> String {
+    let side = &r.side_files;
     let mut s = format!(
+        "side files: {} files, {:.1} MiB in {:.2}s ({:.0} MiB/s); hf_model/: {}\n",
+        side.files.len(),
+        side.bytes_written() as f64 / (1024.0 * 1024.0),
+        side.seconds,
+        side.bytes_written() as f64 / (1024.0 * 1024.0) / side.seconds.max(1e-9),
+        if r.hf_model.is_empty() {
+            "-".to_string()
+        } else {
+            r.hf_model
+                .iter()
+                .map(|p| p.trim_start_matches("hf_model/"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    );
+    s.push_str(&format!(
         "wrote release {} ({} files, {:.1} MiB, subject sha256 {}) with {SIG_FILE}",
         request.output.display(),
         r.files,
         r.bytes as f64 / (1024.0 * 1024.0),
         r.root_digest,
-    );
+    ));
     if let Some((z, d)) = &r.zip {
         s.push_str(&format!("; archive {} (sha256 {d})", z.display()));
     }

@@ -58,7 +58,7 @@ pub fn run(args: ParityCmd, verbose: bool) -> Result<ExitStatus> {
 }
 
 /// One line per step, oracle step and INT4 artifact check.
-fn print_checks(report: &ParityReport) {
+pub(super) fn print_checks(report: &ParityReport) {
     let verdict = |ok: bool| if ok { "OK" } else { "FAIL" };
     for r in &report.steps {
         println!(
@@ -109,7 +109,7 @@ fn print_checks(report: &ParityReport) {
 }
 
 /// The verdict, and for a failure where it starts.
-fn print_verdict(summary: &ParitySummary, opts: &ParityOptions) {
+pub(super) fn print_verdict(summary: &ParitySummary, opts: &ParityOptions) {
     let tol = opts.tol_cos;
     if summary.ok {
         println!("PARITY OK across {} steps (cos >= {tol}).", opts.steps);

@@ -106,6 +106,13 @@ pub fn tempdir(tag: &str) -> PathBuf {
     d
 }
 
+/// Where the shared builds of this fixture generation live.
+pub fn builds_dir() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("builds")
+        .join(FIXTURE_GENERATION)
+}
+
 static BUILD_LOCK: Mutex<()> = Mutex::new(());
 
 /// `build --mode all` of the built-in default checkpoint, made once and shared

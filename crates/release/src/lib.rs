@@ -4,6 +4,7 @@
 //! crate.
 
 pub mod archive;
+pub mod folder;
 pub mod hashing;
 pub mod keykind;
 pub mod manifest;

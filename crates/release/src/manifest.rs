@@ -136,7 +136,7 @@ impl Build {
         }
     }
 
-    fn layout(&self, kind: LayoutKind) -> Option<&Layout> {
+    pub fn layout(&self, kind: LayoutKind) -> Option<&Layout> {
         self.record.plan.layouts.iter().find(|l| l.kind == kind)
     }
 
@@ -434,6 +434,80 @@ pub struct ManifestInputs<'a> {
     pub model_id: &'a str,
     pub parity: Option<EmbeddedParity>,
     pub base_url: Option<&'a str>,
+    pub compiled: &'a crate::package::Compiled,
+}
+
+chunkforge_model::named! {
+    /// What the runtime uses a file of the release for (`files[].roles`).
+    pub enum FileRole {
+        /// A decode package's file.
+        Decode = "decode",
+        /// A package holding `verify_qK`.
+        Verify = "verify",
+        /// A prefill package's file.
+        Prefill = "prefill",
+        /// The int8 embedding tables and the per-layer projection files.
+        Embedding = "embedding",
+        /// The cos/sin tables.
+        Rope = "rope",
+        /// `model_config.json`.
+        Config = "config",
+        /// `hf_model/`: the tokenizer and the config it dispatches on.
+        Tokenizer = "tokenizer",
+    }
+}
+
+/// The roles of the file at release path `path`: its package's roles, or
+/// what the side file or `hf_model/` file is for.
+fn file_roles(path: &str, chunks: &[ReleaseChunk]) -> Vec<FileRole> {
+    if path.starts_with(&format!("{}/", crate::package::HF_MODEL_DIR)) {
+        return vec![FileRole::Tokenizer];
+    }
+    let top = path.split('/').next().unwrap_or_default();
+    if let Some(pkg) = top
+        .strip_suffix(".mlpackage")
+        .or_else(|| top.strip_suffix(".mlmodelc"))
+    {
+        if let Some(c) = chunks.iter().find(|c| c.name() == pkg) {
+            return c
+                .roles
+                .iter()
+                .map(|r| match r {
+                    PackageRole::Decode => FileRole::Decode,
+                    PackageRole::Verify => FileRole::Verify,
+                    PackageRole::Prefill => FileRole::Prefill,
+                })
+                .collect();
+        }
+    }
+    crate::sidefiles::SIDE_FILES
+        .iter()
+        .find(|f| f.name == path)
+        .map(|f| match f.role {
+            crate::sidefiles::Role::Embedding => FileRole::Embedding,
+            crate::sidefiles::Role::Rope => FileRole::Rope,
+            crate::sidefiles::Role::Config => FileRole::Config,
+        })
+        .into_iter()
+        .collect()
+}
+
+/// Groups of files with one blob digest (e.g. a prefill package's weights
+/// equal to its decode package's), so a downloader fetches each blob once.
+fn shared_blobs(files: &[(String, FileDigest)]) -> Vec<Value> {
+    let mut by_digest: BTreeMap<String, (u64, Vec<&str>)> = BTreeMap::new();
+    for (p, d) in files {
+        by_digest
+            .entry(d.hex())
+            .or_insert((d.size, Vec::new()))
+            .1
+            .push(p);
+    }
+    by_digest
+        .into_iter()
+        .filter(|(_, (size, paths))| paths.len() > 1 && *size > 0)
+        .map(|(sha, (size, paths))| json!({"sha256": sha, "size": size, "paths": paths}))
+        .collect()
 }
 
 /// Builds `manifest.json`. `files` are every file of the release except the
@@ -513,6 +587,7 @@ pub fn build_manifest(
             m.insert("path".into(), json!(p));
             m.insert("size".into(), json!(d.size));
             m.insert("sha256".into(), json!(d.hex()));
+            m.insert("roles".into(), json!(file_roles(p, &chunks)));
             if let Some(base) = &base {
                 m.insert("url".into(), json!(format!("{base}/{}", url_path(p))));
             }
@@ -558,7 +633,9 @@ pub fn build_manifest(
             "transformers": b.tool.python("transformers"),
         }),
     );
+    m.insert("compiled".into(), json!(inp.compiled));
     m.insert("files".into(), Value::Array(file_json));
+    m.insert("shared_blobs".into(), Value::Array(shared_blobs(files)));
     Ok(Value::Object(m))
 }
 

@@ -24,8 +24,12 @@ use crate::manifest::{
     MANIFEST_FILE,
 };
 use crate::publish::{OnLocked, OutputLock};
+use crate::sidefiles::{self, SideFilesReport, SideFilesRequest};
 use crate::sign::{self, SIG_FILE};
 use crate::staging::Staging;
+use chunkforge_model::checkpoint::Checkpoint;
+use chunkforge_model::config::TextConfig;
+use chunkforge_model::plan::{LayoutKind, Role};
 
 /// What `chunkforge package` is asked to do (the CLI's options, resolved).
 #[derive(Clone, Debug)]
@@ -41,6 +45,33 @@ pub struct PackageRequest {
     pub allow_failed_parity: bool,
     pub zip: Option<PathBuf>,
     pub on_locked: OnLocked,
+    /// The checkpoint the side files and `hf_model/` come from (default:
+    /// build.json's `checkpoint.dir`); its config.json must be the build's.
+    pub hf_dir: Option<PathBuf>,
+    /// Ship without `hf_model/tokenizer.json` (the app then needs its own).
+    pub no_tokenizer: bool,
+    /// Rows of the RoPE tables (default: the build's context length).
+    pub rope_positions: Option<usize>,
+    /// Whether `.mlmodelc` were compiled next to the packages (macOS only).
+    pub compiled: Compiled,
+}
+
+/// Whether the release's packages were compiled to `.mlmodelc`, as the
+/// manifest records it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Compiled {
+    pub mlmodelc: bool,
+    pub note: String,
+}
+
+impl Compiled {
+    /// Not compiled: `why` says so in the manifest.
+    pub fn not(why: &str) -> Self {
+        Compiled {
+            mlmodelc: false,
+            note: why.into(),
+        }
+    }
 }
 
 /// What `package` did, for the summary line.
@@ -49,6 +80,100 @@ pub struct PackageReport {
     pub bytes: u64,
     pub root_digest: String,
     pub zip: Option<(PathBuf, String)>,
+    pub side_files: SideFilesReport,
+    /// The `hf_model/` files shipped.
+    pub hf_model: Vec<String>,
+}
+
+/// The checkpoint files `hf_model/` ships when the checkpoint has them (what
+/// swift-transformers' `AutoTokenizer.from(modelFolder:)` reads, and the
+/// config it dispatches on).
+pub const HF_MODEL_FILES: &[&str] = &[
+    "config.json",
+    TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+];
+pub const HF_MODEL_DIR: &str = "hf_model";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// The checkpoint behind a build: its folder (checked to hold the config the
+/// build was made from), config and tensors.
+fn build_checkpoint(
+    build: &Build,
+    hf_dir: Option<&Path>,
+) -> Result<(PathBuf, TextConfig, Checkpoint)> {
+    let dir = hf_dir.map_or_else(
+        || PathBuf::from(&build.record.checkpoint.dir),
+        Path::to_path_buf,
+    );
+    let config = dir.join("config.json");
+    if !config.is_file() {
+        bail!(
+            "{}: missing: the side files and hf_model/ come from the build's checkpoint; pass --hf-dir if it moved",
+            config.display()
+        );
+    }
+    let digest = hashing::sha256_file(&config)?;
+    if digest != build.record.checkpoint.config_sha256 {
+        bail!(
+            "{}: not the checkpoint {} was built from (config.json sha256 {digest}, build.json has {})",
+            config.display(),
+            build.dir.join("build.json").display(),
+            build.record.checkpoint.config_sha256
+        );
+    }
+    let cfg = TextConfig::load(&dir)?;
+    let ckpt = Checkpoint::open(&dir, &cfg)?;
+    Ok((dir, cfg, ckpt))
+}
+
+/// The `hf_model/` files to copy: (source, path in the release). Without a
+/// tokenizer that is an error naming it, unless `no_tokenizer`.
+fn hf_model_sources(hf_dir: &Path, no_tokenizer: bool) -> Result<Sources> {
+    let tokenizer = hf_dir.join(TOKENIZER_FILE);
+    if !tokenizer.is_file() && !no_tokenizer {
+        bail!(
+            "{}: missing: the app's tokenizer ships in hf_model/; add it to the checkpoint, or pass --no-tokenizer to release without one",
+            tokenizer.display()
+        );
+    }
+    Ok(HF_MODEL_FILES
+        .iter()
+        .filter(|n| !(no_tokenizer && **n == TOKENIZER_FILE))
+        .map(|n| (hf_dir.join(n), format!("{HF_MODEL_DIR}/{n}")))
+        .filter(|(src, _)| src.is_file())
+        .collect())
+}
+
+/// Every full-attention mask of every function must span the context length
+/// `model_config.json` states: the runtime throws on a mismatch and the
+/// downloader deletes such a folder.
+fn check_context_length(chunks: &[ReleaseChunk], context_length: usize) -> Result<()> {
+    for c in chunks {
+        let functions = c
+            .plan
+            .functions
+            .iter()
+            .map(|f| (f.name.as_str(), &f.inputs));
+        let top = std::iter::once(("(default)", &c.plan.inputs));
+        for (function, inputs) in top.chain(functions) {
+            for t in inputs.iter().filter(|t| t.role == Role::MaskFull) {
+                if t.shape.last() != Some(&context_length) {
+                    bail!(
+                        "{}.mlpackage: {function}'s {} is {:?} but model_config.json's context_length is {context_length}; the runtime would refuse this folder",
+                        c.name(),
+                        t.name,
+                        t.shape
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Refuses to replace something that is not a previous release.
@@ -305,6 +430,23 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
             .into());
         }
     }
+    if build.layout(LayoutKind::Prefill).is_none() {
+        return Err(ReleaseInputError::Build {
+            path: a.build_dir.join("build.json"),
+            message: "no prefill_chunk1..4: the runtime requires them in every model folder; build with --mode all (or --prefill-len)".into(),
+        }
+        .into());
+    }
+    let context_length = build.record.settings.ctx;
+    check_context_length(&chunks, context_length)?;
+    let rope_positions = a.rope_positions.unwrap_or(context_length);
+    if rope_positions < context_length {
+        return Err(ReleaseInputError::Option {
+            option: "--rope-positions",
+            message: format!("{rope_positions} is below the context length {context_length}: the runtime would read rows of zeros past the table's end"),
+        }
+        .into());
+    }
     let key = sign::load_private_key(&a.key)?;
     let parity = a
         .parity_report
@@ -357,6 +499,8 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
             })?
         }
     };
+    let (hf_dir, cfg, ckpt) = build_checkpoint(&build, a.hf_dir.as_deref())?;
+    let hf_sources = hf_model_sources(&hf_dir, a.no_tokenizer)?;
     check_output(&a.output)?;
     let (parent, name) = split_output(&a.output)?;
     // The staging folder goes into `parent`; inside a package it would be
@@ -379,8 +523,8 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     let root = staging.dir.join(&name);
     fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
 
-    let mut sources = Vec::new();
-    let mut dirs = Vec::new();
+    let mut sources = hf_sources.clone();
+    let mut dirs = vec![HF_MODEL_DIR.to_string()];
     let mut pkgs = Vec::new();
     for c in &chunks {
         let n = c.name();
@@ -389,6 +533,13 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         dirs.push(pkg.clone());
         dirs.extend(d);
         sources.extend(f);
+        if a.compiled.mlmodelc {
+            let compiled = format!("{n}.mlmodelc");
+            let (f, d) = package_files(&a.build_dir.join(&compiled), &compiled)?;
+            dirs.push(compiled);
+            dirs.extend(d);
+            sources.extend(f);
+        }
         pkgs.push((n.to_string(), pkg));
     }
     if let Some((x, y)) = manifest::case_collisions(sources.iter().map(|(_, r)| r.as_str())).first()
@@ -398,7 +549,26 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
             a.build_dir.display()
         );
     }
-    let files = copy_tree(&root, &sources, &dirs)?;
+    let mut files = copy_tree(&root, &sources, &dirs)?;
+    let side_files = sidefiles::write_side_files(&SideFilesRequest {
+        hf_dir: &hf_dir,
+        cfg: &cfg,
+        checkpoint: &ckpt,
+        context_length,
+        rope_positions,
+        model_name: &model_id,
+        dest: &root,
+    })?;
+    let side_digests: Vec<(String, FileDigest)> = side_files
+        .files
+        .par_iter()
+        .map(|f| {
+            let rel = f.path.to_string_lossy().into_owned();
+            Ok((rel.clone(), hashing::hash_file(&root.join(&rel))?))
+        })
+        .collect::<Result<_>>()?;
+    files.extend(side_digests);
+    files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     for (n, pkg) in &pkgs {
         let want = build.chunk_record(n).map_or("", |r| r.sha256_tree.as_str());
         let got = tree_digest(pkg, &files);
@@ -417,6 +587,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         model_id: &model_id,
         parity,
         base_url: a.base_url.as_deref(),
+        compiled: &a.compiled,
     };
     let m = manifest::build_manifest(&inputs, &files)?;
     let mut text = serde_json::to_string_pretty(&m)?;
@@ -456,6 +627,8 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         bytes,
         root_digest,
         zip: zip_report,
+        side_files,
+        hf_model: hf_sources.into_iter().map(|(_, r)| r).collect(),
     })
 }
 

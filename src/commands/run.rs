@@ -1,0 +1,73 @@
+//! `chunkforge run`: generate from a release folder through the emulated runtime.
+
+use anyhow::Result;
+
+use super::ExitStatus;
+use crate::cli::RunCmd;
+use crate::parity::parse_prompt;
+use crate::py::env as pyenv;
+use crate::run::{self, Prompt, RunOptions, RunResult};
+
+pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
+    let prompt = match (&args.prompt, &args.prompt_ids) {
+        (_, Some(ids)) => Prompt::Ids(parse_prompt(ids)?),
+        (Some(text), None) => Prompt::Text(text.clone()),
+        (None, None) => unreachable!("clap requires --prompt or --prompt-ids"),
+    };
+    pyenv::activate(verbose)?;
+    let result = run::run(&RunOptions {
+        release: &args.release_dir,
+        prompt,
+        max_tokens: args.max_tokens,
+        layout: args.layout,
+        speculate: args.speculate,
+        verbose,
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&result)?);
+    } else {
+        render(&result);
+    }
+    Ok(ExitStatus::Success)
+}
+
+fn render(r: &RunResult) {
+    eprintln!(
+        "layout {} ({}), {}",
+        r.layout,
+        r.chunks.join(", "),
+        r.picked_by
+    );
+    eprintln!(
+        "prompt: {} tokens, {} prefilled by {} in {:.2}s",
+        r.prompt_ids.len(),
+        r.prefill_tokens,
+        r.prefill_function,
+        r.prefill_seconds
+    );
+    match &r.text {
+        Some(t) => println!("{t}"),
+        None => println!(
+            "{}",
+            r.generated_ids
+                .iter()
+                .map(i64::to_string)
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+    }
+    eprintln!(
+        "generated {} tokens (stopped: {}); {:.1} tok/s decode, {} (packages loaded in {:.1}s)",
+        r.generated_ids.len(),
+        r.stopped,
+        r.decode_tokens_per_second,
+        r.note,
+        r.load_seconds
+    );
+    if let Some(s) = &r.speculation {
+        eprintln!(
+            "speculation: verify_q{} x {} calls, {} of {} prompt-lookup drafts accepted",
+            s.k, s.calls, s.accepted_drafts, s.drafts
+        );
+    }
+}

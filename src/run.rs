@@ -1,0 +1,182 @@
+//! `chunkforge run`: text from a release folder alone, through the app's
+//! runtime emulated on the CPU (Python, torch). The folder is opened and
+//! checked here (`folder.rs`); the emulation is `chunkforge_py.emulate`.
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+pub use crate::folder::RunLayout;
+use crate::folder::{ReleaseFolder, RunPlan};
+use crate::plan::{self, Layout, LayoutKind};
+use crate::py::calls;
+use crate::sidefiles;
+
+/// What to generate.
+pub struct RunOptions<'a> {
+    pub release: &'a Path,
+    pub prompt: Prompt,
+    pub max_tokens: usize,
+    pub layout: RunLayout,
+    pub speculate: Option<usize>,
+    pub verbose: bool,
+}
+
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<i64>),
+}
+
+/// Paths of the side files the emulation reads (contract.py `RunFiles`).
+#[derive(Serialize)]
+struct RunFiles {
+    embed_tokens_q8: String,
+    embed_tokens_scales: String,
+    embed_tokens_per_layer_q8: String,
+    embed_tokens_per_layer_scales: String,
+    cos_sliding: String,
+    sin_sliding: String,
+    cos_full: String,
+    sin_full: String,
+    tokenizer: String,
+}
+
+/// contract.py `RunRequest`.
+#[derive(Serialize)]
+struct RunRequest<'a> {
+    release: String,
+    dims: plan::Dims,
+    decode: &'a Layout,
+    four: &'a Layout,
+    prefill: &'a Layout,
+    files: RunFiles,
+    prompt: Option<&'a str>,
+    prompt_ids: Option<&'a [i64]>,
+    max_tokens: usize,
+    speculate: Option<usize>,
+    eos_token_ids: &'a [i64],
+}
+
+/// contract.py `Speculation`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Speculation {
+    pub k: usize,
+    pub calls: usize,
+    pub drafts: usize,
+    pub accepted_drafts: usize,
+}
+
+/// contract.py `RunResult`, plus what Rust adds.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RunResult {
+    pub layout: LayoutKind,
+    pub chunks: Vec<String>,
+    pub prompt_ids: Vec<i64>,
+    pub generated_ids: Vec<i64>,
+    pub text: Option<String>,
+    pub stopped: String,
+    pub prefill_tokens: usize,
+    pub prefill_function: String,
+    pub load_seconds: f64,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    pub decode_tokens_per_second: f64,
+    pub speculation: Option<Speculation>,
+    #[serde(default)]
+    pub picked_by: String,
+    #[serde(default = "emulation")]
+    pub note: String,
+}
+
+fn emulation() -> String {
+    "CPU emulation of the app's runtime (torch, fp32): not device speed".into()
+}
+
+/// Opens and checks the folder, plans the layouts, runs the emulation.
+pub fn run(o: &RunOptions) -> Result<RunResult> {
+    let folder = ReleaseFolder::open(o.release)?;
+    folder.check_files()?;
+    let RunPlan {
+        decode,
+        four,
+        prefill,
+        picked_by,
+    } = folder.plan(o.layout)?;
+    if o.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let tokenizer = folder.tokenizer();
+    if matches!(o.prompt, Prompt::Text(_)) && tokenizer.is_none() {
+        bail!(
+            "{}: the release has no tokenizer (packaged with --no-tokenizer); pass --prompt-ids",
+            o.release.join("hf_model/tokenizer.json").display()
+        );
+    }
+    let decode = match (o.speculate, o.layout, decode.kind) {
+        (Some(_), RunLayout::Auto, _) => four.clone(),
+        (Some(_), _, k) if k != LayoutKind::Four => bail!(
+            "--speculate verifies with chunk1..4's verify_qK, so it runs the four-chunk layout: use --layout four or auto"
+        ),
+        _ => decode,
+    };
+    if let Some(k) = o.speculate {
+        let have = four
+            .chunks
+            .last()
+            .and_then(|c| {
+                c.functions
+                    .iter()
+                    .find(|f| f.kind == plan::FunctionKind::Verify)
+            })
+            .map(|f| f.tokens);
+        match have {
+            None => bail!(
+                "{}: chunk4 has no verify_qK function (build with --mode all or --verify-k)",
+                o.release.display()
+            ),
+            Some(have) if have != k => bail!(
+                "--speculate {k}: chunk4's verify function takes {have} tokens per call (verify_q{have}); use --speculate {have}"
+            ),
+            _ => {}
+        }
+    }
+    let path = |name: &str| o.release.join(name).to_string_lossy().into_owned();
+    let files = RunFiles {
+        embed_tokens_q8: path(sidefiles::EMBED_Q8),
+        embed_tokens_scales: path(sidefiles::EMBED_SCALES),
+        embed_tokens_per_layer_q8: path(sidefiles::PER_LAYER_Q8),
+        embed_tokens_per_layer_scales: path(sidefiles::PER_LAYER_SCALES),
+        cos_sliding: path(sidefiles::COS_SLIDING),
+        sin_sliding: path(sidefiles::SIN_SLIDING),
+        cos_full: path(sidefiles::COS_FULL),
+        sin_full: path(sidefiles::SIN_FULL),
+        tokenizer: tokenizer.map_or_else(String::new, |p| p.to_string_lossy().into_owned()),
+    };
+    let req = RunRequest {
+        release: o.release.to_string_lossy().into_owned(),
+        dims: plan::dims(&folder.cfg, folder.context_length),
+        decode: &decode,
+        four: &four,
+        prefill: &prefill,
+        files,
+        prompt: match &o.prompt {
+            Prompt::Text(t) => Some(t),
+            Prompt::Ids(_) => None,
+        },
+        prompt_ids: match &o.prompt {
+            Prompt::Ids(ids) => Some(ids),
+            Prompt::Text(_) => None,
+        },
+        max_tokens: o.max_tokens,
+        speculate: o.speculate,
+        eos_token_ids: &folder.eos_token_ids,
+    };
+    let mut result: RunResult = calls::call("emulate", "run", &req, o.verbose)?;
+    result.picked_by = if o.speculate.is_some() && o.layout == RunLayout::Auto {
+        "--speculate (verify_qK lives in chunk1..4)".into()
+    } else {
+        picked_by.into()
+    };
+    Ok(result)
+}

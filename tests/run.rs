@@ -1,0 +1,330 @@
+//! `chunkforge run` on real releases of the built-in checkpoint: the folder
+//! alone generates exactly transformers' greedy tokens (FP16 packages), in
+//! every layout and with speculative verify; INT4 agreement is measured; a
+//! missing or damaged side file or tokenizer fails `run` naming it and
+//! `verify` reports it.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+
+use common::{json_file, ok, run, stderr, stdout, tempdir};
+use serde_json::Value;
+
+/// A fixed prompt whose greedy continuation on the built-in checkpoint changes
+/// token twice (most prompts there repeat one token), so the KV hand-off
+/// from prefill and the decode caches are both visible in the tokens.
+const SENTENCE: &str = "Caches caches today it it quiet over today and";
+const TOKENS: usize = 16;
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// A signing key pair shared by the releases of this file.
+fn keys() -> &'static (PathBuf, PathBuf) {
+    static KEYS: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    KEYS.get_or_init(|| {
+        let d = tempdir("run-keys");
+        ok(&["keygen", "--out", s(&d.join("k"))]);
+        (d.join("k.pem"), d.join("k.pub"))
+    })
+}
+
+static RELEASE_LOCK: Mutex<()> = Mutex::new(());
+
+/// A `--layout all` release of `build`, made once per tag.
+fn release_of(build: &Path, tag: &str) -> PathBuf {
+    let _guard = RELEASE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let out = build.with_file_name(format!("release-{tag}"));
+    if !out.join("model.sig").exists() {
+        ok(&[
+            "package",
+            s(build),
+            "--layout",
+            "all",
+            "--key",
+            s(&keys().0),
+            "--output",
+            s(&out),
+        ]);
+    }
+    out
+}
+
+/// Where the FP16 build and its release live (shared by this file's tests).
+fn fp16_dir() -> PathBuf {
+    common::builds_dir().join("default-all-fp16")
+}
+
+/// `release --no-quantize` of the built-in checkpoint: build --mode all, the
+/// parity gate, package and sign, made once.
+fn fp16_release() -> PathBuf {
+    let _guard = RELEASE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let out = fp16_dir().join("release");
+    if !out.join("model.sig").exists() {
+        let build = fp16_dir().join("build");
+        let o = run(&[
+            "release",
+            "--no-quantize",
+            "--layout",
+            "all",
+            "--key",
+            s(&keys().0),
+            "--output",
+            s(&out),
+            "--build-dir",
+            s(&build),
+            "--reuse-build",
+        ]);
+        let e = stderr(&o);
+        assert!(o.status.success(), "release: {}\n{e}", stdout(&o));
+        assert!(e.contains("release 3/3"), "{e}");
+        assert!(stdout(&o).contains("PARITY OK"), "{}", stdout(&o));
+        // The parity report is embedded; the packages are not compiled on Linux.
+        let m = json_file(&out.join("manifest.json"));
+        assert_eq!(m["parity"]["ok"], true);
+        assert_eq!(m["compiled"]["mlmodelc"], false);
+    }
+    out
+}
+
+/// `release` refuses to sign when parity fails, and leaves no folder.
+#[test]
+fn release_refuses_to_sign_when_parity_fails() {
+    fp16_release();
+    let out = tempdir("release-fail").join("rel");
+    let o = run(&[
+        "release",
+        "--no-quantize",
+        "--layout",
+        "two",
+        "--key",
+        s(&keys().0),
+        "--output",
+        s(&out),
+        "--build-dir",
+        s(&fp16_dir().join("build")),
+        "--reuse-build",
+        "--steps",
+        "4",
+        "--corrupt-layer",
+        "20",
+    ]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(stdout(&o).contains("PARITY FAIL"), "{}", stdout(&o));
+    assert!(e.contains("parity failed; nothing was signed"), "{e}");
+    assert!(!out.exists());
+    // A build made with other settings is not reused.
+    let o = run(&[
+        "release",
+        "--layout",
+        "two",
+        "--key",
+        s(&keys().0),
+        "--output",
+        s(&out),
+        "--build-dir",
+        s(&fp16_dir().join("build")),
+        "--reuse-build",
+    ]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("--reuse-build") && e.contains("quantize false"),
+        "{e}"
+    );
+}
+
+/// `run --json` of `release` with `args`.
+fn generate(release: &Path, args: &[&str]) -> Value {
+    let mut a = vec!["run", s(release), "--max-tokens", "16", "--json"];
+    a.extend_from_slice(args);
+    serde_json::from_str(&ok(&a)).expect("run --json prints JSON")
+}
+
+fn ids(v: &Value) -> Vec<i64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+/// transformers' own tokenizer and greedy `generate` on the source
+/// checkpoint: (prompt ids, generated ids).
+fn transformers_greedy(checkpoint: &Path, text: &str, n: usize) -> (Vec<i64>, Vec<i64>) {
+    let python = ok(&["doctor", "--venv-python"]).trim().to_string();
+    let script = r#"
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, text, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+print(json.dumps({"prompt": ids, "generated": out[0, len(ids):].tolist()}))
+"#;
+    let o = Command::new(python)
+        .args(["-c", script, s(checkpoint), text, &n.to_string()])
+        .output()
+        .expect("run the venv python");
+    assert!(o.status.success(), "transformers: {}", stderr(&o));
+    let v: Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
+    (ids(&v["prompt"]), ids(&v["generated"]))
+}
+
+fn checkpoint_of(build: &Path) -> PathBuf {
+    PathBuf::from(
+        json_file(&build.join("build.json"))["checkpoint"]["dir"]
+            .as_str()
+            .unwrap(),
+    )
+}
+
+/// The FP16 release alone reproduces transformers' greedy generation token
+/// for token: every layout, the one picked by file presence, and speculative
+/// decoding through verify_q3.
+#[test]
+fn fp16_release_generates_transformers_tokens_in_every_layout() {
+    let release = fp16_release();
+    let (prompt, want) =
+        transformers_greedy(&checkpoint_of(&fp16_dir().join("build")), SENTENCE, TOKENS);
+    assert_eq!(want.len(), TOKENS, "the fixture should not stop early");
+    let distinct: std::collections::BTreeSet<_> = want.iter().collect();
+    assert!(
+        distinct.len() >= 2,
+        "a constant continuation would hide a broken KV hand-off: {want:?}"
+    );
+    let cases: [(&str, &[&str]); 6] = [
+        ("auto", &[]),
+        ("four", &["--layout", "four"]),
+        ("three", &["--layout", "three"]),
+        ("two", &["--layout", "two"]),
+        ("one", &["--layout", "one"]),
+        ("four", &["--speculate", "3"]),
+    ];
+    for (layout, extra) in cases {
+        let mut args = vec!["--prompt", SENTENCE];
+        args.extend_from_slice(extra);
+        let r = generate(&release, &args);
+        // auto: all layouts are present, so the three-chunk one wins, as on the phone.
+        let expect = if layout == "auto" { "three" } else { layout };
+        assert_eq!(r["layout"], expect, "{extra:?}");
+        assert_eq!(
+            ids(&r["prompt_ids"]),
+            prompt,
+            "{extra:?}: the release's tokenizer"
+        );
+        assert_eq!(
+            ids(&r["generated_ids"]),
+            want,
+            "{extra:?}: tokens vs transformers"
+        );
+        let text = r["text"].as_str().unwrap();
+        assert!(!text.is_empty());
+        if extra.contains(&"--speculate") {
+            let sp = &r["speculation"];
+            assert_eq!(sp["k"], 3);
+            assert!(sp["calls"].as_u64().unwrap() >= 1);
+            assert!(sp["calls"].as_u64().unwrap() < TOKENS as u64);
+        }
+    }
+    // --prompt-ids gives the same as the text it encodes.
+    let joined = prompt
+        .iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let r = generate(&release, &["--prompt-ids", &joined, "--layout", "two"]);
+    assert_eq!(ids(&r["generated_ids"]), want);
+}
+
+/// The INT4 release against transformers: the agreement is measured, and the
+/// first generated token (the prefill's) must match.
+#[test]
+fn int4_release_agreement_with_transformers() {
+    let build = common::built_all();
+    let release = release_of(&build, "int4");
+    let (_, want) = transformers_greedy(&checkpoint_of(&build), SENTENCE, TOKENS);
+    for layout in ["four", "two"] {
+        let r = generate(&release, &["--prompt", SENTENCE, "--layout", layout]);
+        let got = ids(&r["generated_ids"]);
+        let agree = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+        eprintln!(
+            "INT4 {layout}: first {agree} of {TOKENS} tokens equal transformers', {same} of {TOKENS} positions equal"
+        );
+        assert!(agree >= 1, "INT4 {layout}: {got:?} vs {want:?}");
+    }
+}
+
+/// Removing or truncating any side file, or the tokenizer, fails `run`
+/// naming the file, and `verify` reports it.
+#[test]
+fn damaged_side_files_fail_run_and_verify_by_name() {
+    let release = fp16_release();
+    let files = [
+        "embed_tokens_q8.bin",
+        "embed_tokens_scales.bin",
+        "embed_tokens_per_layer_q8.bin",
+        "embed_tokens_per_layer_scales.bin",
+        "per_layer_projection.bin",
+        "per_layer_norm_weight.bin",
+        "cos_sliding.npy",
+        "sin_sliding.npy",
+        "cos_full.npy",
+        "sin_full.npy",
+        "model_config.json",
+        "hf_model/tokenizer.json",
+    ];
+    let w = tempdir("run-damaged");
+    for (i, name) in files.iter().enumerate() {
+        for damage in ["remove", "truncate"] {
+            let copy = w.join(format!("r{i}-{damage}"));
+            copy_dir(&release, &copy);
+            let target = copy.join(name);
+            // The copy's files are hard links: replace the target, never write through it.
+            let bytes = fs::read(&target).unwrap();
+            fs::remove_file(&target).unwrap();
+            if damage == "truncate" {
+                fs::write(&target, &bytes[..bytes.len() - 1]).unwrap();
+            }
+            let o = run(&["run", s(&copy), "--prompt", SENTENCE, "--max-tokens", "2"]);
+            let e = stderr(&o);
+            assert_eq!(o.status.code(), Some(2), "{damage} {name}: {e}");
+            assert!(
+                e.contains(name),
+                "{damage} {name}: run's error names it: {e}"
+            );
+            assert!(!e.contains("Traceback"), "{e}");
+            let o = run(&["verify", s(&copy), "--public-key", s(&keys().1)]);
+            let out = format!("{}{}", stdout(&o), stderr(&o));
+            assert_eq!(o.status.code(), Some(1), "{damage} {name}: {out}");
+            assert!(
+                out.contains(name),
+                "{damage} {name}: verify names it: {out}"
+            );
+            fs::remove_dir_all(&copy).unwrap();
+        }
+    }
+}
+
+/// A copy of `from` made of hard links.
+fn copy_dir(from: &Path, to: &Path) {
+    for e in walkdir::WalkDir::new(from) {
+        let e = e.unwrap();
+        let rel = e.path().strip_prefix(from).unwrap();
+        let dst = to.join(rel);
+        if e.file_type().is_dir() {
+            fs::create_dir_all(&dst).unwrap();
+        } else {
+            fs::hard_link(e.path(), &dst).unwrap();
+        }
+    }
+}
