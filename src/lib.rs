@@ -7,8 +7,8 @@
 
 pub use chunkforge_model::{args, checkpoint, config, error, names, plan, records};
 pub use chunkforge_release::{
-    archive, hashing, keykind, manifest, package, publish, sign, staging, strict_json, verify,
-    zipwalk,
+    archive, hashing, keykind, manifest, package, publish, sidefiles, sign, staging, strict_json,
+    verify, zipwalk,
 };
 
 pub mod bench_palettize;

@@ -12,6 +12,7 @@ mod parity;
 mod plan;
 mod selftest;
 mod setup;
+mod side_files;
 mod verify;
 
 use std::path::{Path, PathBuf};
@@ -83,6 +84,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Inspect { package, json } => inspect::run(&package, json, verbose),
         Cmd::Fixture(args) => fixture::run(args, verbose),
         Cmd::Keygen { out } => keygen::run(&out),
+        Cmd::SideFiles(args) => side_files::run(args, verbose),
         Cmd::Package(args) => package::run(args),
         Cmd::Verify(args) => verify::run(args),
         Cmd::SelftestPython { args } => selftest::run(&args, verbose),
