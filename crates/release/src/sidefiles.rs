@@ -162,7 +162,7 @@ type Result<T, E = SideFilesError> = std::result::Result<T, E>;
 /// large, small enough that a few blocks in flight stay a few tens of MiB.
 const BLOCK_BYTES: usize = 8 << 20;
 /// Blocks in flight per stage (being read, converted, written).
-const IN_FLIGHT: usize = 2;
+const IN_FLIGHT: usize = 4;
 
 /// One checkpoint tensor (its name without the checkpoint's prefix) and
 /// the side file made from it.
@@ -263,10 +263,12 @@ pub fn write_side_files(req: &SideFilesRequest) -> Result<SideFilesReport> {
         bytes_read: 0,
         seconds: 0.0,
     };
+    let mut buffers = Buffers::default();
     for (m, src) in &sources {
         let t = Instant::now();
+        let target = req.dest.join(m.file);
         let (bytes, scales) =
-            stream_tensor(src, m.convert, src.block_rows(), &req.dest.join(m.file))?;
+            stream_tensor(src, m.convert, src.block_rows(), &target, &mut buffers)?;
         report.bytes_read += src.info.bytes;
         report.add(m.file, bytes, t);
         if let Some(name) = m.scales {
@@ -664,6 +666,20 @@ struct Block {
     bytes: Vec<u8>,
 }
 
+/// Block buffers kept from one tensor for the next: fresh memory costs a
+/// page fault per 4 KiB, as much as the reads themselves for small tables.
+#[derive(Default)]
+struct Buffers {
+    input: Vec<Vec<u8>>,
+    output: Vec<Vec<u8>>,
+}
+
+thread_local! {
+    /// Each worker's decoded row, reused from row to row (a fresh one per
+    /// row or per task would be allocated and zeroed each time).
+    static ROW: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Converts `src` row by row into the file `out` (written under a temporary
 /// name, renamed when complete), `block_rows` rows at a time: one thread
 /// reads blocks, this one converts each on all cores, one writes them in
@@ -673,6 +689,7 @@ fn stream_tensor(
     convert: Convert,
     block_rows: usize,
     out: &Path,
+    pool: &mut Buffers,
 ) -> Result<(u64, Vec<f16>)> {
     let file = File::open(&src.info.file).map_err(|e| SideFilesError::Io {
         path: src.info.file.clone(),
@@ -689,8 +706,13 @@ fn stream_tensor(
     let (write_tx, write_rx) = mpsc::sync_channel::<Vec<u8>>(IN_FLIGHT);
     let (free_out_tx, free_out_rx) = mpsc::sync_channel::<Vec<u8>>(IN_FLIGHT + 1);
     for _ in 0..=IN_FLIGHT {
-        free_in_tx.send(Vec::new()).expect("channel has room");
-        free_out_tx.send(Vec::new()).expect("channel has room");
+        let (i, o) = (pool.input.pop(), pool.output.pop());
+        free_in_tx
+            .send(i.unwrap_or_default())
+            .expect("channel has room");
+        free_out_tx
+            .send(o.unwrap_or_default())
+            .expect("channel has room");
     }
 
     let (converted, written) = std::thread::scope(|s| {
@@ -713,12 +735,16 @@ fn stream_tensor(
             row_bytes,
             full_rx,
             free_in_tx,
-            free_out_rx,
+            &free_out_rx,
             write_tx,
         );
         // A reader error reached the converter as a block; panics propagate.
-        reader.join().expect("reader thread panicked");
-        (converted, writer.join().expect("writer thread panicked"))
+        let free_in_rx = reader.join().expect("reader thread panicked");
+        let written = writer.join().expect("writer thread panicked");
+        // Every thread is done: the buffers are back (unless one stopped early).
+        pool.input.extend(free_in_rx.try_iter());
+        pool.output.extend(free_out_rx.try_iter());
+        (converted, written)
     });
     let scales = converted?;
     let written = written.map_err(|e| SideFilesError::Io {
@@ -730,19 +756,20 @@ fn stream_tensor(
     Ok((written, scales))
 }
 
-/// The reader thread: every block of `src`, in order, into `full`.
+/// The reader thread: every block of `src`, in order, into `full`. Returns
+/// `free`, where the converter hands the buffers back.
 fn read_blocks(
     src: &Source,
     file: &File,
     block_rows: usize,
     free: mpsc::Receiver<Vec<u8>>,
     full: mpsc::SyncSender<Result<Block>>,
-) {
+) -> mpsc::Receiver<Vec<u8>> {
     let row_bytes = src.row_bytes();
     let mut first = 0;
     while first < src.rows {
         let Ok(mut bytes) = free.recv() else {
-            return; // the converter stopped
+            break; // the converter stopped
         };
         let rows = block_rows.min(src.rows - first);
         bytes.resize(rows * row_bytes, 0);
@@ -759,10 +786,11 @@ fn read_blocks(
             });
         let failed = block.is_err();
         if full.send(block).is_err() || failed {
-            return;
+            break;
         }
         first += rows;
     }
+    free
 }
 
 /// The converting side of [`stream_tensor`]: each block's rows in parallel,
@@ -775,7 +803,7 @@ fn convert_blocks(
     row_bytes: usize,
     full: mpsc::Receiver<Result<Block>>,
     free_in: mpsc::SyncSender<Vec<u8>>,
-    free_out: mpsc::Receiver<Vec<u8>>,
+    free_out: &mpsc::Receiver<Vec<u8>>,
     to_write: mpsc::SyncSender<Vec<u8>>,
 ) -> Result<Vec<f16>> {
     let mut scales = Vec::new();
@@ -792,10 +820,12 @@ fn convert_blocks(
             .par_chunks(row_bytes)
             .zip(out.par_chunks_mut(out_row))
             .with_min_len(8)
-            .map_init(
-                || vec![0f32; src.width],
-                |x, (raw, o)| convert_row(src.dtype, convert, raw, x, o),
-            )
+            .map(|(raw, o)| {
+                ROW.with_borrow_mut(|x| {
+                    x.resize(src.width, 0.0);
+                    convert_row(src.dtype, convert, raw, x, o)
+                })
+            })
             .collect();
         for (i, r) in results.into_iter().enumerate() {
             let row = block.first + i;
@@ -1369,11 +1399,13 @@ mod tests {
                 .flatten()
                 .flat_map(|v| f16::from_f32(*v).to_le_bytes())
                 .collect();
-            // 3 and 4 do not divide 10: the last block is short.
+            // 3 and 4 do not divide 10: the last block is short. The
+            // buffers carry over from size to size, as from tensor to tensor.
+            let mut pool = Buffers::default();
             for block_rows in [1, 3, 4, 10, 64] {
                 let out = dir.join("q.bin");
                 let (n, scales) =
-                    stream_tensor(&src, Convert::Int8PerRow, block_rows, &out).unwrap();
+                    stream_tensor(&src, Convert::Int8PerRow, block_rows, &out, &mut pool).unwrap();
                 assert_eq!(n, (rows * width) as u64);
                 assert_eq!(
                     fs::read(&out).unwrap(),
@@ -1383,7 +1415,7 @@ mod tests {
                 let bits: Vec<u16> = scales.iter().map(|s| s.to_bits()).collect();
                 assert_eq!(bits, want_scales);
                 let out = dir.join("h.bin");
-                stream_tensor(&src, Convert::Fp16, block_rows, &out).unwrap();
+                stream_tensor(&src, Convert::Fp16, block_rows, &out, &mut pool).unwrap();
                 assert_eq!(fs::read(&out).unwrap(), want_fp16);
             }
             // No temporary file is left behind.
@@ -1403,7 +1435,7 @@ mod tests {
         values[5 * 4 + 2] = f32::INFINITY;
         let src = tensor_file(&dir, Dtype::F32, 6, 4, &values);
         let out = dir.join("q.bin");
-        let err = stream_tensor(&src, Convert::Int8PerRow, 2, &out)
+        let err = stream_tensor(&src, Convert::Int8PerRow, 2, &out, &mut Buffers::default())
             .unwrap_err()
             .to_string();
         assert!(
@@ -1419,7 +1451,7 @@ mod tests {
             .open(&src.info.file)
             .unwrap();
         f.set_len(src.info.offset + 5 * 16).unwrap();
-        let err = stream_tensor(&src, Convert::Int8PerRow, 4, &out)
+        let err = stream_tensor(&src, Convert::Int8PerRow, 4, &out, &mut Buffers::default())
             .unwrap_err()
             .to_string();
         assert!(err.contains("tensor t: cannot read rows 4..6"), "{err}");
