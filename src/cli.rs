@@ -54,6 +54,9 @@ pub struct ModelArgs {
     pub hf_dir: Option<PathBuf>,
 }
 
+/// `build`'s context length, which `side-files` must agree with.
+pub const DEFAULT_CTX: usize = 2048;
+
 #[derive(Args, Clone)]
 pub struct LayoutArgs {
     /// Layouts: four (chunk1..4 reference), three (chunk1..3_3way), two (merged_chunk1/2),
@@ -64,7 +67,7 @@ pub struct LayoutArgs {
     #[arg(long)]
     pub split: Option<String>,
     /// Full-attention context length (KV cache entries), at most 131072.
-    #[arg(long, default_value_t = 2048, value_parser = args::ctx)]
+    #[arg(long, default_value_t = DEFAULT_CTX, value_parser = args::ctx)]
     pub ctx: usize,
     #[command(flatten)]
     pub functions: FunctionArgs,
@@ -120,6 +123,9 @@ pub enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Write the files the runtime reads beside the packages: INT8 embedding tables, per-layer
+    /// projection, RoPE tables, model_config.json.
+    SideFiles(SideFilesCmd),
     /// Make a signed release folder from a build: the packages, the runtime's side files,
     /// hf_model/, manifest.json and model.sig (OpenSSF model signing format).
     Package(PackageCmd),
@@ -157,6 +163,9 @@ pub enum BenchCmd {
     },
     /// Time `build` (wall time per phase, peak RSS) into a temporary folder.
     Build(BenchBuildCmd),
+    /// Time `side-files` (seconds, MiB/s, peak RSS of its own process) next to a plain write of
+    /// as many bytes and a plain copy (the same tensor bytes read, as many written) in the same folder.
+    SideFiles(BenchSideFilesCmd),
     /// Time hashing + signing a release (1 big file, 8 smaller ones) against openssl and model_signing.
     Hash(HashBenchArgs),
     /// INT4 g=32 palettization: the Rust kernel vs coremltools 9.0 (kmeans1d and scikit-learn,
@@ -286,6 +295,54 @@ pub struct FixtureCmd {
     /// with --vocab-size 16384).
     #[arg(long)]
     pub full_width: bool,
+}
+
+/// `chunkforge side-files`.
+#[derive(Args, Clone)]
+pub struct SideFilesCmd {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub options: SideFilesArgs,
+    /// Output folder (e.g. the build folder); the side files appear there together, once all are complete.
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Print the report (files, bytes, seconds, peak RSS) as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// If another run is writing the same --output, fail at once instead of waiting for it.
+    #[arg(long)]
+    pub no_wait: bool,
+}
+
+/// What the side files are written for (shared by `side-files` and `bench side-files`).
+#[derive(Args, Clone)]
+pub struct SideFilesArgs {
+    /// The packages' full-attention context length: model_config.json's context_length, which
+    /// the runtime checks against the packages (use the build's --ctx).
+    #[arg(long, default_value_t = DEFAULT_CTX, value_parser = args::ctx)]
+    pub ctx: usize,
+    /// Rows of each RoPE table, at least --ctx (the runtime feeds zero rows past the end) [default: --ctx].
+    #[arg(long, value_parser = args::ctx)]
+    pub rope_positions: Option<usize>,
+    /// model_config.json's model_name [default: the checkpoint folder's name].
+    #[arg(long)]
+    pub model_name: Option<String>,
+}
+
+/// `chunkforge bench side-files`.
+#[derive(Args, Clone)]
+pub struct BenchSideFilesCmd {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub options: SideFilesArgs,
+    /// Folder to write into (removed afterwards) [default: the system temp folder].
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Rounds (side-files, plain write, plain copy, in turn); the best of each is reported.
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
 }
 
 #[derive(Args, Clone)]

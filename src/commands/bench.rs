@@ -1,15 +1,26 @@
-//! `chunkforge bench ...`: build and parity timed, hashing and signing
-//! against other tools, the INT4 kernel against coremltools.
+//! `chunkforge bench ...`: build and parity timed, side files against a
+//! plain write, hashing and signing against other tools, the INT4 kernel
+//! against coremltools.
 
-use anyhow::Result;
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
 use clap::{Args, FromArgMatches};
 
 use super::build::{summary, BuildJob};
-use super::{ExitStatus, Layout};
-use crate::cli::{BenchBuildCmd, BenchCmd, ParityCmd};
+use super::side_files::{rate, rope_positions, Outcome, MIB};
+use super::{resolve_checkpoint, ExitStatus, Layout};
+use crate::checkpoint::{Checkpoint, TensorInfo};
+use crate::cli::{BenchBuildCmd, BenchCmd, BenchSideFilesCmd, ParityCmd};
+use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
 use crate::records::{BuildRecord, Seconds};
-use crate::{bench_palettize, hashbench};
+use crate::{bench_palettize, hashbench, sidefiles};
 
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
     match what {
@@ -34,6 +45,7 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
             );
         }
         BenchCmd::Build(args) => bench_build(args, verbose)?,
+        BenchCmd::SideFiles(args) => bench_side_files(args, verbose)?,
         BenchCmd::Palettize { json, quick, seed } => {
             bench_palettize::run(json, quick, seed, verbose)?
         }
@@ -88,4 +100,205 @@ fn print_phases(record: &BuildRecord) {
             }
         }
     }
+}
+
+/// `side-files` in a child process of its own (so its peak RSS is its own,
+/// not this process's, which may have started Python for the default
+/// checkpoint), then, into the same folder, a plain write of as many bytes
+/// and a plain copy (the same tensor bytes read, as many bytes written, no
+/// conversion: what `cp` would do), each ending with an fsync.
+fn bench_side_files(args: BenchSideFilesCmd, verbose: bool) -> Result<()> {
+    let rope = rope_positions(&args.options)?;
+    let ckpt = resolve_checkpoint(args.model.hf_dir.as_deref(), verbose)?;
+    let cfg = TextConfig::load(&ckpt)?;
+    let sources = sidefiles::source_tensors(&Checkpoint::open(&ckpt, &cfg)?);
+    let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let tmp = base.join(format!(
+        "chunkforge-bench-side-files-{}",
+        std::process::id()
+    ));
+    fs::create_dir_all(&tmp).with_context(|| format!("{}: cannot create", tmp.display()))?;
+    // Interleaved rounds, so each contender meets the same page-cache and
+    // writeback state in turn; the best round of each is kept.
+    let mut best: Option<(Outcome, f64, Timing, Timing)> = None;
+    let mut result = Ok(());
+    for _ in 0..args.repeat.max(1) {
+        match measure_side_files(&args, &ckpt, rope, &sources, &tmp) {
+            Ok(round) => best = Some(better(best, round)),
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    let _ = fs::remove_dir_all(&tmp);
+    result?;
+    let (child, wall, plain, copy) = best.expect("at least one round");
+    let written = child.bytes_written;
+    println!(
+        "bench side-files: {} (ctx {}, {} RoPE rows): {} files, {:.1} MiB written from {:.1} MiB of tensors, in {}; best of {}",
+        ckpt.display(),
+        args.options.ctx,
+        rope,
+        child.files.len(),
+        written as f64 / MIB,
+        child.bytes_read as f64 / MIB,
+        base.display(),
+        args.repeat.max(1)
+    );
+    println!(
+        "{:<38} {:>8} {:>9} {:>11} {:>9} {:>12}",
+        "", "write", "MiB/s", "+ fsync", "MiB/s", "peak RSS"
+    );
+    let row = |label: &str, write: f64, total: f64, rss: Option<u64>| {
+        println!(
+            "{label:<38} {write:>7.2}s {:>9.0} {total:>10.2}s {:>9.0} {:>12}",
+            rate(written, write),
+            rate(written, total),
+            rss.map_or(String::new(), |r| format!("{:.0} MiB", r as f64 / MIB))
+        )
+    };
+    row(
+        "chunkforge side-files",
+        child.write_seconds,
+        child.total_seconds,
+        Some(child.peak_rss_bytes),
+    );
+    row("plain write, same bytes", plain.0, plain.0 + plain.1, None);
+    row(
+        "plain copy (same tensor bytes read)",
+        copy.0,
+        copy.0 + copy.1,
+        None,
+    );
+    println!(
+        "side-files takes {:.2}x the plain copy's time ({:.2}x with fsync), {:.2}x the plain write's; \
+         child wall {wall:.2}s (process start and checkpoint headers included). The first \
+         round reads the checkpoint from wherever it is (disk or page cache).",
+        child.write_seconds / copy.0.max(1e-9),
+        child.total_seconds / (copy.0 + copy.1).max(1e-9),
+        child.write_seconds / plain.0.max(1e-9),
+    );
+    Ok(())
+}
+
+/// Seconds of a write and of its fsync.
+type Timing = (f64, f64);
+
+/// The best of two rounds, contender by contender (by time with fsync).
+fn better(
+    best: Option<(Outcome, f64, Timing, Timing)>,
+    round: (Outcome, f64, Timing, Timing),
+) -> (Outcome, f64, Timing, Timing) {
+    let Some(b) = best else {
+        return round;
+    };
+    let total = |t: &Timing| t.0 + t.1;
+    let (child, wall) = if round.0.total_seconds < b.0.total_seconds {
+        (round.0, round.1)
+    } else {
+        (b.0, b.1)
+    };
+    let plain = if total(&round.2) < total(&b.2) {
+        round.2
+    } else {
+        b.2
+    };
+    let copy = if total(&round.3) < total(&b.3) {
+        round.3
+    } else {
+        b.3
+    };
+    (child, wall, plain, copy)
+}
+
+/// The child's report and wall time, then the plain write and the plain copy.
+fn measure_side_files(
+    args: &BenchSideFilesCmd,
+    ckpt: &Path,
+    rope: usize,
+    sources: &[TensorInfo],
+    tmp: &Path,
+) -> Result<(Outcome, f64, Timing, Timing)> {
+    let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
+    let out = tmp.join("side-files");
+    let mut cmd = Command::new(exe);
+    cmd.arg("side-files")
+        .arg("--hf-dir")
+        .arg(ckpt)
+        .args(["--ctx", &args.options.ctx.to_string()])
+        .args(["--rope-positions", &rope.to_string()])
+        .arg("--output")
+        .arg(&out)
+        .arg("--json");
+    if let Some(name) = &args.options.model_name {
+        cmd.args(["--model-name", name]);
+    }
+    let started = Instant::now();
+    let child = cmd.output().context("cannot start chunkforge side-files")?;
+    let wall = started.elapsed().as_secs_f64();
+    if !child.status.success() {
+        bail!(
+            "chunkforge side-files failed: {}",
+            String::from_utf8_lossy(&child.stderr).trim()
+        );
+    }
+    let outcome: Outcome = serde_json::from_slice(&child.stdout)
+        .context("chunkforge side-files --json printed something else than its report")?;
+    let _ = fs::remove_dir_all(&out);
+    let plain = plain_io(&tmp.join("plain.bin"), &[], outcome.bytes_written)?;
+    let copy = plain_io(&tmp.join("copy.bin"), sources, outcome.bytes_written)?;
+    Ok((outcome, wall, plain, copy))
+}
+
+/// Writes `bytes` bytes to `path` in 8 MiB writes, then fsyncs. With
+/// `sources`, their bytes are read in 8 MiB blocks first and each block's
+/// share of `bytes` is written from it (a `cp` of the tensors, shrunk to the
+/// output's size); without, pseudo-random bytes are written.
+fn plain_io(path: &Path, sources: &[TensorInfo], bytes: u64) -> Result<Timing> {
+    const BLOCK: u64 = 8 << 20;
+    let mut buf = vec![0u8; BLOCK as usize];
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    for w in buf.chunks_exact_mut(8) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        w.copy_from_slice(&s.to_le_bytes());
+    }
+    let started = Instant::now();
+    let mut f =
+        fs::File::create(path).with_context(|| format!("{}: cannot create", path.display()))?;
+    let mut write = |data: &[u8]| {
+        f.write_all(data)
+            .with_context(|| format!("{}: write failed (disk full?)", path.display()))
+    };
+    let mut left = bytes;
+    let total_read: u64 = sources.iter().map(|t| t.bytes).sum();
+    for t in sources {
+        let src = fs::File::open(&t.file)
+            .with_context(|| format!("{}: cannot open", t.file.display()))?;
+        let mut at = 0;
+        while at < t.bytes {
+            let n = BLOCK.min(t.bytes - at);
+            src.read_exact_at(&mut buf[..n as usize], t.offset + at)
+                .with_context(|| format!("{}: read failed", t.file.display()))?;
+            let share = (n as u128 * bytes as u128).div_ceil(total_read as u128) as u64;
+            let share = share.min(left).min(n);
+            write(&buf[..share as usize])?;
+            left -= share;
+            at += n;
+        }
+    }
+    while left > 0 {
+        let n = left.min(BLOCK);
+        write(&buf[..n as usize])?;
+        left -= n;
+    }
+    let written = started.elapsed().as_secs_f64();
+    f.sync_all()
+        .with_context(|| format!("{}: fsync failed", path.display()))?;
+    let sync = started.elapsed().as_secs_f64() - written;
+    drop(f);
+    let _ = fs::remove_file(path);
+    Ok((written, sync))
 }

@@ -14,6 +14,7 @@ mod release;
 mod run;
 mod selftest;
 mod setup;
+mod side_files;
 mod verify;
 
 use std::path::{Path, PathBuf};
@@ -85,6 +86,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Inspect { package, json } => inspect::run(&package, json, verbose),
         Cmd::Fixture(args) => fixture::run(args, verbose),
         Cmd::Keygen { out } => keygen::run(&out),
+        Cmd::SideFiles(args) => side_files::run(args, verbose),
         Cmd::Package(args) => package::run(args),
         Cmd::Release(args) => release::run(args, verbose),
         Cmd::Run(args) => run::run(args, verbose),

@@ -19,11 +19,17 @@ use crate::error::InputError;
 /// Largest safetensors header we accept (the format's own reference limit is 100 MB).
 const MAX_HEADER: u64 = 100 << 20;
 
+/// One tensor of a safetensors file: where its bytes are and what they hold.
 #[derive(Clone, Debug)]
 pub struct TensorInfo {
     pub file: PathBuf,
     pub dtype: String,
     pub shape: Vec<usize>,
+    /// Byte position of the tensor's first byte in `file` (header included),
+    /// for readers that fetch rows with positioned reads.
+    pub offset: u64,
+    /// Length of the tensor's data in bytes.
+    pub bytes: u64,
 }
 
 /// A validated checkpoint: where each needed tensor lives.
@@ -34,6 +40,9 @@ pub struct Checkpoint {
     pub prefix: String,
     /// Full tensor name -> file, for the tensors the decoder needs (others skipped).
     pub files: BTreeMap<String, PathBuf>,
+    /// The same tensors with their dtype, shape and byte range.
+    #[serde(skip)]
+    pub tensors: BTreeMap<String, TensorInfo>,
     /// Tensors present but not part of the text decoder (vision, audio, ...).
     pub skipped: usize,
     pub weight_files: Vec<PathBuf>,
@@ -229,6 +238,8 @@ fn parse_header(path: &Path) -> Result<Parsed, InputError> {
                 file: path.to_path_buf(),
                 dtype,
                 shape,
+                offset: 8 + hlen + offs[0],
+                bytes: offs[1] - offs[0],
             },
         );
     }
@@ -573,12 +584,22 @@ impl Checkpoint {
             })?
             .to_string();
         let mut files = BTreeMap::new();
+        let mut tensors = BTreeMap::new();
+        // Where a missing tensor was looked for, for its error.
+        let searched = match weight_files.as_slice() {
+            [one] => one
+                .file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into_owned()),
+            many => format!("the {} shards of model.safetensors.index.json", many.len()),
+        };
         for (name, shape) in expected_tensors(cfg) {
             let full = format!("{prefix}{name}");
             let info = all.get(&full).ok_or_else(|| {
                 ck(
                     dir,
-                    format!("tensor {full} is missing (config.json says the decoder has it)"),
+                    format!(
+                        "tensor {full} is missing from {searched} (config.json says the decoder has it)"
+                    ),
                 )
             })?;
             if dtype_size(&info.dtype).is_none() {
@@ -599,7 +620,8 @@ impl Checkpoint {
                     ),
                 ));
             }
-            files.insert(full, info.file.clone());
+            files.insert(full.clone(), info.file.clone());
+            tensors.insert(full, info.clone());
         }
         layouts.into_iter().collect::<Result<(), _>>()?;
         let needed = files.len();
@@ -608,6 +630,7 @@ impl Checkpoint {
             prefix,
             skipped: all.len().saturating_sub(needed),
             files,
+            tensors,
             weight_files,
         })
     }

@@ -1,7 +1,8 @@
 //! chunkforge's release half, pure Rust with no Python: digests, staging and
 //! crash-safe publishing, `manifest.json`, OpenSSF model signing, `verify`,
-//! and release archives. The fuzz targets link only this crate and the model
-//! crate.
+//! release archives, and the runtime's side files (embedding tables, RoPE
+//! tables, `model_config.json`) written from the checkpoint. The fuzz
+//! targets link only this crate and the model crate.
 
 pub mod archive;
 pub mod folder;
@@ -10,6 +11,7 @@ pub mod keykind;
 pub mod manifest;
 pub mod package;
 pub mod publish;
+pub mod sidefiles;
 pub mod sign;
 pub mod staging;
 pub mod strict_json;
