@@ -64,13 +64,44 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
         lock: None,
     }
     .run(&tmp, verbose);
+    // The side files a release of this build carries, written where the
+    // packages are (what `package` adds to the build).
+    let side = result
+        .as_ref()
+        .ok()
+        .map(|record| -> Result<sidefiles::SideFilesReport> {
+            let dir = resolve_checkpoint(args.model.hf_dir.as_deref(), verbose)?;
+            let cfg = TextConfig::load(&dir)?;
+            let ckpt = Checkpoint::open(&dir, &cfg)?;
+            let ctx = record.settings.ctx;
+            Ok(sidefiles::write_side_files(&sidefiles::SideFilesRequest {
+                hf_dir: &dir,
+                cfg: &cfg,
+                checkpoint: &ckpt,
+                context_length: ctx,
+                rope_positions: ctx,
+                model_name: "bench",
+                dest: &tmp,
+            })?)
+        });
     let _ = std::fs::remove_dir_all(&tmp);
     let record = result?;
+    let side = side.transpose()?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&record)?);
     } else {
         print_phases(&record);
         println!("{}", summary(&record, &tmp));
+        if let Some(s) = side {
+            let mib = s.bytes_written() as f64 / MIB;
+            println!(
+                "side files: {} files, {mib:.1} MiB in {:.2}s ({:.0} MiB/s); peak RSS of the whole run {:.0} MiB",
+                s.files.len(),
+                s.seconds,
+                mib / s.seconds.max(1e-9),
+                peak_rss_bytes() as f64 / MIB
+            );
+        }
     }
     Ok(())
 }
