@@ -74,6 +74,8 @@ pub struct RunResult {
     pub chunks: Vec<String>,
     pub prompt_ids: Vec<i64>,
     pub generated_ids: Vec<i64>,
+    /// Per generated token: its logit minus the runner-up's.
+    pub margins: Vec<f64>,
     pub text: Option<String>,
     pub stopped: String,
     pub prefill_tokens: usize,

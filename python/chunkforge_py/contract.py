@@ -630,6 +630,8 @@ class RunResult(TypedDict):
     chunks: list[str]
     prompt_ids: list[int]
     generated_ids: list[int]
+    # Per generated token: its logit minus the runner-up's.
+    margins: list[float]
     text: str | None
     # eos, max_tokens or context.
     stopped: str

@@ -182,6 +182,13 @@ class RopeTables:
         return rows
 
 
+def top_margin(logits: torch.Tensor) -> float:
+    """How far the chosen token's logit is ahead of the runner-up's (softcapped
+    logits): near 0, fp16 weights or int8 embeddings may pick the other one."""
+    top = torch.topk(logits.float().view(-1), 2).values
+    return float(top[0] - top[1])
+
+
 def prompt_lookup(history: list[int], k: int, ngram: int = 3) -> list[int]:
     """``k`` draft tokens: what followed the latest earlier occurrence of the
     history's last n-gram (n = ngram..1), else repeats of the last token."""
@@ -257,13 +264,16 @@ def run(req: RunRequest) -> RunResult:
     else:
         copy_slots(four, runner.caches, decode_layout["kv_slot_map"])
     token = pre["token"]
+    margin = top_margin(prefill.modules[req["prefill"]["chunks"][-1]["name"]].last_logits)
     # Prompt tokens past the prefill length go through decode, one by one.
     for pos in range(n_prefill, len(prompt)):
-        token = runner.step(emb, prompt[pos], pos)["token"]
+        step = runner.step(emb, prompt[pos], pos)
+        token, margin = step["token"], top_margin(step["logits"])
     prefill_seconds = time.perf_counter() - t0
 
     eos = set(req["eos_token_ids"])
     generated = [token]
+    margins = [margin]
     stopped = "eos" if token in eos else ""
     pos = len(prompt)
     spec: Speculation = {"k": speculate, "calls": 0, "accepted_drafts": 0, "drafts": 0}
@@ -287,12 +297,15 @@ def run(req: RunRequest) -> RunResult:
             spec["drafts"] += speculate - 1
             spec["accepted_drafts"] += accepted - 1
             new = out["tokens"][:accepted]
+            new_margins = [top_margin(out["logits"][i]) for i in range(accepted)]
             pos += accepted
         else:
-            new = [runner.step(emb, generated[-1], pos)["token"]]
+            step = runner.step(emb, generated[-1], pos)
+            new, new_margins = [step["token"]], [top_margin(step["logits"])]
             pos += 1
-        for t in new:
+        for t, m in zip(new, new_margins, strict=True):
             generated.append(t)
+            margins.append(m)
             if t in eos:
                 stopped = "eos"
                 break
@@ -300,6 +313,7 @@ def run(req: RunRequest) -> RunResult:
                 break
     decode_seconds = time.perf_counter() - t1
     generated = generated[: req["max_tokens"]]
+    margins = margins[: len(generated)]
     text = None
     if os.path.exists(req["files"]["tokenizer"]):
         from tokenizers import Tokenizer
@@ -311,6 +325,7 @@ def run(req: RunRequest) -> RunResult:
         "chunks": [c["name"] for c in decode_layout["chunks"]],
         "prompt_ids": prompt,
         "generated_ids": generated,
+        "margins": margins,
         "text": text,
         "stopped": stopped,
         "prefill_tokens": n_prefill,
