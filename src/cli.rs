@@ -466,8 +466,8 @@ pub struct RunCmd {
     #[arg(long)]
     pub prompt_ids: Option<String>,
     /// Tokens to generate (fewer if the model emits eos first).
-    #[arg(long, default_value_t = 32)]
-    pub max_tokens: usize,
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tokens: u32,
     /// Decode layout: auto picks by file presence, as the runtime does.
     #[arg(long, default_value = "auto", value_parser = named::<RunLayout>())]
     pub layout: RunLayout,

@@ -157,7 +157,13 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
     };
     let req = RunRequest {
         release: o.release.to_string_lossy().into_owned(),
-        dims: plan::dims(&folder.cfg, folder.context_length),
+        dims: plan::Dims {
+            // What the runtime reads from model_config.json (checked to
+            // agree with the plan when the folder was opened).
+            embed_scale: folder.embed_scale,
+            per_layer_embed_scale: folder.per_layer_embed_scale,
+            ..plan::dims(&folder.cfg, folder.context_length)
+        },
         decode: &decode,
         four: &four,
         prefill: &prefill,

@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,6 +14,7 @@ use std::sync::{Mutex, OnceLock};
 
 use common::{json_file, ok, run, stderr, stdout, tempdir};
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 
 /// A fixed prompt whose greedy continuation on the built-in checkpoint changes
 /// token twice (most prompts there repeat one token), so the KV hand-off
@@ -44,13 +46,14 @@ fn keys() -> &'static (PathBuf, PathBuf) {
     })
 }
 
-static RELEASE_LOCK: Mutex<()> = Mutex::new(());
+static RELEASE_LOCK: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 
-/// A `--layout all` release of `build`, made once per tag.
+/// A `--layout all` release of `build`, packaged once per test run (the
+/// build is cached across runs, the release never: it is what is tested).
 fn release_of(build: &Path, tag: &str) -> PathBuf {
-    let _guard = RELEASE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut made = RELEASE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let out = build.with_file_name(format!("release-{tag}"));
-    if !out.join("model.sig").exists() {
+    if made.insert(tag.to_string()) {
         ok(&[
             "package",
             s(build),
@@ -70,12 +73,13 @@ fn fp16_dir() -> PathBuf {
     common::builds_dir().join("default-all-fp16")
 }
 
-/// `release --no-quantize` of the built-in checkpoint: build --mode all, the
-/// parity gate, package and sign, made once.
+/// `release --no-quantize` of the built-in checkpoint: build --mode all (kept
+/// across test runs and reused), the parity gate, package and sign, once per
+/// test run.
 fn fp16_release() -> PathBuf {
-    let _guard = RELEASE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut made = RELEASE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let out = fp16_dir().join("release");
-    if !out.join("model.sig").exists() {
+    if made.insert("fp16".to_string()) {
         let build = fp16_dir().join("build");
         let o = run(&[
             "release",
@@ -257,9 +261,23 @@ fn fp16_release_generates_transformers_tokens_in_every_layout() {
             let sp = &r["speculation"];
             assert_eq!(sp["k"], 3);
             assert!(sp["calls"].as_u64().unwrap() >= 1);
-            assert!(sp["calls"].as_u64().unwrap() < TOKENS as u64);
+            // Drafts were accepted: verify's rows were committed for more than one token per call.
+            assert!(sp["accepted_drafts"].as_u64().unwrap() >= 1, "{sp}");
         }
     }
+    // An upstream-style folder has no chunk1_3way: the runtime's three-chunk
+    // decode is chunk1 + chunk2_3way + chunk3_3way, and so is run's.
+    let upstream = tempdir("run-upstream").join("rel");
+    copy_dir(&release, &upstream);
+    fs::remove_dir_all(upstream.join("chunk1_3way.mlpackage")).unwrap();
+    let r = generate(&upstream, &["--prompt", SENTENCE]);
+    assert_eq!(r["layout"], "three");
+    assert_eq!(
+        r["chunks"],
+        serde_json::json!(["chunk1", "chunk2_3way", "chunk3_3way"])
+    );
+    assert_eq!(ids(&r["generated_ids"]), want);
+    fs::remove_dir_all(upstream.parent().unwrap()).unwrap();
     // --prompt-ids gives the same as the text it encodes.
     let joined = prompt
         .iter()
@@ -285,7 +303,9 @@ fn int4_release_agreement_with_transformers() {
         eprintln!(
             "INT4 {layout}: first {agree} of {TOKENS} tokens equal transformers', {same} of {TOKENS} positions equal"
         );
-        assert!(agree >= 1, "INT4 {layout}: {got:?} vs {want:?}");
+        // Measured on this prompt: the first 5 tokens agree (the checkpoint's
+        // continuation switches tokens at near-ties, where INT4 moves it).
+        assert!(agree >= 4, "INT4 {layout}: {got:?} vs {want:?}");
     }
 }
 
@@ -341,6 +361,47 @@ fn damaged_side_files_fail_run_and_verify_by_name() {
 }
 
 /// A copy of `from` made of hard links.
+/// `model_config.json` is what the app reads its dimensions and scales from:
+/// a value that disagrees with the packages fails `run` naming the key, even
+/// with the manifest entry updated to match.
+#[test]
+fn model_config_values_are_checked_against_the_packages() {
+    let release = fp16_release();
+    let w = tempdir("run-config");
+    for (key, value) in [
+        ("embed_scale", serde_json::json!(1.0)),
+        ("sliding_window", serde_json::json!(64)),
+        ("hidden_size", serde_json::json!(99)),
+    ] {
+        let copy = w.join(key);
+        copy_dir(&release, &copy);
+        let path = copy.join("model_config.json");
+        let mut cfg = json_file(&path);
+        cfg[key] = value;
+        let text = serde_json::to_vec_pretty(&cfg).unwrap();
+        fs::remove_file(&path).unwrap();
+        fs::write(&path, &text).unwrap();
+        let mpath = copy.join("manifest.json");
+        let mut m = json_file(&mpath);
+        for f in m["files"].as_array_mut().unwrap() {
+            if f["path"] == "model_config.json" {
+                f["size"] = serde_json::json!(text.len());
+                f["sha256"] = serde_json::json!(format!("{:x}", Sha256::digest(&text)));
+            }
+        }
+        fs::remove_file(&mpath).unwrap();
+        fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+        let o = run(&["run", s(&copy), "--prompt", SENTENCE, "--max-tokens", "2"]);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{key}: {e}");
+        assert!(
+            e.contains("model_config.json") && e.contains(key),
+            "{key}: {e}"
+        );
+    }
+    fs::remove_dir_all(&w).unwrap();
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     for e in walkdir::WalkDir::new(from) {
         let e = e.unwrap();

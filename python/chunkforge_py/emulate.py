@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .contract import ChunkPlan, Dims, FunctionPlan, RunLayout, RunRequest, RunResult, Speculation
-from .inspect_pkg import const_key, read_package
+from .inspect_pkg import const_key, function_descriptions, io, read_package
 from .model import Chunk
 from .roles import ROPE, Key
 from .runtime import ChunkforgeError
@@ -39,7 +39,7 @@ class Package:
         if not os.path.isdir(path):
             raise ChunkforgeError(f"{path}: package missing from the release")
         self.path = path
-        _, self.prog, self.default = read_package(path)
+        self.spec, self.prog, self.default = read_package(path)
         if self.prog is None:
             raise ChunkforgeError(f"{path}: not an ML program")
         self._dense: dict[str, torch.Tensor] = {}
@@ -97,10 +97,14 @@ def check_contract(package: Package, function: FunctionPlan, context_length: int
     """The package's own description of the function against the plan, as
     the runtime reads it (names, shapes, dtypes); ``causal_mask_full`` must
     span ``context_length`` or the runtime refuses to load."""
-    from .inspect_pkg import describe
-
-    desc = describe({"path": package.path})
-    found = next((f for f in desc["functions"] if f["name"] == function["name"]), None)
+    described = function_descriptions(package.spec) or [
+        {
+            "name": package.default,
+            "inputs": io(package.spec.description.input),
+            "outputs": io(package.spec.description.output),
+        }
+    ]
+    found = next((f for f in described if f["name"] == function["name"]), None)
     if found is None:
         raise ChunkforgeError(f"{package.path}: no function {function['name']}")
     for side in ("inputs", "outputs"):
@@ -246,10 +250,10 @@ def run(req: RunRequest) -> RunResult:
         raise ChunkforgeError("speculative decoding verifies with chunk1..4: run it with the four-chunk layout")
     decode_modules = modules(decode_layout, "decode")
     runner = LayoutRunner(dims, decode_layout, None, modules=decode_modules, rope=rope, verify=verify)
-    prefill_len = max(f["tokens"] for f in req["prefill"]["chunks"][0]["functions"] if f["kind"] == "prefill")
-    fits = sorted(f["tokens"] for f in req["prefill"]["chunks"][0]["functions"] if f["kind"] == "prefill")
-    n_prefill = min(len(prompt), prefill_len)
-    n_call = next(n for n in fits if n >= n_prefill)
+    # The runtime reads N from prefill_chunk1's default function (the first,
+    # the longest) and always calls that one.
+    n_call = find_function(req["prefill"]["chunks"][0], "prefill")["tokens"]
+    n_prefill = min(len(prompt), n_call)
     prefill_modules = modules(req["prefill"], "prefill", n_call)
     prefill = PrefillRunner(dims, req["prefill"], None, n_call, modules=prefill_modules, rope=rope)
     loaded = time.perf_counter()

@@ -3,6 +3,7 @@ spec version, I/O, palettized weights and the decoder layers its weights belong 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -35,40 +36,55 @@ def read_package(path: str, program: bool = True) -> tuple[Any, Any, str]:
     for a non-ML-program model) and the default function's name, read without
     loading the model (works on Linux). Every function of a chunkforge
     multifunction package holds the same weights."""
-    import coremltools as ct
     from coremltools.converters.mil.frontend.milproto.load import load as mil_load
+    from coremltools.proto import Model_pb2
 
     if not os.path.isdir(path):
         raise ChunkforgeError(f"{path}: not an .mlpackage folder")
-    model = ct.models.MLModel(path, skip_model_load=True)
-    spec = model.get_spec()
+    # The spec is read straight from the package's files: coremltools'
+    # MLModel(path) rewrites Manifest.json, and a release must stay untouched
+    # (and readable from a read-only mount).
+    data = os.path.join(path, "Data")
+    try:
+        with open(os.path.join(path, "Manifest.json")) as f:
+            manifest = json.load(f)
+        root = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"]
+        spec = Model_pb2.Model()
+        with open(os.path.join(data, root), "rb") as f:
+            spec.ParseFromString(f.read())
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
     prog = None
     if program and spec.WhichOneof("Type") == "mlProgram":
-        prog = mil_load(spec, specification_version=spec.specificationVersion, file_weights_dir=model.weights_dir)
+        weights = os.path.join(os.path.dirname(os.path.join(data, root)), "weights")
+        prog = mil_load(spec, specification_version=spec.specificationVersion, file_weights_dir=weights)
     return spec, prog, spec.description.defaultFunctionName or "main"
+
+
+def io(features: Any) -> list[IoDescription]:
+    """Inputs or outputs as a package's spec describes them."""
+    return [
+        {
+            "name": f.name,
+            "shape": [int(d) for d in f.type.multiArrayType.shape],
+            "dtype": ARRAY_DTYPES.get(f.type.multiArrayType.dataType, str(f.type.multiArrayType.dataType)),
+        }
+        for f in features
+    ]
+
+
+def function_descriptions(spec: Any) -> list[FunctionDescription]:
+    """Each function's I/O as the spec describes it (a multifunction package
+    describes each function; its top-level I/O is the default function's)."""
+    return [{"name": f.name, "inputs": io(f.input), "outputs": io(f.output)} for f in spec.description.functions]
 
 
 def describe(args: DescribeArgs) -> PackageDescription:
     path = args["path"]
     spec, prog, default = read_package(path)
     kind = spec.WhichOneof("Type")
-
-    def io(features: Any) -> list[IoDescription]:
-        return [
-            {
-                "name": f.name,
-                "shape": [int(d) for d in f.type.multiArrayType.shape],
-                "dtype": ARRAY_DTYPES.get(f.type.multiArrayType.dataType, str(f.type.multiArrayType.dataType)),
-            }
-            for f in features
-        ]
-
     desc = spec.description
-    # A multifunction package describes each function; its top-level I/O is
-    # the default function's.
-    functions: list[FunctionDescription] = [
-        {"name": f.name, "inputs": io(f.input), "outputs": io(f.output)} for f in desc.functions
-    ]
+    functions = function_descriptions(spec)
     top = next((f for f in functions if f["name"] == default), None)
     out: PackageDescription = {
         "path": path,

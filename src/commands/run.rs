@@ -18,7 +18,7 @@ pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
     let result = run::run(&RunOptions {
         release: &args.release_dir,
         prompt,
-        max_tokens: args.max_tokens,
+        max_tokens: args.max_tokens as usize,
         layout: args.layout,
         speculate: args.speculate,
         verbose,

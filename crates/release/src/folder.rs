@@ -61,6 +61,10 @@ pub struct ReleaseFolder {
     pub context_length: usize,
     /// `model_config.json`'s `eos_token_id` (a number or a list).
     pub eos_token_ids: Vec<i64>,
+    /// The scales the runtime reads from `model_config.json` (checked
+    /// against the plan of `hf_model/config.json`).
+    pub embed_scale: f64,
+    pub per_layer_embed_scale: f64,
     /// Manifest `files`: path -> (size, sha256).
     files: BTreeMap<String, (u64, String)>,
 }
@@ -108,6 +112,8 @@ impl ReleaseFolder {
         };
         let hf = dir.join(HF_MODEL_DIR);
         let cfg = TextConfig::load(&hf).map_err(|e| err(&hf, e.to_string()))?;
+        check_model_config(&config, &config_path, &cfg, context_length)?;
+        let number = |key: &str| config.get(key).and_then(Value::as_f64).unwrap_or(f64::NAN);
         let mut files = BTreeMap::new();
         for f in manifest
             .get("files")
@@ -129,6 +135,8 @@ impl ReleaseFolder {
             cfg,
             context_length,
             eos_token_ids,
+            embed_scale: number("embed_scale"),
+            per_layer_embed_scale: number("per_layer_embed_scale"),
             files,
         })
     }
@@ -193,6 +201,24 @@ impl ReleaseFolder {
             }
             self.check_digest(spec.name, &path, size)?;
         }
+        // Every dimension of the plan comes from hf_model/config.json.
+        let config = format!("{HF_MODEL_DIR}/config.json");
+        let path = self.dir.join(&config);
+        let size = fs::metadata(&path)
+            .map_err(|e| err(&path, format!("cannot read: {e}")))?
+            .len();
+        self.check_digest(&config, &path, size)?;
+        let want = self
+            .manifest
+            .pointer("/model/config_sha256")
+            .and_then(Value::as_str);
+        let got = hashing::sha256_file(&path).map_err(|e| err(&path, e.to_string()))?;
+        if want.is_some_and(|w| w != got) {
+            return Err(err(
+                &path,
+                "not the config the packages were built from (manifest.json's model.config_sha256)",
+            ));
+        }
         let tokenizer = format!("{HF_MODEL_DIR}/{TOKENIZER_FILE}");
         let path = self.dir.join(&tokenizer);
         if self.files.contains_key(&tokenizer) {
@@ -244,7 +270,12 @@ impl ReleaseFolder {
         fs::File::open(path)
             .and_then(|mut f| f.read_exact(&mut head))
             .map_err(|e| err(path, format!("cannot read: {e}")))?;
-        let (header_len, text) = npy_header(&head).ok_or_else(|| err(path, "not a .npy file"))?;
+        let (header_len, text) = npy_header(&head).ok_or_else(|| {
+            err(
+                path,
+                "not a .npy file of format version 1.0 (what the runtime reads)",
+            )
+        })?;
         let field = |key: &str| -> Option<&str> {
             let at = text.find(&format!("'{key}':"))? + key.len() + 3;
             Some(text[at..].trim_start())
@@ -314,6 +345,7 @@ impl ReleaseFolder {
     /// checked against the manifest's contracts.
     pub fn plan(&self, want: RunLayout) -> Result<RunPlan> {
         let manifest = self.dir.join(MANIFEST_FILE);
+        // The runtime's file names (ChunkedEngine's presence rules).
         let three = ["chunk1", "chunk2_3way", "chunk3_3way"];
         let two = ["merged_chunk1", "merged_chunk2"];
         let (kind, picked_by) = match want {
@@ -367,16 +399,68 @@ impl ReleaseFolder {
         };
         let four = layout(LayoutKind::Four)?;
         let prefill = layout(LayoutKind::Prefill)?;
-        let mut decode = layout(kind)?;
-        if kind != LayoutKind::Four {
-            decode.kv_slot_map = self.slot_map(&manifest, kind)?;
-        }
+        let decode = if kind == LayoutKind::Three {
+            self.three(&manifest, &planned, &four)?
+        } else {
+            let mut decode = layout(kind)?;
+            if kind != LayoutKind::Four {
+                decode.kv_slot_map = self.slot_map(&manifest, kind)?;
+            }
+            decode
+        };
         Ok(RunPlan {
             decode,
             four,
             prefill,
             picked_by,
         })
+    }
+
+    /// The three-chunk decode as the runtime runs it (ChunkedEngine:
+    /// `chunk1` + `chunk2_3way` + `chunk3_3way`): four's chunk1, whose
+    /// decode contract is the first three-chunk package's, then the other
+    /// two; the slot map's copies into the first package go to chunk1.
+    fn three(&self, manifest: &Path, planned: &plan::Plan, four: &Layout) -> Result<Layout> {
+        let mut three = planned
+            .layouts
+            .iter()
+            .find(|l| l.kind == LayoutKind::Three)
+            .cloned()
+            .expect("--mode all plans every layout");
+        let first = std::mem::replace(&mut three.chunks[0], four.chunks[0].clone());
+        if (
+            first.first_layer,
+            first.last_layer,
+            &first.inputs,
+            &first.outputs,
+        ) != (
+            four.chunks[0].first_layer,
+            four.chunks[0].last_layer,
+            &four.chunks[0].inputs,
+            &four.chunks[0].outputs,
+        ) {
+            return Err(err(
+                manifest,
+                format!(
+                    "{} and {} differ in layers or contract: the runtime's three-chunk decode runs {} first",
+                    first.name, four.chunks[0].name, four.chunks[0].name
+                ),
+            ));
+        }
+        for c in &three.chunks[1..] {
+            let pkg = self.dir.join(format!("{}.mlpackage", c.name));
+            if !pkg.is_dir() {
+                return Err(err(&pkg, "missing: the three layout needs it"));
+            }
+            self.check_chunk(manifest, c)?;
+        }
+        three.kv_slot_map = self.slot_map(manifest, LayoutKind::Three)?;
+        for m in &mut three.kv_slot_map {
+            if m.to_chunk == first.name {
+                m.to_chunk.clone_from(&four.chunks[0].name);
+            }
+        }
+        Ok(three)
     }
 
     /// The manifest's KV slot map of decode layout `kind`.
@@ -455,19 +539,90 @@ impl ReleaseFolder {
     }
 }
 
+/// `model_config.json` against the plan of `hf_model/config.json`: every key
+/// the runtime reads must be there and agree (the app takes its dimensions
+/// and scales from this file, the packages were built from the other).
+fn check_model_config(
+    config: &Value,
+    path: &Path,
+    cfg: &TextConfig,
+    context_length: usize,
+) -> Result<()> {
+    let d = plan::dims(cfg, context_length);
+    let types: Vec<String> = cfg
+        .layer_types
+        .iter()
+        .map(|a| format!("{a}_attention"))
+        .collect();
+    let exact = [
+        ("architecture", serde_json::json!("gemma4")),
+        ("hidden_size", serde_json::json!(cfg.hidden_size)),
+        ("vocab_size", serde_json::json!(cfg.vocab_size)),
+        (
+            "num_hidden_layers",
+            serde_json::json!(cfg.num_hidden_layers),
+        ),
+        ("num_layers", serde_json::json!(cfg.num_hidden_layers)),
+        (
+            "per_layer_dim",
+            serde_json::json!(cfg.hidden_size_per_layer_input),
+        ),
+        ("sliding_window", serde_json::json!(cfg.sliding_window)),
+        (
+            "num_kv_shared_layers",
+            serde_json::json!(cfg.num_kv_shared_layers),
+        ),
+        ("layer_types", serde_json::json!(types)),
+    ];
+    for (key, want) in exact {
+        match config.get(key) {
+            None => return Err(err(path, format!("no {key} (the runtime reads it)"))),
+            Some(got) if *got != want => {
+                return Err(err(
+                    path,
+                    format!(
+                    "{key} is {got}, but the packages were built for {want} (hf_model/config.json)"
+                ),
+                ))
+            }
+            _ => {}
+        }
+    }
+    let scales = [
+        ("embed_scale", d.embed_scale),
+        ("per_layer_embed_scale", d.per_layer_embed_scale),
+        (
+            "per_layer_model_projection_scale",
+            1.0 / (cfg.hidden_size as f64).sqrt(),
+        ),
+        ("per_layer_input_scale", 1.0 / 2f64.sqrt()),
+    ];
+    for (key, want) in scales {
+        match config.get(key).and_then(Value::as_f64) {
+            None => return Err(err(path, format!("no {key} (a number the runtime reads)"))),
+            Some(got) if (got - want).abs() > 1e-9 * want.abs() => {
+                return Err(err(
+                    path,
+                    format!("{key} is {got}, but hf_model/config.json's model has {want}"),
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// A `.npy` file's header: (bytes before the data, the header dict's text).
 fn npy_header(head: &[u8]) -> Option<(usize, &str)> {
     if head.len() < 10 || &head[..6] != b"\x93NUMPY" {
         return None;
     }
-    let (len, start) = match head[6] {
-        1 => (u16::from_le_bytes([head[8], head[9]]) as usize, 10),
-        2 | 3 => (
-            u32::from_le_bytes([head[8], head[9], *head.get(10)?, *head.get(11)?]) as usize,
-            12,
-        ),
-        _ => return None,
-    };
+    // Version 1.0 only: the runtime takes the data to start at 10 + the u16
+    // header length, which a 2.0 / 3.0 header (u32 length) would shift.
+    if head[6] != 1 {
+        return None;
+    }
+    let (len, start) = (u16::from_le_bytes([head[8], head[9]]) as usize, 10);
     let text = std::str::from_utf8(head.get(start..start + len)?).ok()?;
     Some((start + len, text))
 }
