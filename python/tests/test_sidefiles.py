@@ -158,6 +158,9 @@ def test_rope_tables_are_transformers_rotary_embedding(run: dict[str, Any], kind
         want = hf[0].numpy()
         # Within fp16 rounding: at most one fp16 step apart (both round an
         # f32 cos/sin of the same f32 angle), and nearly always identical.
+        # (At the fixture's head dims torch's f32 inv_freq is the nearest f32
+        # to theta^(-2i/d), as chunkforge's is; at E2B's, two frequencies
+        # differ by one f32 step, see README: chunkforge side-files.)
         np.testing.assert_array_max_ulp(table, want, maxulp=1)
         differ = int((table != want).sum())
         assert differ <= table.size // 1000, f"{wave}_{kind}: {differ} of {table.size} values differ by one fp16 step"
