@@ -10,7 +10,6 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, FromArgMatches};
 
 use super::build::{summary, BuildJob};
 use super::side_files::{rate, rope_positions, Outcome, MIB};
@@ -28,13 +27,11 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
         BenchCmd::Parity { model, mode, steps } => {
             let started = std::time::Instant::now();
             // Every other option at `parity`'s own defaults.
-            let matches = ParityCmd::augment_args(clap::Command::new("parity"))
-                .try_get_matches_from(["parity"])?;
             let args = ParityCmd {
                 model,
                 mode,
                 steps,
-                ..ParityCmd::from_arg_matches(&matches)?
+                ..super::parity::defaults()?
             };
             let ok = super::parity::check(args, verbose)?;
             println!(

@@ -2,6 +2,7 @@
 //! reference vs transformers; exit 1 when a check fails.
 
 use anyhow::Result;
+use clap::{Args, FromArgMatches};
 
 use super::{resolve_checkpoint, verdict, ExitStatus};
 use crate::checkpoint::Checkpoint;
@@ -11,6 +12,14 @@ use crate::parity::{self, ParityOptions};
 use crate::plan::Functions;
 use crate::py::env as pyenv;
 use crate::records::{ArtifactSummary, ParityReport, ParitySummary};
+
+/// `chunkforge parity`'s options at their defaults (`bench parity` runs
+/// with them, `release`'s gate uses its tolerances).
+pub(super) fn defaults() -> Result<ParityCmd> {
+    let matches =
+        ParityCmd::augment_args(clap::Command::new("parity")).try_get_matches_from(["parity"])?;
+    Ok(ParityCmd::from_arg_matches(&matches)?)
+}
 
 /// Runs parity as `args` asks; returns whether every check passed.
 pub(super) fn check(args: ParityCmd, verbose: bool) -> Result<bool> {

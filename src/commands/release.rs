@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 
 use super::build::BuildJob;
 use super::package::{release_request, summary as package_summary};
-use super::parity::{print_checks, print_verdict};
+use super::parity::{defaults as parity_defaults, print_checks, print_verdict};
 use super::{resolve_checkpoint, ExitStatus, Layout};
 use crate::build;
 use crate::checkpoint::Checkpoint;
@@ -21,12 +21,6 @@ use crate::plan::{Functions, Mode};
 use crate::publish::OnLocked;
 use crate::py::env as pyenv;
 use crate::records::{BuildRecord, Palettizer};
-
-/// Parity's defaults, as `chunkforge parity` has them.
-const TOL_COS: f64 = 0.9999;
-const TOL_COS_INT4: f64 = 0.85;
-const MIN_TOP1_INT4: f64 = 0.75;
-const MAX_WEIGHT_REL_MSE: f64 = 0.03;
 
 pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
     let output = &args.release.output;
@@ -72,21 +66,22 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
     let ckpt = Checkpoint::open(&hf_dir, &cfg)?;
     pyenv::activate(verbose)?;
     let report_path = build_dir.join("parity.json");
+    let defaults = parity_defaults()?;
     let opts = ParityOptions {
         mode: Mode::All,
         functions: Functions::resolve(Mode::All, layout.verify_k, layout.prefill_len.as_deref()),
         split: None,
         steps: args.steps,
-        tol_cos: TOL_COS,
+        tol_cos: defaults.tol_cos,
         ctx: args.ctx,
         prompt_ids: None,
         prefill: 0,
         skip_prefill_copy: false,
         // The INT4 weights read back from the packages (an FP16 build has none).
         artifacts: quantize.then(|| build_dir.clone()),
-        tol_cos_int4: TOL_COS_INT4,
-        min_top1_int4: MIN_TOP1_INT4,
-        max_weight_rel_mse: MAX_WEIGHT_REL_MSE,
+        tol_cos_int4: defaults.tol_cos_int4,
+        min_top1_int4: defaults.min_top1_int4,
+        max_weight_rel_mse: defaults.max_weight_rel_mse,
         report: Some(report_path.clone()),
         oracle: true,
         corrupt_layer: args.corrupt_layer,

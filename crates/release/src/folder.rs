@@ -17,7 +17,7 @@ use chunkforge_model::config::TextConfig;
 use chunkforge_model::plan::{self, FunctionKind, Functions, Layout, LayoutKind, Mode, SlotCopy};
 
 use crate::hashing;
-use crate::manifest::MANIFEST_FILE;
+use crate::manifest::{self, MANIFEST_FILE};
 use crate::package::{HF_MODEL_DIR, TOKENIZER_FILE};
 use crate::sidefiles::{self, SIDE_FILES};
 use crate::strict_json;
@@ -486,12 +486,8 @@ impl ReleaseFolder {
                 format!("no entry for {}.mlpackage, which is in the folder", c.name),
             )
         })?;
-        let contract = |specs: &[plan::TensorSpec]| -> Value {
-            specs
-                .iter()
-                .map(|t| serde_json::json!({"name": t.name, "shape": t.shape, "dtype": t.dtype}))
-                .collect()
-        };
+        // The contract as the manifest states it, written by the same function.
+        let contract = |specs: &[plan::TensorSpec]| Value::from(manifest::contract(specs));
         let mut want = vec![
             ("first_layer".to_string(), serde_json::json!(c.first_layer)),
             ("last_layer".to_string(), serde_json::json!(c.last_layer)),

@@ -641,7 +641,7 @@ pub fn build_manifest(
 
 /// A contract as the manifest states it: name, shape and dtype per tensor
 /// (roles are the plan's internal wiring, not part of the runtime's contract).
-fn contract(specs: &[TensorSpec]) -> Vec<Value> {
+pub fn contract(specs: &[TensorSpec]) -> Vec<Value> {
     specs
         .iter()
         .map(|t| json!({"name": t.name, "shape": t.shape, "dtype": t.dtype}))

@@ -2,8 +2,8 @@
 //! table of the upstream runtime's model folder): the INT8 token and
 //! per-layer embedding tables with their fp16 row scales, the fp16 per-layer
 //! projection and its norm weight, the fp16 RoPE tables of both attention
-//! kinds, and `model_config.json`. Everything comes from the checkpoint and
-//! its config; nothing is hard-coded to E2B.
+//! kinds, and `model_config.json`. Every dimension comes from the checkpoint
+//! and its config, so any Gemma 4 size works (E2B, E4B, the fixtures).
 //!
 //! The big tables are streamed: rows are fetched with positioned reads in
 //! blocks of a few MiB (never mapped: mapped file pages count as resident
