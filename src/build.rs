@@ -197,7 +197,7 @@ pub fn run(
                 layers: chunk.layer_count(),
                 mil_ops: stats.mil_ops,
                 weight_bytes: stats.weight_bytes,
-                linear_ops: stats.linear_ops,
+                projection_ops: stats.projection_ops,
                 palettized_weights: stats.palettized_weights,
                 palettize_cache_hits: stats.palettize_cache_hits,
                 palettize_cache_misses: stats.palettize_cache_misses,

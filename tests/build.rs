@@ -52,7 +52,7 @@ fn assert_contract(pkg: &Value, chunk: &Value) {
     }
 }
 
-/// Every linear op reads a 4-bit LUT weight with one 16-entry LUT per 32 output channels.
+/// Every projection op reads a 4-bit LUT weight with one 16-entry LUT per 32 output channels.
 fn assert_palettized(pkg: &Value) {
     let luts: std::collections::HashMap<&str, &Value> = pkg["palettized"]
         .as_array()
@@ -60,18 +60,18 @@ fn assert_palettized(pkg: &Value) {
         .iter()
         .map(|l| (l["name"].as_str().unwrap(), l))
         .collect();
-    let linear = pkg["linear"].as_array().unwrap();
+    let linear = pkg["projections"].as_array().unwrap();
     assert!(!linear.is_empty());
     for op in linear {
         assert_eq!(op["weight_op"], "constexpr_lut_to_dense", "{op}");
         let l = luts[op["weight"].as_str().unwrap()];
-        let rows = l["weight_shape"][0].as_u64().unwrap();
-        assert_eq!(
-            l["lut_shape"],
-            serde_json::json!([rows / 32, 1, 16, 1]),
-            "{}",
-            l["name"]
-        );
+        let shape = l["weight_shape"].as_array().unwrap();
+        let rows = shape[0].as_u64().unwrap();
+        // One 16-entry LUT per 32 output channels, ones on the other weight axes.
+        let mut want = vec![rows / 32];
+        want.extend(std::iter::repeat_n(1, shape.len() - 1));
+        want.extend([16, 1]);
+        assert_eq!(l["lut_shape"], serde_json::json!(want), "{}", l["name"]);
     }
 }
 
@@ -202,14 +202,14 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g["name"], w["name"], "{name}");
             assert_contract(g, w);
-            // Every linear weight of every function is INT4 g=32 palettized.
+            // Every projection weight of every function is INT4 g=32 palettized.
             assert!(
-                g["linear_ops"].as_u64().unwrap() > 0,
+                g["projection_ops"].as_u64().unwrap() > 0,
                 "{name}/{}",
                 g["name"]
             );
             assert_eq!(
-                g["int4_g32_linear_ops"], g["linear_ops"],
+                g["int4_g32_projection_ops"], g["projection_ops"],
                 "{name}/{}",
                 g["name"]
             );

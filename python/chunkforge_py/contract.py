@@ -277,7 +277,7 @@ class ChunkStats(MilStats):
 
     weight_bytes: int
     palettized_weights: int
-    linear_ops: int
+    projection_ops: int
     palettize_cache_hits: int | None
     palettize_cache_misses: int | None
     palettize_unmatched_groups: int | None
@@ -508,8 +508,8 @@ class FunctionDescription(TypedDict):
     outputs: list[IoDescription]
     # ML programs only:
     mil_ops: NotRequired[int]
-    linear_ops: NotRequired[int]
-    int4_g32_linear_ops: NotRequired[int]
+    projection_ops: NotRequired[int]
+    int4_g32_projection_ops: NotRequired[int]
 
 
 class PalettizedConst(TypedDict):
@@ -519,7 +519,7 @@ class PalettizedConst(TypedDict):
     indices_dtype: str
 
 
-class LinearWeight(TypedDict):
+class ProjectionWeight(TypedDict):
     op: str
     weight: str
     weight_op: str
@@ -539,7 +539,7 @@ class PackageDescription(TypedDict):
     opset: NotRequired[str]
     mil_ops: NotRequired[int]
     palettized: NotRequired[list[PalettizedConst]]
-    linear: NotRequired[list[LinearWeight]]
+    projections: NotRequired[list[ProjectionWeight]]
     layers: NotRequired[list[int]]
 
 

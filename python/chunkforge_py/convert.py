@@ -36,6 +36,7 @@ from .contract import (
     Palettization,
     PalettizeStats,
 )
+from .inspect_pkg import PROJECTION_OPS
 from .model import Chunk, build_chunk
 from .palettize import WeightCache
 from .runtime import ChunkforgeError
@@ -123,11 +124,11 @@ def group_size_error(name: str, wname: str, rows: int, group: int) -> Chunkforge
 
 
 def check_palettized(mlmodel: Any, name: str, group: int) -> None:
-    """Every linear weight must have come out palettized: coremltools skips a
+    """Every projection weight must have come out palettized: coremltools skips a
     weight it cannot group (with a log line), which would silently ship a
     larger, slower model than asked for."""
     for op in mlmodel._mil_program.functions["main"].operations:
-        if op.op_type != "linear":
+        if op.op_type not in PROJECTION_OPS:
             continue
         w = op.weight
         if w.op is not None and w.op.op_type == "constexpr_lut_to_dense":
@@ -138,12 +139,12 @@ def check_palettized(mlmodel: Any, name: str, group: int) -> None:
         raise ChunkforgeError(f"{name}: weight {wname} {tuple(w.shape)} was not palettized by coremltools")
 
 
-def linear_weights(mlmodel: Any) -> list[tuple[str, tuple[int, ...]]]:
-    """(const name, shape) of every weight feeding a `linear` op in the main function."""
+def projection_weights(mlmodel: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """(const name, shape) of every weight feeding a projection (1x1 `conv`) in the main function."""
     prog = mlmodel._mil_program
     out = []
     for op in prog.functions["main"].operations:
-        if op.op_type == "linear":
+        if op.op_type in PROJECTION_OPS:
             w = op.weight
             out.append((w.op.name if w.op is not None else w.name, tuple(w.shape)))
     return out
@@ -151,7 +152,7 @@ def linear_weights(mlmodel: Any) -> list[tuple[str, tuple[int, ...]]]:
 
 def palettize(mlmodel: Any, name: str, settings: Palettization) -> Any:
     """coremltools' own INT4 per_grouped_channel k-means palettization of every
-    linear weight (`--palettizer coremltools`, for comparison; `--kmeans-workers`
+    projection weight (`--palettizer coremltools`, for comparison; `--kmeans-workers`
     processes). The Rust kernel runs inside `convert` instead.
 
     A weight whose output-channel count is not a multiple of the group size is
@@ -161,7 +162,7 @@ def palettize(mlmodel: Any, name: str, settings: Palettization) -> Any:
     from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, palettize_weights
 
     group = int(settings["group_size"])
-    for wname, shape in linear_weights(mlmodel):
+    for wname, shape in projection_weights(mlmodel):
         if shape[0] % group != 0:
             raise group_size_error(name, wname, shape[0], group)
     cfg = OpPalettizerConfig(
@@ -173,7 +174,7 @@ def palettize(mlmodel: Any, name: str, settings: Palettization) -> Any:
         weight_threshold=0,
         num_kmeans_workers=int(settings["kmeans_workers"]),
     )
-    return palettize_weights(mlmodel, OptimizationConfig(op_type_configs={"linear": cfg}))
+    return palettize_weights(mlmodel, OptimizationConfig(op_type_configs={op: cfg for op in PROJECTION_OPS}))
 
 
 def mil_stats(mlmodel: Any) -> MilStats:
@@ -242,7 +243,7 @@ def save(mlmodel: Any, path: str) -> ChunkStats:
         **mil,
         "weight_bytes": weight_bytes(path),
         "palettized_weights": mil["op_counts"].get("constexpr_lut_to_dense", 0),
-        "linear_ops": mil["op_counts"].get("linear", 0),
+        "projection_ops": sum(mil["op_counts"].get(op, 0) for op in PROJECTION_OPS),
         "palettize_cache_hits": pal.get("palettize_cache_hits"),
         "palettize_cache_misses": pal.get("palettize_cache_misses"),
         "palettize_unmatched_groups": pal.get("palettize_unmatched_groups"),

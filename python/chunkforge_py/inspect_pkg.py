@@ -12,15 +12,26 @@ from .contract import (
     DescribeArgs,
     FunctionDescription,
     IoDescription,
-    LinearWeight,
     PackageDescription,
     PalettizedConst,
+    ProjectionWeight,
 )
 from .runtime import ChunkforgeError
 
 # ArrayFeatureType.ArrayDataType values in the Core ML spec.
 ARRAY_DTYPES = {65552: "fp16", 65568: "fp32", 131104: "int32"}
 LAYER_RE = re.compile(r"^layers_(\d+)_")
+
+
+# The ops that hold a projection's weight: 1x1 convolutions (the Neural Engine
+# formulation chunkforge writes) and `linear` (builds before it).
+PROJECTION_OPS = ("conv", "linear")
+
+
+def int4_g32_lut_shape(weight_shape: list[int]) -> list[int]:
+    """The iOS18 LUT shape of an INT4 per_grouped_channel, group-32 weight: one
+    16-entry palette per 32 output channels, ones on the other weight axes."""
+    return [weight_shape[0] // 32, *[1] * (len(weight_shape) - 1), 16, 1]
 
 
 def const_key(name: str) -> str:
@@ -100,22 +111,22 @@ def describe(args: DescribeArgs) -> PackageDescription:
     for f in out["functions"]:
         ops = list(prog.functions[f["name"]].operations)
         f["mil_ops"] = len(ops)
-        linear = [op for op in ops if op.op_type == "linear"]
-        f["linear_ops"] = len(linear)
+        projections = [op for op in ops if op.op_type in PROJECTION_OPS]
+        f["projection_ops"] = len(projections)
         # INT4 per_grouped_channel, group 32: one 16-entry LUT per 32 output channels.
-        f["int4_g32_linear_ops"] = sum(
+        f["int4_g32_projection_ops"] = sum(
             1
-            for op in linear
+            for op in projections
             if op.weight.op is not None
             and op.weight.op.op_type == "constexpr_lut_to_dense"
-            and list(op.weight.op.lut.shape) == [int(op.weight.shape[0]) // 32, 1, 16, 1]
+            and list(op.weight.op.lut.shape) == int4_g32_lut_shape([int(d) for d in op.weight.shape])
         )
     main = prog.functions[default]
     out["opset"] = main.opset_version.name if hasattr(main.opset_version, "name") else str(main.opset_version)
     ops = list(main.operations)
     luts: list[PalettizedConst] = []
     layers: set[int] = set()
-    linear_weights: list[LinearWeight] = []
+    projection_weights: list[ProjectionWeight] = []
     for op in ops:
         if op.op_type == "constexpr_lut_to_dense":
             luts.append(
@@ -132,14 +143,14 @@ def describe(args: DescribeArgs) -> PackageDescription:
             m = LAYER_RE.match(op.name)
             if m:
                 layers.add(int(m.group(1)))
-        if op.op_type == "linear":
+        if op.op_type in PROJECTION_OPS:
             src = op.weight.op
-            linear_weights.append({"op": op.name, "weight": src.name, "weight_op": src.op_type})
+            projection_weights.append({"op": op.name, "weight": src.name, "weight_op": src.op_type})
     out.update(
         {
             "mil_ops": len(ops),
             "palettized": luts,
-            "linear": linear_weights,
+            "projections": projection_weights,
             "layers": sorted(layers),
         }
     )

@@ -30,16 +30,29 @@ Tensors = dict[Key, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    """Gemma 4 RMSNorm: ``x * (mean(x^2) + eps)^-0.5 * weight`` (weight used as is, not 1+w)."""
+    """Gemma 4 RMSNorm, ``x * (mean(x^2) + eps)^-0.5 * weight`` (weight used as is,
+    not 1+w), written as the Neural Engine runs it: ``layer_norm`` over ``[x, -x]``.
+
+    Why it is exact: the 2C entries of ``[x, -x]`` sum to zero, so layer_norm's
+    mean is 0 and its variance is ``(sum x^2 + sum (-x)^2) / 2C = mean(x^2)``;
+    layer_norm then returns ``[x, -x] / sqrt(mean(x^2) + eps)``, whose first
+    half is RMSNorm's normalised x. The mirror half is dropped. The ANE has a
+    fused layer_norm kernel; ``pow``/``reduce_mean``/``rsqrt`` are what the
+    formulation avoids. Works on the last axis of any rank (the per-layer
+    inputs are normed as one [1, T, L, P] tensor by one op).
+    """
 
     def __init__(self, dim: int, eps: float, with_scale: bool = True):
         super().__init__()
+        self.dim = dim
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)).to(x.dtype)
+        doubled = torch.cat([x, -x], dim=-1)
+        normed = nn.functional.layer_norm(doubled, (2 * self.dim,), eps=self.eps)
+        # chunk, not a slice: tracing records a static split.
+        out, _ = torch.chunk(normed, 2, dim=-1)
         if self.weight is not None:
             # The weight is used as it is stored, with no cast in between, so
             # the converted program keeps it as a const under its own name
@@ -54,8 +67,43 @@ def rotate_half(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def linear(hidden: int, out: int) -> nn.Linear:
-    return nn.Linear(hidden, out, bias=False)
+class Projection(nn.Conv2d):
+    """A bias-free projection ``in -> out`` as a 1x1 ``Conv2d`` on NCHW tensors
+    ``[1, in, 1, T]``: the form every projection and the head take in the
+    graphs that run on the Neural Engine (its convolution engine is where the
+    matmul-heavy work goes; ``linear`` on ``[1, T, C]`` is not). A 1x1
+    convolution over a [1, in, 1, T] tensor is ``y[:, o, 0, t] = sum_i
+    W[o, i] x[:, i, 0, t]``, which is ``x @ W.T`` for every token: the same
+    arithmetic as ``nn.Linear``. The weight is the checkpoint's [out, in]
+    matrix viewed as [out, in, 1, 1]; its parameter keeps the checkpoint's name.
+    """
+
+    def __init__(self, inp: int, out: int):
+        super().__init__(inp, out, kernel_size=1, bias=False)
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection of token-major ``[1, T, in]`` as ``[1, T, out]``."""
+        return from_nchw(self(to_nchw(x, self.in_channels)), self.out_channels)
+
+
+# The two layout changes are reshapes, not unsqueeze/squeeze: coremltools'
+# compose_conv1d pass rewrites expand_dims -> conv -> squeeze into a 1-D conv,
+# whose squeezed weight loses its parameter's name in the program (and `run`
+# reads weights back by name). With reshapes every projection stays the 2-D
+# NCHW convolution the device-proven graphs hold.
+
+
+# ``c`` is a Python int (and T is -1) so tracing records static shapes.
+
+
+def to_nchw(x: torch.Tensor, c: int) -> torch.Tensor:
+    """[1, T, c] -> [1, c, 1, T]."""
+    return x.permute(0, 2, 1).reshape(1, c, 1, -1)
+
+
+def from_nchw(x: torch.Tensor, c: int) -> torch.Tensor:
+    """[1, c, 1, T] -> [1, T, c]."""
+    return x.reshape(1, c, -1).permute(0, 2, 1)
 
 
 class Attention(nn.Module):
@@ -70,22 +118,22 @@ class Attention(nn.Module):
         self.owns_kv = spec["kv"]["kind"] == "own"
         hidden = dims["hidden_size"]
         eps = dims["rms_norm_eps"]
-        self.q_proj = linear(hidden, self.heads * self.head_dim)
+        self.q_proj = Projection(hidden, self.heads * self.head_dim)
         self.q_norm = RMSNorm(self.head_dim, eps)
         if self.owns_kv:
-            self.k_proj = linear(hidden, self.kv_heads * self.head_dim)
-            self.v_proj = linear(hidden, self.kv_heads * self.head_dim)
+            self.k_proj = Projection(hidden, self.kv_heads * self.head_dim)
+            self.v_proj = Projection(hidden, self.kv_heads * self.head_dim)
             self.k_norm = RMSNorm(self.head_dim, eps)
             self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
-        self.o_proj = linear(self.heads * self.head_dim, hidden)
+        self.o_proj = Projection(self.heads * self.head_dim, hidden)
 
     def new_kv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, t: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``t`` tokens' K and V, shaped [1, kv_heads, t, head_dim], K roped, both normed."""
-        k = self.k_norm(self.k_proj(x).view(1, t, self.kv_heads, self.head_dim))
+        k = self.k_norm(self.k_proj.tokens(x).view(1, t, self.kv_heads, self.head_dim))
         k = k * cos + rotate_half(k, self.head_dim) * sin
-        v = self.v_norm(self.v_proj(x).view(1, t, self.kv_heads, self.head_dim))
+        v = self.v_norm(self.v_proj.tokens(x).view(1, t, self.kv_heads, self.head_dim))
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(
@@ -100,7 +148,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention of the ``t`` queries over ``keys``/``values`` [1, kv_heads, L, head_dim];
         ``mask`` is [1, 1, t, L]."""
-        q = self.q_norm(self.q_proj(x).view(1, t, self.heads, self.head_dim))
+        q = self.q_norm(self.q_proj.tokens(x).view(1, t, self.heads, self.head_dim))
         q = q * cos + rotate_half(q, self.head_dim) * sin
         # Grouped-query attention without repeating K/V: fold the query heads
         # that share a KV head (and the t tokens) into the row dimension of one
@@ -113,25 +161,28 @@ class Attention(nn.Module):
             if groups > 1:
                 mask = mask.repeat(1, 1, groups, 1)
         scores = torch.matmul(q, keys.transpose(2, 3))  # Gemma 4 attention scale is 1.0
-        probs = torch.softmax(scores.float() + mask.float(), dim=-1).to(x.dtype)
+        # In the model's dtype (fp16 in a package): no fp32 island on the device.
+        probs = torch.softmax(scores + mask.to(scores.dtype), dim=-1)
         out = torch.matmul(probs, values)
         if t == 1:
             out = out.reshape(1, 1, self.heads * self.head_dim)
         else:
             out = out.view(1, self.heads, t, self.head_dim).transpose(1, 2).reshape(1, t, self.heads * self.head_dim)
-        return self.o_proj(out)
+        return self.o_proj.tokens(out)
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, width: int):
         super().__init__()
-        self.gate_proj = linear(hidden, width)
-        self.up_proj = linear(hidden, width)
-        self.down_proj = linear(width, hidden)
+        self.gate_proj = Projection(hidden, width)
+        self.up_proj = Projection(hidden, width)
+        self.down_proj = Projection(width, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = nn.functional.gelu(self.gate_proj(x), approximate="tanh")
-        return self.down_proj(gate * self.up_proj(x))
+        # One NCHW view in, one out: gate, up and down all run as convolutions.
+        xc = to_nchw(x, self.down_proj.out_channels)
+        gate = nn.functional.gelu(self.gate_proj(xc), approximate="tanh")
+        return from_nchw(self.down_proj(gate * self.up_proj(xc)), self.down_proj.out_channels)
 
 
 class DecoderLayer(nn.Module):
@@ -151,16 +202,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
-        self.per_layer_input_gate = linear(hidden, ple)
-        self.per_layer_projection = linear(ple, hidden)
+        self.per_layer_input_gate = Projection(hidden, ple)
+        self.per_layer_projection = Projection(ple, hidden)
         self.post_per_layer_input_norm = RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
 
     def feed_forward(self, h: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
         """Everything after attention: FFN block, per-layer-input block, layer scalar."""
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        gated = nn.functional.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer_input
-        h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        gated = nn.functional.gelu(self.per_layer_input_gate.tokens(h), approximate="tanh") * per_layer_input
+        h = h + self.post_per_layer_input_norm(self.per_layer_projection.tokens(gated))
         return h * self.layer_scalar
 
 
@@ -194,19 +245,20 @@ class Chunk(nn.Module):
         n_layers = dims["num_hidden_layers"]
         ple = dims["hidden_size_per_layer_input"]
         if chunk["computes_per_layer_input"]:
-            self.per_layer_model_projection = linear(hidden, n_layers * ple)
+            self.per_layer_model_projection = Projection(hidden, n_layers * ple)
             self.per_layer_projection_norm = RMSNorm(ple, eps)
         if chunk["has_head"]:
             self.norm = RMSNorm(hidden, eps)
-            self.lm_head = linear(hidden, dims["vocab_size"])
+            self.lm_head = Projection(hidden, dims["vocab_size"])
         self.trace_layers: list[torch.Tensor] | None = None
 
     # ---- weights ---------------------------------------------------------
 
     def load(self, ckpt: Checkpoint, dtype: torch.dtype, share: bool = False) -> None:
         """Fill every parameter from the checkpoint by name (tied head reads embed_tokens)."""
-        names = [n for n, _ in self.named_parameters()] + [n for n, _ in self.named_buffers()]
-        state = {n: ckpt.get(self.checkpoint_name(n), dtype, share=share) for n in names}
+        shapes = {n: t.shape for n, t in [*self.named_parameters(), *self.named_buffers()]}
+        # A projection's [out, in] matrix is its 1x1 convolution's [out, in, 1, 1] weight.
+        state = {n: ckpt.get(self.checkpoint_name(n), dtype, share=share).view(shape) for n, shape in shapes.items()}
         # assign=True adopts the tensors as they are (the module was built on the
         # meta device, so nothing was allocated or initialised before this).
         self.load_state_dict(state, strict=True, assign=True)
@@ -231,7 +283,7 @@ class Chunk(nn.Module):
             # per_layer_raw arrives already multiplied by per_layer_embed_scale (the
             # runtime scales the looked-up row), so it is used as is.
             raw = inp[Key("per_layer_raw")].view(1, t, n_layers, ple)
-            proj = self.per_layer_model_projection(h) * (dims["hidden_size"] ** -0.5)
+            proj = self.per_layer_model_projection.tokens(h) * (dims["hidden_size"] ** -0.5)
             proj = self.per_layer_projection_norm(proj.view(1, t, n_layers, ple))
             per_layer = (proj + raw) * (2.0**-0.5)
             out[Key("per_layer_combined_out")] = per_layer.reshape(1, t, n_layers * ple)
@@ -377,9 +429,9 @@ class Chunk(nn.Module):
         if self.kind == "prefill":
             # The prompt's last real token, picked by the runtime's one-hot mask.
             last = (normed * inp[Key("last_position_mask")]).sum(dim=1, keepdim=True)
-            logits = self.lm_head(last).float()
+            logits = self.lm_head.tokens(last)
         else:
-            logits = self.lm_head(normed).float()
+            logits = self.lm_head.tokens(normed)
         cap = self.dims["final_logit_softcapping"]
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -8,7 +8,7 @@ conversion: `ct.convert(pass_pipeline=...)` with the default pipeline plus
 coremltools' `compression::palettize_weights` pass appended last
 (`PassPipeline.append_pass`; its config through `set_options`, the way
 `PassPipeline.DEFAULT_PALETTIZATION` sets it), configured
-with `OpPalettizerConfig(mode="custom", lut_function=...)` for linear weights,
+with `OpPalettizerConfig(mode="custom", lut_function=...)` for projection weights,
 `granularity="per_grouped_channel"`, `group_size=32`, `channel_axis=0`. In
 custom mode coremltools splits each weight into its channel groups, calls
 `lut_function(group)` for each in order and expects `(lut[16], indices)` back;
@@ -29,7 +29,7 @@ copy of a weight is byte-identical. The cache holds only the LUTs (2**nbits
 fp16 entries per group: 32 bytes per 32 rows at the defaults): a later use
 re-derives the indices from the weight and its LUT (`indices_int4`, one
 cheap pass that gives the kernel's indices byte for byte), where keeping the
-indices would hold one byte per weight element, about 1.9 GB for E2B's linear
+indices would hold one byte per weight element, about 1.9 GB for E2B's projection
 weights, through the next layout's conversion. Every layout holds
 each weight once, so a build of L layouts uses a weight L times: an entry is
 dropped after its last use, and a one-layout build caches (and hashes)
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from .contract import Palettization, PalettizeStats
+from .inspect_pkg import PROJECTION_OPS
 from .runtime import ChunkforgeError
 
 # Bump when the kernel's output for the same input could change.
@@ -105,6 +106,16 @@ class WeightCache:
         if key is not None:
             self._entries[key] = [lut, None if uses is None else uses - 1]
         return lut, indices, False
+
+
+def as_matrix(t: np.ndarray) -> np.ndarray:
+    """A 1x1 convolution's [out, in, 1, 1] weight (or a group of its rows;
+    [out, in, 1] once coremltools has made it a 1-D convolution) as the
+    [out, in] matrix it is; any other array as it is. The palettization is
+    per output channel, so both views give the same LUTs and indices."""
+    if t.ndim > 2 and all(d == 1 for d in t.shape[2:]):
+        return t.reshape(t.shape[0], t.shape[1])
+    return t
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -185,6 +196,7 @@ class Dispatcher:
         self.cache = cache if cache is not None else WeightCache(uses=1)
         self.heads: dict[bytes, list[tuple[str, np.ndarray]]] = {}
         for tname, t in tensors:
+            t = as_matrix(t)
             if t.ndim == 2 and t.dtype == np.float16 and t.shape[0] >= group and t.shape[0] % group == 0:
                 self.heads.setdefault(_head_key(t[:group]), []).append((tname, t))
         self.feeder: _Feeder | None = None
@@ -203,6 +215,7 @@ class Dispatcher:
         try:
             if val.dtype != np.float16:
                 raise ChunkforgeError(f"{self.name}: coremltools passed a {val.dtype} weight group; expected float16")
+            val = as_matrix(val)
             if self.feeder is None or not self.feeder.takes(val):
                 self.feeder = self._match(val)
             if self.feeder is None:
@@ -243,18 +256,15 @@ def conversion_pipeline(
     group = int(settings["group_size"])
     tensors = [(n, t.detach().numpy()) for n, t in list(traced.named_parameters()) + list(traced.named_buffers())]
     dispatcher = Dispatcher(name, tensors, nbits, group, cache)
-    config = OptimizationConfig(
-        op_type_configs={
-            "linear": OpPalettizerConfig(
-                mode="custom",
-                lut_function=dispatcher,
-                granularity=settings["granularity"],
-                group_size=group,
-                channel_axis=0,
-                weight_threshold=0,
-            )
-        }
+    op_config = OpPalettizerConfig(
+        mode="custom",
+        lut_function=dispatcher,
+        granularity=settings["granularity"],
+        group_size=group,
+        channel_axis=0,
+        weight_threshold=0,
     )
+    config = OptimizationConfig(op_type_configs={op: op_config for op in PROJECTION_OPS})
     pipeline = ct.PassPipeline.DEFAULT
     pipeline.append_pass("compression::palettize_weights")
     pipeline.set_options("compression::palettize_weights", {"config": config})

@@ -272,7 +272,9 @@ def load_artifacts_into(
         replaced = 0
         new_state = {}
         for pname, p in mod.named_parameters():
-            if p.dim() != 2:
+            if p.dim() != 4:
+                # Projections are [out, in, 1, 1] convolution weights; the rest
+                # (norm weights) are vectors the packages keep in fp16.
                 continue
             key = pname.replace(".", "_")
             if key not in dense:
@@ -280,11 +282,13 @@ def load_artifacts_into(
                     f"{chunk['name']}.mlpackage: no palettized weight for {pname} "
                     "(package built without quantization, or from a different plan?)"
                 )
-            if tuple(dense[key].shape) != tuple(p.shape):
+            # coremltools may store a 1x1 convolution's weight as [out, in, 1].
+            if dense[key].numel() != p.numel() or dense[key].shape[:2] != p.shape[:2]:
                 raise ChunkforgeError(
                     f"{chunk['name']}.mlpackage: weight {pname} has shape {tuple(dense[key].shape)}, "
                     f"the plan expects {tuple(p.shape)}"
                 )
+            dense[key] = dense[key].reshape(p.shape)
             rel = float(((dense[key] - p.float()) ** 2).mean() / (p.float() ** 2).mean().clamp_min(1e-30))
             if rel > worst["rel_mse"]:
                 worst = {"weight": f"{chunk['name']}:{pname}", "rel_mse": rel}

@@ -48,7 +48,7 @@ def test_reads_back_as_4bit_per_grouped_channel_group_32(builds):
     (out, report), _ = builds
     for chunk in report["chunks"]:
         ops = read_palettized(str(out / chunk["package"]))
-        assert len(ops) == chunk["linear_ops"] == chunk["palettized_weights"] > 0
+        assert len(ops) == chunk["projection_ops"] == chunk["palettized_weights"] > 0
         for op in ops:
             assert op["indices_dtype"] == "uint4", op["name"]
             rows = op["indices"].shape[0]

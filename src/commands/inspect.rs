@@ -49,10 +49,10 @@ fn print_inspect(d: &PackageDescription) {
         }
     }
     println!(
-        "  {} MIL ops; {} palettized weights for {} linear ops",
+        "  {} MIL ops; {} palettized weights for {} projection ops",
         d.mil_ops.unwrap_or(0),
         d.palettized.len(),
-        d.linear.len()
+        d.projections.len()
     );
     if let Some(l) = d.palettized.first() {
         println!(

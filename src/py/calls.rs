@@ -81,9 +81,9 @@ pub struct FunctionDescription {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mil_ops: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub linear_ops: Option<u64>,
+    pub projection_ops: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub int4_g32_linear_ops: Option<u64>,
+    pub int4_g32_projection_ops: Option<u64>,
 }
 
 /// One palettized weight.
@@ -95,9 +95,9 @@ pub struct Lut {
     pub indices_dtype: String,
 }
 
-/// One linear op and where its weight comes from.
+/// One projection op (1x1 `conv`, or `linear` in older builds) and where its weight comes from.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct LinearOp {
+pub struct ProjectionOp {
     pub op: String,
     pub weight: String,
     pub weight_op: String,
@@ -120,7 +120,7 @@ pub struct PackageDescription {
     #[serde(default)]
     pub palettized: Vec<Lut>,
     #[serde(default)]
-    pub linear: Vec<LinearOp>,
+    pub projections: Vec<ProjectionOp>,
     #[serde(default)]
     pub layers: Vec<u64>,
 }

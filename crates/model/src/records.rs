@@ -155,7 +155,7 @@ pub struct ChunkStats {
     pub op_counts: BTreeMap<String, u64>,
     pub weight_bytes: u64,
     pub palettized_weights: u64,
-    pub linear_ops: u64,
+    pub projection_ops: u64,
     /// The Rust palettizer's cache counts (None when it did not run).
     pub palettize_cache_hits: Option<u64>,
     pub palettize_cache_misses: Option<u64>,
@@ -170,7 +170,7 @@ impl ChunkStats {
     /// cache counts add up; the weight blob is the bundle's, set by the caller.
     pub fn add(&mut self, f: &ChunkStats) {
         self.mil_ops += f.mil_ops;
-        self.linear_ops += f.linear_ops;
+        self.projection_ops += f.projection_ops;
         self.palettized_weights += f.palettized_weights;
         let sum = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| a + b);
         self.palettize_cache_hits = sum(self.palettize_cache_hits, f.palettize_cache_hits);
@@ -214,8 +214,10 @@ pub struct ChunkRecord {
     #[serde(default)]
     pub mil_ops: u64,
     pub weight_bytes: u64,
-    #[serde(default)]
-    pub linear_ops: u64,
+    /// Ops holding a projection weight (1x1 `conv`; `linear` in builds
+    /// before the Neural Engine graph, recorded as `linear_ops`).
+    #[serde(default, alias = "linear_ops")]
+    pub projection_ops: u64,
     #[serde(default)]
     pub palettized_weights: u64,
     /// Weights served from the per-build palettization cache.
