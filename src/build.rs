@@ -9,6 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 use serde_json::Value;
 
+use crate::audit;
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
 use crate::hashing;
@@ -223,7 +224,7 @@ pub fn run(
             *phases.entry(k.clone()).or_default() += v;
         }
     }
-    let record = BuildRecord {
+    let mut record = BuildRecord {
         format: BUILD_FORMAT.into(),
         tree_sha256: hashing::lines_digest(
             records
@@ -258,7 +259,17 @@ pub fn run(
             phases,
         },
         peak_rss_bytes: progress::peak_rss_bytes(),
+        audit: None,
     };
+    // The static ANE audit of the staged packages goes into build.json, so
+    // `package` can refuse findings without reading the programs again.
+    let packages = audit::build_packages(&staging.dir, &record, false);
+    let spinner = progress::spinner(format!("audit {} packages", packages.len()));
+    let report = audit::run(&packages, verbose);
+    spinner.finish_and_clear();
+    let audited = report.context("auditing the built packages")?.record();
+    eprintln!("{}", audit::summary_line(&audited, packages.len()));
+    record.audit = Some(audited);
     // All packages, then build.json last, as one publish: a reader that sees
     // the new build.json sees every package it lists, and a run killed
     // before the end has them all put back by the next run.

@@ -117,6 +117,20 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Static ANE audit of a build's packages (BUILD_DIR with build.json) or of one .mlpackage:
+    /// op types, ranks, fp32, large and singleton-last dimensions, dynamic shapes; on macOS also
+    /// the compute plan. Exit 1 with findings.
+    Audit {
+        /// A build folder (its build.json lists the packages) or one .mlpackage folder.
+        path: PathBuf,
+        /// Print the full report (every finding) as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Print the op types per layer kind found in the packages, in
+        /// python/chunkforge_py/ane_op_types.json's shape (to regenerate and diff that table).
+        #[arg(long, conflicts_with = "json")]
+        print_op_types: bool,
+    },
     /// Write an ECDSA P-256 signing key pair: PREFIX.pem (PKCS#8, mode 0600) and PREFIX.pub.
     Keygen {
         /// File prefix; refuses to overwrite existing PREFIX.pem / PREFIX.pub.
@@ -414,6 +428,10 @@ pub struct ReleaseArgs {
     /// If another run is writing the same --output, fail at once instead of waiting for it.
     #[arg(long)]
     pub no_wait: bool,
+    /// Ship even though the build's audit (build.json `audit`, see `chunkforge audit`)
+    /// has findings in the packages this release ships.
+    #[arg(long)]
+    pub allow_audit_findings: bool,
 }
 
 /// `chunkforge release`.

@@ -11,6 +11,7 @@ pub use chunkforge_release::{
     strict_json, verify, zipwalk,
 };
 
+pub mod audit;
 pub mod bench_palettize;
 pub mod build;
 pub mod cache_dir;

@@ -316,6 +316,29 @@ fn sharded_e2b_checkpoint_builds_two() {
         .map(|c| c["layers"].as_u64().unwrap())
         .collect();
     assert_eq!(layers, [15, 20]);
+    // build.json keeps the audit of its packages, in brief: the counts
+    // `chunkforge audit` reports, per package and by rule.
+    let audit = &build["audit"];
+    let o = run(&["audit", out.to_str().unwrap(), "--json"]);
+    let full: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(audit["total"], full["total"]);
+    assert_eq!(audit["by_rule"], full["by_rule"]);
+    assert_eq!(
+        o.status.code(),
+        Some(if full["total"] == 0 { 0 } else { 1 })
+    );
+    let packages: Vec<&String> = audit["packages"].as_object().unwrap().keys().collect();
+    assert_eq!(
+        packages,
+        ["merged_chunk1.mlpackage", "merged_chunk2.mlpackage"]
+    );
+    for f in audit["first"].as_array().unwrap() {
+        assert!(full["findings"].as_array().unwrap().contains(f), "{f}");
+    }
+    assert_eq!(
+        audit["compute_plan"]["skipped"],
+        "MLComputePlan needs macOS; this is linux"
+    );
 }
 
 #[test]

@@ -543,6 +543,117 @@ class PackageDescription(TypedDict):
     layers: NotRequired[list[int]]
 
 
+# ---- audit (src/audit.rs, src/commands/audit.rs) ------------------------
+
+# The layer kinds of the device-proven op-type table (ane_op_types.json):
+# decoder layers by attention and KV source, and the ops before the first /
+# after the last layer of a program.
+LayerKind = Literal["sliding", "full", "shared_sliding", "shared_full", "pre", "head"]
+AuditRule = Literal["op-type", "rank", "fp32", "large-dim", "last-axis-1", "dynamic-shape", "compute-plan"]
+
+
+class AuditPackage(TypedDict):
+    """One package to audit: its path, the name findings carry, and the kind of
+    each decoder layer it holds (by layer index; from the build's plan, empty
+    when unknown)."""
+
+    path: str
+    name: str
+    layer_kinds: dict[str, LayerKind]
+    # The two- and one-chunk layouts' packages: the compute plan's ship verdict
+    # (at most 5 % of the ops off the Neural Engine) applies to them.
+    merged: bool
+
+
+class AuditArgs(TypedDict):
+    packages: list[AuditPackage]
+    # Run MLComputePlan when the platform can (macOS).
+    compute_plan: bool
+
+
+class AuditFinding(TypedDict):
+    """One rule broken by one op (or function input) of one function."""
+
+    package: str
+    function: str
+    op: str
+    op_type: str
+    # A decoder layer index, `pre` or `head`.
+    layer: str
+    # The layer's kind, or `unknown` (a layer the plan does not describe).
+    layer_kind: str
+    rule: AuditRule
+    # The tensor the finding is about (an op output or a function input).
+    tensor: str
+    detail: str
+
+
+class FunctionAudit(TypedDict):
+    name: str
+    # Ops that run per call (const and constexpr_* ops are load-time weights).
+    ops: int
+    const_ops: int
+    op_counts: dict[str, int]
+    findings: dict[str, int]
+
+
+class PackageAudit(TypedDict):
+    package: str
+    path: str
+    functions: list[FunctionAudit]
+    findings: dict[str, int]
+
+
+class ComputePlanPackage(TypedDict):
+    package: str
+    ops: int
+    non_ane: int
+    # Non-ANE ops by `op_type -> device`.
+    non_ane_by_kind: dict[str, int]
+    # merged packages only: at most 5 % of the ops off the Neural Engine.
+    ship: NotRequired[bool]
+
+
+class ComputePlanReport(TypedDict):
+    # Why no compute plan was made (every other key is then absent).
+    skipped: NotRequired[str]
+    packages: NotRequired[list[ComputePlanPackage]]
+    ops: NotRequired[int]
+    non_ane: NotRequired[int]
+
+
+class AuditLimits(TypedDict):
+    max_rank: int
+    max_dim: int
+    last_axis_1_min_elements: int
+
+
+class OpTable(TypedDict):
+    path: str
+    sha256: str
+
+
+class AuditReport(TypedDict):
+    """What `audit.audit` returns (`chunkforge audit --json` prints it)."""
+
+    format: str
+    op_table: OpTable
+    limits: AuditLimits
+    packages: list[PackageAudit]
+    findings: list[AuditFinding]
+    total: int
+    by_rule: dict[str, int]
+    compute_plan: ComputePlanReport
+
+
+class OpTypes(TypedDict):
+    """What `audit.op_types` returns: the op types per layer kind found in the
+    packages, in ane_op_types.json's shape (to regenerate and diff the table)."""
+
+    layer_kinds: dict[str, list[str]]
+    output_dtypes: dict[str, list[str]]
+
+
 # ---- runtime and bench (src/commands/doctor.rs, src/bench_palettize.rs) --
 
 

@@ -1,6 +1,7 @@
 //! One module per command: each turns its options into a request, does the
 //! work through the library, renders its own output and says how it ended.
 
+mod audit;
 mod bench;
 mod build;
 mod doctor;
@@ -84,10 +85,15 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Build(args) => build::run(args, verbose),
         Cmd::Parity(args) => parity::run(args, verbose),
         Cmd::Inspect { package, json } => inspect::run(&package, json, verbose),
+        Cmd::Audit {
+            path,
+            json,
+            print_op_types,
+        } => audit::run(&path, json, print_op_types, verbose),
         Cmd::Fixture(args) => fixture::run(args, verbose),
         Cmd::Keygen { out } => keygen::run(&out),
         Cmd::SideFiles(args) => side_files::run(args, verbose),
-        Cmd::Package(args) => package::run(args),
+        Cmd::Package(args) => package::run(args, verbose),
         Cmd::Release(args) => release::run(args, verbose),
         Cmd::Run(args) => run::run(args, verbose),
         Cmd::Verify(args) => verify::run(args),

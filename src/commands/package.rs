@@ -2,19 +2,54 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use super::ExitStatus;
+use crate::audit;
 use crate::cli::{PackageCmd, ReleaseArgs};
+use crate::manifest::Build;
 use crate::package::{package, Compiled, PackageReport, PackageRequest};
 use crate::publish::OnLocked;
+use crate::py::env as pyenv;
+use crate::records::rule_counts_text;
 use crate::sign::SIG_FILE;
 
-pub fn run(args: PackageCmd) -> Result<ExitStatus> {
-    let request = request(args);
+pub fn run(args: PackageCmd, verbose: bool) -> Result<ExitStatus> {
+    let mut request = request(args);
+    audit_older_build(&mut request, verbose)?;
     let report = package(&request)?;
     eprintln!("{}", summary(&report, &request));
     Ok(ExitStatus::Success)
+}
+
+/// A build made before the audit existed has no audit record in build.json:
+/// its packages are audited now (a static read, seconds), and `package`
+/// refuses or ships on that result as it would on a recorded one. build.json
+/// is not rewritten. A build.json `package` cannot read is left for it to
+/// report.
+pub(super) fn audit_older_build(request: &mut PackageRequest, verbose: bool) -> Result<()> {
+    let Ok(build) = Build::load(&request.build_dir) else {
+        return Ok(());
+    };
+    if build.record.audit.is_some() {
+        return Ok(());
+    }
+    let packages = audit::build_packages(&build.dir, &build.record, true);
+    pyenv::activate(verbose)?;
+    let report = audit::run(&packages, verbose).with_context(|| {
+        format!(
+            "{}: no audit record (an older build), and auditing its packages failed",
+            build.dir.join("build.json").display()
+        )
+    })?;
+    let record = report.record();
+    eprintln!(
+        "{}: no audit record (built before `chunkforge audit`); audited its packages now: {}",
+        build.dir.join("build.json").display(),
+        audit::summary_line(&record, packages.len())
+    );
+    request.audit = Some(record);
+    Ok(())
 }
 
 fn request(a: PackageCmd) -> PackageRequest {
@@ -53,6 +88,8 @@ pub(super) fn release_request(
         no_tokenizer: r.no_tokenizer,
         rope_positions: r.rope_positions,
         compiled,
+        allow_audit_findings: r.allow_audit_findings,
+        audit: None,
     }
 }
 
@@ -84,6 +121,12 @@ pub(super) fn summary(r: &PackageReport, request: &PackageRequest) -> String {
     ));
     if let Some((z, d)) = &r.zip {
         s.push_str(&format!("; archive {} (sha256 {d})", z.display()));
+    }
+    if !r.audit_findings.is_empty() {
+        s.push_str(&format!(
+            "; with audit findings ({}, --allow-audit-findings)",
+            rule_counts_text(&r.audit_findings)
+        ));
     }
     s
 }

@@ -106,7 +106,7 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         Compiled::not("not compiled (`release --compile` on macOS writes .mlmodelc)")
     };
     eprintln!("release 3/3: package and sign into {}", output.display());
-    let request = release_request(
+    let mut request = release_request(
         build_dir,
         args.release,
         Some(hf_dir),
@@ -114,6 +114,7 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         false,
         compiled,
     );
+    super::package::audit_older_build(&mut request, verbose)?;
     let r = package(&request)?;
     eprintln!("{}", package_summary(&r, &request));
     Ok(ExitStatus::Success)

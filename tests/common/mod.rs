@@ -161,3 +161,54 @@ pub fn copy_checkpoint(src: &Path, tag: &str) -> PathBuf {
     }
     dst
 }
+
+/// The pinned environment's python (`chunkforge doctor --venv-python`).
+pub fn venv_python() -> PathBuf {
+    PathBuf::from(ok(&["doctor", "--venv-python"]).trim())
+}
+
+/// A tiny ML program (iOS18) built to break every static audit rule once,
+/// each on an op of its own name: `l0_linear` (op type `linear`), `l0_rank5`
+/// (rank 5), input `x` and `l0_fp32` (fp32), `l0_wide` (a dimension of
+/// 20000), `l0_column` (8192 elements, last axis 1), `l0_dynamic` (input
+/// `n` has a symbolic dimension). Saved to `path`, made once per path.
+pub fn non_ane_package(path: &Path) -> PathBuf {
+    const SCRIPT: &str = r#"
+import sys
+import numpy as np
+import coremltools as ct
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.mil import get_new_symbol, types
+
+@mb.program(input_specs=[mb.TensorSpec(shape=(1, 64), dtype=types.fp32),
+                         mb.TensorSpec(shape=(1, get_new_symbol()), dtype=types.fp16)],
+            opset_version=ct.target.iOS18)
+def prog(x, n):
+    w = mb.const(val=np.ones((64, 64), dtype=np.float16), name="layers_0_q_proj_weight")
+    h = mb.cast(x=x, dtype="fp16", name="pre_cast")
+    h = mb.linear(x=h, weight=w, name="l0_linear")
+    r = mb.reshape(x=h, shape=[1, 2, 2, 2, 8], name="l0_rank5")
+    f = mb.cast(x=mb.reshape(x=r, shape=[1, 64], name="l0_flat"), dtype="fp32", name="l0_fp32")
+    wide = mb.tile(x=h, reps=[1, 313], name="l0_wide")
+    col = mb.reshape(x=mb.slice_by_size(x=wide, begin=[0, 0], size=[1, 8192], name="l0_cut"), shape=[1, 8192, 1], name="l0_column")
+    d = mb.mul(x=n, y=mb.const(val=np.ones((1, 1), dtype=np.float16), name="layers_0_scale"), name="l0_dynamic")
+    return f, col, d
+
+ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+           compute_precision=ct.precision.FLOAT32, pass_pipeline=ct.PassPipeline.EMPTY).save(sys.argv[1])
+"#;
+    if !path.join("Manifest.json").exists() {
+        let o = Command::new(venv_python())
+            .args(["-c", SCRIPT])
+            .arg(path)
+            .output()
+            .expect("spawn python");
+        assert!(
+            o.status.success(),
+            "making {}: {}",
+            path.display(),
+            stderr(&o)
+        );
+    }
+    path.to_path_buf()
+}

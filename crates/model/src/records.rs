@@ -271,6 +271,10 @@ pub struct BuildRecord {
     pub palettize_cache: CacheTotals,
     #[serde(default)]
     pub peak_rss_bytes: u64,
+    /// The static ANE audit of the packages (`chunkforge audit`), in brief;
+    /// absent from builds made before the audit existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<AuditRecord>,
 }
 
 impl BuildRecord {
@@ -278,6 +282,100 @@ impl BuildRecord {
     pub fn chunk(&self, name: &str) -> Option<&ChunkRecord> {
         self.chunks.iter().find(|c| c.name == name)
     }
+}
+
+/// The audit report's `format`.
+pub const AUDIT_FORMAT: &str = "chunkforge-audit/1";
+
+/// One rule broken by one op (or function input) of one function of a package.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AuditFinding {
+    /// The package's folder name (`chunk1.mlpackage`).
+    pub package: String,
+    pub function: String,
+    pub op: String,
+    pub op_type: String,
+    /// A decoder layer index, `pre` (before the first layer) or `head` (after the last).
+    pub layer: String,
+    /// `sliding`, `full`, `shared_sliding`, `shared_full`, `pre`, `head`, or
+    /// `unknown` (a layer the build's plan does not describe).
+    pub layer_kind: String,
+    pub rule: String,
+    /// The op output or function input the finding is about.
+    pub tensor: String,
+    pub detail: String,
+}
+
+/// Counts by rule (`op-type`, `fp32`, ...), in rule-name order.
+pub type RuleCounts = BTreeMap<String, u64>;
+
+/// One package's ops by compute device, from MLComputePlan (macOS only).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ComputePlanPackage {
+    pub package: String,
+    pub ops: u64,
+    pub non_ane: u64,
+    /// Non-ANE ops by `op_type -> device`.
+    #[serde(default)]
+    pub non_ane_by_kind: BTreeMap<String, u64>,
+    /// Merged packages only: at most 5 % of the ops off the Neural Engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ship: Option<bool>,
+}
+
+/// The compute-plan half of an audit: skipped (and why), or its counts.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ComputePlanRecord {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub packages: Vec<ComputePlanPackage>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ops: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub non_ane: Option<u64>,
+}
+
+/// The audit as build.json keeps it: counts, and the first finding of each
+/// rule in each package (`chunkforge audit BUILD_DIR` lists them all).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AuditRecord {
+    pub format: String,
+    /// SHA-256 of the op-type table (`ane_op_types.json`) the ops were checked against.
+    pub op_table_sha256: String,
+    pub total: u64,
+    pub by_rule: RuleCounts,
+    /// Every audited package (by folder name) and its findings by rule.
+    pub packages: BTreeMap<String, RuleCounts>,
+    pub first: Vec<AuditFinding>,
+    pub compute_plan: ComputePlanRecord,
+}
+
+impl AuditRecord {
+    /// The findings of these packages (folder names), by rule; Err names a
+    /// package the audit did not cover.
+    pub fn findings_of<'a>(
+        &self,
+        packages: impl IntoIterator<Item = &'a str>,
+    ) -> Result<RuleCounts, &'a str> {
+        let mut out = RuleCounts::new();
+        for p in packages {
+            let counts = self.packages.get(p).ok_or(p)?;
+            for (rule, n) in counts {
+                *out.entry(rule.clone()).or_default() += n;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// `op-type 12, fp32 3`.
+pub fn rule_counts_text(counts: &RuleCounts) -> String {
+    counts
+        .iter()
+        .map(|(rule, n)| format!("{rule} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The parity report's `format`.

@@ -30,6 +30,7 @@ use crate::staging::Staging;
 use chunkforge_model::checkpoint::Checkpoint;
 use chunkforge_model::config::TextConfig;
 use chunkforge_model::plan::{LayoutKind, Role};
+use chunkforge_model::records::{rule_counts_text, AuditRecord, RuleCounts};
 
 /// What `chunkforge package` is asked to do (the CLI's options, resolved).
 #[derive(Clone, Debug)]
@@ -54,6 +55,11 @@ pub struct PackageRequest {
     pub rope_positions: Option<usize>,
     /// Whether `.mlmodelc` were compiled next to the packages (macOS only).
     pub compiled: Compiled,
+    /// Ship although the build's audit has findings in the shipped packages.
+    pub allow_audit_findings: bool,
+    /// The audit of the build's packages when its build.json has none (a
+    /// build made before the audit existed; the caller runs it).
+    pub audit: Option<AuditRecord>,
 }
 
 /// Whether the release's packages were compiled to `.mlmodelc`, as the
@@ -83,6 +89,9 @@ pub struct PackageReport {
     pub side_files: SideFilesReport,
     /// The `hf_model/` files shipped.
     pub hf_model: Vec<String>,
+    /// The audit findings of the shipped packages, by rule (shipped with
+    /// `allow_audit_findings`; empty without findings).
+    pub audit_findings: RuleCounts,
 }
 
 /// The checkpoint files `hf_model/` ships when the checkpoint has them (what
@@ -174,6 +183,50 @@ fn check_context_length(chunks: &[ReleaseChunk], context_length: usize) -> Resul
         }
     }
     Ok(())
+}
+
+/// The audit findings of the packages `chunks` ship, from build.json's audit
+/// record (or, for a build made before the audit, `a.audit`). Findings refuse
+/// the release unless `a.allow_audit_findings`.
+fn check_audit(build: &Build, chunks: &[ReleaseChunk], a: &PackageRequest) -> Result<RuleCounts> {
+    let path = build.dir.join("build.json");
+    let bad = |message: String| ReleaseInputError::Build {
+        path: path.clone(),
+        message,
+    };
+    let audit = build.record.audit.as_ref().or(a.audit.as_ref()).ok_or_else(|| {
+        bad("no audit record (a build made before `chunkforge audit`); rebuild, or package it with chunkforge, which audits it".into())
+    })?;
+    let names: Vec<String> = chunks
+        .iter()
+        .map(|c| format!("{}.mlpackage", c.name()))
+        .collect();
+    let found = audit
+        .findings_of(names.iter().map(String::as_str))
+        .map_err(|p| bad(format!("the audit record does not cover {p}; rebuild")))?;
+    let total: u64 = found.values().sum();
+    if total > 0 && !a.allow_audit_findings {
+        let with: Vec<&str> = names
+            .iter()
+            .filter(|n| audit.packages[n.as_str()].values().sum::<u64>() > 0)
+            .map(String::as_str)
+            .collect();
+        return Err(bad(format!(
+            "the audit found {total} findings in the packages this release ships ({}; in {}); run `chunkforge audit {}` for the list, or pass --allow-audit-findings to ship them anyway",
+            rule_counts_text(&found),
+            with.join(", "),
+            build.dir.display()
+        ))
+        .into());
+    }
+    if total > 0 {
+        eprintln!(
+            "warning: {}: shipping packages with {total} audit findings ({}) as --allow-audit-findings asks",
+            path.display(),
+            rule_counts_text(&found)
+        );
+    }
+    Ok(found)
 }
 
 /// Refuses to replace something that is not a previous release.
@@ -439,6 +492,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     }
     let context_length = build.record.settings.ctx;
     check_context_length(&chunks, context_length)?;
+    let audit_findings = check_audit(&build, &chunks, a)?;
     let rope_positions = a.rope_positions.unwrap_or(context_length);
     if rope_positions < context_length {
         return Err(ReleaseInputError::Option {
@@ -629,6 +683,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         zip: zip_report,
         side_files,
         hf_model: hf_sources.into_iter().map(|(_, r)| r).collect(),
+        audit_findings,
     })
 }
 
