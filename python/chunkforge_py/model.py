@@ -61,6 +61,19 @@ class RMSNorm(nn.Module):
         return out
 
 
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis as the device-proven graphs write it:
+    ``exp(x - max) / sum(exp(x - max))`` (``reduce_max``, ``sub``, ``exp``,
+    ``reduce_sum``, ``real_div``), in the model's dtype (fp16 in a package: no
+    fp32 island on the device). Subtracting the row maximum changes nothing
+    in real arithmetic (it cancels between numerator and denominator) and
+    keeps every exponent <= 0, so fp16 cannot overflow; a blocked position
+    (-inf) gives exp(-inf) = 0, and every row has a visible one."""
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    e = torch.exp(shifted)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
 def rotate_half(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     # head_dim is passed as a Python int so tracing records no shape arithmetic.
     half = head_dim // 2
@@ -161,8 +174,7 @@ class Attention(nn.Module):
             if groups > 1:
                 mask = mask.repeat(1, 1, groups, 1)
         scores = torch.matmul(q, keys.transpose(2, 3))  # Gemma 4 attention scale is 1.0
-        # In the model's dtype (fp16 in a package): no fp32 island on the device.
-        probs = torch.softmax(scores + mask.to(scores.dtype), dim=-1)
+        probs = softmax(scores + mask.to(scores.dtype))
         out = torch.matmul(probs, values)
         if t == 1:
             out = out.reshape(1, 1, self.heads * self.head_dim)
