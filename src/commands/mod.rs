@@ -4,6 +4,7 @@
 mod bench;
 mod build;
 mod doctor;
+mod exec;
 mod fixture;
 mod inspect;
 mod keygen;
@@ -83,6 +84,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         } => plan::run(&model, &layout, json, verbose),
         Cmd::Build(args) => build::run(args, verbose),
         Cmd::Parity(args) => parity::run(args, verbose),
+        Cmd::Exec(args) => exec::run(args, verbose),
         Cmd::Inspect { package, json } => inspect::run(&package, json, verbose),
         Cmd::Fixture(args) => fixture::run(args, verbose),
         Cmd::Keygen { out } => keygen::run(&out),
