@@ -472,6 +472,28 @@ def test_shape_ops(tmp_path: Path) -> None:
                 mode="update",
                 name="scatter_along_axis",
             ),
+            *[
+                mb.scatter(
+                    data=x,
+                    indices=rows,
+                    updates=mb.slice_by_index(x=y, begin=[0, 0, 0], end=[2, 3, 2]),
+                    axis=2,
+                    mode=mode,
+                    name=f"scatter_{mode}",
+                )
+                for mode in ("sub", "mul", "div", "max", "min")
+            ],
+            *[
+                mb.scatter_along_axis(
+                    data=x,
+                    indices=along,
+                    updates=mb.slice_by_index(x=y, begin=[0, 0, 0], end=[2, 2, 4]),
+                    axis=1,
+                    mode=mode,
+                    name=f"scatter_along_{mode}",
+                )
+                for mode in ("add", "max")
+            ],
         )
 
     inputs = {"x": x, "y": y, "u": u, "idx": idx, "along": along, "rows": rows, "upd": upd}
@@ -522,7 +544,21 @@ def test_shape_ops(tmp_path: Path) -> None:
         "scatter_update": scattered,
         "scatter_add": added,
         "scatter_along_axis": torch.scatter(X, 1, t(along).long(), Y[:, :2]),
+        "scatter_along_add": torch.scatter_add(X, 1, t(along).long(), Y[:, :2]),
+        "scatter_along_max": torch.scatter_reduce(X, 1, t(along).long(), Y[:, :2], "amax"),
     }
+    ops2 = {
+        "sub": torch.sub,
+        "mul": torch.mul,
+        "div": torch.div,
+        "max": torch.maximum,
+        "min": torch.minimum,
+    }
+    for mode, fn in ops2.items():
+        out = X.clone()
+        out[:, :, 3] = fn(X[:, :, 3], ys[:, :, 0])
+        out[:, :, 0] = fn(X[:, :, 0], ys[:, :, 1])
+        want[f"scatter_{mode}"] = out
     check(got, want)
 
 
