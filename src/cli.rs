@@ -110,6 +110,9 @@ pub enum Cmd {
     Parity(ParityCmd),
     /// Write a random-weight Gemma 4 checkpoint in the Hugging Face layout.
     Fixture(FixtureCmd),
+    /// Run one function of a package's ML program on the CPU (the MIL interpreter): inputs from an
+    /// .npz by name, outputs to an .npz by name (works on Linux; reads the package only).
+    Exec(ExecCmd),
     /// Describe a built .mlpackage: spec version, inputs/outputs, palettized weights, layers (no model load; works on Linux).
     Inspect {
         package: PathBuf,
@@ -494,6 +497,30 @@ pub struct RunCmd {
     #[arg(long)]
     pub speculate: Option<usize>,
     /// Print {"layout", "prompt_ids", "generated_ids", "text", ...} as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `chunkforge exec`.
+#[derive(Args, Clone, Debug)]
+pub struct ExecCmd {
+    /// The .mlpackage to run.
+    pub package: PathBuf,
+    /// Function to run (default: the package's default function).
+    #[arg(long)]
+    pub function: Option<String>,
+    /// .npz with one array per input of the function, by input name (float16 or float32 for
+    /// fp16/fp32 inputs, int32 for int32 ones, of the declared shapes).
+    #[arg(long)]
+    pub inputs: PathBuf,
+    /// .npz to write, one array per output by name (written to a temporary file, then renamed).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Round every fp16-typed tensor to fp16 after each op (the device's arithmetic, as close as
+    /// the CPU gets); without it every tensor is computed in fp32.
+    #[arg(long)]
+    pub fp16: bool,
+    /// Print {"function", "ops", "inputs", "outputs", ...} as JSON.
     #[arg(long)]
     pub json: bool,
 }

@@ -753,3 +753,37 @@ class RunResult(TypedDict):
     decode_seconds: float
     decode_tokens_per_second: float
     speculation: Speculation | None
+
+
+# ---- exec (src/commands/exec.rs, src/py/calls.rs) ------------------------
+
+
+class ExecRequest(TypedDict):
+    """What `mil_interp.exec_function` gets."""
+
+    package: str
+    # None: the package's default function.
+    function: str | None
+    inputs: str
+    output: str
+    fp16: bool
+
+
+class ExecTensor(TypedDict):
+    name: str
+    shape: list[int]
+    # The program's type (inputs) or the written array's numpy dtype (outputs).
+    dtype: str
+
+
+class ExecResult(TypedDict):
+    package: str
+    function: str
+    fp16: bool
+    # Ops run per call (constants and compile-time ops excluded).
+    ops: int
+    inputs: list[ExecTensor]
+    outputs: list[ExecTensor]
+    output: str
+    load_seconds: float
+    run_seconds: float

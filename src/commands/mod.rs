@@ -5,6 +5,7 @@ mod audit;
 mod bench;
 mod build;
 mod doctor;
+mod exec;
 mod fixture;
 mod inspect;
 mod keygen;
@@ -84,6 +85,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         } => plan::run(&model, &layout, json, verbose),
         Cmd::Build(args) => build::run(args, verbose),
         Cmd::Parity(args) => parity::run(args, verbose),
+        Cmd::Exec(args) => exec::run(args, verbose),
         Cmd::Inspect { package, json } => inspect::run(&package, json, verbose),
         Cmd::Audit {
             path,

@@ -135,6 +135,43 @@ pub fn describe(package: &Path, verbose: bool) -> Result<PackageDescription> {
     call("inspect_pkg", "describe", &PathArg { path: &path }, verbose)
 }
 
+/// `mil_interp.exec_function`'s request: one function of a package on the
+/// arrays of an .npz.
+#[derive(Serialize)]
+pub struct ExecRequest<'a> {
+    pub package: &'a str,
+    pub function: Option<&'a str>,
+    pub inputs: &'a str,
+    pub output: &'a str,
+    pub fp16: bool,
+}
+
+/// A tensor `exec` read or wrote.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ExecTensor {
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub dtype: String,
+}
+
+/// `mil_interp.exec_function`'s reply.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ExecResult {
+    pub package: String,
+    pub function: String,
+    pub fp16: bool,
+    pub ops: u64,
+    pub inputs: Vec<ExecTensor>,
+    pub outputs: Vec<ExecTensor>,
+    pub output: String,
+    pub load_seconds: f64,
+    pub run_seconds: f64,
+}
+
+pub fn exec_function(request: &ExecRequest, verbose: bool) -> Result<ExecResult> {
+    call("mil_interp", "exec_function", request, verbose)
+}
+
 /// The checkpoint as Python opens it: the tensor-name prefix and each
 /// (prefixed) tensor name's safetensors file.
 #[derive(Serialize)]
