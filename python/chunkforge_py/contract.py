@@ -435,6 +435,37 @@ class PrefillSummary(TypedDict):
     kv_copied: bool
 
 
+class ProgramRecord(TypedDict):
+    """One step of a package's own program run by the MIL interpreter
+    (parity_programs.py): against the read-back torch modules (same weights),
+    the fp32 reference (checkpoint weights) and transformers where they apply."""
+
+    target: str
+    precision: Literal["fp32", "fp16"]
+    step: int
+    token: int
+    readback_token: int
+    cos_readback: float
+    ref_token: int | None
+    cos_reference: float | None
+    hf_token: int | None
+    cos_hf: float | None
+
+
+class ProgramSummary(TypedDict):
+    steps: int
+    min_cos_readback: float
+    tokens_match_readback: bool
+    min_cos_reference: float | None
+    top1_reference: float | None
+    min_cos_hf: float | None
+    top1_hf: float | None
+    # fp32 is the gate (the program and the read-back modules compute the same
+    # function); fp16 is reported.
+    gated: bool
+    ok: bool
+
+
 class ParitySummary(TypedDict):
     ok: bool
     steps: int
@@ -450,6 +481,8 @@ class ParitySummary(TypedDict):
     prefill: PrefillSummary | None
     verify_k: int | None
     artifacts: dict[str, ArtifactSummary] | None
+    # By layout or function, then precision (fp32, fp16).
+    programs: dict[str, dict[str, ProgramSummary]] | None
     corrupted_chunk: str | None
     seconds: float
 
@@ -460,6 +493,7 @@ class ParityReport(TypedDict):
     steps: list[StepRecord]
     oracle: list[OracleRecord]
     artifacts: list[ArtifactRecord]
+    programs: list[ProgramRecord]
     summary: ParitySummary
 
 

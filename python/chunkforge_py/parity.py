@@ -26,9 +26,12 @@ from .contract import (
     ParityReport,
     ParityRequest,
     ParitySummary,
+    ProgramRecord,
+    ProgramSummary,
     StepRecord,
     WorstWeight,
 )
+from .parity_programs import Programs, check_layout, check_prefill, check_verify
 from .runtime import ChunkforgeError
 from .stepper import Caches, Embeddings, LayoutRunner, PrefillRunner
 
@@ -228,6 +231,40 @@ def artifact_functions(
     return out
 
 
+def program_functions(
+    req: ParityRequest,
+    programs: Programs,
+    dims: Dims,
+    ckpt: Checkpoint,
+    emb: Embeddings,
+    prompt: list[int],
+    steps: int,
+    four: ParityLayout,
+    q: LayoutRunner,
+    q_results: list[dict[str, Any]],
+    tol: float,
+    summary: dict[str, dict[str, ProgramSummary]],
+    records: list[ProgramRecord],
+) -> None:
+    """chunk1..4's verify_qK and prefill_chunk1..4's prefill programs, run by
+    the interpreter, against the read-back four-chunk decode ``q``."""
+    k = next((f["tokens"] for f in four["chunks"][0]["functions"] if f["kind"] == "verify"), None)
+    if k:
+        summary["verify_qK"], recs = check_verify(programs, four, k, dims, emb, prompt, q_results, tol)
+        records += recs
+    n = int(req.get("prefill") or 0)
+    pf_layout = req.get("prefill_layout")
+    if n and pf_layout:
+        again = LayoutRunner(dims, four, ckpt, modules=q.modules)
+        for t in range(n):
+            again.step(emb, prompt[t], t)
+        function, by, recs = check_prefill(
+            programs, pf_layout, four, n, dims, emb, prompt, q_results, again.caches, tol
+        )
+        summary[function] = by
+        records += recs
+
+
 def function_summary(records: list[StepRecord], replaced: dict[str, int]) -> FunctionArtifactSummary:
     """The artifact summary of one function's records."""
     return {
@@ -392,6 +429,7 @@ def run(req: ParityRequest) -> ParityReport:
         verify_records(records, localisation, vr, emb, prompt, steps, verify_k, ref_results, ref_layout, tol)
 
     oracle: list[OracleRecord] = []
+    hf: dict[str, Any] | None = None
     if req.get("oracle", True):
         from .oracle import load_hf_model, teacher_forced
 
@@ -412,8 +450,11 @@ def run(req: ParityRequest) -> ParityReport:
 
     artifacts: list[ArtifactRecord] = []
     artifact_summary: dict[str, ArtifactSummary] = {}
+    program_records: list[ProgramRecord] = []
+    program_summary: dict[str, dict[str, ProgramSummary]] = {}
     build_dir = req.get("artifacts")
     if build_dir:
+        programs = Programs(build_dir)
         first_tokens: list[int] | None = None
         for name, layout in req["artifact_layouts"].items():
             q = LayoutRunner(dims, layout, ckpt)
@@ -451,11 +492,30 @@ def run(req: ParityRequest) -> ParityReport:
                 and worst["rel_mse"] <= req["max_weight_rel_mse"]
                 and tokens == first_tokens
             )
+            # The packages' own programs against these read-back modules.
+            summ, recs = check_layout(programs, name, layout, dims, emb, prompt, q_results, ref_results, hf, tol)
+            program_summary[name] = summ
+            program_records += recs
             if name == reference:
                 # The packages' own verify and prefill weights against the same
                 # INT4 model's sequential decode: equal up to fp32 rounding.
                 artifact_summary.update(
                     artifact_functions(req, dims, ckpt, emb, prompt, steps, layout, q, q_results, build_dir, tol)
+                )
+                program_functions(
+                    req,
+                    programs,
+                    dims,
+                    ckpt,
+                    emb,
+                    prompt,
+                    steps,
+                    layout,
+                    q,
+                    q_results,
+                    tol,
+                    program_summary,
+                    program_records,
                 )
             artifact_summary[name] = {
                 "weights_replaced": replaced,
@@ -470,6 +530,7 @@ def run(req: ParityRequest) -> ParityReport:
     failed_steps = [r for r in records if not r["ok"]]
     failed_oracle = [o for o in oracle if not o["ok"]]
     failed_artifacts = [n for n, s in artifact_summary.items() if not s["ok"]]
+    failed_artifacts += [n for n, by in program_summary.items() if not all(p["ok"] for p in by.values())]
     summary: ParitySummary = {
         "ok": not failed_steps and not failed_oracle and not failed_artifacts,
         "steps": steps,
@@ -499,7 +560,8 @@ def run(req: ParityRequest) -> ParityReport:
         ),
         "verify_k": verify_k,
         "artifacts": artifact_summary or None,
+        "programs": program_summary or None,
         "corrupted_chunk": corrupted,
         "seconds": time.perf_counter() - started,
     }
-    return {"steps": records, "oracle": oracle, "artifacts": artifacts, "summary": summary}
+    return {"steps": records, "oracle": oracle, "artifacts": artifacts, "programs": program_records, "summary": summary}

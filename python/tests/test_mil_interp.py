@@ -547,7 +547,7 @@ def test_shape_ops(tmp_path: Path) -> None:
         "scatter_along_add": torch.scatter_add(X, 1, t(along).long(), Y[:, :2]),
         "scatter_along_max": torch.scatter_reduce(X, 1, t(along).long(), Y[:, :2], "amax"),
     }
-    ops2 = {
+    ops2: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
         "sub": torch.sub,
         "mul": torch.mul,
         "div": torch.div,

@@ -115,6 +115,37 @@ pub(super) fn print_checks(report: &ParityReport) {
             ),
         }
     }
+    print_programs(&report.summary);
+}
+
+/// One line per layout or function and precision: the package's own program
+/// (MIL interpreter) against the read-back modules, the fp32 reference and
+/// transformers.
+fn print_programs(summary: &ParitySummary) {
+    let opt = |v: Option<f64>, pct: bool| match v {
+        Some(v) if pct => format!("{:.1}%", 100.0 * v),
+        Some(v) => format!("{v:.6}"),
+        None => "-".into(),
+    };
+    for (name, by) in summary.programs.iter().flatten() {
+        for (precision, p) in by {
+            println!(
+                "program {name:<9} {precision}  vs read-back min cos {:.6} tokens match: {}  | vs reference min cos {} top-1 {}  | vs transformers min cos {} top-1 {}  ({} steps)  {}",
+                p.min_cos_readback,
+                p.tokens_match_readback,
+                opt(p.min_cos_reference, false),
+                opt(p.top1_reference, true),
+                opt(p.min_cos_hf, false),
+                opt(p.top1_hf, true),
+                p.steps,
+                match (p.gated, p.ok) {
+                    (false, _) => "(reported)",
+                    (true, true) => "OK",
+                    (true, false) => "FAIL",
+                }
+            );
+        }
+    }
 }
 
 /// The verdict, and for a failure where it starts.
@@ -164,6 +195,17 @@ pub(super) fn print_verdict(summary: &ParitySummary, opts: &ParityOptions) {
                 l.tokens_match_other_layouts
             ),
             _ => {}
+        }
+    }
+    for (name, by) in summary.programs.iter().flatten() {
+        for (precision, p) in by.iter().filter(|(_, p)| !p.ok) {
+            println!(
+                "the {precision} program of {name} fails: the package's own program, run by the \
+                 MIL interpreter, does not compute what its read-back weights do in our modules \
+                 (min cos {:.6} < {}, or a different token): the conversion or the program \
+                 changed the computation",
+                p.min_cos_readback, opts.tol_cos
+            );
         }
     }
 }

@@ -497,6 +497,37 @@ pub struct PrefillSummary {
     pub kv_copied: bool,
 }
 
+/// One step of a package's own program run by the MIL interpreter.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProgramRecord {
+    pub target: String,
+    pub precision: String,
+    pub step: i64,
+    pub token: i64,
+    pub readback_token: i64,
+    pub cos_readback: f64,
+    pub ref_token: Option<i64>,
+    pub cos_reference: Option<f64>,
+    pub hf_token: Option<i64>,
+    pub cos_hf: Option<f64>,
+}
+
+/// A layout's or function's program in one precision, over its steps:
+/// against the read-back modules (same weights; the fp32 gate), the fp32
+/// reference and transformers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProgramSummary {
+    pub steps: u64,
+    pub min_cos_readback: f64,
+    pub tokens_match_readback: bool,
+    pub min_cos_reference: Option<f64>,
+    pub top1_reference: Option<f64>,
+    pub min_cos_hf: Option<f64>,
+    pub top1_hf: Option<f64>,
+    pub gated: bool,
+    pub ok: bool,
+}
+
 /// The verdict of a parity run (`ok` is the one field a hand-written summary
 /// must have).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -528,6 +559,9 @@ pub struct ParitySummary {
     pub verify_k: Option<u64>,
     #[serde(default)]
     pub artifacts: Option<IndexMap<String, ArtifactSummary>>,
+    /// By layout or function, then precision (`fp32`, `fp16`).
+    #[serde(default)]
+    pub programs: Option<IndexMap<String, IndexMap<String, ProgramSummary>>>,
     #[serde(default)]
     pub corrupted_chunk: Option<String>,
     #[serde(default)]
@@ -552,6 +586,8 @@ pub struct ParityReport {
     pub oracle: Vec<OracleRecord>,
     #[serde(default)]
     pub artifacts: Vec<ArtifactRecord>,
+    #[serde(default)]
+    pub programs: Vec<ProgramRecord>,
     pub summary: ParitySummary,
     #[serde(default)]
     pub format: String,
@@ -576,6 +612,13 @@ impl ParityReport {
         for (name, a) in self.summary.artifacts.iter().flatten() {
             if !a.ok() {
                 out.push(format!("the INT4 artifact check of {name}"));
+            }
+        }
+        for (name, by) in self.summary.programs.iter().flatten() {
+            for (precision, p) in by {
+                if !p.ok {
+                    out.push(format!("the {precision} program check of {name}"));
+                }
             }
         }
         out

@@ -1,0 +1,220 @@
+"""`parity --artifacts`, the packages' own programs: every function of every
+package of the build executed op by op by the MIL interpreter (mil_interp.py)
+with the packaged weights, fed as the runtime feeds it.
+
+The read-back check (parity.py) runs *our torch modules* with the weights the
+packages hold; it cannot see a program that computes something else (a
+frontend or pass bug, an edited program). This one runs the program itself and
+holds it against those same read-back modules: in fp32 mode the two compute the
+same function of the same weights, so they must agree to ``tol`` (cosine of the
+final hidden state) with the same token at every step; that is the gate. fp16
+mode rounds every fp16 op output to fp16, the closest Linux gets to the
+device's arithmetic, and is reported. Both are also reported against the fp32
+reference (checkpoint weights) and, when the oracle ran, against transformers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import torch
+
+from .contract import ChunkPlan, Dims, FunctionKind, ParityLayout, ProgramRecord, ProgramSummary
+from .mil_chunk import ProgramChunk
+from .mil_interp import Interpreter
+from .stepper import EmbeddingSource, LayoutRunner, PrefillRunner, function_of
+
+# (name, fp16 rounding after every op)
+Precision = Literal["fp32", "fp16"]
+PRECISIONS: tuple[tuple[Precision, bool], ...] = (("fp32", False), ("fp16", True))
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float().view(-1), b.float().view(-1), dim=0))
+
+
+class Programs:
+    """The build's packages, each parsed once and shared by every layout that holds it."""
+
+    def __init__(self, build_dir: str):
+        self.build_dir = build_dir
+        self._interp: dict[str, Interpreter] = {}
+
+    def modules(
+        self, chunks: list[ChunkPlan], kind: FunctionKind, fp16: bool, tokens: int | None = None
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for c in chunks:
+            name = c["name"]
+            if name not in self._interp:
+                self._interp[name] = Interpreter(os.path.join(self.build_dir, f"{name}.mlpackage"))
+            out[name] = ProgramChunk(self._interp[name], function_of(c, kind, tokens), fp16)
+        return out
+
+
+def summarize(records: list[ProgramRecord], tol: float, gated: bool) -> ProgramSummary:
+    def mean(xs: list[bool]) -> float:
+        return sum(xs) / len(xs)
+
+    hf = [r for r in records if r["hf_token"] is not None]
+    ref = [r for r in records if r["ref_token"] is not None]
+    min_readback = min(r["cos_readback"] for r in records)
+    tokens_match = all(r["token"] == r["readback_token"] for r in records)
+    return {
+        "steps": len(records),
+        "min_cos_readback": min_readback,
+        "tokens_match_readback": tokens_match,
+        "min_cos_reference": min((r["cos_reference"] for r in records if r["cos_reference"] is not None), default=None),
+        "top1_reference": mean([r["token"] == r["ref_token"] for r in ref]) if ref else None,
+        "min_cos_hf": min((r["cos_hf"] for r in hf if r["cos_hf"] is not None), default=None),
+        "top1_hf": mean([r["token"] == r["hf_token"] for r in hf]) if hf else None,
+        "gated": gated,
+        "ok": (min_readback >= tol and tokens_match) if gated else True,
+    }
+
+
+def record(
+    target: str,
+    precision: Precision,
+    step: int,
+    token: int,
+    hidden: torch.Tensor,
+    readback: dict[str, Any],
+    readback_hidden: torch.Tensor,
+    ref: dict[str, Any] | None,
+    hf: dict[str, Any] | None,
+) -> ProgramRecord:
+    return {
+        "target": target,
+        "precision": precision,
+        "step": step,
+        "token": token,
+        "readback_token": int(readback["token"]),
+        "cos_readback": cosine(hidden, readback_hidden),
+        "ref_token": int(ref["token"]) if ref is not None else None,
+        "cos_reference": cosine(hidden, ref["hidden"]) if ref is not None else None,
+        "hf_token": int(hf["logits"][step].argmax()) if hf is not None else None,
+        "cos_hf": cosine(hidden, hf["hidden"][step]) if hf is not None else None,
+    }
+
+
+def check_layout(
+    programs: Programs,
+    name: str,
+    layout: ParityLayout,
+    dims: Dims,
+    emb: EmbeddingSource,
+    prompt: list[int],
+    readback: list[dict[str, Any]],
+    ref_results: list[dict[str, Any]],
+    hf: dict[str, Any] | None,
+    tol: float,
+) -> tuple[dict[str, ProgramSummary], list[ProgramRecord]]:
+    """The layout's decode programs, step by step, in both precisions.
+    ``readback``: the read-back modules' results of the same steps."""
+    summaries: dict[str, ProgramSummary] = {}
+    all_records: list[ProgramRecord] = []
+    for precision, fp16 in PRECISIONS:
+        runner = LayoutRunner(dims, layout, None, modules=programs.modules(layout["chunks"], "decode", fp16))
+        recs = []
+        for t, rb in enumerate(readback):
+            got = runner.step(emb, prompt[t], t)
+            recs.append(record(name, precision, t, got["token"], got["hidden"], rb, rb["hidden"], ref_results[t], hf))
+        summaries[precision] = summarize(recs, tol, gated=not fp16)
+        all_records += recs
+    return summaries, all_records
+
+
+def check_verify(
+    programs: Programs,
+    four: ParityLayout,
+    k: int,
+    dims: Dims,
+    emb: EmbeddingSource,
+    prompt: list[int],
+    readback: list[dict[str, Any]],
+    tol: float,
+) -> tuple[dict[str, ProgramSummary], list[ProgramRecord]]:
+    """chunk1..4's verify_qK programs, K teacher-forced tokens per call with
+    every row committed, against the read-back decode of the same positions
+    (the pre-norm hidden state after the last layer, and the token)."""
+    summaries: dict[str, ProgramSummary] = {}
+    all_records: list[ProgramRecord] = []
+    last_layer = max(readback[0]["trace"])
+    for precision, fp16 in PRECISIONS:
+        chunks = four["chunks"]
+        vr = LayoutRunner(
+            dims,
+            four,
+            None,
+            modules=programs.modules(chunks, "decode", fp16),
+            verify=programs.modules(chunks, "verify", fp16),
+        )
+        recs = []
+        for pos in range(0, len(readback) - k + 1, k):
+            got = vr.verify(emb, prompt[pos : pos + k], pos)
+            for i in range(k):
+                rb = readback[pos + i]
+                recs.append(
+                    record(
+                        "verify_qK", precision, pos + i, got["tokens"][i], got["hidden"][i], rb,
+                        rb["trace"][last_layer], None, None,
+                    )
+                )  # fmt: skip
+            vr.commit(got["new"], pos, k)
+        summaries[precision] = summarize(recs, tol, gated=not fp16)
+        all_records += recs
+    return summaries, all_records
+
+
+def check_prefill(
+    programs: Programs,
+    prefill_layout: ParityLayout,
+    four: ParityLayout,
+    n: int,
+    dims: Dims,
+    emb: EmbeddingSource,
+    prompt: list[int],
+    readback: list[dict[str, Any]],
+    readback_caches: Any,
+    tol: float,
+) -> tuple[str, dict[str, ProgramSummary], list[ProgramRecord]]:
+    """prefill_chunk1..4's programs on the first ``n`` prompt tokens (the
+    shortest function that holds them): the token after the prompt against the
+    read-back decode's at step n - 1, and the caches it leaves (loaded into
+    four-chunk caches as the runtime does) against the read-back decode's
+    after n steps, by cosine over every slot."""
+    from .parity import cache_cosine
+
+    fits = sorted(f["tokens"] for f in prefill_layout["chunks"][0]["functions"] if f["tokens"] >= n)
+    function = f"prefill_b{fits[0]}"
+    summaries: dict[str, ProgramSummary] = {}
+    all_records: list[ProgramRecord] = []
+    for precision, fp16 in PRECISIONS:
+        pf = PrefillRunner(
+            dims,
+            prefill_layout,
+            None,
+            fits[0],
+            modules=programs.modules(prefill_layout["chunks"], "prefill", fp16, fits[0]),
+        )
+        res = pf.run(emb, prompt[:n])
+        caches = LayoutRunner(dims, four, None, modules=programs.modules(four["chunks"], "decode", fp16))
+        caches.load_prefill_kv(res["kv"], n)
+        rb = readback[n - 1]
+        rec: ProgramRecord = {
+            "target": function,
+            "precision": precision,
+            "step": n - 1,
+            "token": int(res["token"]),
+            "readback_token": int(rb["token"]),
+            "cos_readback": cache_cosine(caches.caches, readback_caches),
+            "ref_token": None,
+            "cos_reference": None,
+            "hf_token": None,
+            "cos_hf": None,
+        }
+        summaries[precision] = summarize([rec], tol, gated=not fp16)
+        all_records.append(rec)
+    return function, summaries, all_records
