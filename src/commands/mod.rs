@@ -3,6 +3,7 @@
 
 mod bench;
 mod build;
+pub(crate) mod device_report;
 mod doctor;
 mod fixture;
 mod inspect;
@@ -91,6 +92,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Release(args) => release::run(args, verbose),
         Cmd::Run(args) => run::run(args, verbose),
         Cmd::Verify(args) => verify::run(args),
+        Cmd::DeviceReport(args) => device_report::run(args),
         Cmd::SelftestPython { args } => selftest::run(&args, verbose),
         Cmd::Bench { what } => bench::run(what, verbose),
     }

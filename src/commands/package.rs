@@ -9,6 +9,7 @@ use crate::cli::{PackageCmd, ReleaseArgs};
 use crate::package::{package, Compiled, PackageReport, PackageRequest};
 use crate::publish::OnLocked;
 use crate::sign::SIG_FILE;
+use chunkforge_release::runbook::RUNBOOK_FILE;
 
 pub fn run(args: PackageCmd) -> Result<ExitStatus> {
     let request = request(args);
@@ -76,7 +77,7 @@ pub(super) fn summary(r: &PackageReport, request: &PackageRequest) -> String {
         }
     );
     s.push_str(&format!(
-        "wrote release {} ({} files, {:.1} MiB, subject sha256 {}) with {SIG_FILE}",
+        "wrote release {} ({} files, {:.1} MiB, subject sha256 {}) with {SIG_FILE}; the device bench: {RUNBOOK_FILE}",
         request.output.display(),
         r.files,
         r.bytes as f64 / (1024.0 * 1024.0),
