@@ -17,7 +17,7 @@ use crate::run::RunLayout;
 
 /// A value parser for a [`chunkforge_model::named!`] enum: its names are the
 /// possible values (listed in `--help`, checked while parsing).
-fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
+pub(crate) fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
     let values = T::NAMES.iter().zip(T::DOCS).map(|(name, doc)| {
         let value = PossibleValue::new(*name);
         match doc.trim() {
@@ -153,6 +153,9 @@ pub enum Cmd {
     Run(RunCmd),
     /// Check a release folder's signature, files and manifest (and optionally its zip).
     Verify(VerifyCmd),
+    /// Turn device bench logs (the runtime's [Load], [ComputePlan], [Profile] lines) into a
+    /// verdict per decode layout, by the release's DEVICE_RUNBOOK.md.
+    DeviceReport(crate::commands::device_report::DeviceReportCmd),
     /// Run pytest inside the embedded interpreter (where chunkforge_native is importable).
     #[command(hide = true)]
     SelftestPython {

@@ -1099,7 +1099,11 @@ fn layouts_ship_the_right_packages() {
             .collect();
         dirs.sort();
         let mut want: Vec<String> = names.iter().map(|n| format!("{n}.mlpackage")).collect();
-        want.extend(["manifest.json".into(), "model.sig".into()]);
+        want.extend([
+            "manifest.json".into(),
+            "model.sig".into(),
+            "DEVICE_RUNBOOK.md".into(),
+        ]);
         // The runtime's side files and hf_model/ ship with every layout.
         want.extend(SIDE_FILES.iter().map(|f| f.to_string()));
         want.push("hf_model".into());
@@ -1137,6 +1141,77 @@ fn layouts_ship_the_right_packages() {
         }
         assert!(cf_verify(&out, &public).status.success());
     }
+}
+
+/// DEVICE_RUNBOOK.md: written by `package`, listed in the manifest (role
+/// docs), signed like every other file, the same bytes for the same build,
+/// and about the layouts the release holds.
+#[test]
+fn package_writes_a_signed_device_runbook_of_its_layouts() {
+    let w = tempdir("runbook");
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    let (private, public) = keys(&w, "k");
+    let package = |layout: &str, out: &Path| {
+        ok(&[
+            "package",
+            s(&build),
+            "--layout",
+            layout,
+            "--key",
+            s(&private),
+            "--output",
+            s(out),
+            "--version",
+            "2.0.0",
+        ]);
+        fs::read_to_string(out.join("DEVICE_RUNBOOK.md")).expect("package writes DEVICE_RUNBOOK.md")
+    };
+    let two = w.join("rel-two");
+    let text = package("two", &two);
+    let m = manifest(&two);
+    let entry = m["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["path"] == "DEVICE_RUNBOOK.md")
+        .expect("the manifest lists DEVICE_RUNBOOK.md");
+    assert_eq!(entry["roles"], json!(["docs"]));
+    assert_eq!(entry["size"], json!(text.len()));
+    assert_eq!(
+        entry["sha256"],
+        json!(format!("{:x}", Sha256::digest(text.as_bytes())))
+    );
+    // The layouts of a two-chunk release: the control and two-chunk, no other.
+    assert!(text.contains("### four-chunk (control)"), "{text}");
+    assert!(text.contains("### two-chunk"), "{text}");
+    assert!(!text.contains("### one-chunk") && !text.contains("### three-chunk"));
+    assert!(text.contains("[Load] Decode layout: two-chunk"));
+    assert!(text.contains("two=two-1.log two=two-2.log two=two-3.log"));
+    assert!(text.contains("| two-chunk | 36 | 40 |"));
+    assert!(text.contains("# Device run book: e2b 2.0.0"), "{text}");
+    // Signed: it verifies, and a changed byte is named.
+    assert!(cf_verify(&two, &public).status.success());
+    let o = ms_verify(&two, &public);
+    assert!(o.status.success(), "model_signing: {}", stderr(&o));
+    fs::write(two.join("DEVICE_RUNBOOK.md"), text.replacen("36", "30", 1)).unwrap();
+    let o = cf_verify(&two, &public);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("DEVICE_RUNBOOK.md: changed"),
+        "{}",
+        stderr(&o)
+    );
+    // The same build and options give the same bytes.
+    assert_eq!(package("two", &w.join("rel-two-again")), text);
+    // A release of every layout names them all, with the files to move aside.
+    let all = package("all", &w.join("rel-all"));
+    for l in ["four-chunk", "three-chunk", "two-chunk", "one-chunk"] {
+        assert!(all.contains(&format!("### {l}")), "{l}: {all}");
+    }
+    assert!(all.contains(
+        "mv \"$MODEL_DIR/chunk2_3way.mlpackage\" \"$MODEL_DIR/chunk3_3way.mlpackage\" \"$STASH/\""
+    ));
+    assert!(all.contains("`merged_full` (35)"));
 }
 
 #[test]

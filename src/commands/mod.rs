@@ -4,6 +4,7 @@
 mod audit;
 mod bench;
 mod build;
+pub(crate) mod device_report;
 mod doctor;
 mod exec;
 mod fixture;
@@ -99,6 +100,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Release(args) => release::run(args, verbose),
         Cmd::Run(args) => run::run(args, verbose),
         Cmd::Verify(args) => verify::run(args),
+        Cmd::DeviceReport(args) => device_report::run(args),
         Cmd::SelftestPython { args } => selftest::run(&args, verbose),
         Cmd::Bench { what } => bench::run(what, verbose),
     }

@@ -13,6 +13,7 @@ use crate::publish::OnLocked;
 use crate::py::env as pyenv;
 use crate::records::rule_counts_text;
 use crate::sign::SIG_FILE;
+use chunkforge_release::runbook::RUNBOOK_FILE;
 
 pub fn run(args: PackageCmd, verbose: bool) -> Result<ExitStatus> {
     let mut request = request(args);
@@ -113,7 +114,7 @@ pub(super) fn summary(r: &PackageReport, request: &PackageRequest) -> String {
         }
     );
     s.push_str(&format!(
-        "wrote release {} ({} files, {:.1} MiB, subject sha256 {}) with {SIG_FILE}",
+        "wrote release {} ({} files, {:.1} MiB, subject sha256 {}) with {SIG_FILE}; the device bench: {RUNBOOK_FILE}",
         request.output.display(),
         r.files,
         r.bytes as f64 / (1024.0 * 1024.0),

@@ -19,6 +19,7 @@ use chunkforge_model::plan::{self, FunctionKind, Functions, Layout, LayoutKind, 
 use crate::hashing;
 use crate::manifest::{self, MANIFEST_FILE};
 use crate::package::{HF_MODEL_DIR, TOKENIZER_FILE};
+use crate::runtime_layout;
 use crate::sidefiles::{self, SIDE_FILES};
 use crate::strict_json;
 
@@ -345,20 +346,11 @@ impl ReleaseFolder {
     /// checked against the manifest's contracts.
     pub fn plan(&self, want: RunLayout) -> Result<RunPlan> {
         let manifest = self.dir.join(MANIFEST_FILE);
-        // The runtime's file names (ChunkedEngine's presence rules).
-        let three = ["chunk1", "chunk2_3way", "chunk3_3way"];
-        let two = ["merged_chunk1", "merged_chunk2"];
         let (kind, picked_by) = match want {
             RunLayout::Auto => {
-                let kind = if three.iter().all(|n| self.has_package(n)) {
-                    LayoutKind::Three
-                } else if self.has_package("merged_full") {
-                    LayoutKind::One
-                } else if two.iter().all(|n| self.has_package(n)) {
-                    LayoutKind::Two
-                } else {
-                    LayoutKind::Four
-                };
+                // ChunkedEngine's presence rules; the three-chunk decode also
+                // needs four's chunk1, checked with the layout below.
+                let kind = runtime_layout::pick(|n| self.has_package(n));
                 (kind, "picked by file presence, as the runtime does")
             }
             RunLayout::Four => (LayoutKind::Four, "--layout"),

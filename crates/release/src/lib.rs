@@ -1,16 +1,22 @@
 //! chunkforge's release half, pure Rust with no Python: digests, staging and
 //! crash-safe publishing, `manifest.json`, OpenSSF model signing, `verify`,
-//! release archives, and the runtime's side files (embedding tables, RoPE
-//! tables, `model_config.json`) written from the checkpoint. The fuzz
-//! targets link only this crate and the model crate.
+//! release archives, the runtime's side files (embedding tables, RoPE
+//! tables, `model_config.json`) written from the checkpoint, and the device
+//! bench (`DEVICE_RUNBOOK.md`, `device-report`). The fuzz targets link only
+//! this crate and the model crate.
 
 pub mod archive;
+pub mod bench_targets;
+pub mod device_log;
+pub mod device_report;
 pub mod folder;
 pub mod hashing;
 pub mod keykind;
 pub mod manifest;
 pub mod package;
 pub mod publish;
+pub mod runbook;
+pub mod runtime_layout;
 pub mod sidefiles;
 pub mod sign;
 pub mod staging;

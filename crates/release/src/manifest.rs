@@ -454,6 +454,8 @@ chunkforge_model::named! {
         Config = "config",
         /// `hf_model/`: the tokenizer and the config it dispatches on.
         Tokenizer = "tokenizer",
+        /// For people, not the runtime: `DEVICE_RUNBOOK.md`.
+        Docs = "docs",
     }
 }
 
@@ -462,6 +464,9 @@ chunkforge_model::named! {
 fn file_roles(path: &str, chunks: &[ReleaseChunk]) -> Vec<FileRole> {
     if path.starts_with(&format!("{}/", crate::package::HF_MODEL_DIR)) {
         return vec![FileRole::Tokenizer];
+    }
+    if path == crate::runbook::RUNBOOK_FILE {
+        return vec![FileRole::Docs];
     }
     let top = path.split('/').next().unwrap_or_default();
     if let Some(pkg) = top

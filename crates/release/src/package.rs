@@ -2,8 +2,10 @@
 //!
 //! The release is assembled in a staging folder beside `--output` (same file
 //! system, so the final step is a rename): packages are copied and hashed in
-//! one read, `manifest.json` is written, the whole folder is signed into
-//! `model.sig`, and only then does the folder take the place of `--output`.
+//! one read, the side files, `DEVICE_RUNBOOK.md` (the device bench, from the
+//! manifest's facts) and `manifest.json` are written, the whole folder is
+//! signed into `model.sig`, and only then does the folder take the place of
+//! `--output`.
 //! It is published with its archive as one unit (`crate::publish`): a run
 //! killed at any point leaves the previous release or the new one, and the
 //! next run undoes a publish cut short before its commit.
@@ -24,6 +26,7 @@ use crate::manifest::{
     MANIFEST_FILE,
 };
 use crate::publish::{OnLocked, OutputLock};
+use crate::runbook::{self, RunbookFacts, RUNBOOK_FILE};
 use crate::sidefiles::{self, SideFilesReport, SideFilesRequest};
 use crate::sign::{self, SIG_FILE};
 use crate::staging::Staging;
@@ -643,6 +646,8 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         base_url: a.base_url.as_deref(),
         compiled: &a.compiled,
     };
+    files.push(write_runbook(&root, &inputs, &files)?);
+    files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     let m = manifest::build_manifest(&inputs, &files)?;
     let mut text = serde_json::to_string_pretty(&m)?;
     text.push('\n');
@@ -685,6 +690,29 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         hf_model: hf_sources.into_iter().map(|(_, r)| r).collect(),
         audit_findings,
     })
+}
+
+/// Writes `DEVICE_RUNBOOK.md` into `root`, rendered from the manifest of
+/// `files` (the run book reads no file list, so the final manifest, which
+/// lists it, says the same); returns its path in the release and digest.
+fn write_runbook(
+    root: &Path,
+    inputs: &ManifestInputs,
+    files: &[(String, FileDigest)],
+) -> Result<(String, FileDigest)> {
+    let draft = manifest::build_manifest(inputs, files)?;
+    let facts = RunbookFacts::from_manifest(&draft)
+        .map_err(|e| anyhow::anyhow!("{RUNBOOK_FILE}: cannot be written: {e}"))?;
+    let text = runbook::render(&facts);
+    let path = root.join(RUNBOOK_FILE);
+    fs::write(&path, &text).with_context(|| format!("{}: cannot write", path.display()))?;
+    Ok((
+        RUNBOOK_FILE.to_string(),
+        FileDigest {
+            size: text.len() as u64,
+            sha256: Sha256::digest(text.as_bytes()).into(),
+        },
+    ))
 }
 
 /// Signs the files of `root` (already hashed) into `root/model.sig`; returns

@@ -1,0 +1,612 @@
+//! `DEVICE_RUNBOOK.md`: the bench a person runs on the iPhone for this
+//! release, generated from its manifest: the decode layouts it holds, what
+//! to move aside to force each one, the environment, the lines to record,
+//! the runs, the targets (`bench_targets`) and the `chunkforge
+//! device-report` command that turns the logs into a verdict. The same
+//! manifest gives the same bytes.
+
+use std::fmt::Write;
+
+use serde_json::Value;
+
+use chunkforge_model::plan::{LayoutKind, ANE_STABLE_LAYERS};
+
+use crate::bench_targets::{
+    fmt_number, fmt_percent, tok_target, BENCH_CONTEXT, COLD_RUNS, CONTROL, MAX_OFF_NEURAL_ENGINE,
+};
+use crate::device_log::{
+    show_template, ANE_COMPILE_FAILED, AUDIT_ALL, AUDIT_SOME, AUDIT_SUMMARY, KV_CONTEXT_LINE,
+    LAYOUT_LINE, MAIN_FOUR_LINE, MAIN_THREE_LINE, PROFILE_LINES,
+};
+use crate::device_report::bench_order;
+use crate::runtime_layout::{move_aside, runtime_layout, Runtime, RuntimeLayout, RUNTIME_LAYOUTS};
+
+pub const RUNBOOK_FILE: &str = "DEVICE_RUNBOOK.md";
+
+/// What the run book needs from a manifest.
+#[derive(Clone, Debug)]
+pub struct RunbookFacts {
+    pub model_id: String,
+    pub version: String,
+    /// `release.layout`: four, three, two, one or all.
+    pub release_layout: String,
+    /// `settings.ctx`.
+    pub context: usize,
+    /// `compiled.mlmodelc`: `.mlmodelc` folders beside the packages.
+    pub compiled: bool,
+    /// `parity.ok`, when a parity report is embedded.
+    pub parity_ok: Option<bool>,
+    /// Every package: name, first and last layer (manifest order).
+    pub packages: Vec<(String, usize, usize)>,
+    /// `decode_layouts[].kind`, with their packages.
+    pub decode_layouts: Vec<(String, Vec<String>)>,
+}
+
+impl RunbookFacts {
+    /// Reads the facts out of a manifest (`build_manifest`'s value or a
+    /// release's manifest.json); names the first field that is missing.
+    pub fn from_manifest(m: &Value) -> Result<Self, String> {
+        let text = |ptr: &str| -> Result<String, String> {
+            m.pointer(ptr)
+                .and_then(Value::as_str)
+                .map(str::to_string)
+                .ok_or_else(|| format!("manifest has no {ptr} string"))
+        };
+        let number = |v: &Value, ptr: &str| -> Result<usize, String> {
+            v.pointer(ptr)
+                .and_then(Value::as_u64)
+                .map(|n| n as usize)
+                .ok_or_else(|| format!("manifest has no {ptr} number"))
+        };
+        let array = |ptr: &str| -> Result<&Vec<Value>, String> {
+            m.pointer(ptr)
+                .and_then(Value::as_array)
+                .ok_or_else(|| format!("manifest has no {ptr} list"))
+        };
+        let mut packages = Vec::new();
+        for (i, c) in array("/chunks")?.iter().enumerate() {
+            let name = c
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| format!("manifest chunks[{i}] has no name"))?;
+            let layer = |key: &str| {
+                number(c, &format!("/{key}"))
+                    .map_err(|_| format!("manifest chunks[{i}] ({name}) has no {key} number"))
+            };
+            packages.push((
+                name.to_string(),
+                layer("first_layer")?,
+                layer("last_layer")?,
+            ));
+        }
+        let mut decode_layouts = Vec::new();
+        for (i, l) in array("/decode_layouts")?.iter().enumerate() {
+            let kind = l
+                .get("kind")
+                .and_then(Value::as_str)
+                .ok_or_else(|| format!("manifest decode_layouts[{i}] has no kind"))?;
+            let chunks = l
+                .get("chunks")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|c| c.as_str().map(str::to_string))
+                .collect();
+            decode_layouts.push((kind.to_string(), chunks));
+        }
+        Ok(RunbookFacts {
+            model_id: text("/model/id")?,
+            version: text("/release/version")?,
+            release_layout: text("/release/layout")?,
+            context: number(m, "/settings/ctx")?,
+            compiled: m
+                .pointer("/compiled/mlmodelc")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            parity_ok: m.pointer("/parity/ok").and_then(Value::as_bool),
+            packages,
+            decode_layouts,
+        })
+    }
+
+    fn has(&self, package: &str) -> bool {
+        self.packages.iter().any(|p| p.0 == package)
+    }
+
+    fn layers(&self, package: &str) -> Option<usize> {
+        self.packages
+            .iter()
+            .find(|p| p.0 == package)
+            .map(|p| p.2 + 1 - p.1)
+    }
+
+    /// The runtime builds the bench needs: those that load the layouts
+    /// other than the control (the control runs on each).
+    pub fn runtimes(&self) -> Vec<Runtime> {
+        let mut out: Vec<Runtime> = Vec::new();
+        for l in self.layouts().iter().filter(|l| l.kind != CONTROL) {
+            for r in l.runtimes {
+                if !out.contains(r) {
+                    out.push(*r);
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// The runtime's layouts whose decode packages are all in the release,
+    /// in bench order.
+    pub fn layouts(&self) -> Vec<&'static RuntimeLayout> {
+        bench_order()
+            .into_iter()
+            .filter(|l| l.decode.iter().all(|p| self.has(p)))
+            .collect()
+    }
+}
+
+fn code_list(names: &[&str]) -> String {
+    names
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// How the runtime's layout line reads for `kind` (both runtimes' forms).
+fn layout_lines(kind: LayoutKind) -> String {
+    let name = runtime_layout(kind).map_or("?", |l| l.name);
+    let merged = format!("`{}`", LAYOUT_LINE.replace("{}-chunk", name));
+    match kind {
+        LayoutKind::Three => format!("`{}`", show_template(MAIN_THREE_LINE)),
+        LayoutKind::Four => format!(
+            "{merged} (main runtime: `{}`)",
+            show_template(MAIN_FOUR_LINE)
+        ),
+        _ => merged,
+    }
+}
+
+/// The names of the layouts (other than the control) `runtime` loads.
+fn layouts_on(layouts: &[&RuntimeLayout], runtime: Runtime) -> String {
+    layouts
+        .iter()
+        .filter(|l| l.kind != CONTROL && l.runtimes.contains(&runtime))
+        .map(|l| l.name)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The bench's command lines for moving `packages` (and their `.mlmodelc`
+/// when compiled) out of the model folder and back.
+fn moves(packages: &[&str], compiled: bool) -> (String, String) {
+    let mut paths = Vec::new();
+    for p in packages {
+        paths.push(format!("\"$MODEL_DIR/{p}.mlpackage\""));
+        if compiled {
+            paths.push(format!("\"$MODEL_DIR/{p}.mlmodelc\""));
+        }
+    }
+    let back: Vec<String> = packages
+        .iter()
+        .flat_map(|p| {
+            let mut v = vec![format!("\"$STASH/{p}.mlpackage\"")];
+            if compiled {
+                v.push(format!("\"$STASH/{p}.mlmodelc\""));
+            }
+            v
+        })
+        .collect();
+    (
+        format!("mkdir -p \"$STASH\"\nmv {} \"$STASH/\"", paths.join(" ")),
+        format!("mv {} \"$MODEL_DIR/\"", back.join(" ")),
+    )
+}
+
+/// The run book's text.
+pub fn render(f: &RunbookFacts) -> String {
+    let mut s = String::new();
+    let layouts = f.layouts();
+    let runtimes = f.runtimes();
+    // `write!` to a String cannot fail.
+    macro_rules! line {
+        ($($t:tt)*) => { writeln!(s, $($t)*).expect("writing to a String") };
+    }
+    line!("# Device run book: {} {}", f.model_id, f.version);
+    line!();
+    line!(
+        "Generated by `chunkforge package` from this release's `manifest.json` ({} release, context length {}). It is signed with the release: `chunkforge verify` checks it like every other file.",
+        f.release_layout, f.context
+    );
+    line!();
+    line!(
+        "It measures each decode layout of this release on the device: whether the Neural Engine loads it, how much of it the compute plan keeps on the Neural Engine, and its decode tok/s against the targets below. `chunkforge device-report` turns the logs into the verdict."
+    );
+    line!();
+
+    line!("## Layouts in this release");
+    line!();
+    line!("| Layout | Decode packages | Layers per package | The runtime picks it when the folder holds |");
+    line!("|---|---|---|---|");
+    for l in &layouts {
+        let layers: Vec<String> = l
+            .decode
+            .iter()
+            .map(|p| f.layers(p).map_or("?".into(), |n| n.to_string()))
+            .collect();
+        let when = if l.selected_by.is_empty() {
+            "none of the packages that select another layout".to_string()
+        } else {
+            l.selected_by
+                .iter()
+                .map(|p| format!("`{p}`"))
+                .collect::<Vec<_>>()
+                .join(" and ")
+        };
+        line!(
+            "| {}{} | {} | {} | {when} |",
+            l.name,
+            if l.kind == CONTROL { " (control)" } else { "" },
+            code_list(l.decode),
+            layers.join(", ")
+        );
+    }
+    line!();
+    let big: Vec<String> = layouts
+        .iter()
+        .flat_map(|l| l.decode.iter())
+        .filter_map(|p| Some((p, f.layers(p).filter(|n| *n > ANE_STABLE_LAYERS)?)))
+        .map(|(p, n)| format!("`{p}` ({n})"))
+        .fold(Vec::new(), |mut v, x| {
+            if !v.contains(&x) {
+                v.push(x);
+            }
+            v
+        });
+    if !big.is_empty() {
+        line!(
+            "- Above {ANE_STABLE_LAYERS} layers, the historic stable ceiling of one Neural Engine function: {}. A 35-layer function failed to compile for the iPhone 17 Pro Neural Engine while 15 and 20 layers compiled: watch these for the Neural Engine load failure and their compute plan.",
+            big.join(", ")
+        );
+    }
+    let mut keep = vec!["`chunk1`..`chunk4`"];
+    if f.has("prefill_chunk1") {
+        keep.push("`prefill_chunk1`..`prefill_chunk4`");
+    }
+    line!(
+        "- {} stay in the folder for every layout: the runtime prefills and verifies speculative drafts with them, and falls back to chunk1..4 for decode.",
+        keep.join(" and ")
+    );
+    if layouts.iter().any(|l| l.kind == LayoutKind::Three) && f.has("chunk1_3way") {
+        line!("- The three-chunk decode runs `chunk1` + `chunk2_3way` + `chunk3_3way`: `chunk1_3way` ships too (the same layers and contract as `chunk1`), but the runtime does not load it.");
+    }
+    let merged = layouts
+        .iter()
+        .any(|l| matches!(l.kind, LayoutKind::Two | LayoutKind::One));
+    if merged {
+        line!(
+            "- The two- and one-chunk layouts need the merged-layout runtime (upstream branch `fix/2chunk-kv-prefill-transfer`); it prints `{}`.",
+            show_template(LAYOUT_LINE)
+        );
+    }
+    if layouts.iter().any(|l| l.kind == LayoutKind::Three) {
+        line!(
+            "- The three-chunk layout needs the upstream main branch runtime; it prints `{}` (and `{}` for four-chunk).",
+            show_template(MAIN_THREE_LINE),
+            show_template(MAIN_FOUR_LINE)
+        );
+    }
+    for (kind, chunks) in &f.decode_layouts {
+        let loaded = kind
+            .parse::<LayoutKind>()
+            .ok()
+            .and_then(runtime_layout)
+            .is_some();
+        if !loaded {
+            line!(
+                "- Decode layout `{kind}` ({}) is not one the runtime loads; this bench skips it.",
+                code_list(&chunks.iter().map(String::as_str).collect::<Vec<_>>())
+            );
+        }
+    }
+    line!();
+
+    line!("## Before the bench (on the Mac)");
+    line!();
+    line!("1. `chunkforge verify RELEASE --public-key KEY.pub`: the folder that goes to the device is this signed release.");
+    line!(
+        "2. Parity: {}",
+        match f.parity_ok {
+            Some(true) => "`manifest.json` embeds a passed parity report.",
+            Some(false) => "`manifest.json` embeds a FAILED parity report: do not bench this release.",
+            None => "`manifest.json` embeds no parity report: run `chunkforge parity` on the build's checkpoint before trusting device numbers.",
+        }
+    );
+    line!(
+        "3. Copy the whole release folder to the device as the model folder (`$MODEL_DIR` below). Its packages are {}.",
+        if f.compiled {
+            "`.mlpackage` folders with their compiled `.mlmodelc` beside them"
+        } else {
+            "`.mlpackage` folders (not compiled to `.mlmodelc`)"
+        }
+    );
+    line!();
+
+    line!("## Environment");
+    line!();
+    line!("Set `COMPUTE_PLAN_AUDIT=1` for every launch: the runtime then prints the compute-plan audit (`[ComputePlan]` lines) the verdict needs. Without it a layout's verdict stays INCOMPLETE.");
+    line!();
+    line!("- Xcode: Product > Scheme > Edit Scheme > Run > Arguments > Environment Variables: `COMPUTE_PLAN_AUDIT` = `1`.");
+    line!("- The command-line bench: `COMPUTE_PLAN_AUDIT=1 ./coreml-llm-smoke --model \"$MODEL_DIR\" --prompt \"Explain attention.\" --max-tokens 100 > two-1.log 2>&1`.");
+    line!();
+
+    line!("## Forcing each layout");
+    line!();
+    let order: Vec<&str> = RUNTIME_LAYOUTS.iter().map(|l| l.name).collect();
+    line!(
+        "The runtime picks the decode layout by the packages in the model folder, trying {} in that order. Before a layout's runs, move aside the packages of the layouts tried before it; put them back after its runs. `$STASH` is any folder outside the model folder.",
+        order.join(", ")
+    );
+    for l in &layouts {
+        line!();
+        line!(
+            "### {}{}",
+            l.name,
+            if l.kind == CONTROL { " (control)" } else { "" }
+        );
+        line!();
+        let aside = move_aside(l.kind, |p| f.has(p));
+        if aside.is_empty() {
+            line!("Nothing to move aside: with every package in place the runtime picks it.");
+        } else {
+            let (out, back) = moves(&aside, f.compiled);
+            line!("```sh");
+            line!("{out}");
+            line!("```");
+            line!();
+            line!("After its runs:");
+            line!();
+            line!("```sh");
+            line!("{back}");
+            line!("```");
+        }
+        line!();
+        line!("The runtime must print {}.", layout_lines(l.kind));
+        if l.kind == CONTROL && runtimes.len() > 1 {
+            line!();
+            line!(
+                "The control runs on each runtime build the other layouts need ({}): each layout is compared with the control on its own build, whose speeds differ. Name its logs `four-RUNTIME-N.log`.",
+                runtimes
+                    .iter()
+                    .map(|r| format!("{r}: {}", layouts_on(&layouts, *r)))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            );
+        }
+    }
+    line!();
+
+    line!("## Runs");
+    line!();
+    line!("{COLD_RUNS} cold runs per layout at context {BENCH_CONTEXT}; for each run:");
+    line!();
+    line!("1. Reboot the device: it clears the Neural Engine compiler's caches, so the load compiles as a user's first launch does.");
+    line!("2. Launch with `COMPUTE_PLAN_AUDIT=1` and run one prompt with `--max-tokens 100` (the chat prompt `chat-define-transformer` is the primary signal).");
+    line!("3. Save the whole console output of that launch, from the launch on, as its own file `LAYOUT-N.log` (`two-1.log`, `two-2.log`, ...). One file is one run: `device-report` refuses a file with two layout lines.");
+    line!();
+    line!("If the app fails to load a layout, keep that log too: a Neural Engine load failure is the layout's verdict.");
+    if f.context != BENCH_CONTEXT {
+        line!();
+        line!(
+            "This release's context length is {}, the targets' is {BENCH_CONTEXT}: `device-report` does not count runs whose `[KV]` line reports another context. Package a {BENCH_CONTEXT}-context build for the verdict.",
+            f.context
+        );
+    }
+    line!();
+
+    line!("## Lines the verdict reads");
+    line!();
+    line!("`device-report` reads these from the logs, so nothing needs copying by hand; check them while the bench runs.");
+    line!();
+    line!(
+        "- {}: the layout the runtime loaded; it must be the one you meant.",
+        layouts
+            .iter()
+            .map(|l| layout_lines(l.kind))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    line!(
+        "- `{}`: the context length.",
+        show_template(KV_CONTEXT_LINE)
+    );
+    line!(
+        "- `{}` or `{}`, one per package: its compute plan.",
+        show_template(AUDIT_ALL).replace("[ComputePlan] …:", "[ComputePlan] NAME:"),
+        show_template(AUDIT_SOME).replace("[ComputePlan] …:", "[ComputePlan] NAME:")
+    );
+    line!(
+        "- `{}`: the audit's total; the package lines before it must add up to it.",
+        show_template(AUDIT_SUMMARY)
+    );
+    line!("- The decode timings, printed every 10 steps; the last line's tok/s (the running average) is the run's, and its tag must be its layout's:");
+    for (tag, template) in PROFILE_LINES {
+        let users: Vec<&str> = layouts
+            .iter()
+            .filter(|l| l.profile_tag == *tag)
+            .map(|l| l.name)
+            .collect();
+        if !users.is_empty() {
+            line!("  - `{}` ({})", show_template(template), users.join(", "));
+        }
+    }
+    line!(
+        "- `{ANE_COMPILE_FAILED}. Must re-compile the E5 bundle.` (from the OS): the Neural Engine could not load a package: DEAD ON ARRIVAL."
+    );
+    line!();
+
+    line!("## Targets");
+    line!();
+    line!(
+        "Decode tok/s at context {BENCH_CONTEXT}, the median of the {COLD_RUNS} cold runs. \"Pass\": the consolidation did not hurt. \"Ship\": the gain justifies the extra download."
+    );
+    line!();
+    line!("| Layout | Pass if >= | Ship if >= |");
+    line!("|---|---|---|");
+    for l in &layouts {
+        match tok_target(l.kind) {
+            Some(t) => line!(
+                "| {} | {} | {} |",
+                l.name,
+                fmt_number(t.pass),
+                fmt_number(t.ship)
+            ),
+            None if l.kind == CONTROL => line!(
+                "| {} | control: the baseline of the others' change | |",
+                l.name
+            ),
+            None => line!("| {} | no target: measured against the control | |", l.name),
+        }
+    }
+    line!();
+    line!(
+        "- Compute plan: at most {} of a layout's decode ops (its packages' `[ComputePlan]` counts together) off the Neural Engine, for every layout but the control. More is ANE REGRESSION: do not ship that layout (deleting its packages makes the runtime fall back to the next layout it tries).",
+        fmt_percent(MAX_OFF_NEURAL_ENGINE)
+    );
+    line!("- A Neural Engine load failure in any run: DEAD ON ARRIVAL.");
+    line!(
+        "- Fewer than {COLD_RUNS} counted runs, or no compute-plan audit: INCOMPLETE, with the verdict so far."
+    );
+    line!();
+
+    line!("## Verdict");
+    line!();
+    line!("```sh");
+    // `--require` only where a layout has a target (a four-chunk release has none).
+    let require = layouts.iter().any(|l| tok_target(l.kind).is_some());
+    line!(
+        "chunkforge device-report{} \\",
+        if require { " --require ship" } else { "" }
+    );
+    let mut groups: Vec<Vec<String>> = Vec::new();
+    for l in &layouts {
+        let tags: Vec<String> = if l.kind == CONTROL && runtimes.len() > 1 {
+            runtimes.iter().map(|r| format!("{}-{r}", l.kind)).collect()
+        } else {
+            vec![l.kind.to_string()]
+        };
+        for t in tags {
+            groups.push(
+                (1..=COLD_RUNS)
+                    .map(|r| format!("{k}={t}-{r}.log", k = l.kind))
+                    .collect(),
+            );
+        }
+    }
+    let n = groups.len();
+    for (i, files) in groups.iter().enumerate() {
+        line!(
+            "    {}{}",
+            files.join(" "),
+            if i + 1 < n { " \\" } else { "" }
+        );
+    }
+    line!("```");
+    line!();
+    line!("A `LAYOUT=FILE` label names the layout the run was meant to be: a run whose layout line names another is an error (a package was not moved aside, or is missing), and a launch that died while loading counts against its label. The report prints a verdict per layout (DEAD ON ARRIVAL, ANE REGRESSION, INCOMPLETE, BELOW PASS, PASS, SHIP; CONTROL for the control), its runs, its change against the control and every problem found with its file and line, runtime lines it could not read included. `--json` prints it as JSON; `--require pass` or `--require ship` exits 1 unless every layout with a target reaches it.");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example() -> Value {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../manifests/example.manifest.json"
+        );
+        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn the_example_release_gets_its_layouts_moves_and_targets() {
+        let m = example();
+        let f = RunbookFacts::from_manifest(&m).unwrap();
+        let text = render(&f);
+        assert_eq!(text, render(&f), "the same manifest gives the same bytes");
+        // The example is a two-chunk release: four-chunk control and two-chunk.
+        let names: Vec<&str> = f.layouts().iter().map(|l| l.name).collect();
+        assert_eq!(names, ["four-chunk", "two-chunk"]);
+        assert!(text.contains("| two-chunk | `merged_chunk1`, `merged_chunk2` | 15, 20 |"));
+        assert!(!text.contains("### one-chunk"));
+        // Forcing the control moves the merged pair aside, and back.
+        assert!(text.contains("mv \"$MODEL_DIR/merged_chunk1.mlpackage\" \"$MODEL_DIR/merged_chunk2.mlpackage\" \"$STASH/\""));
+        assert!(text.contains("mv \"$STASH/merged_chunk1.mlpackage\" \"$STASH/merged_chunk2.mlpackage\" \"$MODEL_DIR/\""));
+        let t = tok_target(LayoutKind::Two).unwrap();
+        assert!(text.contains(&format!(
+            "| two-chunk | {} | {} |",
+            fmt_number(t.pass),
+            fmt_number(t.ship)
+        )));
+        assert!(text.contains("COMPUTE_PLAN_AUDIT=1"));
+        assert!(text.contains("[Load] Decode layout: two-chunk"));
+        assert!(text.contains("two=two-1.log two=two-2.log two=two-3.log"));
+        // merged_chunk2's 20 layers are above the stable ceiling.
+        assert!(text.contains("`merged_chunk2` (20)"));
+        assert!(text.contains("two=two-1.log two=two-2.log two=two-3.log"));
+        assert!(!text.contains("four-main"));
+    }
+
+    #[test]
+    fn every_layout_and_compiled_packages() {
+        let mut m = example();
+        let mut chunks = m["chunks"].as_array().unwrap().clone();
+        for (name, a, b) in [
+            ("chunk1_3way", 0, 7),
+            ("chunk2_3way", 8, 24),
+            ("chunk3_3way", 25, 34),
+            ("merged_full", 0, 34),
+        ] {
+            chunks.push(serde_json::json!({"name": name, "first_layer": a, "last_layer": b}));
+        }
+        m["chunks"] = Value::Array(chunks);
+        m["compiled"]["mlmodelc"] = Value::Bool(true);
+        m["settings"]["ctx"] = 8192.into();
+        let f = RunbookFacts::from_manifest(&m).unwrap();
+        let names: Vec<&str> = f.layouts().iter().map(|l| l.name).collect();
+        assert_eq!(
+            names,
+            ["four-chunk", "three-chunk", "two-chunk", "one-chunk"]
+        );
+        let text = render(&f);
+        // Two-chunk: the three-way pair and merged_full go aside, with their .mlmodelc.
+        let two = &text[text.find("### two-chunk").unwrap()..text.find("### one-chunk").unwrap()];
+        for p in ["chunk2_3way", "chunk3_3way", "merged_full"] {
+            assert!(
+                two.contains(&format!("\"$MODEL_DIR/{p}.mlmodelc\"")),
+                "{two}"
+            );
+        }
+        assert!(!two.contains("merged_chunk1.mlpackage"), "{two}");
+        assert!(text.contains("### three-chunk\n\nNothing to move aside"));
+        assert!(text.contains("context length is 8192"));
+        assert!(text.contains("no target: measured against the control"));
+        // Three-chunk needs the main runtime, the merged layouts the other
+        // build: the control runs on both.
+        assert_eq!(f.runtimes(), [Runtime::Merged, Runtime::Main]);
+        assert!(text.contains("four=four-merged-layout-1.log"), "{text}");
+        assert!(text.contains("four=four-main-3.log"));
+        assert!(text.contains("`merged_full` (35)"));
+    }
+
+    #[test]
+    fn a_missing_field_is_named() {
+        let mut m = example();
+        m["settings"].as_object_mut().unwrap().remove("ctx");
+        assert_eq!(
+            RunbookFacts::from_manifest(&m).unwrap_err(),
+            "manifest has no /settings/ctx number"
+        );
+    }
+}
