@@ -283,3 +283,13 @@ pub fn summary_line(record: &AuditRecord, packages: usize) -> String {
         )
     }
 }
+
+/// The SHA-256 of the op-type table this chunkforge audits against (the same
+/// bytes Python reads: `python/chunkforge_py/ane_op_types.json`), to tell a
+/// build.json audit record made against another table.
+pub fn op_table_sha256() -> String {
+    use sha2::{Digest, Sha256};
+    crate::hashing::hex(&Sha256::digest(include_bytes!(
+        "../python/chunkforge_py/ane_op_types.json"
+    )))
+}

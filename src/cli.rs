@@ -250,9 +250,10 @@ pub struct ParityCmd {
     /// Minimum cosine of the final normed hidden state per step.
     #[arg(long, default_value_t = 0.9999, value_parser = args::cosine)]
     pub tol_cos: f64,
-    /// Full-attention context length used for the caches, at most 131072.
-    #[arg(long, default_value_t = 512, value_parser = args::ctx)]
-    pub ctx: usize,
+    /// Full-attention context length used for the caches, at most 131072
+    /// [default: 512; with --artifacts, the build's (build.json)].
+    #[arg(long, value_parser = args::ctx)]
+    pub ctx: Option<usize>,
     /// Prompt token ids (comma-separated); default: parity/default_prompt.json.
     #[arg(long)]
     pub prompt_ids: Option<String>,
@@ -499,6 +500,10 @@ pub struct RunCmd {
     /// packages' K), drafts by prompt lookup.
     #[arg(long)]
     pub speculate: Option<usize>,
+    /// Round every fp16 op output to fp16 in the MIL interpreter (the closest
+    /// the CPU gets to the device's arithmetic); default: fp32.
+    #[arg(long)]
+    pub fp16: bool,
     /// Print {"layout", "prompt_ids", "generated_ids", "text", ...} as JSON.
     #[arg(long)]
     pub json: bool,

@@ -20,6 +20,8 @@ pub struct RunOptions<'a> {
     pub max_tokens: usize,
     pub layout: RunLayout,
     pub speculate: Option<usize>,
+    /// Round every fp16 op output to fp16 in the interpreter.
+    pub fp16: bool,
     pub verbose: bool,
 }
 
@@ -56,6 +58,7 @@ struct RunRequest<'a> {
     max_tokens: usize,
     speculate: Option<usize>,
     eos_token_ids: &'a [i64],
+    fp16: bool,
 }
 
 /// contract.py `Speculation`.
@@ -179,6 +182,7 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
         max_tokens: o.max_tokens,
         speculate: o.speculate,
         eos_token_ids: &folder.eos_token_ids,
+        fp16: o.fp16,
     };
     let mut result: RunResult = calls::call("emulate", "run", &req, o.verbose)?;
     result.picked_by = if o.speculate.is_some() && o.layout == RunLayout::Auto {

@@ -249,6 +249,45 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
 }
 
 #[test]
+fn default_build_is_the_device_proven_formulation_without_audit_findings() {
+    let out = built_all();
+    let build = json_file(&out.join("build.json"));
+    // The audit that build ran and recorded: nothing off the device-proven set.
+    assert_eq!(build["audit"]["total"], 0, "{}", build["audit"]);
+    let o = run(&["audit", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    // Independently of the audit's layer attribution: every op type of every
+    // package is one the checked-in table lists for some layer kind, and the
+    // formulation's own kinds are there (projections as conv, RMSNorm as
+    // layer_norm, decomposed softmax), today's are not.
+    let table = json_file(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("python/chunkforge_py/ane_op_types.json"),
+    );
+    let proven: std::collections::BTreeSet<&str> = table["layer_kinds"]
+        .as_object()
+        .unwrap()
+        .values()
+        .flat_map(|v| v.as_array().unwrap().iter().map(|t| t.as_str().unwrap()))
+        .collect();
+    for c in build["chunks"].as_array().unwrap() {
+        let name = c["name"].as_str().unwrap();
+        let ops = c["op_counts"].as_object().unwrap();
+        for op in ops.keys() {
+            assert!(
+                proven.contains(op.as_str()),
+                "{name}: op type {op} is not device-proven"
+            );
+        }
+        for op in ["conv", "layer_norm", "exp"] {
+            assert!(ops.contains_key(op), "{name} has no {op}");
+        }
+        for op in ["linear", "pow", "reduce_mean", "rsqrt", "softmax"] {
+            assert!(!ops.contains_key(op), "{name} still has {op}");
+        }
+    }
+}
+
+#[test]
 fn e4b_multimodal_sharded_checkpoint_builds_two() {
     let ckpt = fixture(
         "e4b-mm",

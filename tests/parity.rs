@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use std::path::{Path, PathBuf};
 
 const OK_16: &str = "PARITY OK across 16 steps (cos >= 0.9999).";
 
@@ -144,6 +145,8 @@ fn int4_artifacts_of_a_full_build_agree_and_are_reported() {
     let (code, out) = parity(&[
         "--mode",
         "all",
+        "--prefill",
+        "8",
         "--artifacts",
         build.to_str().unwrap(),
         "--report",
@@ -162,8 +165,54 @@ fn int4_artifacts_of_a_full_build_agree_and_are_reported() {
     assert_eq!(r["summary"]["ok"], true);
     assert_eq!(r["prompt_ids"].as_array().unwrap().len(), 16);
     assert_eq!(r["oracle"].as_array().unwrap().len(), 16);
-    // three, two and one for 16 steps each, and verify_qK on 5 blocks of 3.
-    assert_eq!(r["steps"].as_array().unwrap().len(), 3 * 16 + 15);
+    // three, two and one past the 8 prefilled tokens, prefill, and verify_qK on 5 blocks of 3.
+    assert!(r["steps"].as_array().unwrap().len() > 3 * 8 + 15);
+    // Every function of every package run as its own program by the MIL
+    // interpreter: fp32 computes what the read-back modules compute (the
+    // gate), fp16 (rounded after every op) stays close; both are reported
+    // against the fp32 reference and transformers.
+    let progs = &r["summary"]["programs"];
+    for (target, steps) in [
+        ("four", 16),
+        ("three", 16),
+        ("two", 16),
+        ("one", 16),
+        ("verify_qK", 15),
+        ("prefill_b512", 1),
+    ] {
+        let fp32 = &progs[target]["fp32"];
+        let fp16 = &progs[target]["fp16"];
+        assert_eq!(fp32["ok"], true, "{target}: {fp32}");
+        assert_eq!(fp32["gated"], true, "{target}: {fp32}");
+        assert!(
+            fp32["min_cos_readback"].as_f64().unwrap() >= 0.9999,
+            "{target}: {fp32}"
+        );
+        assert!(
+            fp16["min_cos_readback"].as_f64().unwrap() >= 0.999,
+            "{target}: {fp16}"
+        );
+        assert_eq!(fp32["steps"], steps, "{target}");
+        for p in [fp32, fp16] {
+            assert_eq!(p["tokens_match_readback"], true, "{target}: {p}");
+        }
+        if steps == 16 {
+            // Against transformers: the INT4 model's own agreement, as the read-back's.
+            assert!(
+                fp32["top1_hf"].as_f64().unwrap() >= 0.75,
+                "{target}: {fp32}"
+            );
+        }
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(&format!("program {target:<9} fp32")) && l.ends_with(" OK")),
+            "{out}"
+        );
+    }
+    assert_eq!(
+        r["programs"].as_array().unwrap().len(),
+        2 * (4 * 16 + 15 + 1)
+    );
     let arts = &r["summary"]["artifacts"];
     // chunk1..4's verify_qK with the packages' own weights reproduces their INT4 decode.
     assert_eq!(arts["verify_qK"]["ok"], true, "{arts}");
@@ -200,6 +249,22 @@ fn int4_artifacts_of_a_full_build_agree_and_are_reported() {
 #[test]
 fn artifacts_from_an_unquantized_or_missing_build_are_refused() {
     let empty = tempdir("no-build");
+    let o = run(&[
+        "parity",
+        "--mode",
+        "two",
+        "--no-oracle",
+        "--artifacts",
+        empty.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("build.json") && stderr(&o).contains("--artifacts needs"),
+        "{}",
+        stderr(&o)
+    );
+    // A build folder whose packages are missing: the package is named.
+    std::fs::copy(built_all().join("build.json"), empty.join("build.json")).unwrap();
     let o = run(&[
         "parity",
         "--mode",
@@ -342,4 +407,110 @@ fn every_function_passes_past_the_window_and_on_e4b() {
     ]);
     assert_eq!((code, last_line(&out)), (0, OK_16), "{out}");
     assert_eq!(ok_lines(&out, "prefill_b512 step   7 "), 1, "{out}");
+}
+
+/// A copy of the shared `--mode all` build with one package's program edited
+/// by `chunkforge_py.mil_sabotage.<edit>(src, dst, *args)` (Python, in the
+/// pinned environment); every other package is copied as it is.
+fn sabotaged_build(label: &str, package: &str, edit: &str, args: &[&str]) -> PathBuf {
+    let build = built_all();
+    let dir = tempdir(&format!("sabotage-{label}"));
+    for entry in std::fs::read_dir(&build).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_string();
+        if name == "build.json" {
+            std::fs::copy(&path, dir.join(&name)).unwrap();
+        } else if name.ends_with(".mlpackage") && name != format!("{package}.mlpackage") {
+            copy_tree(&path, &dir.join(&name));
+        }
+    }
+    let src = build.join(format!("{package}.mlpackage"));
+    let dst = dir.join(format!("{package}.mlpackage"));
+    let call =
+        format!("import sys; from chunkforge_py import mil_sabotage as s; s.{edit}(*sys.argv[1:])");
+    let o = std::process::Command::new(venv_python())
+        .env(
+            "PYTHONPATH",
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
+        )
+        .args(["-c", &call, src.to_str().unwrap(), dst.to_str().unwrap()])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{edit}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    dir
+}
+
+fn copy_tree(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let path = entry.unwrap().path();
+        let to = dst.join(path.file_name().unwrap());
+        if path.is_dir() {
+            copy_tree(&path, &to);
+        } else {
+            std::fs::copy(&path, &to).unwrap();
+        }
+    }
+}
+
+#[test]
+fn edited_programs_fail_interpreter_parity_where_weight_read_back_passes() {
+    // Three edits of a converted program that leave every weight where its
+    // name says: read-back parity (our modules with the packages' weights)
+    // cannot see them; the interpreter, running the program, must.
+    let q = |l: usize| format!("layers_{l}_self_attn_q_proj_weight_promoted_to_fp16_palettized");
+    let cases: [(&str, &str, &str, Vec<String>); 3] = [
+        (
+            "sub",
+            "chunk1",
+            "swap_sub_operands",
+            vec!["decode_q1".into()],
+        ),
+        ("slice", "chunk2", "shift_slice", vec!["decode_q1".into()]),
+        (
+            "uses",
+            "chunk1",
+            "swap_weight_uses",
+            vec![q(0), q(1), "decode_q1".into()],
+        ),
+    ];
+    for (label, package, edit, args) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let dir = sabotaged_build(label, package, edit, &args);
+        let (code, out) = parity(&[
+            "--mode",
+            "all",
+            "--steps",
+            "6",
+            "--no-oracle",
+            "--artifacts",
+            dir.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 1, "{label}: {out}");
+        let line = |prefix: &str| {
+            out.lines()
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("{label}: no `{prefix}` line:\n{out}"))
+                .to_string()
+        };
+        // Read-back parity of the same package passes...
+        assert!(
+            line("INT4 artifacts four ").ends_with(" OK"),
+            "{label}: {out}"
+        );
+        // ...the program itself does not.
+        assert!(
+            line("program four      fp32").ends_with(" FAIL"),
+            "{label}: {out}"
+        );
+        assert!(
+            out.contains("the fp32 program of four fails"),
+            "{label}: {out}"
+        );
+    }
 }

@@ -1713,9 +1713,6 @@ fn release_of_a_real_build_all_verifies_and_matches_the_schema() {
         "1.0.0",
         "--base-url",
         "https://example.com/m",
-        // Today's graphs (linear, pow, softmax) have audit findings; remove
-        // when the ANE formulation lands.
-        "--allow-audit-findings",
     ]);
     let o = cf_verify(&out, &public);
     assert!(o.status.success(), "{}", stderr(&o));

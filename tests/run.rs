@@ -63,8 +63,6 @@ fn release_of(build: &Path, tag: &str) -> PathBuf {
             s(&keys().0),
             "--output",
             s(&out),
-            // Today's graphs have audit findings; remove when the ANE formulation lands.
-            "--allow-audit-findings",
         ]);
     }
     out
@@ -96,8 +94,6 @@ fn fp16_release() -> PathBuf {
             s(&build),
             "--reuse-build",
             "--compile",
-            // Today's graphs have audit findings; remove when the ANE formulation lands.
-            "--allow-audit-findings",
         ]);
         let e = stderr(&o);
         assert!(o.status.success(), "release: {}\n{e}", stdout(&o));

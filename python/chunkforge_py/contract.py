@@ -761,6 +761,8 @@ class RunRequest(TypedDict):
     # Draft tokens per verify_qK call (its K), or None for plain decode.
     speculate: NotRequired[int | None]
     eos_token_ids: list[int]
+    # Round every fp16 op output to fp16 in the interpreter (the device's arithmetic, closest).
+    fp16: NotRequired[bool]
 
 
 class Speculation(TypedDict):

@@ -2,9 +2,11 @@
 
 Everything comes from the folder, as on the phone: the tokenizer from
 ``hf_model/``, embeddings from the int8 tables (dequantized as
-EmbeddingLookup.swift does), RoPE rows from the ``.npy`` tables, every weight
-of every chunk read back from its package's program (palettized weights
-dequantized), masks built as the runtime builds them. Rust has already picked
+EmbeddingLookup.swift does), RoPE rows from the ``.npy`` tables, and every
+chunk is its package's own ML program, executed op by op by the MIL
+interpreter (mil_interp.py) with the packaged weights (palettized ones
+dequantized; ``fp16``: rounded to fp16 after every op), masks built as the
+runtime builds them. Rust has already picked
 the layout by file presence, checked every side file's size, header and digest
 and that the packages' contracts are the plan of ``hf_model/config.json``.
 
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
 from .contract import ChunkPlan, Dims, FunctionPlan, RunLayout, RunRequest, RunResult, Speculation
 from .inspect_pkg import const_key, function_descriptions, io, read_package
+from .mil_chunk import ProgramChunk
+from .mil_interp import Interpreter
 from .model import Chunk
 from .roles import ROPE, Key
 from .runtime import ChunkforgeError
@@ -35,12 +40,13 @@ from .stepper import function_of as find_function
 class Package:
     """One package's program, read once; every function's weights on demand."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, program: bool = True):
+        """``program=False``: the spec only (the contract), not the MIL program."""
         if not os.path.isdir(path):
             raise ChunkforgeError(f"{path}: package missing from the release")
         self.path = path
-        self.spec, self.prog, self.default = read_package(path)
-        if self.prog is None:
+        self.spec, self.prog, self.default = read_package(path, program=program)
+        if program and self.prog is None:
             raise ChunkforgeError(f"{path}: not an ML program")
         self._dense: dict[str, torch.Tensor] = {}
 
@@ -228,19 +234,26 @@ def run(req: RunRequest) -> RunResult:
 
     emb = ReleaseEmbeddings(req)
     rope = RopeTables(req)
-    packages: dict[str, Package] = {}
+    fp16 = bool(req.get("fp16"))
+    programs: dict[str, Interpreter] = {}
 
-    def package(name: str) -> Package:
-        if name not in packages:
-            packages[name] = Package(os.path.join(req["release"], f"{name}.mlpackage"))
-        return packages[name]
+    def program(name: str) -> Interpreter:
+        if name not in programs:
+            path = os.path.join(req["release"], f"{name}.mlpackage")
+            if not os.path.isdir(path):
+                raise ChunkforgeError(f"{path}: package missing from the release")
+            programs[name] = Interpreter(path)
+        return programs[name]
 
-    def modules(layout: RunLayout, kind: str, tokens: int | None = None) -> dict[str, Chunk]:
-        out = {}
+    def modules(layout: RunLayout, kind: str, tokens: int | None = None) -> dict[str, Any]:
+        """Each chunk's function as the package's own program, run by the MIL
+        interpreter with the packaged weights (fp16: rounded after every op)."""
+        out: dict[str, Any] = {}
         for c in layout["chunks"]:
             f = find_function(c, kind, tokens)  # type: ignore[arg-type]
-            check_contract(package(c["name"]), f, ctx)
-            out[c["name"]] = module_from_package(dims, c, f, package(c["name"]))
+            interp = program(c["name"])
+            check_contract(Package(interp.path, program=False), f, ctx)
+            out[c["name"]] = ProgramChunk(interp, f, fp16)
         return out
 
     decode_layout = req["decode"]

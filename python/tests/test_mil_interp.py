@@ -913,9 +913,11 @@ def test_sabotage_changes_what_the_package_computes_not_what_read_back_sees(
     base = fn.run(inputs)
     _, base_module = module_outputs(build, chunk, function, str(src), inputs)
     base_state = base_module.state_dict()
-    q0, q1 = "layers_0_self_attn_q_proj_weight_palettized", "layers_1_self_attn_q_proj_weight_palettized"
-    if q0 not in fn.consts:
-        q0, q1 = q0.removesuffix("_palettized"), q1.removesuffix("_palettized")
+    from chunkforge_py.inspect_pkg import const_key
+
+    # The weights' program names (coremltools adds suffixes: _promoted_to_fp16, _palettized).
+    by_key = {const_key(n): n for n in fn.consts}
+    q0, q1 = by_key["layers_0_self_attn_q_proj_weight"], by_key["layers_1_self_attn_q_proj_weight"]
     edits: dict[str, Callable[[str], Any]] = {
         "sub": lambda d: sab.swap_sub_operands(str(src), d, function["name"]),
         "slice": lambda d: sab.shift_slice(str(src), d, function["name"]),

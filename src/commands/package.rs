@@ -23,8 +23,9 @@ pub fn run(args: PackageCmd, verbose: bool) -> Result<ExitStatus> {
     Ok(ExitStatus::Success)
 }
 
-/// A build made before the audit existed has no audit record in build.json:
-/// its packages are audited now (a static read, seconds), and `package`
+/// A build made before the audit existed has no audit record in build.json,
+/// and one audited against another op-type table has a stale one: its
+/// packages are audited now (a static read, seconds), and `package`
 /// refuses or ships on that result as it would on a recorded one. build.json
 /// is not rewritten. A build.json `package` cannot read is left for it to
 /// report.
@@ -32,20 +33,24 @@ pub(super) fn audit_older_build(request: &mut PackageRequest, verbose: bool) -> 
     let Ok(build) = Build::load(&request.build_dir) else {
         return Ok(());
     };
-    if build.record.audit.is_some() {
-        return Ok(());
-    }
+    let why = match &build.record.audit {
+        None => "no audit record (built before `chunkforge audit`)",
+        Some(a) if a.op_table_sha256 != audit::op_table_sha256() => {
+            "its audit record was made against another op-type table"
+        }
+        Some(_) => return Ok(()),
+    };
     let packages = audit::build_packages(&build.dir, &build.record, true);
     pyenv::activate(verbose)?;
     let report = audit::run(&packages, verbose).with_context(|| {
         format!(
-            "{}: no audit record (an older build), and auditing its packages failed",
+            "{}: {why}, and auditing its packages failed",
             build.dir.join("build.json").display()
         )
     })?;
     let record = report.record();
     eprintln!(
-        "{}: no audit record (built before `chunkforge audit`); audited its packages now: {}",
+        "{}: {why}; audited its packages now: {}",
         build.dir.join("build.json").display(),
         audit::summary_line(&record, packages.len())
     );

@@ -21,6 +21,24 @@ pub(super) fn defaults() -> Result<ParityCmd> {
     Ok(ParityCmd::from_arg_matches(&matches)?)
 }
 
+/// `parity --ctx` without artifacts: short caches keep the torch steps fast.
+pub(super) const DEFAULT_PARITY_CTX: usize = 512;
+
+/// The context length a build was made for (its packages' cache shapes), from
+/// its `build.json`.
+fn build_ctx(build_dir: &std::path::Path) -> Result<usize> {
+    let path = build_dir.join("build.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        anyhow::anyhow!(
+            "{}: {e} (--artifacts needs a `chunkforge build` output folder)",
+            path.display()
+        )
+    })?;
+    let record: crate::records::BuildRecord = serde_json::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{}: not a build record: {e}", path.display()))?;
+    Ok(record.settings.ctx)
+}
+
 /// Runs parity as `args` asks; returns whether every check passed.
 pub(super) fn check(args: ParityCmd, verbose: bool) -> Result<bool> {
     let dir = resolve_checkpoint(args.model.hf_dir.as_deref(), verbose)?;
@@ -38,7 +56,11 @@ pub(super) fn check(args: ParityCmd, verbose: bool) -> Result<bool> {
         split: args.split,
         steps: args.steps,
         tol_cos: args.tol_cos,
-        ctx: args.ctx,
+        ctx: match (args.ctx, &args.artifacts) {
+            (Some(ctx), _) => ctx,
+            (None, Some(build_dir)) => build_ctx(build_dir)?,
+            (None, None) => DEFAULT_PARITY_CTX,
+        },
         prompt_ids: args
             .prompt_ids
             .as_deref()

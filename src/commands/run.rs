@@ -21,6 +21,7 @@ pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
         max_tokens: args.max_tokens as usize,
         layout: args.layout,
         speculate: args.speculate,
+        fp16: args.fp16,
         verbose,
     })?;
     if args.json {

@@ -197,7 +197,8 @@ fn check_audit(build: &Build, chunks: &[ReleaseChunk], a: &PackageRequest) -> Re
         path: path.clone(),
         message,
     };
-    let audit = build.record.audit.as_ref().or(a.audit.as_ref()).ok_or_else(|| {
+    // A fresh audit (the record was missing or stale) over the recorded one.
+    let audit = a.audit.as_ref().or(build.record.audit.as_ref()).ok_or_else(|| {
         bad("no audit record (a build made before `chunkforge audit`); rebuild, or package it with chunkforge, which audits it".into())
     })?;
     let names: Vec<String> = chunks
