@@ -293,23 +293,12 @@ fn e4b_multimodal_sharded_checkpoint_builds_two() {
         "e4b-mm",
         &["--shape", "e4b", "--multimodal", "--shards", "3"],
     );
-    let out = tempdir("e4b-two");
-    let o = run(&[
-        "build",
-        "--hf-dir",
-        ckpt.to_str().unwrap(),
-        "--mode",
-        "two",
-        "--output",
-        out.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    // 24 layers in merged_chunk1: the device finding is cited.
-    assert!(
-        stderr(&o).contains("merged_chunk1 holds 24 layers"),
-        "{}",
-        stderr(&o)
-    );
+    // The build tests/parity.rs also runs through the interpreter.
+    let out = shared_build("e4b-two-fp16", &ckpt, &["--mode", "two", "--no-quantize"]);
+    // 24 layers in merged_chunk1: the device finding is cited (plan prints it too).
+    let o = run(&["plan", "--hf-dir", ckpt.to_str().unwrap(), "--mode", "two"]);
+    let text = format!("{}{}", stdout(&o), stderr(&o));
+    assert!(text.contains("merged_chunk1 holds 24 layers"), "{text}");
     let build = json_file(&out.join("build.json"));
     assert_eq!(
         build["checkpoint"]["tensor_prefix"],

@@ -103,6 +103,19 @@ fn fp16_release() -> PathBuf {
             "{e}"
         );
         assert!(stdout(&o).contains("PARITY OK"), "{}", stdout(&o));
+        // The gate ran every FP16 package's own program through the MIL
+        // interpreter: in fp32 it computes the fp32 reference to 0.9999, token
+        // for token, in every layout and function.
+        let report = json_file(&build.join("parity.json"));
+        let programs = report["summary"]["programs"].as_object().unwrap();
+        for target in ["four", "three", "two", "one", "verify_qK"] {
+            let p = &programs[target]["fp32"];
+            assert_eq!(p["ok"], true, "{target}: {p}");
+            if let Some(c) = p["min_cos_reference"].as_f64() {
+                assert!(c >= 0.9999, "{target}: {p}");
+                assert_eq!(p["top1_reference"], 1.0, "{target}: {p}");
+            }
+        }
         // The parity report is embedded; the packages are not compiled on Linux.
         let m = json_file(&out.join("manifest.json"));
         assert_eq!(m["parity"]["ok"], true);

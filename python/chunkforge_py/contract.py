@@ -481,6 +481,8 @@ class ParitySummary(TypedDict):
     prefill: PrefillSummary | None
     verify_k: int | None
     artifacts: dict[str, ArtifactSummary] | None
+    # INT4 (palettized build) or FP16 (--no-quantize): what the read-back weights are.
+    artifacts_precision: str | None
     # By layout or function, then precision (fp32, fp16).
     programs: dict[str, dict[str, ProgramSummary]] | None
     corrupted_chunk: str | None

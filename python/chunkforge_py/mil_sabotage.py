@@ -179,6 +179,20 @@ def weight_ops(ops: Any, names: tuple[str, str]) -> list[Any]:
     return found
 
 
+def hoist(ops: Any, names: tuple[str, str]) -> None:
+    """Move the ops defining ``names`` to the front of the block (in their
+    order), so each is defined before any op that will read it once the uses
+    are swapped: a program lists every value before its first use, and a later
+    layer's weight may be defined after an earlier layer's ops."""
+    front = [op for op in ops if op.outputs and op.outputs[0].name in names]
+    rest = [op for op in ops if not (op.outputs and op.outputs[0].name in names)]
+    ordered = [type(op)() for op in front + rest]
+    for new, old in zip(ordered, front + rest, strict=True):
+        new.CopyFrom(old)
+    del ops[:]
+    ops.extend(ordered)
+
+
 def swap_weight_uses(src: str, dst: str, a: str, b: str, function: str | None = None) -> int:
     """Every op of ``function`` that reads weight ``a`` reads ``b`` instead and
     the other way round (names and blobs untouched). Returns the number of
@@ -186,6 +200,7 @@ def swap_weight_uses(src: str, dst: str, a: str, b: str, function: str | None = 
     pkg = copy_package(src, dst)
     _, ops = operations(pkg, function)
     weight_ops(ops, (a, b))
+    hoist(ops, (a, b))
     changed = 0
     for op in ops:
         for arg in op.inputs.values():

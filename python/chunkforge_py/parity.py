@@ -10,6 +10,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from .checkpoint import Checkpoint
@@ -31,13 +32,9 @@ from .contract import (
     StepRecord,
     WorstWeight,
 )
-from .parity_programs import Programs, check_layout, check_prefill, check_verify
+from .parity_programs import Programs, check_layout, check_prefill, check_verify, cosine
 from .runtime import ChunkforgeError
 from .stepper import Caches, Embeddings, LayoutRunner, PrefillRunner
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.double().view(-1), b.double().view(-1), dim=0))
 
 
 def margin(logits: torch.Tensor) -> float:
@@ -231,6 +228,14 @@ def artifact_functions(
     return out
 
 
+def artifacts_precision(build_dir: str) -> str:
+    """INT4 for a palettized build, FP16 for a --no-quantize one (build.json's settings)."""
+    import json
+
+    with open(os.path.join(build_dir, "build.json")) as f:
+        return "INT4" if json.load(f)["settings"].get("palettization") else "FP16"
+
+
 def program_functions(
     req: ParityRequest,
     programs: Programs,
@@ -277,7 +282,8 @@ def function_summary(records: list[StepRecord], replaced: dict[str, int]) -> Fun
 
 
 def artifact_weights(package: str) -> dict[str, torch.Tensor]:
-    """Dense fp32 weights of every palettized const in a built package (LUT + indices -> dense)."""
+    """Dense fp32 weights of every palettized const in a built package (LUT +
+    indices -> dense) or, in a --no-quantize build, every fp16 matrix const."""
     from .inspect_pkg import const_key, read_package
 
     if not os.path.isdir(package):
@@ -287,6 +293,10 @@ def artifact_weights(package: str) -> dict[str, torch.Tensor]:
     for op in prog.functions[default].operations:
         if op.op_type == "constexpr_lut_to_dense":
             out[const_key(op.name)] = torch.from_numpy(op.materialized_val_inference().astype("float32"))
+        elif op.op_type == "const" and not op.name.startswith("const_"):
+            val = op.outputs[0].val
+            if isinstance(val, np.ndarray) and val.dtype == np.float16 and val.ndim >= 2:
+                out.setdefault(const_key(op.name), torch.from_numpy(val.astype("float32")))
     return out
 
 
@@ -316,8 +326,7 @@ def load_artifacts_into(
             key = pname.replace(".", "_")
             if key not in dense:
                 raise ChunkforgeError(
-                    f"{chunk['name']}.mlpackage: no palettized weight for {pname} "
-                    "(package built without quantization, or from a different plan?)"
+                    f"{chunk['name']}.mlpackage: no weight {key} for {pname} (built from a different plan?)"
                 )
             # coremltools may store a 1x1 convolution's weight as [out, in, 1].
             if dense[key].numel() != p.numel() or dense[key].shape[:2] != p.shape[:2]:
@@ -560,6 +569,7 @@ def run(req: ParityRequest) -> ParityReport:
         ),
         "verify_k": verify_k,
         "artifacts": artifact_summary or None,
+        "artifacts_precision": artifacts_precision(build_dir) if build_dir else None,
         "programs": program_summary or None,
         "corrupted_chunk": corrupted,
         "seconds": time.perf_counter() - started,

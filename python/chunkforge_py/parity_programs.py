@@ -31,7 +31,12 @@ PRECISIONS: tuple[tuple[Precision, bool], ...] = (("fp32", False), ("fp16", True
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.nn.functional.cosine_similarity(a.float().view(-1), b.float().view(-1), dim=0))
+    """Cosine of two hidden states; -1 (as far apart as it gets) when either
+    holds a NaN or Inf, which a broken program can produce and JSON cannot carry."""
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return -1.0
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
 class Programs:

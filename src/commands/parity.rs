@@ -114,20 +114,25 @@ pub(super) fn print_checks(report: &ParityReport) {
             verdict(o.ok)
         );
     }
+    let p = report
+        .summary
+        .artifacts_precision
+        .as_deref()
+        .unwrap_or("INT4");
     for (name, s) in report.summary.artifacts.iter().flatten() {
         let replaced = s.weights_replaced();
         match s {
             ArtifactSummary::Function(f) => println!(
                 // verify_qK / prefill_bN with their packages' weights, against the
                 // INT4 four-chunk decode of the same build.
-                "INT4 artifacts {name:<6} vs the INT4 four-chunk decode: min cos {:.6} over {} steps, tokens match: {}  ({replaced} weights read back)  {}",
+                "{p} artifacts {name:<6} vs the {p} four-chunk decode: min cos {:.6} over {} steps, tokens match: {}  ({replaced} weights read back)  {}",
                 f.min_cos,
                 f.steps,
                 f.tokens_match,
                 verdict(f.ok)
             ),
             ArtifactSummary::Layout(l) => println!(
-                "INT4 artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({replaced} weights read back, worst relative MSE {:.2e} in {})  {}",
+                "{p} artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({replaced} weights read back, worst relative MSE {:.2e} in {})  {}",
                 l.min_cos,
                 l.mean_cos,
                 100.0 * l.top1_agreement,
@@ -201,15 +206,16 @@ pub(super) fn print_verdict(summary: &ParitySummary, opts: &ParityOptions) {
     if summary.oracle_ok == Some(false) {
         println!("the four-chunk reference disagrees with transformers (see the `reference vs transformers` lines)");
     }
+    let p = summary.artifacts_precision.as_deref().unwrap_or("INT4");
     for (name, s) in summary.artifacts.iter().flatten() {
         match s {
             ArtifactSummary::Function(f) if !f.ok => println!(
-                "INT4 artifacts of {name} fail: its package's weights do not reproduce the INT4 \
+                "{p} artifacts of {name} fail: its package's weights do not reproduce the {p} \
                  four-chunk decode (cos >= {} and the same token at every step)",
                 opts.tol_cos
             ),
             ArtifactSummary::Layout(l) if !l.ok => println!(
-                "INT4 artifacts of {name} fail: thresholds --tol-cos-int4 {}, --min-top1-int4 {}, \
+                "{p} artifacts of {name} fail: thresholds --tol-cos-int4 {}, --min-top1-int4 {}, \
                  --max-weight-rel-mse {}; tokens match the other layouts' INT4 models: {}",
                 opts.tol_cos_int4,
                 opts.min_top1_int4,

@@ -77,8 +77,9 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         prompt_ids: None,
         prefill: 0,
         skip_prefill_copy: false,
-        // The INT4 weights read back from the packages (an FP16 build has none).
-        artifacts: quantize.then(|| build_dir.clone()),
+        // The packages' weights read back (INT4, or FP16 with --no-quantize)
+        // and their own programs run by the MIL interpreter.
+        artifacts: Some(build_dir.clone()),
         tol_cos_int4: defaults.tol_cos_int4,
         min_top1_int4: defaults.min_top1_int4,
         max_weight_rel_mse: defaults.max_weight_rel_mse,

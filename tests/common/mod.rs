@@ -129,6 +129,23 @@ pub fn built_all() -> PathBuf {
     dir
 }
 
+/// A build of `hf` with `args` shared by tests under
+/// target/tmp/builds/<generation>/<name>, made once.
+pub fn shared_build(name: &str, hf: &Path, args: &[&str]) -> PathBuf {
+    let _guard = BUILD_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("builds")
+        .join(FIXTURE_GENERATION)
+        .join(name);
+    if !dir.join("build.json").exists() {
+        let mut all = vec!["build", "--hf-dir", hf.to_str().unwrap()];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--output", dir.to_str().unwrap()]);
+        ok(&all);
+    }
+    dir
+}
+
 pub fn json_file(path: &Path) -> serde_json::Value {
     serde_json::from_slice(
         &std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),

@@ -559,6 +559,9 @@ pub struct ParitySummary {
     pub verify_k: Option<u64>,
     #[serde(default)]
     pub artifacts: Option<IndexMap<String, ArtifactSummary>>,
+    /// `INT4` (a palettized build) or `FP16` (`--no-quantize`).
+    #[serde(default)]
+    pub artifacts_precision: Option<String>,
     /// By layout or function, then precision (`fp32`, `fp16`).
     #[serde(default)]
     pub programs: Option<IndexMap<String, IndexMap<String, ProgramSummary>>>,
