@@ -502,7 +502,7 @@ def run(req: ParityRequest) -> ParityReport:
                 and tokens == first_tokens
             )
             # The packages' own programs against these read-back modules.
-            summ, recs = check_layout(programs, name, layout, dims, emb, prompt, q_results, ref_results, hf, tol)
+            summ, recs = check_layout(programs, name, layout, dims, emb, prompt, ref_results[:steps], hf, tol)
             program_summary[name] = summ
             program_records += recs
             if name == reference:

@@ -45,6 +45,21 @@ class Programs:
     def __init__(self, build_dir: str):
         self.build_dir = build_dir
         self._interp: dict[str, Interpreter] = {}
+        self._packages: dict[str, Any] = {}
+
+    def read_back(self, dims: Dims, chunks: list[ChunkPlan], kind: FunctionKind) -> dict[str, Any]:
+        """Our torch modules of the chunks' ``kind`` functions with every
+        weight (projections, norms, layer scalars) read back from the packages
+        by name, as `emulate.module_from_package` reads them."""
+        from .emulate import Package, module_from_package
+
+        out: dict[str, Any] = {}
+        for c in chunks:
+            name = c["name"]
+            if name not in self._packages:
+                self._packages[name] = Package(os.path.join(self.build_dir, f"{name}.mlpackage"))
+            out[name] = module_from_package(dims, c, function_of(c, kind), self._packages[name])
+        return out
 
     def modules(
         self, chunks: list[ChunkPlan], kind: FunctionKind, fp16: bool, tokens: int | None = None
@@ -111,19 +126,31 @@ def check_layout(
     dims: Dims,
     emb: EmbeddingSource,
     prompt: list[int],
-    readback: list[dict[str, Any]],
     ref_results: list[dict[str, Any]],
     hf: dict[str, Any] | None,
     tol: float,
 ) -> tuple[dict[str, ProgramSummary], list[ProgramRecord]]:
     """The layout's decode programs, step by step, in both precisions.
-    ``readback``: the read-back modules' results of the same steps."""
+    The comparison is our modules with every weight read back from the
+    packages (``Programs.read_back``), stepped first; every program step
+    reads the caches that module step read, so each step compares one call of
+    the program with one call of the modules on identical inputs: a random-weight model amplifies the last
+    ulp over steps (on the E4B-shaped fixture fp16 weight rounding alone moves
+    the 16th step's cosine by 3e-4), and that drift is the model's, not the
+    program's."""
     summaries: dict[str, ProgramSummary] = {}
     all_records: list[ProgramRecord] = []
+    modules = LayoutRunner(dims, layout, None, modules=programs.read_back(dims, layout["chunks"], "decode"))
+    readback = []
+    for t in range(len(ref_results)):
+        # Calls replace cache tensors, so a shallow copy keeps what this step read.
+        before = modules.snapshot()
+        readback.append({**modules.step(emb, prompt[t], t), "caches": before})
     for precision, fp16 in PRECISIONS:
         runner = LayoutRunner(dims, layout, None, modules=programs.modules(layout["chunks"], "decode", fp16))
         recs = []
         for t, rb in enumerate(readback):
+            runner.caches = {name: dict(c) for name, c in rb["caches"].items()}
             got = runner.step(emb, prompt[t], t)
             recs.append(record(name, precision, t, got["token"], got["hidden"], rb, rb["hidden"], ref_results[t], hf))
         summaries[precision] = summarize(recs, tol, gated=not fp16)
