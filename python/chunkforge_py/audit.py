@@ -387,6 +387,15 @@ def head_vocab_allowed(f: Function) -> set[int]:
     return allowed
 
 
+def is_nchw_row(shape: Any) -> bool:
+    """``[1, C, 1, T]``: the NCHW activation a 1x1 convolution reads and
+    writes, the layout of every projection in the device-proven graphs (T = 1
+    in decode). The ANE keeps C on its channel axis there, so a singleton
+    last axis is the proven form, not the padding trap ``last-axis-1`` is
+    about (``[1, L, 1]``, ``[1, 1, N, 1]``)."""
+    return len(shape) == 4 and shape[0] == 1 and shape[2] == 1
+
+
 def check_tensor(t: Tensor, activation: bool, vocab_allowed: bool) -> list[tuple[AuditRule, str]]:
     """The rules a tensor breaks, with what was seen."""
     out: list[tuple[AuditRule, str]] = []
@@ -401,7 +410,14 @@ def check_tensor(t: Tensor, activation: bool, vocab_allowed: bool) -> list[tuple
     if large and not vocab_allowed:
         out.append(("large-dim", f"dimension {max(large)} in {t.shape_text()} (at most {MAX_DIM})"))
     n = t.elements()
-    if activation and shape and shape[-1] == 1 and n is not None and n >= LAST_AXIS_1_MIN_ELEMENTS:
+    if (
+        activation
+        and shape
+        and shape[-1] == 1
+        and not is_nchw_row(shape)
+        and n is not None
+        and n >= LAST_AXIS_1_MIN_ELEMENTS
+    ):
         out.append(
             (
                 "last-axis-1",

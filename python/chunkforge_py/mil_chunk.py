@@ -49,7 +49,7 @@ class ProgramChunk:
         out = self.program.run_torch(inputs, self.fp16, taps)
         if self.logits_name:
             logits = out[self.logits_name]
-            self.last_logits = (
-                logits.reshape(-1) if self.function["tokens"] == 1 else logits.reshape(self.function["tokens"], -1)
-            )
+            # One row per token for verify; decode and prefill (its last real token) give one.
+            rows = self.function["tokens"] if self.function["kind"] == "verify" else 1
+            self.last_logits = logits.reshape(-1) if rows == 1 else logits.reshape(rows, -1)
         return tuple(out[n] for n in self.output_names)

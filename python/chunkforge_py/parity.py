@@ -206,7 +206,7 @@ def artifact_functions(
     four-chunk decode ``q`` of the same build (which ran ``steps`` steps)."""
     out: dict[str, FunctionArtifactSummary] = {}
     k = next((f["tokens"] for f in four["chunks"][0]["functions"] if f["kind"] == "verify"), None)
-    if k:
+    if k and steps >= k:
         vq = LayoutRunner(dims, four, ckpt, modules=q.modules)
         replaced, _ = load_artifacts_into(vq.verify_modules(ckpt), four["chunks"], build_dir)
         recs: list[StepRecord] = []
@@ -254,7 +254,7 @@ def program_functions(
     """chunk1..4's verify_qK and prefill_chunk1..4's prefill programs, run by
     the interpreter, against the read-back four-chunk decode ``q``."""
     k = next((f["tokens"] for f in four["chunks"][0]["functions"] if f["kind"] == "verify"), None)
-    if k:
+    if k and steps >= k:
         summary["verify_qK"], recs = check_verify(programs, four, k, dims, emb, prompt, q_results, tol)
         records += recs
     n = int(req.get("prefill") or 0)

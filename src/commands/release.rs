@@ -75,7 +75,12 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         tol_cos: defaults.tol_cos,
         ctx: args.ctx,
         prompt_ids: None,
-        prefill: 0,
+        // The prefill hand-off, and the prefill programs through the interpreter.
+        prefill: if args.steps > RELEASE_PREFILL {
+            RELEASE_PREFILL
+        } else {
+            0
+        },
         skip_prefill_copy: false,
         // The packages' weights read back (INT4, or FP16 with --no-quantize)
         // and their own programs run by the MIL interpreter.
@@ -123,6 +128,9 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
 
 /// The build in `dir` if it is what this release would build: the same
 /// checkpoint config, settings and functions; otherwise an error saying what differs.
+/// Prompt tokens the release gate prefills before decoding the rest.
+const RELEASE_PREFILL: usize = 8;
+
 fn reusable(dir: &Path, hf_dir: &Path, layout: &Layout, quantize: bool) -> Result<BuildRecord> {
     let build_json = dir.join("build.json");
     let old = build::request_of(&build_json, &Some(hf_dir.to_path_buf()))?;
