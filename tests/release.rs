@@ -235,7 +235,7 @@ fn clean_audit(chunks: &[Value]) -> Value {
         .map(|c| (c["package"].as_str().unwrap().to_string(), json!({})))
         .collect();
     json!({
-        "format": "chunkforge-audit/1", "op_table_sha256": "0".repeat(64), "total": 0,
+        "format": "chunkforge-audit/1", "op_table_sha256": chunkforge::audit::op_table_sha256(), "total": 0,
         "by_rule": {}, "packages": packages, "first": [],
         "compute_plan": {"skipped": "a synthetic build"},
     })
@@ -1414,12 +1414,21 @@ fn package_refuses_audit_findings_in_the_packages_it_ships() {
 
     // No audit record: package audits the packages itself. The synthetic
     // stand-ins are not programs...
+    // A record made against another op-type table is stale: audited again too.
+    b["audit"]["op_table_sha256"] = json!("0".repeat(64));
+    fs::write(&build_json, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
+    let e = fails(&package_args(&build, "two", &private, &out, &[]));
+    assert!(
+        e.contains("its audit record was made against another op-type table, and auditing its packages failed"),
+        "{e}"
+    );
     b.as_object_mut().unwrap().remove("audit");
     fs::write(&build_json, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
     let e = fails(&package_args(&build, "two", &private, &out, &[]));
     assert!(
-        e.contains("no audit record (an older build), and auditing its packages failed")
-            && e.contains("not a readable .mlpackage"),
+        e.contains(
+            "no audit record (built before `chunkforge audit`), and auditing its packages failed"
+        ) && e.contains("not a readable .mlpackage"),
         "{e}"
     );
     // ...real (non-ANE) ones are audited, and refused on what is found.
