@@ -52,8 +52,10 @@ def test_reads_back_as_4bit_per_grouped_channel_group_32(builds):
         for op in ops:
             assert op["indices_dtype"] == "uint4", op["name"]
             rows = op["indices"].shape[0]
-            # One 16-entry LUT per 32 output channels: [rows/32, 1, 16, 1].
-            assert op["lut"].shape == (rows // 32, 1, 16, 1), op["name"]
+            # One 16-entry LUT per 32 output channels, ones on the weight's other
+            # axes: [rows/32, 1, 1, 1, 16, 1] for a [rows, in, 1, 1] conv weight.
+            ones = (1,) * (op["indices"].ndim - 1)
+            assert op["lut"].shape == (rows // 32, *ones, 16, 1), op["name"]
             assert op["lut"].dtype == np.float16
 
 
