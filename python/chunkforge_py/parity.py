@@ -32,9 +32,9 @@ from .contract import (
     StepRecord,
     WorstWeight,
 )
-from .parity_programs import Programs, check_layout, check_prefill, check_verify, cosine
+from .parity_programs import Programs, caches_cosine, check_layout, check_prefill, check_verify, cosine
 from .runtime import ChunkforgeError
-from .stepper import Caches, Embeddings, LayoutRunner, PrefillRunner
+from .stepper import Embeddings, LayoutRunner, PrefillRunner
 
 
 def margin(logits: torch.Tensor) -> float:
@@ -102,14 +102,6 @@ def run_prefill(
     return {**res, "runner": runner, "function": f"prefill_b{pf.tokens}", "chunks": layout["chunks"]}, pf
 
 
-def cache_cosine(a: Caches, b: Caches) -> float:
-    """Cosine between two sets of caches, all slots of all chunks at once."""
-    keys = sorted((c, key) for c in a for key in a[c])
-    return cosine(
-        torch.cat([a[c][key].reshape(-1) for c, key in keys]), torch.cat([b[c][key].reshape(-1) for c, key in keys])
-    )
-
-
 def prefill_record(
     records: list[StepRecord],
     localisation: dict[str, Localisation],
@@ -123,7 +115,7 @@ def prefill_record(
     leaves (all slots, cosine) and the token it predicts after the prompt."""
     n = len(ref_results)
     last = ref_results[-1]
-    c = cache_cosine(prefilled["runner"].caches, ref.caches)
+    c = caches_cosine(prefilled["runner"].caches, ref.caches)
     ok = c >= tol and prefilled["token"] == last["token"]
     records.append(
         {
