@@ -445,19 +445,6 @@ fn sabotaged_build(label: &str, package: &str, edit: &str, args: &[&str]) -> Pat
     dir
 }
 
-fn copy_tree(src: &Path, dst: &Path) {
-    std::fs::create_dir_all(dst).unwrap();
-    for entry in std::fs::read_dir(src).unwrap() {
-        let path = entry.unwrap().path();
-        let to = dst.join(path.file_name().unwrap());
-        if path.is_dir() {
-            copy_tree(&path, &to);
-        } else {
-            std::fs::copy(&path, &to).unwrap();
-        }
-    }
-}
-
 #[test]
 fn edited_programs_fail_interpreter_parity_where_weight_read_back_passes() {
     // Three edits of a converted program that leave every weight where its

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 
-use common::{fails, killed, ok, run, run_env, stderr, stdout, tempdir};
+use common::{copy_tree, fails, killed, ok, run, run_env, stderr, stdout, tempdir};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -276,18 +276,6 @@ fn release(tag: &str) -> Release {
         zip,
         private,
         public,
-    }
-}
-
-fn copy_tree(from: &Path, to: &Path) {
-    for e in walkdir::WalkDir::new(from) {
-        let e = e.unwrap();
-        let dst = to.join(e.path().strip_prefix(from).unwrap());
-        if e.file_type().is_dir() {
-            fs::create_dir_all(&dst).unwrap();
-        } else {
-            fs::copy(e.path(), &dst).unwrap();
-        }
     }
 }
 

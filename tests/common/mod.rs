@@ -229,3 +229,16 @@ ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS
     }
     path.to_path_buf()
 }
+
+/// `from` copied file by file into `to` (created).
+pub fn copy_tree(from: &Path, to: &Path) {
+    for e in walkdir::WalkDir::new(from) {
+        let e = e.unwrap();
+        let dst = to.join(e.path().strip_prefix(from).unwrap());
+        if e.file_type().is_dir() {
+            std::fs::create_dir_all(&dst).unwrap();
+        } else {
+            std::fs::copy(e.path(), &dst).unwrap();
+        }
+    }
+}
