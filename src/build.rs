@@ -13,15 +13,15 @@ use crate::audit;
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
 use crate::hashing;
-use crate::plan::{ChunkPlan, LayoutKind, Mode, Plan};
+use crate::plan::{ChunkPlan, FunctionKind, Functions, LayoutKind, Mode, Plan};
 use crate::progress::{self, BuildProgress};
 use crate::publish::{OnLocked, OutputLock};
 use crate::py::calls::{self, CheckpointFiles, ChunkJob, WeightCache};
 use crate::py::env as pyenv;
 use crate::records::{
     BuildRecord, BuildRequest, BuildSeconds, CacheTotals, CheckpointRecord, ChunkRecord,
-    ChunkStats, ConversionSettings, FunctionRecord, Palettizer, Seconds, ToolVersions,
-    BUILD_FORMAT,
+    ChunkStats, ConversionSettings, FunctionRecord, Palettizer, PassPipeline, Seconds,
+    ToolVersions, BUILD_FORMAT,
 };
 use crate::staging::{self, Staging};
 
@@ -29,6 +29,8 @@ use crate::staging::{self, Staging};
 #[derive(Clone, Debug)]
 pub struct Settings {
     pub conversion: ConversionSettings,
+    /// Time every coremltools graph pass into each function's record.
+    pub profile: bool,
     pub verbose: bool,
     /// When another run holds the output folder's lock; None: the output is
     /// a fresh temporary folder of this run (`--check`, `bench build`), unlocked.
@@ -62,14 +64,20 @@ pub fn run(
     }
     let checkpoint = CheckpointFiles::of(ckpt);
     let verbose = settings.verbose;
-    // Each function of each layout holds every weight of its layers once, so
-    // the build's palettization cache keeps a result until that many
-    // conversions have used it. The cache lives as long as this run.
+    // Decode packages the four-chunk layout tiles are composed from its
+    // programs (see `Composer`), not converted.
+    let mut composer = Composer::new(cfg, plan, &settings.conversion, &staging.dir)?;
+    // Each function of each converted layout holds every weight of its layers
+    // once (the composer's own sources: one more), so the build's
+    // palettization cache keeps a result until that many conversions have
+    // used it. The cache lives as long as this run.
     let uses: usize = plan
         .layouts
         .iter()
+        .filter(|l| !l.chunks.iter().all(|c| composer.composes(l.kind, c)))
         .map(|l| l.chunks.first().map_or(0, |c| c.functions.len()))
-        .sum();
+        .sum::<usize>()
+        + usize::from(composer.converts_sources(plan));
     let cache = WeightCache::new(uses)
         .map_err(|e| anyhow!("palettization cache: {}", pyenv::render_error(e, verbose)))?;
 
@@ -80,6 +88,23 @@ pub fn run(
         progress
             .bar
             .set_message(format!("{} (layers {first}-{last})", names.join(" + ")));
+        if let [(layout, chunk)] = unit[..] {
+            if composer.composes(layout, chunk) {
+                let (functions, seconds, stats, from) =
+                    composer.compose(chunk, &checkpoint, &cache, settings, &progress)?;
+                records.push(record(
+                    &staging.dir,
+                    layout,
+                    chunk,
+                    functions,
+                    seconds,
+                    stats,
+                    Some(from),
+                    &progress,
+                )?);
+                continue;
+            }
+        }
         // One program per function; a unit of several functions is bundled
         // from single-function parts (see `convert.combine`).
         let bundled = unit.len() > 1 || unit[0].1.functions.len() > 1;
@@ -108,6 +133,7 @@ pub fn run(
                     .iter()
                     .map(|p| p.to_string_lossy().into_owned())
                     .collect(),
+                profile: settings.profile,
             };
             let converted = calls::convert_chunk(&job, &cache, &progress).map_err(|e| {
                 let function = e.function.as_deref().unwrap_or(name);
@@ -130,6 +156,7 @@ pub fn run(
                     mil_ops: c.stats.mil_ops,
                     weight_bytes: c.stats.weight_bytes,
                     seconds: c.seconds,
+                    passes: c.passes,
                 });
                 match &mut stats {
                     None => stats = Some(c.stats),
@@ -138,6 +165,9 @@ pub fn run(
             }
             for (f, path) in chunk.functions.iter().zip(&paths) {
                 parts.push((path.to_string_lossy().into_owned(), f.name.clone()));
+            }
+            if *layout == LayoutKind::Four {
+                composer.converted(chunk, &paths);
             }
             let stats = stats.expect("every chunk has a function");
             done.push((*layout, *chunk, functions, seconds, stats));
@@ -162,17 +192,22 @@ pub fn run(
                     )
                 })
                 .collect();
-            let bundle = calls::combine(&parts, &targets).map_err(|e| {
-                anyhow!(
-                    "bundling {}: {}",
-                    names.join(" + "),
-                    pyenv::render_error(e, verbose)
-                )
-            });
+            let bundle = calls::combine(&parts, &targets, settings.conversion.pass_pipeline)
+                .map_err(|e| {
+                    anyhow!(
+                        "bundling {}: {}",
+                        names.join(" + "),
+                        pyenv::render_error(e, verbose)
+                    )
+                });
             pb.finish_and_clear();
             let bundle = bundle?;
             for (path, _) in &parts {
-                std::fs::remove_dir_all(path).with_context(|| format!("{path}: cannot remove"))?;
+                // A four-chunk decode program the composer reads stays until the build ends.
+                if !composer.keeps(Path::new(path)) {
+                    std::fs::remove_dir_all(path)
+                        .with_context(|| format!("{path}: cannot remove"))?;
+                }
             }
             // The bundle's seconds are shared by its packages.
             let share = t.elapsed().as_secs_f64() / unit.len() as f64;
@@ -182,33 +217,16 @@ pub fn run(
             }
         }
         for (layout, chunk, functions, seconds, stats) in done {
-            let pkg = format!("{}.mlpackage", chunk.name);
-            let digest = hashing::tree_digest(&staging.dir.join(&pkg))?;
-            let total: f64 = seconds.values().sum();
-            progress.println(format!(
-                "built {pkg:<28} layers {:>2}-{:<2} {:>5} MIL ops {:>11} weight bytes  {total:>6.1}s",
-                chunk.first_layer, chunk.last_layer, stats.mil_ops, stats.weight_bytes
-            ));
-            records.push(ChunkRecord {
-                name: chunk.name.clone(),
+            records.push(record(
+                &staging.dir,
                 layout,
-                package: pkg,
-                first_layer: chunk.first_layer,
-                last_layer: chunk.last_layer,
-                layers: chunk.layer_count(),
-                mil_ops: stats.mil_ops,
-                weight_bytes: stats.weight_bytes,
-                projection_ops: stats.projection_ops,
-                palettized_weights: stats.palettized_weights,
-                palettize_cache_hits: stats.palettize_cache_hits,
-                palettize_cache_misses: stats.palettize_cache_misses,
-                palettize_unmatched_groups: stats.palettize_unmatched_groups,
-                op_counts: stats.op_counts,
+                chunk,
                 functions,
-                sha256_tree: digest,
                 seconds,
-            });
-            progress.bar.inc(1);
+                stats,
+                None,
+                &progress,
+            )?);
         }
     }
     progress.bar.finish_and_clear();
@@ -223,6 +241,9 @@ pub fn run(
         for (k, v) in &r.seconds {
             *phases.entry(k.clone()).or_default() += v;
         }
+    }
+    if composer.sources_seconds > 0.0 {
+        phases.insert(SOURCES.to_string(), composer.sources_seconds);
     }
     let mut record = BuildRecord {
         format: BUILD_FORMAT.into(),
@@ -280,6 +301,257 @@ pub fn run(
     staging.publish_names(&names)?;
     staging.finish()?;
     Ok(record)
+}
+
+/// Writes a package's line and returns its record; `composed_from`: the
+/// four-chunk packages it was composed from (None: converted).
+#[allow(clippy::too_many_arguments)]
+fn record(
+    staging: &Path,
+    layout: LayoutKind,
+    chunk: &ChunkPlan,
+    functions: Vec<FunctionRecord>,
+    seconds: Seconds,
+    stats: ChunkStats,
+    composed_from: Option<Vec<String>>,
+    progress: &BuildProgress,
+) -> Result<ChunkRecord> {
+    let pkg = format!("{}.mlpackage", chunk.name);
+    let digest = hashing::tree_digest(&staging.join(&pkg))?;
+    let total: f64 = seconds.values().sum();
+    let how = match &composed_from {
+        Some(from) => format!("  (composed from {})", from.join(" + ")),
+        None => String::new(),
+    };
+    progress.println(format!(
+        "built {pkg:<28} layers {:>2}-{:<2} {:>5} MIL ops {:>11} weight bytes  {total:>6.1}s{how}",
+        chunk.first_layer, chunk.last_layer, stats.mil_ops, stats.weight_bytes
+    ));
+    progress.bar.inc(1);
+    Ok(ChunkRecord {
+        name: chunk.name.clone(),
+        layout,
+        package: pkg,
+        first_layer: chunk.first_layer,
+        last_layer: chunk.last_layer,
+        layers: chunk.layer_count(),
+        mil_ops: stats.mil_ops,
+        weight_bytes: stats.weight_bytes,
+        projection_ops: stats.projection_ops,
+        palettized_weights: stats.palettized_weights,
+        palettize_cache_hits: stats.palettize_cache_hits,
+        palettize_cache_misses: stats.palettize_cache_misses,
+        palettize_unmatched_groups: stats.palettize_unmatched_groups,
+        op_counts: stats.op_counts,
+        functions,
+        composed_from,
+        sha256_tree: digest,
+        seconds,
+    })
+}
+
+/// The phase a composed package's sources are timed under, when the build
+/// converts them only to compose from (no four-chunk layout asked for).
+const SOURCES: &str = "sources";
+
+/// Composition: a decode chunk whose layers the four-chunk layout tiles
+/// exactly (the three-chunk, two-chunk and one-chunk layouts; a `--split`
+/// on four-chunk boundaries) is the four-chunk decode programs back to back,
+/// already converted and optimised; `compose.py` joins them at the MIL level
+/// instead of converting the layers from torch again. The sources are the
+/// four-chunk layout's own decode programs when the build makes it, else
+/// converted for this purpose into staging (`.source-chunkN.mlpackage`,
+/// never published).
+struct Composer {
+    enabled: bool,
+    /// The four-chunk layout's chunks, each with only its decode function.
+    four: Vec<ChunkPlan>,
+    /// The plan builds the four-chunk layout itself.
+    in_plan: bool,
+    /// Each four-chunk chunk's single-function decode package, once there.
+    decode: Vec<Option<PathBuf>>,
+    dims: crate::plan::Dims,
+    staging: PathBuf,
+    /// Seconds spent converting sources the build does not ship.
+    sources_seconds: f64,
+}
+
+impl Composer {
+    fn new(
+        cfg: &TextConfig,
+        plan: &Plan,
+        conversion: &ConversionSettings,
+        staging: &Path,
+    ) -> Result<Self> {
+        let own = plan.layouts.iter().find(|l| l.kind == LayoutKind::Four);
+        let four: Vec<ChunkPlan> = match own {
+            Some(l) => l.chunks.clone(),
+            None if conversion.compose => {
+                crate::plan::plan(
+                    cfg,
+                    conversion.ctx,
+                    Mode::Four,
+                    None,
+                    &Functions::resolve(Mode::Four, None, None),
+                )
+                .map_err(|e| anyhow!("planning the four-chunk sources: {e}"))?
+                .layouts
+                .remove(0)
+                .chunks
+            }
+            None => Vec::new(),
+        };
+        let four: Vec<ChunkPlan> = four
+            .into_iter()
+            .map(|mut c| {
+                c.functions
+                    .retain(|f| f.kind == FunctionKind::Decode && f.tokens == 1);
+                c
+            })
+            .collect();
+        Ok(Composer {
+            enabled: conversion.compose && four.iter().all(|c| c.functions.len() == 1),
+            decode: vec![None; four.len()],
+            four,
+            in_plan: own.is_some(),
+            dims: plan.dims.clone(),
+            staging: staging.to_path_buf(),
+            sources_seconds: 0.0,
+        })
+    }
+
+    /// The four-chunk chunks whose layers are exactly `chunk`'s, in order.
+    fn tiling(&self, chunk: &ChunkPlan) -> Option<std::ops::RangeInclusive<usize>> {
+        let a = self
+            .four
+            .iter()
+            .position(|c| c.first_layer == chunk.first_layer)?;
+        let b = self
+            .four
+            .iter()
+            .position(|c| c.last_layer == chunk.last_layer)?;
+        (a <= b).then_some(a..=b)
+    }
+
+    fn composes(&self, kind: LayoutKind, chunk: &ChunkPlan) -> bool {
+        self.enabled
+            && !matches!(kind, LayoutKind::Four | LayoutKind::Prefill)
+            && matches!(&chunk.functions[..], [f] if f.kind == FunctionKind::Decode && f.tokens == 1)
+            && self.tiling(chunk).is_some()
+    }
+
+    /// The build converts sources it does not ship.
+    fn converts_sources(&self, plan: &Plan) -> bool {
+        !self.in_plan
+            && plan
+                .layouts
+                .iter()
+                .any(|l| l.chunks.iter().any(|c| self.composes(l.kind, c)))
+    }
+
+    /// A four-chunk package was converted: `paths` are its functions' packages.
+    fn converted(&mut self, chunk: &ChunkPlan, paths: &[PathBuf]) {
+        if !self.enabled {
+            return;
+        }
+        if let Some(i) = self.four.iter().position(|c| c.name == chunk.name) {
+            let f = chunk
+                .functions
+                .iter()
+                .position(|f| f.kind == FunctionKind::Decode && f.tokens == 1);
+            self.decode[i] = f.map(|f| paths[f].clone());
+        }
+    }
+
+    /// `path` is a source the composer still reads.
+    fn keeps(&self, path: &Path) -> bool {
+        self.decode.iter().flatten().any(|p| p == path)
+    }
+
+    /// Composes `chunk` into staging (converting the sources it still lacks).
+    fn compose(
+        &mut self,
+        chunk: &ChunkPlan,
+        checkpoint: &CheckpointFiles,
+        cache: &WeightCache,
+        settings: &Settings,
+        progress: &BuildProgress,
+    ) -> Result<(Vec<FunctionRecord>, Seconds, ChunkStats, Vec<String>)> {
+        let range = self.tiling(chunk).expect("composes() checked the tiling");
+        for i in range.clone() {
+            if self.decode[i].is_some() {
+                continue;
+            }
+            let source = &self.four[i];
+            let path = self
+                .staging
+                .join(format!(".source-{}.mlpackage", source.name));
+            let job = ChunkJob {
+                dims: &self.dims,
+                chunk: source,
+                checkpoint,
+                settings: &settings.conversion,
+                paths: vec![path.to_string_lossy().into_owned()],
+                profile: settings.profile,
+            };
+            let converted = calls::convert_chunk(&job, cache, progress).map_err(|e| {
+                anyhow!(
+                    "building {} (a source of {}): {}",
+                    source.name,
+                    chunk.name,
+                    pyenv::render_error(e.error, settings.verbose)
+                )
+            })?;
+            self.sources_seconds += converted
+                .functions
+                .iter()
+                .flat_map(|f| f.seconds.values())
+                .sum::<f64>();
+            self.decode[i] = Some(path);
+        }
+        let from: Vec<String> = range.clone().map(|i| self.four[i].name.clone()).collect();
+        let sources = range
+            .map(|i| calls::ComposeSource {
+                path: self.decode[i]
+                    .as_ref()
+                    .expect("converted above")
+                    .to_string_lossy()
+                    .into_owned(),
+                chunk: &self.four[i],
+            })
+            .collect();
+        let path = self.staging.join(format!("{}.mlpackage", chunk.name));
+        let pb = progress.phase(format!(
+            "{}: compose {} (MIL, no conversion)",
+            chunk.name,
+            from.join(" + ")
+        ));
+        let composed = calls::compose(&calls::ComposeJob {
+            target: chunk,
+            sources,
+            path: path.to_string_lossy().into_owned(),
+        });
+        pb.finish_and_clear();
+        let composed = composed.map_err(|e| {
+            anyhow!(
+                "composing {} from {}: {}",
+                chunk.name,
+                from.join(" + "),
+                pyenv::render_error(e, settings.verbose)
+            )
+        })?;
+        let f = &chunk.functions[0];
+        let functions = vec![FunctionRecord {
+            name: f.name.clone(),
+            kind: f.kind,
+            tokens: f.tokens,
+            mil_ops: composed.stats.mil_ops,
+            weight_bytes: composed.stats.weight_bytes,
+            seconds: composed.seconds.clone(),
+            passes: None,
+        }];
+        Ok((functions, composed.seconds, composed.stats, from))
+    }
 }
 
 /// Packages converted together: each alone, except a four-chunk package and
@@ -349,6 +621,8 @@ pub struct Rebuild {
     pub layout: Layout,
     pub quantize: bool,
     pub palettizer: Palettizer,
+    pub pass_pipeline: PassPipeline,
+    pub compose: bool,
 }
 
 /// The parts of build.json `--check` reads (older records have only these).
@@ -364,6 +638,16 @@ struct ReplayedSettings {
     quantize: bool,
     #[serde(default)]
     palettization: Option<ReplayedPalettization>,
+    /// Absent in records from before the field: coremltools' default ran.
+    #[serde(default = "coremltools_pipeline")]
+    pass_pipeline: PassPipeline,
+    /// Absent in records from before the field: every layout was converted.
+    #[serde(default)]
+    compose: bool,
+}
+
+fn coremltools_pipeline() -> PassPipeline {
+    PassPipeline::Coremltools
 }
 
 #[derive(Deserialize)]
@@ -435,6 +719,8 @@ pub fn request_of(build_json: &Path, hf_override: &Option<PathBuf>) -> Result<Re
         },
         quantize: r.settings.quantize,
         palettizer,
+        pass_pipeline: r.settings.pass_pipeline,
+        compose: r.settings.compose,
     })
 }
 

@@ -12,7 +12,7 @@ use crate::manifest::ReleaseLayout;
 use crate::names::Named;
 use crate::parity::CorruptFunction;
 use crate::plan::Mode;
-use crate::records::Palettizer;
+use crate::records::{Palettizer, PassPipeline};
 use crate::run::RunLayout;
 
 /// A value parser for a [`chunkforge_model::named!`] enum: its names are the
@@ -226,6 +226,15 @@ pub struct BuildCmd {
     /// weight once per build) or coremltools (its own k-means, for comparison).
     #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
     pub palettizer: Palettizer,
+    /// MIL pass pipeline: chunkforge (coremltools' default without the passes that
+    /// cannot change a chunkforge program; byte-identical packages, about half the
+    /// conversion time) or coremltools (its whole default pipeline).
+    #[arg(long, default_value = "chunkforge", value_parser = named::<PassPipeline>())]
+    pub pass_pipeline: PassPipeline,
+    /// Convert every layout's packages from torch, instead of composing the
+    /// three-chunk, two-chunk and one-chunk decode programs from the four-chunk ones.
+    #[arg(long)]
+    pub no_compose: bool,
     /// If another run is writing the same --output, fail at once instead of waiting for it.
     #[arg(long)]
     pub no_wait: bool,
@@ -376,6 +385,21 @@ pub struct BenchBuildCmd {
     pub kmeans_workers: usize,
     #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
     pub palettizer: Palettizer,
+    /// MIL pass pipeline (as `build --pass-pipeline`).
+    #[arg(long, default_value = "chunkforge", value_parser = named::<PassPipeline>())]
+    pub pass_pipeline: PassPipeline,
+    /// As `build --no-compose`.
+    #[arg(long)]
+    pub no_compose: bool,
+    /// Also time every coremltools graph pass of every conversion and count the
+    /// runs that changed the program; prints seconds per pass, per package.
+    #[arg(long)]
+    pub profile: bool,
+    /// Run the build twice, each in a child process of its own: as before chunkforge's
+    /// optimisations (coremltools' default pass pipeline, every layout converted from
+    /// torch) and as shipped; prints both side by side.
+    #[arg(long, conflicts_with_all = ["json", "pass_pipeline", "no_compose"])]
+    pub baseline: bool,
     /// Print the build report JSON instead of a summary.
     #[arg(long)]
     pub json: bool,

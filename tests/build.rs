@@ -248,6 +248,119 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
         .starts_with(".chunkforge")));
 }
 
+/// `--mode all` of the default checkpoint with every layout converted from
+/// torch (`--no-compose`), with chunkforge's pass pipeline or coremltools'.
+/// Also read by python/tests/test_compose.py (the composed packages against
+/// direct conversions).
+fn built_all_converted(pipeline: &str) -> std::path::PathBuf {
+    let hf = json_file(&built_all().join("build.json"))["checkpoint"]["dir"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let name = match pipeline {
+        "chunkforge" => "default-all-no-compose".to_string(),
+        other => format!("default-all-no-compose-{other}-pipeline"),
+    };
+    shared_build(
+        &name,
+        Path::new(&hf),
+        &["--mode", "all", "--no-compose", "--pass-pipeline", pipeline],
+    )
+}
+
+/// Each package's (name, sha256_tree) in build order.
+fn package_trees(build: &Value) -> Vec<(String, String)> {
+    build["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["package"].as_str().unwrap().to_string(),
+                c["sha256_tree"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn cut_pass_pipeline_gives_byte_identical_packages() {
+    // The shipped build runs coremltools' default pipeline without the passes
+    // listed in python/chunkforge_py/passes.py (SKIPPED), validating once.
+    // Every package of every layout and function, each converted from torch,
+    // must come out exactly as coremltools' whole pipeline makes it:
+    // model.mlmodel, weights and manifest, byte for byte.
+    let cut = built_all_converted("chunkforge");
+    let default = built_all_converted("coremltools");
+    let (a, b) = (
+        json_file(&cut.join("build.json")),
+        json_file(&default.join("build.json")),
+    );
+    assert_eq!(a["settings"]["pass_pipeline"], "chunkforge");
+    assert_eq!(b["settings"]["pass_pipeline"], "coremltools");
+    assert_eq!(a["settings"]["compose"], false);
+    let (pa, pb) = (package_trees(&a), package_trees(&b));
+    assert_eq!(pa.len(), 14);
+    for ((name, _), (other, _)) in pa.iter().zip(&pb) {
+        assert_eq!(name, other);
+        let spec = |dir: &Path| {
+            std::fs::read(dir.join(name).join("Data/com.apple.CoreML/model.mlmodel")).unwrap()
+        };
+        assert!(
+            spec(&cut) == spec(&default),
+            "{name}: model.mlmodel differs"
+        );
+    }
+    assert_eq!(pa, pb, "a package's tree differs");
+    assert_eq!(a["tree_sha256"], b["tree_sha256"]);
+}
+
+#[test]
+fn composed_build_converts_only_the_four_chunk_programs() {
+    // The shipped build composes the three-, two- and one-chunk decode
+    // packages from the four-chunk decode programs; what it converts is
+    // byte-identical to converting everything. (That the composed programs
+    // compute what the converted ones do: python/tests/test_compose.py.)
+    let composed = json_file(&built_all().join("build.json"));
+    let converted = json_file(&built_all_converted("chunkforge").join("build.json"));
+    assert_eq!(composed["settings"]["compose"], true);
+    let mut n = 0;
+    for (c, d) in composed["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(converted["chunks"].as_array().unwrap())
+    {
+        let layout = c["layout"].as_str().unwrap();
+        let from = &c["composed_from"];
+        if matches!(layout, "four" | "prefill") {
+            assert!(from.is_null(), "{c}");
+            assert_eq!(c["sha256_tree"], d["sha256_tree"], "{}", c["package"]);
+        } else {
+            n += 1;
+            let from: Vec<&str> = from
+                .as_array()
+                .unwrap_or_else(|| panic!("{} not composed", c["package"]))
+                .iter()
+                .map(|v| v.as_str().unwrap())
+                .collect();
+            let want: &[&str] = match c["name"].as_str().unwrap() {
+                "chunk1_3way" => &["chunk1"],
+                "chunk2_3way" => &["chunk2", "chunk3"],
+                "chunk3_3way" => &["chunk4"],
+                "merged_chunk1" => &["chunk1", "chunk2"],
+                "merged_chunk2" => &["chunk3", "chunk4"],
+                "merged_full" => &["chunk1", "chunk2", "chunk3", "chunk4"],
+                other => panic!("unexpected {other}"),
+            };
+            assert_eq!(from, want);
+            assert!(c["seconds"]["compose"].as_f64().unwrap() > 0.0);
+            assert!(c["seconds"].get("convert").is_none());
+        }
+    }
+    assert_eq!(n, 6);
+}
+
 #[test]
 fn default_build_is_the_device_proven_formulation_without_audit_findings() {
     let out = built_all();

@@ -244,6 +244,9 @@ class ConversionSettings(TypedDict):
     compute_units: str
     quantize: bool
     palettization: Palettization | None
+    # "chunkforge": the default pipeline without `passes.SKIPPED`;
+    # "coremltools": coremltools' default pipeline.
+    pass_pipeline: Literal["chunkforge", "coremltools"]
 
 
 class ChunkJob(TypedDict):
@@ -255,6 +258,8 @@ class ChunkJob(TypedDict):
     settings: ConversionSettings
     # Where each function's package goes, in the chunk's function order.
     paths: list[str]
+    # Time every coremltools graph pass (`passes.PassProfile`).
+    profile: bool
 
 
 class PalettizeStats(TypedDict):
@@ -284,18 +289,51 @@ class ChunkStats(MilStats):
     palettize_seconds: float | None
 
 
+class PassStat(TypedDict):
+    """records.rs `PassStat`: one graph pass in one conversion, summed over its runs."""
+
+    seconds: float
+    runs: int
+    # Runs that changed the program (only when probed, else None).
+    changed: int | None
+
+
 class ConvertedFunction(TypedDict):
-    """One function of a `convert_chunk` job: its counts and seconds per phase."""
+    """One function of a `convert_chunk` job: its counts and seconds per phase,
+    and with `profile` the seconds per graph pass."""
 
     name: str
     stats: ChunkStats
     seconds: dict[str, float]
+    passes: dict[str, PassStat] | None
 
 
 class ConvertedChunk(TypedDict):
     """What `convert.convert_chunk` returns (py/calls.rs `ConvertedChunk`)."""
 
     functions: list[ConvertedFunction]
+
+
+class ComposeSource(TypedDict):
+    """py/calls.rs `ComposeSource`: a single-function four-chunk decode package and its plan."""
+
+    path: str
+    chunk: ChunkPlan
+
+
+class ComposeJob(TypedDict):
+    """py/calls.rs `ComposeJob`: the target chunk composed from its sources (layer order) into `path`."""
+
+    target: ChunkPlan
+    sources: list[ComposeSource]
+    path: str
+
+
+class ComposedChunk(TypedDict):
+    """What `compose.compose_job` returns (py/calls.rs `Composed`)."""
+
+    stats: ChunkStats
+    seconds: dict[str, float]
 
 
 class BundleStats(TypedDict):

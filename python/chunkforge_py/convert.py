@@ -20,6 +20,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from . import passes
 from .checkpoint import Checkpoint
 from .contract import (
     BundleStats,
@@ -95,21 +96,24 @@ def convert(
     inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=NP_DTYPES[t["dtype"]]) for t in function["inputs"]]
     outputs = [ct.TensorType(name=t["name"], dtype=NP_DTYPES[t["dtype"]]) for t in function["outputs"]]
     pal = settings["palettization"]
-    pipeline = dispatcher = None
+    pipeline = passes.pipeline(default=settings["pass_pipeline"] == "coremltools")
+    dispatcher = None
     if pal is not None and pal["palettizer"] == "chunkforge":
         from .palettize import conversion_pipeline
 
-        pipeline, dispatcher = conversion_pipeline(traced, name, pal, cache)
-    mlmodel = ct.convert(
-        traced,
-        inputs=inputs,
-        outputs=outputs,
-        convert_to="mlprogram",
-        minimum_deployment_target=getattr(ct.target, settings["minimum_deployment_target"]),
-        compute_precision=getattr(ct.precision, settings["compute_precision"]),
-        compute_units=getattr(ct.ComputeUnit, settings["compute_units"]),
-        pass_pipeline=pipeline,
-    )
+        dispatcher = conversion_pipeline(pipeline, traced, name, pal, cache)
+    cut = settings["pass_pipeline"] == "chunkforge"
+    with passes.validate_once(cut), passes.terse_program_text(cut):
+        mlmodel = ct.convert(
+            traced,
+            inputs=inputs,
+            outputs=outputs,
+            convert_to="mlprogram",
+            minimum_deployment_target=getattr(ct.target, settings["minimum_deployment_target"]),
+            compute_precision=getattr(ct.precision, settings["compute_precision"]),
+            compute_units=getattr(ct.ComputeUnit, settings["compute_units"]),
+            pass_pipeline=pipeline,
+        )
     if dispatcher is not None and pal is not None:
         check_palettized(mlmodel, name, int(pal["group_size"]))
         mlmodel._chunkforge_palettize_stats = dispatcher.stats()
@@ -252,7 +256,9 @@ def save(mlmodel: Any, path: str) -> ChunkStats:
     return stats
 
 
-def combine(parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]]) -> BundleStats:
+def combine(
+    parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]], pass_pipeline: str = "chunkforge"
+) -> BundleStats:
     """Bundle single-function packages ``(package path, function name)`` into the
     packages ``targets`` (``(path, [function, ...])``, each target's first
     function its default).
@@ -264,7 +270,9 @@ def combine(parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]]) 
     and the blob is the size of one function's. Each target is then that
     package with the other targets' functions removed from its spec, so all
     targets share one weight blob byte for byte (the runtime hard-links
-    ``chunkN``'s blob into ``prefill_chunkN``)."""
+    ``chunkN``'s blob into ``prefill_chunkN``). With the chunkforge
+    ``pass_pipeline`` the merged program is validated once, not after each
+    of save_multifunction's passes."""
     import shutil
     import tempfile
 
@@ -277,7 +285,10 @@ def combine(parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]]) 
     desc.default_function_name = parts[0][1]
     with tempfile.TemporaryDirectory(dir=os.path.dirname(targets[0][0])) as tmp:
         whole = os.path.join(tmp, "whole.mlpackage")
-        save_multifunction(desc, whole)
+        # save_multifunction reads every part back into one program and
+        # validates it after each of its passes; once is the same check.
+        with passes.validate_once(pass_pipeline == "chunkforge"):
+            save_multifunction(desc, whole)
         spec_rel = os.path.join("Data", "com.apple.CoreML", "model.mlmodel")
         for path, functions in targets:
             shutil.copytree(whole, path)
@@ -336,7 +347,7 @@ def convert_chunk(job: ChunkJob, cache: WeightCache, progress: Callable[[str, st
         what = (
             f"convert + palettize (ct.convert, {target}, {int4})" if in_convert else f"convert (ct.convert, {target})"
         )
-        with phases("convert", what):
+        with phases("convert", what), passes.maybe_profile(job["profile"], probe=True) as profile:
             ml = convert(traced, function, name, settings, cache)
         del traced
         if pal is not None and pal["palettizer"] == "coremltools":
@@ -351,5 +362,12 @@ def convert_chunk(job: ChunkJob, cache: WeightCache, progress: Callable[[str, st
             # Kernel time inside the conversion: reported as palettize.
             seconds["convert"] = max(seconds["convert"] - kernel, 0.0)
             seconds["palettize"] = kernel
-        out.append({"name": function["name"], "stats": stats, "seconds": seconds})
+        out.append(
+            {
+                "name": function["name"],
+                "stats": stats,
+                "seconds": seconds,
+                "passes": profile.stats if profile is not None else None,
+            }
+        )
     return {"functions": out}

@@ -240,16 +240,15 @@ class Dispatcher:
 
 
 def conversion_pipeline(
-    traced: Any, name: str, settings: Palettization, cache: WeightCache | None
-) -> tuple[Any, Dispatcher]:
-    """ct.convert's default pass pipeline with coremltools' palettization pass
-    appended last (public API: `PassPipeline.append_pass`, and `set_options`
-    for its config, as `PassPipeline.DEFAULT_PALETTIZATION` sets it), in
-    custom mode with our LUTs, for every linear weight. Palettizing during
+    pipeline: Any, traced: Any, name: str, settings: Palettization, cache: WeightCache | None
+) -> Dispatcher:
+    """Appends coremltools' palettization pass last to `pipeline` (ct.convert's
+    pass pipeline, `passes.pipeline`; public API: `PassPipeline.append_pass`,
+    and `set_options` for its config, as `PassPipeline.DEFAULT_PALETTIZATION`
+    sets it), in custom mode with our LUTs, for every linear weight. Palettizing during
     conversion spares the program a second trip through the pipeline and
     serialization, which is what `palettize_weights` on a converted model
     costs."""
-    import coremltools as ct
     from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig
 
     nbits = int(settings["nbits"])
@@ -265,10 +264,9 @@ def conversion_pipeline(
         weight_threshold=0,
     )
     config = OptimizationConfig(op_type_configs={op: op_config for op in PROJECTION_OPS})
-    pipeline = ct.PassPipeline.DEFAULT
     pipeline.append_pass("compression::palettize_weights")
     pipeline.set_options("compression::palettize_weights", {"config": config})
-    return pipeline, dispatcher
+    return dispatcher
 
 
 def read_palettized(path: str) -> list[dict[str, Any]]:

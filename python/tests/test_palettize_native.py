@@ -132,6 +132,7 @@ def shipped_settings(quantize: bool) -> ConversionSettings:
         "compute_precision": "FLOAT16",
         "compute_units": "CPU_AND_NE",
         "quantize": quantize,
+        "pass_pipeline": "chunkforge",
         "palettization": {
             "nbits": 4,
             "granularity": "per_grouped_channel",

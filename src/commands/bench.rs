@@ -2,6 +2,7 @@
 //! plain write, hashing and signing against other tools, the INT4 kernel
 //! against coremltools.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -18,7 +19,7 @@ use crate::checkpoint::{Checkpoint, TensorInfo};
 use crate::cli::{BenchBuildCmd, BenchCmd, BenchSideFilesCmd, ParityCmd};
 use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
-use crate::records::{BuildRecord, Seconds};
+use crate::records::{BuildRecord, PassStat, Seconds};
 use crate::{bench_palettize, hashbench, sidefiles};
 
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
@@ -51,6 +52,9 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
 }
 
 fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
+    if args.baseline {
+        return bench_build_baseline();
+    }
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
     let result = BuildJob {
         hf_dir: args.model.hf_dir.as_deref(),
@@ -58,6 +62,9 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
         quantize: true,
         kmeans_workers: args.kmeans_workers,
         palettizer: args.palettizer,
+        pass_pipeline: args.pass_pipeline,
+        compose: !args.no_compose,
+        profile: args.profile,
         lock: None,
     }
     .run(&tmp, verbose);
@@ -88,6 +95,9 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&record)?);
     } else {
         print_phases(&record);
+        if args.profile {
+            print_pass_profile(&record);
+        }
         println!("{}", summary(&record, &tmp));
         if let Some(s) = side {
             let mib = s.bytes_written() as f64 / MIB;
@@ -101,6 +111,140 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `bench build --baseline`: this same command twice, each in a child process
+/// of its own (own peak RSS, cold Python), with `--json` and coremltools'
+/// default pass pipeline, then chunkforge's; one table of both.
+fn bench_build_baseline() -> Result<()> {
+    let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
+    let argv: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--baseline")
+        .collect();
+    let mut runs = Vec::new();
+    let before = ["--pass-pipeline", "coremltools", "--no-compose"];
+    let shipped = ["--pass-pipeline", "chunkforge"];
+    for (label, extra) in [
+        ("coremltools pipeline, no compose", &before[..]),
+        ("chunkforge (shipped)", &shipped[..]),
+    ] {
+        eprintln!("bench build --baseline: {}", extra.join(" "));
+        let out = Command::new(&exe)
+            .args(&argv)
+            .arg("--json")
+            .args(extra)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("{}: cannot run", exe.display()))?;
+        if !out.status.success() {
+            bail!("bench build {} failed ({})", extra.join(" "), out.status);
+        }
+        let record: BuildRecord = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("bench build {}: unreadable report", extra.join(" ")))?;
+        runs.push((label, record));
+    }
+    println!(
+        "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>11}  packages",
+        "build", "wall", "convert", "sources", "compose", "bundle", "peak RSS"
+    );
+    for (label, r) in &runs {
+        let phase = |k: &str| r.seconds.phases.get(k).copied().unwrap_or(0.0);
+        println!(
+            "{label:<34} {:>7.1}s {:>7.1}s {:>7.1}s {:>7.1}s {:>7.1}s {:>7.0} MiB  {}",
+            r.seconds.total,
+            phase("convert"),
+            phase("sources"),
+            phase("compose"),
+            phase("bundle"),
+            r.peak_rss_bytes as f64 / MIB,
+            r.chunks.len()
+        );
+    }
+    let (a, b) = (&runs[0].1, &runs[1].1);
+    // Converted packages must be byte-identical; composed ones are other
+    // programs (same values: python/tests/test_compose.py).
+    let mut identical = 0;
+    let mut composed = 0;
+    for (x, y) in a.chunks.iter().zip(&b.chunks) {
+        if y.composed_from.is_some() {
+            composed += 1;
+        } else if x.package == y.package && x.sha256_tree == y.sha256_tree {
+            identical += 1;
+        } else {
+            bail!(
+                "{}: the two builds converted different packages ({} vs {})",
+                y.package,
+                x.sha256_tree,
+                y.sha256_tree
+            );
+        }
+    }
+    println!(
+        "shipped vs before: {:.2}x faster wall, {:.2}x less peak RSS; {identical} converted packages byte-identical, {composed} composed",
+        a.seconds.total / b.seconds.total.max(1e-9),
+        a.peak_rss_bytes as f64 / (b.peak_rss_bytes as f64).max(1.0),
+    );
+    Ok(())
+}
+
+/// `bench build --profile`: seconds per coremltools graph pass over the whole
+/// build (with its runs and the runs that changed the program), then the
+/// passes that took most of each package's time.
+fn print_pass_profile(record: &BuildRecord) {
+    let mut total: BTreeMap<&str, PassStat> = BTreeMap::new();
+    let mut per_package = Vec::new();
+    for c in &record.chunks {
+        let mut mine: BTreeMap<&str, f64> = BTreeMap::new();
+        for f in &c.functions {
+            for (name, s) in f.passes.iter().flatten() {
+                let t = total.entry(name).or_insert(PassStat {
+                    seconds: 0.0,
+                    runs: 0,
+                    changed: Some(0),
+                });
+                t.seconds += s.seconds;
+                t.runs += s.runs;
+                t.changed = match (t.changed, s.changed) {
+                    (Some(a), Some(b)) => Some(a + b),
+                    _ => None,
+                };
+                *mine.entry(name).or_default() += s.seconds;
+            }
+        }
+        per_package.push((c.name.as_str(), mine));
+    }
+    let mut rows: Vec<_> = total.into_iter().collect();
+    rows.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
+    let all: f64 = rows.iter().map(|(_, s)| s.seconds).sum();
+    println!();
+    println!(
+        "{:<58} {:>6} {:>8} {:>9} {:>6}",
+        "graph pass (all conversions)", "runs", "changed", "seconds", "share"
+    );
+    for (name, s) in &rows {
+        println!(
+            "{name:<58} {:>6} {:>8} {:>8.2}s {:>5.1}%",
+            s.runs,
+            s.changed.map_or("-".to_string(), |c| c.to_string()),
+            s.seconds,
+            100.0 * s.seconds / all.max(1e-9)
+        );
+    }
+    println!("{:<58} {:>6} {:>8} {all:>8.2}s", "total", "", "");
+    println!();
+    for (name, mine) in per_package {
+        let sum: f64 = mine.values().sum();
+        let mut top: Vec<_> = mine.into_iter().collect();
+        top.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let top: Vec<String> = top
+            .iter()
+            .take(4)
+            .map(|(p, s)| format!("{} {s:.2}s", p.trim_start_matches("common::")))
+            .collect();
+        println!("{name:<28} passes {sum:>7.2}s: {}", top.join(", "));
+    }
+    println!();
 }
 
 /// Seconds per phase of every package and, for a multifunction one, of each function.

@@ -11,7 +11,7 @@ use crate::checkpoint::{self, Checkpoint};
 use crate::cli::BuildCmd;
 use crate::publish::OnLocked;
 use crate::py::env as pyenv;
-use crate::records::{BuildRecord, ConversionSettings, Palettizer, GROUP_SIZE};
+use crate::records::{BuildRecord, ConversionSettings, Palettizer, PassPipeline, GROUP_SIZE};
 
 /// One build of the checkpoint in `hf_dir` (None: the built-in one).
 /// `lock`: what to do when another run holds the output's lock (None: the
@@ -22,6 +22,10 @@ pub(super) struct BuildJob<'a> {
     pub quantize: bool,
     pub kmeans_workers: usize,
     pub palettizer: Palettizer,
+    pub pass_pipeline: PassPipeline,
+    pub compose: bool,
+    /// Time every coremltools graph pass (`bench build --profile`).
+    pub profile: bool,
     pub lock: Option<OnLocked>,
 }
 
@@ -36,13 +40,17 @@ impl BuildJob<'_> {
             checkpoint::check_groupable(&ckpt, &cfg, GROUP_SIZE)?;
         }
         pyenv::activate(verbose)?;
+        let mut conversion = ConversionSettings::shipped(
+            self.layout.ctx,
+            self.quantize,
+            self.palettizer,
+            self.kmeans_workers,
+        );
+        conversion.pass_pipeline = self.pass_pipeline;
+        conversion.compose = self.compose;
         let settings = Settings {
-            conversion: ConversionSettings::shipped(
-                self.layout.ctx,
-                self.quantize,
-                self.palettizer,
-                self.kmeans_workers,
-            ),
+            conversion,
+            profile: self.profile,
             verbose,
             lock: self.lock,
         };
@@ -65,6 +73,9 @@ pub fn run(args: BuildCmd, verbose: bool) -> Result<ExitStatus> {
         quantize: !args.no_quantize,
         kmeans_workers: args.kmeans_workers,
         palettizer: args.palettizer,
+        pass_pipeline: args.pass_pipeline,
+        compose: !args.no_compose,
+        profile: false,
         lock: Some(OnLocked::from_no_wait(args.no_wait)),
     }
     .run(output, verbose)?;
@@ -83,6 +94,9 @@ fn check(dir: &Path, args: &BuildCmd, verbose: bool) -> Result<ExitStatus> {
         quantize: old.quantize,
         kmeans_workers: args.kmeans_workers,
         palettizer: old.palettizer,
+        pass_pipeline: old.pass_pipeline,
+        compose: old.compose,
+        profile: false,
         lock: None,
     }
     .run(&tmp, verbose);

@@ -20,7 +20,7 @@ use crate::parity::{self, ParityOptions};
 use crate::plan::{Functions, Mode};
 use crate::publish::OnLocked;
 use crate::py::env as pyenv;
-use crate::records::{BuildRecord, Palettizer};
+use crate::records::{BuildRecord, Palettizer, PassPipeline};
 
 pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
     let output = &args.release.output;
@@ -54,6 +54,9 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
             quantize,
             kmeans_workers: 1,
             palettizer: Palettizer::Chunkforge,
+            pass_pipeline: PassPipeline::Chunkforge,
+            compose: true,
+            profile: false,
             lock: Some(OnLocked::from_no_wait(args.release.no_wait)),
         }
         .run(&build_dir, verbose)?;

@@ -19,7 +19,7 @@ use super::error::PythonError;
 use crate::checkpoint::Checkpoint;
 use crate::plan::{ChunkPlan, Dims};
 use crate::progress::BuildProgress;
-use crate::records::{ChunkStats, ConversionSettings, Seconds, Versions};
+use crate::records::{ChunkStats, ConversionSettings, PassPipeline, PassStat, Seconds, Versions};
 
 /// `chunkforge_py.<module>.<func>(request)` (no argument when `request` is
 /// `()`), its reply read as `T`.
@@ -203,6 +203,8 @@ pub struct ChunkJob<'a> {
     pub settings: &'a ConversionSettings,
     /// In the chunk's function order.
     pub paths: Vec<String>,
+    /// Time (and probe) every coremltools graph pass.
+    pub profile: bool,
 }
 
 /// One converted function: its counts and seconds per phase.
@@ -211,6 +213,7 @@ pub struct ConvertedFunction {
     pub name: String,
     pub stats: ChunkStats,
     pub seconds: Seconds,
+    pub passes: Option<BTreeMap<String, PassStat>>,
 }
 
 /// `convert.convert_chunk`'s reply.
@@ -339,11 +342,49 @@ pub struct Bundle {
 
 /// `convert.combine(parts, targets)`: single-function packages bundled into
 /// multifunction ones sharing one weight blob.
-pub fn combine(parts: &[(String, String)], targets: &[(String, Vec<String>)]) -> PyResult<Bundle> {
+pub fn combine(
+    parts: &[(String, String)],
+    targets: &[(String, Vec<String>)],
+    pass_pipeline: PassPipeline,
+) -> PyResult<Bundle> {
+    Python::attach(|py| {
+        let reply = py.import("chunkforge_py.convert")?.call_method1(
+            "combine",
+            (parts.to_vec(), targets.to_vec(), pass_pipeline.as_str()),
+        )?;
+        from_py(&reply, "convert.combine")
+    })
+}
+
+/// One source of a composed package: a single-function four-chunk decode
+/// package and its chunk plan (that one function).
+#[derive(Serialize)]
+pub struct ComposeSource<'a> {
+    pub path: String,
+    pub chunk: &'a ChunkPlan,
+}
+
+/// `compose.compose_job`'s job: the target chunk (one decode function) from
+/// its sources, in layer order, written to `path`.
+#[derive(Serialize)]
+pub struct ComposeJob<'a> {
+    pub target: &'a ChunkPlan,
+    pub sources: Vec<ComposeSource<'a>>,
+    pub path: String,
+}
+
+/// `compose.compose_job`'s reply.
+#[derive(Deserialize)]
+pub struct Composed {
+    pub stats: ChunkStats,
+    pub seconds: Seconds,
+}
+
+pub fn compose(job: &ComposeJob) -> PyResult<Composed> {
     Python::attach(|py| {
         let reply = py
-            .import("chunkforge_py.convert")?
-            .call_method1("combine", (parts.to_vec(), targets.to_vec()))?;
-        from_py(&reply, "convert.combine")
+            .import("chunkforge_py.compose")?
+            .call_method1("compose_job", (to_py(py, job)?,))?;
+        from_py(&reply, "compose.compose_job")
     })
 }

@@ -28,6 +28,22 @@ crate::named! {
     }
 }
 
+crate::named! {
+    /// The MIL pass pipeline `ct.convert` runs: `chunkforge`, coremltools'
+    /// default without the passes that cannot change a chunkforge program
+    /// (python/chunkforge_py/passes.py `SKIPPED`; byte-identical packages),
+    /// or `coremltools`, its default pipeline, for comparison.
+    pub enum PassPipeline {
+        Chunkforge = "chunkforge",
+        Coremltools = "coremltools",
+    }
+}
+
+fn default_pass_pipeline() -> PassPipeline {
+    // build.json files written before the field existed ran coremltools' default.
+    PassPipeline::Coremltools
+}
+
 /// INT4 palettization settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Palettization {
@@ -63,6 +79,13 @@ pub struct ConversionSettings {
     pub compute_units: String,
     pub quantize: bool,
     pub palettization: Option<Palettization>,
+    #[serde(default = "default_pass_pipeline")]
+    pub pass_pipeline: PassPipeline,
+    /// Decode packages of layouts whose chunks the four-chunk layout tiles
+    /// are composed from the four-chunk programs (`compose.py`), not
+    /// converted again (absent in older records: they were converted).
+    #[serde(default)]
+    pub compose: bool,
 }
 
 impl ConversionSettings {
@@ -91,6 +114,8 @@ impl ConversionSettings {
                 },
                 kmeans_workers,
             }),
+            pass_pipeline: PassPipeline::Chunkforge,
+            compose: true,
         }
     }
 
@@ -199,6 +224,18 @@ pub struct FunctionRecord {
     /// each shared weight once).
     pub weight_bytes: u64,
     pub seconds: Seconds,
+    /// Seconds per coremltools graph pass (`bench build --profile` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passes: Option<BTreeMap<String, PassStat>>,
+}
+
+/// One graph pass in one conversion, summed over its runs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PassStat {
+    pub seconds: f64,
+    pub runs: u64,
+    /// Runs that changed the program.
+    pub changed: Option<u64>,
 }
 
 /// One built package (`chunks[]` of build.json).
@@ -234,6 +271,10 @@ pub struct ChunkRecord {
     /// Per function: its own program's ops and blob size.
     #[serde(default)]
     pub functions: Vec<FunctionRecord>,
+    /// The four-chunk packages its program was composed from (`compose.py`);
+    /// None: converted from torch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub composed_from: Option<Vec<String>>,
     pub sha256_tree: String,
     #[serde(default)]
     pub seconds: Seconds,

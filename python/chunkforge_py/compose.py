@@ -1,0 +1,1006 @@
+"""Compose a multi-layer package from converted single-chunk programs.
+
+A merged chunk (``merged_full`` = layers 0-34, ``merged_chunk1`` = 0-14, the
+three-chunk layout's chunks, ...) computes exactly what the four-chunk
+layout's functions compute back to back. Instead of tracing and converting it
+from torch again (about 95 MIL graph passes over the whole program), `compose`
+splices the already converted and palettized programs of the chunks it is made
+of into one MIL function at the protobuf level and lets coremltools write the
+result with (almost) no passes.
+
+Python API::
+
+    from chunkforge_py.compose import compose
+
+    result = compose(
+        [("out/chunk1.mlpackage", chunk1_plan), ("out/chunk2.mlpackage", chunk2_plan)],
+        merged_chunk1_plan,
+        "out/merged_chunk1.mlpackage",
+    )
+
+Each source is ``(package path, its ChunkPlan)`` or ``(package path, its
+ChunkPlan, function name)``; without a name the package's default function is
+used together with the plan's default function (``functions[0]``), so the
+four-chunk packages give their ``decode_q1``. The target's function is its
+``functions[0]`` (``main``). Everything is plain JSON-like data.
+
+How the wiring is derived (`plan_wiring`, from the plans alone): tensors are
+matched by what they carry (their role, alias and layer: ``roles.Key``), never
+by name.
+
+- Tiling: the sources' layers, in order, must be the target's layers, each
+  with the same attention kind, MLP width and KV source kind (own / shared,
+  alias, producer); the slots may differ. The sources' functions must be of
+  the target function's kind and token count.
+- KV caches (``k_sliding``, ``v_full``, ... and verify's new rows): axis 0
+  holds one slot per layer owning a cache of that kind (``LayerPlan.kv.slot``).
+  Each target slot is matched to the (source, slot) of the same layer. A
+  source's cache input is the target input itself when it covers every slot;
+  else the source's own constant-bound ``slice_by_index`` ops on it are
+  rewritten to slice the target input at the slot offset (`folded_slice`),
+  and any other reader gets a ``slice_by_index`` (or a concat of slices) of
+  the target input; a
+  target cache output is one source's output, or the concatenation along axis
+  0 of the sources' outputs (``stack`` ops that built the slots are merged into
+  one ``stack``, as the direct conversion has it).
+- Every other source input is fed by the latest earlier source that outputs
+  it (``hidden`` <- ``hidden_out`` of the source just before, which must
+  exist; ``per_layer_combined`` <- ``per_layer_combined_out``; shared KV
+  ``shared_k``/``shared_v`` of an alias <- the emitting source's output), and
+  else by the target input of the same key (same shape and dtype).
+- Every target output is the output of the same key of the latest source
+  that has one (the last source's ``hidden_out``, the emitter's shared KV).
+  Source outputs that are neither another source's input nor a target output
+  are dropped (their ops are removed when dead).
+- Every target input must feed some source input and every target output must
+  be found; otherwise the composition is refused with a `ChunkforgeError`.
+
+Names: the target's input and output names are reserved; any other variable
+or op name of a source that is taken (by the target or an earlier source) gets
+the source's suffix ``_s{k}`` (weights keep their names: they hold the layer
+index). Weights: each source's ``blobFileValue`` references are pointed at its
+own file (``@model_path/weights/source{k}.bin``, a link to its
+``weight.bin``); coremltools' MIL loader reads them into the composed program
+and `ct.convert` writes one fresh ``weight.bin``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+from .contract import Attention, ChunkPlan, ChunkStats, ComposedChunk, ComposeJob, FunctionPlan, TensorSpec
+from .roles import CACHE, NEW_ROWS, Key, key_of
+from .runtime import ChunkforgeError
+
+COMPOSED_FROM = "com.github.chunkforge.composed_from"
+# The passes the composed program needs: the sources are optimised already;
+# only ops that became dead (a dropped output's producers, merged stacks) go.
+DEFAULT_PASSES: tuple[str, ...] = ("common::dead_code_elimination",)
+# coremltools' key that would make two compositions of the same sources differ.
+CONVERSION_DATE = "com.github.apple.coremltools.conversion_date"
+
+# Roles whose tensor has one slot per cache-owning layer on axis 0, by attention kind.
+SLOT_ROLES: dict[str, Attention] = {
+    role: kind for table in (CACHE, NEW_ROWS) for kind, pair in table.items() for role in pair
+}
+# A source input fed by an earlier source's output of another role.
+FORWARDED: dict[str, str] = {"hidden": "hidden_out", "per_layer_combined": "per_layer_combined_out"}
+SPEC_REL = os.path.join("Data", "com.apple.CoreML", "model.mlmodel")
+WEIGHTS_PREFIX = "@model_path/weights/"
+
+# A source: (package path, its chunk plan) or (package path, chunk plan, function name).
+Source = tuple[str, ChunkPlan] | tuple[str, ChunkPlan, str]
+
+
+class ComposeResult(TypedDict):
+    """What `compose` returns: the saved package's stats (`convert.save`),
+    seconds per phase, the ``composed_from`` metadata and the wiring (target
+    tensor name -> where it comes from / what it feeds, for reports)."""
+
+    stats: ChunkStats
+    seconds: dict[str, float]
+    composed_from: str
+    wiring: dict[str, list[str]]
+
+
+# ---- the wiring, from the plans ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """Slots ``start:end`` (axis 0) of a tensor: of the target's (inputs) or of
+    source ``source``'s output ``name`` (target outputs)."""
+
+    source: int
+    name: str
+    start: int
+    end: int
+
+
+@dataclass
+class Feed:
+    """Where one source input comes from: a target input (``runs`` of its
+    slots: one run covering all of them is the input itself), or the output
+    ``name`` of an earlier source ``source``."""
+
+    kind: str  # "target" | "slots" | "source"
+    name: str
+    source: int = -1
+    runs: list[Run] = field(default_factory=list)
+
+
+@dataclass
+class Wiring:
+    """The complete connection of the sources to the target function."""
+
+    # Per source: source input name -> its feed.
+    feeds: list[dict[str, Feed]]
+    # Target output name -> the runs it is made of, in slot order (one run:
+    # a source output as it is; for a non-slot tensor start = end = 0).
+    outputs: dict[str, list[Run]]
+    # Per source: its outputs that go nowhere.
+    dropped: list[list[str]]
+
+    def describe(self, target: FunctionPlan) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for spec in target["inputs"]:
+            fed = []
+            for k, feeds in enumerate(self.feeds):
+                for sname, f in feeds.items():
+                    if f.kind == "target" and f.name == spec["name"]:
+                        fed.append(f"s{k}.{sname}")
+                    elif f.kind == "slots" and f.name == spec["name"]:
+                        slots = "+".join(f"{r.start}:{r.end}" for r in f.runs)
+                        fed.append(f"s{k}.{sname}[{slots}]")
+            out[spec["name"]] = fed
+        for name, runs in self.outputs.items():
+            out[name] = [f"s{r.source}.{r.name}" + (f"[{r.start}:{r.end}]" if r.end else "") for r in runs]
+        return out
+
+
+def layer_slots(chunk: ChunkPlan, kind: Attention) -> list[int]:
+    """The layer held in each cache slot of ``kind`` (slot order)."""
+    owned = {
+        lay["kv"]["slot"]: lay["index"]
+        for lay in chunk["layers"]
+        if lay["kv"]["kind"] == "own" and lay["attention"] == kind
+    }
+    if sorted(owned) != list(range(len(owned))):
+        raise ChunkforgeError(f"{chunk['name']}: {kind} cache slots {sorted(owned)} are not 0..{len(owned) - 1}")
+    return [owned[s] for s in range(len(owned))]
+
+
+def function_of(chunk: ChunkPlan, name: str | None) -> FunctionPlan:
+    if name is None:
+        return chunk["functions"][0]
+    for f in chunk["functions"]:
+        if f["name"] == name:
+            return f
+    raise ChunkforgeError(f"{chunk['name']}: no function {name} in its plan")
+
+
+def describe_spec(spec: TensorSpec) -> str:
+    return f"{spec['name']} {spec['shape']} {spec['dtype']}"
+
+
+def check_tiling(chunks: Sequence[ChunkPlan], functions: Sequence[FunctionPlan], target: ChunkPlan) -> None:
+    """The sources' layers, in order, are the target's (same structure), and
+    their functions are the target function's kind."""
+    names = ", ".join(c["name"] for c in chunks)
+    if not chunks:
+        raise ChunkforgeError(f"cannot compose {target['name']}: no sources")
+    got = [lay["index"] for c in chunks for lay in c["layers"]]
+    want = [lay["index"] for lay in target["layers"]]
+    if got != want:
+        ranges = ", ".join(f"{c['name']} {c['first_layer']}-{c['last_layer']}" for c in chunks)
+        raise ChunkforgeError(
+            f"sources do not tile {target['name']} (layers {target['first_layer']}-{target['last_layer']}): "
+            f"they hold {ranges}, layers {got} instead of {want}"
+        )
+    source_layers = {lay["index"]: (c["name"], lay) for c in chunks for lay in c["layers"]}
+    for lay in target["layers"]:
+        cname, src = source_layers[lay["index"]]
+
+        def shape(layer: Any) -> tuple[Any, ...]:
+            kv = layer["kv"]
+            return (layer["attention"], layer["mlp_width"], kv["kind"], kv.get("alias"), kv.get("producer"))
+
+        if shape(src) != shape(lay):
+            raise ChunkforgeError(
+                f"cannot compose {target['name']} from {names}: layer {lay['index']} of {cname} is "
+                f"{shape(src)}, the target's is {shape(lay)} (attention, MLP width, KV source)"
+            )
+    tf = target["functions"][0]
+    for c, f in zip(chunks, functions, strict=True):
+        if (f["kind"], f["tokens"]) != (tf["kind"], tf["tokens"]):
+            raise ChunkforgeError(
+                f"cannot compose {target['name']}/{tf['name']} ({tf['kind']}, {tf['tokens']} tokens) from "
+                f"{c['name']}/{f['name']} ({f['kind']}, {f['tokens']} tokens)"
+            )
+    if target["computes_per_layer_input"] != chunks[0]["computes_per_layer_input"] or any(
+        c["computes_per_layer_input"] for c in chunks[1:]
+    ):
+        raise ChunkforgeError(
+            f"cannot compose {target['name']} from {names}: only the first chunk may (and must, when the "
+            "target does) project the per-layer inputs"
+        )
+    if target["has_head"] != chunks[-1]["has_head"] or any(c["has_head"] for c in chunks[:-1]):
+        raise ChunkforgeError(
+            f"cannot compose {target['name']} from {names}: only the last chunk may (and must, when the "
+            "target does) apply the head"
+        )
+
+
+def slot_runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(a, b)`` pairs with consecutive ``a`` grouped into runs ``(a0, b0, n)``
+    where ``b`` is consecutive too."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs
+
+
+def plan_wiring(chunks: Sequence[ChunkPlan], functions: Sequence[FunctionPlan], target: ChunkPlan) -> Wiring:
+    """How the sources' functions connect to the target's function (see the
+    module docstring); a `ChunkforgeError` when they do not tile it or a
+    tensor cannot be wired."""
+    check_tiling(chunks, functions, target)
+    tf = target["functions"][0]
+    what = f"cannot compose {target['name']}/{tf['name']} from {', '.join(c['name'] for c in chunks)}"
+    t_inputs = {key_of(s): s for s in tf["inputs"]}
+    # (kind, layer) -> target slot; (kind, layer) -> (source, slot).
+    t_slot = {(kind, layer): i for kind in CACHE for i, layer in enumerate(layer_slots(target, kind))}
+    s_slot = {
+        (kind, layer): (k, i)
+        for k, c in enumerate(chunks)
+        for kind in CACHE
+        for i, layer in enumerate(layer_slots(c, kind))
+    }
+
+    def same(a: TensorSpec, b: TensorSpec, slots: bool = False) -> bool:
+        return a["dtype"] == b["dtype"] and (a["shape"][1:] == b["shape"][1:] if slots else a["shape"] == b["shape"])
+
+    def check_slots(spec: TensorSpec, n: int, who: str) -> None:
+        if spec["shape"][0] != n:
+            raise ChunkforgeError(f"{what}: {who} {describe_spec(spec)} has {spec['shape'][0]} slots, its plan {n}")
+
+    feeds: list[dict[str, Feed]] = []
+    used: set[tuple[int, str]] = set()
+    fed_targets: set[str] = set()
+    for k, (c, f) in enumerate(zip(chunks, functions, strict=True)):
+        mine: dict[str, Feed] = {}
+        for spec in f["inputs"]:
+            key = key_of(spec)
+            who = f"{c['name']} input {describe_spec(spec)}"
+            kind = SLOT_ROLES.get(spec["role"])
+            if kind is not None:
+                t_spec = t_inputs.get(key)
+                if t_spec is None or not same(spec, t_spec, slots=True):
+                    found = describe_spec(t_spec) if t_spec else "none"
+                    raise ChunkforgeError(f"{what}: {who}: the target has no matching input (found {found})")
+                layers = layer_slots(c, kind)
+                check_slots(spec, len(layers), who)
+                check_slots(t_spec, len(layer_slots(target, kind)), f"target input {t_spec['name']}")
+                pairs = [(i, t_slot[(kind, layer)]) for i, layer in enumerate(layers)]
+                taken = [Run(-1, t_spec["name"], b, b + n) for _, b, n in slot_runs(pairs)]
+                whole = len(taken) == 1 and taken[0].start == 0 and taken[0].end == t_spec["shape"][0]
+                mine[spec["name"]] = Feed("target" if whole else "slots", t_spec["name"], runs=taken)
+                fed_targets.add(t_spec["name"])
+                continue
+            # The latest earlier source with the output this input forwards.
+            out_key = Key(FORWARDED.get(key.role, key.role), key.alias, key.layer)  # type: ignore[arg-type]
+            producer = None
+            for j in range(k - 1, -1, -1):
+                match = [o for o in functions[j]["outputs"] if key_of(o) == out_key]
+                if match:
+                    producer = (j, match[0])
+                    break
+            if key.role == "hidden" and k > 0 and (producer is None or producer[0] != k - 1):
+                raise ChunkforgeError(f"{what}: {who}: {chunks[k - 1]['name']} hands on no hidden state")
+            if producer is not None:
+                j, o = producer
+                if not same(spec, o):
+                    raise ChunkforgeError(f"{what}: {who} is fed by {chunks[j]['name']} output {describe_spec(o)}")
+                mine[spec["name"]] = Feed("source", o["name"], source=j)
+                used.add((j, o["name"]))
+                continue
+            t_spec = t_inputs.get(key)
+            if t_spec is None:
+                raise ChunkforgeError(f"{what}: {who} is neither a target input nor an earlier chunk's output")
+            if not same(spec, t_spec):
+                raise ChunkforgeError(f"{what}: {who} does not match target input {describe_spec(t_spec)}")
+            mine[spec["name"]] = Feed("target", t_spec["name"])
+            fed_targets.add(t_spec["name"])
+        feeds.append(mine)
+    unfed = [s["name"] for s in tf["inputs"] if s["name"] not in fed_targets]
+    if unfed:
+        raise ChunkforgeError(f"{what}: target input(s) {', '.join(unfed)} feed no source input")
+
+    outputs: dict[str, list[Run]] = {}
+    for spec in tf["outputs"]:
+        key = key_of(spec)
+        who = f"target output {describe_spec(spec)}"
+        kind = SLOT_ROLES.get(spec["role"])
+        if kind is not None:
+            layers = layer_slots(target, kind)
+            check_slots(spec, len(layers), who)
+            pieces: list[tuple[int, str, int]] = []
+            for layer in layers:
+                k, i = s_slot[(kind, layer)]
+                match = [o for o in functions[k]["outputs"] if key_of(o) == key]
+                if not match or not same(spec, match[0], slots=True):
+                    raise ChunkforgeError(f"{what}: {who}: {chunks[k]['name']} has no such output for layer {layer}")
+                check_slots(match[0], len(layer_slots(chunks[k], kind)), f"{chunks[k]['name']} output")
+                pieces.append((k, match[0]["name"], i))
+            runs: list[Run] = []
+            for k, name, i in pieces:
+                last = runs[-1] if runs else None
+                if last is not None and last.source == k and last.name == name and last.end == i:
+                    runs[-1] = Run(k, name, last.start, i + 1)
+                else:
+                    runs.append(Run(k, name, i, i + 1))
+            outputs[spec["name"]] = runs
+            used.update((r.source, r.name) for r in runs)
+            continue
+        maker: tuple[int, TensorSpec] | None = None
+        for k in range(len(chunks) - 1, -1, -1):
+            match = [o for o in functions[k]["outputs"] if key_of(o) == key]
+            if match:
+                maker = (k, match[0])
+                break
+        if maker is None:
+            raise ChunkforgeError(f"{what}: {who} is no source's output")
+        k, o = maker
+        if not same(spec, o):
+            raise ChunkforgeError(f"{what}: {who} does not match {chunks[k]['name']} output {describe_spec(o)}")
+        outputs[spec["name"]] = [Run(k, o["name"], 0, 0)]
+        used.add((k, o["name"]))
+    dropped = [[o["name"] for o in f["outputs"] if (k, o["name"]) not in used] for k, f in enumerate(functions)]
+    return Wiring(feeds, outputs, dropped)
+
+
+# ---- the program, at the protobuf level --------------------------------------
+
+DTYPES = {"fp16": "FLOAT16", "fp32": "FLOAT32", "int32": "INT32"}
+
+
+def tensor_value_type(mil: Any, dtype: str, shape: Sequence[int]) -> Any:
+    vt = mil.ValueType()
+    tt = vt.tensorType
+    tt.dataType = mil.DataType.Value(dtype)
+    tt.rank = len(shape)
+    for d in shape:
+        tt.dimensions.add().constant.size = int(d)
+    return vt
+
+
+def string_value(mil: Any, s: str) -> Any:
+    v = mil.Value()
+    v.type.tensorType.dataType = mil.DataType.Value("STRING")
+    v.immediateValue.tensor.strings.values.append(s)
+    return v
+
+
+def const_op(mil: Any, name: str, values: Sequence[int] | Sequence[bool] | int | bool) -> Any:
+    """A ``const`` op of an int32 or bool vector, an int32 scalar or a bool scalar."""
+    op = mil.Operation(type="const")
+    if not isinstance(values, int) and values and all(isinstance(v, bool) for v in values):
+        vt = tensor_value_type(mil, "BOOL", [len(values)])
+        op.attributes["val"].type.CopyFrom(vt)
+        op.attributes["val"].immediateValue.tensor.bools.values.extend(bool(v) for v in values)
+    elif isinstance(values, bool):
+        vt = tensor_value_type(mil, "BOOL", [])
+        op.attributes["val"].type.CopyFrom(vt)
+        op.attributes["val"].immediateValue.tensor.bools.values.append(values)
+    elif isinstance(values, int):
+        vt = tensor_value_type(mil, "INT32", [])
+        op.attributes["val"].type.CopyFrom(vt)
+        op.attributes["val"].immediateValue.tensor.ints.values.append(values)
+    else:
+        vt = tensor_value_type(mil, "INT32", [len(values)])
+        op.attributes["val"].type.CopyFrom(vt)
+        op.attributes["val"].immediateValue.tensor.ints.values.extend(int(v) for v in values)
+    out = op.outputs.add()
+    out.name = name
+    out.type.CopyFrom(vt)
+    op.attributes["name"].CopyFrom(string_value(mil, name))
+    return op
+
+
+def op_name(op: Any) -> str | None:
+    attr = op.attributes.get("name")
+    if attr is None or not attr.immediateValue.tensor.strings.values:
+        return None
+    return str(attr.immediateValue.tensor.strings.values[0])
+
+
+def with_slots(vt: Any, n: int) -> Any:
+    """A copy of a tensor value type with axis 0 of size ``n``."""
+    out = type(vt)()
+    out.CopyFrom(vt)
+    out.tensorType.dimensions[0].constant.size = n
+    return out
+
+
+class Names:
+    """Unique variable and op names across the composed function."""
+
+    def __init__(self, reserved: Iterable[str]):
+        self.vars: set[str] = set(reserved)
+        self.ops: set[str] = set(reserved)
+
+    @staticmethod
+    def _fresh(taken: set[str], name: str, suffix: str) -> str:
+        out, n = name, 1
+        while out in taken:
+            out = f"{name}{suffix}" if n == 1 else f"{name}{suffix}_{n}"
+            n += 1
+        taken.add(out)
+        return out
+
+    def var(self, name: str, suffix: str) -> str:
+        return self._fresh(self.vars, name, suffix)
+
+    def op(self, name: str, suffix: str) -> str:
+        return self._fresh(self.ops, name, suffix)
+
+
+@dataclass
+class SourceProgram:
+    """One source function's protobuf pieces."""
+
+    path: str
+    spec: Any
+    function: Any
+    block: Any
+    label: str
+
+
+def read_source(path: str, function: str | None) -> SourceProgram:
+    from coremltools.proto import Model_pb2
+
+    spec = Model_pb2.Model()
+    try:
+        with open(os.path.join(path, SPEC_REL), "rb") as f:
+            spec.ParseFromString(f.read())
+    except (OSError, ValueError) as e:
+        raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
+    if spec.WhichOneof("Type") != "mlProgram":
+        raise ChunkforgeError(f"{path}: not an ML program")
+    names = list(spec.mlProgram.functions)
+    name = function or spec.description.defaultFunctionName or ("main" if "main" in names else names[0])
+    if name not in spec.mlProgram.functions:
+        raise ChunkforgeError(f"{path}: no function {name} (it has {', '.join(sorted(names))})")
+    fn = spec.mlProgram.functions[name]
+    if fn.opset not in fn.block_specializations:
+        raise ChunkforgeError(f"{path}: function {name} has no block for its opset {fn.opset}")
+    label = os.path.basename(os.path.normpath(path)).removesuffix(".mlpackage")
+    return SourceProgram(path, spec, fn, fn.block_specializations[fn.opset], label)
+
+
+def check_declared(src: SourceProgram, f: FunctionPlan, mil: Any) -> None:
+    """The source function's inputs and outputs are the ones its plan names."""
+    declared = {i.name: i.type for i in src.function.inputs}
+    want = [s["name"] for s in f["inputs"]]
+    if sorted(declared) != sorted(want):
+        raise ChunkforgeError(f"{src.path}: inputs {sorted(declared)} are not its plan's {sorted(want)}")
+    for s in f["inputs"]:
+        if declared[s["name"]] != tensor_value_type(mil, DTYPES[s["dtype"]], s["shape"]):
+            raise ChunkforgeError(f"{src.path}: input {s['name']} is not {s['shape']} {s['dtype']} as its plan says")
+    outs = [s["name"] for s in f["outputs"]]
+    if list(src.block.outputs) != outs:
+        raise ChunkforgeError(f"{src.path}: outputs {list(src.block.outputs)} are not its plan's {outs}")
+
+
+def rename_bindings(op: Any, rename: dict[str, str], blob: dict[str, str]) -> None:
+    """Point ``op``'s (and its nested blocks') variable references and blob files at their new names."""
+
+    def value(v: Any) -> None:
+        if v.WhichOneof("value") == "blobFileValue":
+            base = v.blobFileValue.fileName.removeprefix(WEIGHTS_PREFIX)
+            if base not in blob:
+                raise ChunkforgeError(f"weight file {v.blobFileValue.fileName!r} is not in the package's weights/")
+            v.blobFileValue.fileName = WEIGHTS_PREFIX + blob[base]
+
+    for arg in op.inputs.values():
+        for b in arg.arguments:
+            if b.WhichOneof("binding") == "name":
+                b.name = rename.get(b.name, b.name)
+            elif b.WhichOneof("binding") == "value":
+                value(b.value)
+    for a in op.attributes.values():
+        value(a)
+    for block in op.blocks:
+        for inner in block.operations:
+            rename_bindings(inner, rename, blob)
+        outs = [rename.get(n, n) for n in block.outputs]
+        del block.outputs[:]
+        block.outputs.extend(outs)
+
+
+def defined_names(op: Any) -> Iterable[str]:
+    for o in op.outputs:
+        yield o.name
+    for block in op.blocks:
+        for i in block.inputs:
+            yield i.name
+        for inner in block.operations:
+            yield from defined_names(inner)
+
+
+def rename_definitions(op: Any, rename: dict[str, str]) -> None:
+    for o in op.outputs:
+        o.name = rename.get(o.name, o.name)
+    for block in op.blocks:
+        for i in block.inputs:
+            i.name = rename.get(i.name, i.name)
+        for inner in block.operations:
+            rename_definitions(inner, rename)
+
+
+def consumers(block: Any) -> dict[str, int]:
+    """How many times each variable is read in ``block`` (outputs count once)."""
+    counts: dict[str, int] = {}
+
+    def walk(ops: Iterable[Any]) -> None:
+        for op in ops:
+            for arg in op.inputs.values():
+                for b in arg.arguments:
+                    if b.WhichOneof("binding") == "name":
+                        counts[b.name] = counts.get(b.name, 0) + 1
+            for inner in op.blocks:
+                walk(inner.operations)
+                for n in inner.outputs:
+                    counts[n] = counts.get(n, 0) + 1
+
+    walk(block.operations)
+    for n in block.outputs:
+        counts[n] = counts.get(n, 0) + 1
+    return counts
+
+
+def const_int(ops_by_output: dict[str, Any], arg: Any) -> int | None:
+    """The int value of a single-binding argument bound to a scalar int const op."""
+    if len(arg.arguments) != 1 or arg.arguments[0].WhichOneof("binding") != "name":
+        return None
+    op = ops_by_output.get(arg.arguments[0].name)
+    if op is None or op.type != "const":
+        return None
+    ints = op.attributes["val"].immediateValue.tensor.ints.values
+    return int(ints[0]) if len(ints) == 1 else None
+
+
+def const_vector(ops_by_output: dict[str, Any], arg: Any) -> list[int] | list[bool] | None:
+    """The values of a single-binding argument bound to an int or bool vector const op."""
+    if len(arg.arguments) != 1 or arg.arguments[0].WhichOneof("binding") != "name":
+        return None
+    op = ops_by_output.get(arg.arguments[0].name)
+    if op is None or op.type != "const" or op.attributes["val"].type.tensorType.rank != 1:
+        return None
+    tensor = op.attributes["val"].immediateValue.tensor
+    if tensor.WhichOneof("value") == "ints":
+        return [int(v) for v in tensor.ints.values]
+    if tensor.WhichOneof("value") == "bools":
+        return [bool(v) for v in tensor.bools.values]
+    return None
+
+
+def folded_slice(op: Any, ops_by_output: dict[str, Any], x: str, offset: int, n: int) -> dict[str, Any] | None:
+    """``op`` reading source input ``x`` (slots ``offset:offset+n`` of a target
+    input) rewritten to read the target input itself: a ``slice_by_index`` of
+    constant bounds whose axis-0 range lies in ``0:n`` takes ``offset`` on its
+    axis-0 begin and end. The new values of its vector inputs by input name, or
+    None when it cannot be folded (then it reads a slice of the target input)."""
+    if op.type != "slice_by_index" or [b.name for b in op.inputs["x"].arguments] != [x]:
+        return None
+    args = {name: const_vector(ops_by_output, arg) for name, arg in op.inputs.items() if name != "x"}
+    if any(v is None or not v for v in args.values()) or "begin" not in args or "end" not in args:
+        return None
+    begin, end = list(args["begin"] or []), list(args["end"] or [])
+    begin_mask = list(args.get("begin_mask") or [False] * len(begin))
+    end_mask = list(args.get("end_mask") or [False] * len(end))
+    if "stride" in args and (args["stride"] or [1])[0] != 1:
+        return None
+    b0 = 0 if begin_mask[0] else int(begin[0])
+    e0 = n if end_mask[0] else int(end[0])
+    b0, e0 = b0 + n if b0 < 0 else b0, e0 + n if e0 < 0 else e0
+    squeeze = bool((args.get("squeeze_mask") or [False])[0])
+    if not 0 <= b0 <= e0 <= n or (squeeze and b0 >= n):
+        return None
+    begin[0], end[0] = b0 + offset, (b0 + 1 if squeeze else e0) + offset
+    out: dict[str, Any] = {"begin": begin, "end": end}
+    if "begin_mask" in args:
+        out["begin_mask"] = [False] + begin_mask[1:]
+    if "end_mask" in args:
+        out["end_mask"] = [False] + end_mask[1:]
+    return out
+
+
+def build_program(
+    sources: Sequence[SourceProgram], functions: Sequence[FunctionPlan], target: FunctionPlan, wiring: Wiring
+) -> Any:
+    """The composed Model proto (one function ``main``), its weights referenced
+    as ``source{k}.bin`` (links `compose` makes to each source's weight.bin)."""
+    from coremltools.proto import MIL_pb2 as mil
+    from coremltools.proto import Model_pb2
+
+    opsets = {s.function.opset for s in sources}
+    if len(opsets) != 1:
+        raise ChunkforgeError(f"the sources' functions have different opsets {sorted(opsets)}")
+    opset = opsets.pop()
+    for s, f in zip(sources, functions, strict=True):
+        check_declared(s, f, mil)
+
+    reserved = [t["name"] for t in target["inputs"]] + [t["name"] for t in target["outputs"]]
+    names = Names(reserved)
+    main = mil.Function(opset=opset)
+    for t in target["inputs"]:
+        main.inputs.add(name=t["name"], type=tensor_value_type(mil, DTYPES[t["dtype"]], t["shape"]))
+    block = main.block_specializations[opset]
+    t_specs = {t["name"]: t for t in target["inputs"] + target["outputs"]}
+
+    # Target outputs that are one source output as it is take their name from
+    # the target; those several sources make are built after the sources.
+    direct: dict[tuple[int, str], str] = {}
+    for name, runs in wiring.outputs.items():
+        r = runs[0]
+        if len(runs) == 1 and (r.end == 0 or (r.start == 0 and r.end == slots_of(functions[r.source], r.name))):
+            direct.setdefault((r.source, r.name), name)
+    stacks = mergeable_stacks(sources, functions, wiring)
+    skip = {id(op) for _, op in stacks.values()}
+    stack_values: dict[tuple[int, str], list[str]] = {}
+    finals: list[dict[str, str]] = []
+
+    for k, src in enumerate(sources):
+        suffix = f"_s{k}"
+        rename: dict[str, str] = {}
+        ops_by_output = {o.name: op for op in src.block.operations for o in op.outputs}
+        counts = consumers(src.block)
+        # Per op reading a cache input: the target input it reads instead and
+        # its new bounds (see `folded_slice`).
+        folds: dict[int, tuple[str, dict[str, Any]]] = {}
+        # Inputs: the target's input, an earlier source's output, or slices.
+        for sname, feed in wiring.feeds[k].items():
+            if feed.kind == "target":
+                rename[sname] = feed.name
+            elif feed.kind == "source":
+                rename[sname] = finals[feed.source][feed.name]
+            else:
+                mine: dict[int, tuple[str, dict[str, Any]]] = {}
+                if len(feed.runs) == 1:
+                    r = feed.runs[0]
+                    for op in src.block.operations:
+                        bounds = folded_slice(op, ops_by_output, sname, r.start, r.end - r.start)
+                        if bounds is not None:
+                            mine[id(op)] = (feed.name, bounds)
+                folds.update(mine)
+                if len(mine) == counts.get(sname, 0):
+                    rename[sname] = feed.name
+                else:
+                    base = f"{sname}{suffix}"
+                    rename[sname] = slice_slots(mil, block, names, feed, t_specs[feed.name], base, suffix)
+        for op in src.block.operations:
+            for n in defined_names(op):
+                if n in rename:
+                    raise ChunkforgeError(f"{src.path}: {n} is defined twice")
+                target_name = direct.get((k, n))
+                if target_name is not None:
+                    rename[n] = target_name
+                else:
+                    rename[n] = names.var(n, suffix)
+        for oname in src.block.outputs:
+            if oname not in rename:
+                raise ChunkforgeError(f"{src.path}: output {oname} is not produced by any op")
+        blob = {"weight.bin": f"source{k}.bin"}
+        for op in src.block.operations:
+            blob.update(blob_files(op, k))
+        for op in src.block.operations:
+            if id(op) in skip:
+                continue
+            consts: dict[str, str] = {}
+            if id(op) in folds:
+                for arg, values in folds[id(op)][1].items():
+                    consts[arg] = names.var(f"{rename[op.outputs[0].name]}_{arg}", "_composed")
+                    block.operations.append(const_op(mil, consts[arg], values))
+            new = block.operations.add()
+            new.CopyFrom(op)
+            original = op_name(op)
+            rename_definitions(new, rename)
+            rename_bindings(new, rename, blob)
+            if id(op) in folds:
+                new.inputs["x"].arguments[0].name = folds[id(op)][0]
+                for arg, const in consts.items():
+                    new.inputs[arg].arguments[0].name = const
+            if original is not None:
+                # An op named after its output follows the output's new name.
+                first = op.outputs[0].name if op.outputs else None
+                wanted = rename[first] if first is not None and original == first else original
+                new.attributes["name"].CopyFrom(string_value(mil, names.op(wanted, suffix)))
+        finals.append({o: rename[o] for o in src.block.outputs})
+        for (j, oname), (values, _) in stacks.items():
+            if j == k:
+                stack_values[(j, oname)] = [rename.get(v, v) for v in values]
+
+    for name, runs in wiring.outputs.items():
+        if len(runs) == 1 and finals[runs[0].source][runs[0].name] == name:
+            continue
+        r0 = runs[0]
+        out_type = output_type(sources[r0.source], r0.name)
+        if r0.end == 0:
+            # The same source output is two target outputs: an identity.
+            identity(mil, block, names, finals[r0.source][r0.name], name, out_type)
+            continue
+        vt = with_slots(out_type, t_specs[name]["shape"][0])
+        if all((r.source, r.name) in stacks for r in runs):
+            # The slots' values in one stack, as a direct conversion writes it.
+            values = [v for r in runs for v in stack_values[(r.source, r.name)]]
+            stack(mil, block, names, values, name, vt, op_name(stacks[(r0.source, r0.name)][1]) or name)
+            continue
+        parts = []
+        for r in runs:
+            var = finals[r.source][r.name]
+            if r.start == 0 and r.end == slots_of(functions[r.source], r.name):
+                parts.append(var)
+            else:
+                vt_r = output_type(sources[r.source], r.name)
+                parts.append(slice_var(mil, block, names, var, r.start, r.end, vt_r, f"{name}_{r.start}"))
+        concat(mil, block, names, parts, name, vt)
+
+    del block.outputs[:]
+    block.outputs.extend(t["name"] for t in target["outputs"])
+    model = Model_pb2.Model()
+    model.specificationVersion = max(s.spec.specificationVersion for s in sources)
+    model.mlProgram.version = 1
+    model.mlProgram.functions["main"].CopyFrom(main)
+    return model
+
+
+def slots_of(function: FunctionPlan, output: str) -> int:
+    return int(next(o for o in function["outputs"] if o["name"] == output)["shape"][0])
+
+
+def output_type(src: SourceProgram, name: str) -> Any:
+    """The value type of the op output ``name`` of a source."""
+    for op in src.block.operations:
+        for o in op.outputs:
+            if o.name == name:
+                return o.type
+    raise ChunkforgeError(f"{src.path}: output {name} is not produced by any op (a function input?)")
+
+
+def mergeable_stacks(
+    sources: Sequence[SourceProgram], functions: Sequence[FunctionPlan], wiring: Wiring
+) -> dict[tuple[int, str], tuple[list[str], Any]]:
+    """The source outputs of the target outputs that several sources make and
+    that can be merged into one ``stack``: each whole, made by a ``stack`` on
+    axis 0 (or an ``expand_dims`` on axis 0) and read by nothing else.
+    (source, output) -> (the stack's values, the op)."""
+    uses: dict[tuple[int, str], int] = {}
+    for runs in wiring.outputs.values():
+        for r in runs:
+            uses[(r.source, r.name)] = uses.get((r.source, r.name), 0) + 1
+    for feeds in wiring.feeds:
+        for f in feeds.values():
+            if f.kind == "source":
+                uses[(f.source, f.name)] = uses.get((f.source, f.name), 0) + 1
+    out: dict[tuple[int, str], tuple[list[str], Any]] = {}
+    for runs in wiring.outputs.values():
+        if len(runs) < 2:
+            continue
+        found: dict[tuple[int, str], tuple[list[str], Any]] = {}
+        for r in runs:
+            src = sources[r.source]
+            ops_by_output = {o.name: op for op in src.block.operations for o in op.outputs}
+            op = ops_by_output.get(r.name)
+            whole = r.start == 0 and r.end == slots_of(functions[r.source], r.name)
+            if op is None or not whole or uses[(r.source, r.name)] != 1 or consumers(src.block).get(r.name) != 1:
+                break
+            if op.type == "stack" and "axis" in op.inputs and const_int(ops_by_output, op.inputs["axis"]) == 0:
+                found[(r.source, r.name)] = ([b.name for b in op.inputs["values"].arguments], op)
+            elif op.type == "expand_dims" and const_vector(ops_by_output, op.inputs["axes"]) == [0]:
+                # coremltools writes the stack of one slot as an expand_dims.
+                found[(r.source, r.name)] = ([b.name for b in op.inputs["x"].arguments], op)
+            else:
+                break
+        else:
+            out.update(found)
+    return out
+
+
+def identity(mil: Any, block: Any, names: Names, x: str, out: str, vt: Any) -> None:
+    op = block.operations.add(type="identity")
+    op.inputs["x"].arguments.add(name=x)
+    op.outputs.add(name=out, type=vt)
+    op.attributes["name"].CopyFrom(string_value(mil, names.op(out, "_composed")))
+
+
+def stack(mil: Any, block: Any, names: Names, values: Sequence[str], out: str, vt: Any, name: str) -> None:
+    """``out = stack(values, axis=0)``."""
+    axis = names.var(f"{out}_axis", "_composed")
+    block.operations.append(const_op(mil, axis, 0))
+    op = block.operations.add(type="stack")
+    for v in values:
+        op.inputs["values"].arguments.add(name=v)
+    op.inputs["axis"].arguments.add(name=axis)
+    op.outputs.add(name=out, type=vt)
+    op.attributes["name"].CopyFrom(string_value(mil, names.op(name, "_composed")))
+
+
+def blob_files(op: Any, k: int) -> dict[str, str]:
+    """Every weight file ``op`` references other than weight.bin -> its per-source name."""
+    out: dict[str, str] = {}
+
+    def value(v: Any) -> None:
+        if v.WhichOneof("value") == "blobFileValue":
+            base = v.blobFileValue.fileName.removeprefix(WEIGHTS_PREFIX)
+            if base != "weight.bin":
+                out[base] = f"source{k}_{base}"
+
+    for arg in op.inputs.values():
+        for b in arg.arguments:
+            if b.WhichOneof("binding") == "value":
+                value(b.value)
+    for a in op.attributes.values():
+        value(a)
+    for block in op.blocks:
+        for inner in block.operations:
+            out.update(blob_files(inner, k))
+    return out
+
+
+def slice_var(mil: Any, block: Any, names: Names, x: str, start: int, end: int, vt: Any, base: str) -> str:
+    """``x[start:end]`` on axis 0 (rank of ``vt``) as a new variable."""
+    rank = vt.tensorType.rank
+    begin = names.var(f"{base}_begin", "_composed")
+    stop = names.var(f"{base}_end", "_composed")
+    mask = names.var(f"{base}_end_mask", "_composed")
+    block.operations.append(const_op(mil, begin, [start] + [0] * (rank - 1)))
+    block.operations.append(const_op(mil, stop, [end] + [0] * (rank - 1)))
+    block.operations.append(const_op(mil, mask, [False] + [True] * (rank - 1)))
+    out = names.var(base, "_composed")
+    op = block.operations.add(type="slice_by_index")
+    op.inputs["x"].arguments.add(name=x)
+    op.inputs["begin"].arguments.add(name=begin)
+    op.inputs["end"].arguments.add(name=stop)
+    op.inputs["end_mask"].arguments.add(name=mask)
+    op.outputs.add(name=out, type=with_slots(vt, end - start))
+    op.attributes["name"].CopyFrom(string_value(mil, names.op(out, "_composed")))
+    return out
+
+
+def concat(mil: Any, block: Any, names: Names, parts: Sequence[str], out: str, vt: Any) -> None:
+    """``out = concat(parts, axis=0)`` (no op for a single part other than a rename is needed)."""
+    axis = names.var(f"{out}_axis", "_composed")
+    interleave = names.var(f"{out}_interleave", "_composed")
+    block.operations.append(const_op(mil, axis, 0))
+    block.operations.append(const_op(mil, interleave, False))
+    op = block.operations.add(type="concat" if len(parts) > 1 else "identity")
+    if len(parts) > 1:
+        for p in parts:
+            op.inputs["values"].arguments.add(name=p)
+        op.inputs["axis"].arguments.add(name=axis)
+        op.inputs["interleave"].arguments.add(name=interleave)
+    else:
+        op.inputs["x"].arguments.add(name=parts[0])
+    op.outputs.add(name=out, type=vt)
+    op.attributes["name"].CopyFrom(string_value(mil, names.op(out, "_composed")))
+
+
+def slice_slots(mil: Any, block: Any, names: Names, feed: Feed, spec: TensorSpec, base: str, suffix: str) -> str:
+    """The slots ``feed.runs`` of the target input ``feed.name``, as one variable."""
+    vt = tensor_value_type(mil, DTYPES[spec["dtype"]], spec["shape"])
+    parts = [slice_var(mil, block, names, feed.name, r.start, r.end, vt, f"{base}_{r.start}") for r in feed.runs]
+    if len(parts) == 1:
+        return parts[0]
+    out = names.var(base, suffix)
+    concat(mil, block, names, parts, out, with_slots(vt, sum(r.end - r.start for r in feed.runs)))
+    return out
+
+
+# ---- compose -----------------------------------------------------------------
+
+
+def compose(
+    sources: Sequence[Source],
+    target: ChunkPlan,
+    path: str,
+    passes: Sequence[str] = DEFAULT_PASSES,
+) -> ComposeResult:
+    """Write the package of ``target``'s default function composed from
+    ``sources`` (in layer order: ``(package, plan)`` or ``(package, plan,
+    function)``) to ``path``; ``passes``: the MIL passes run on the composed
+    program (names as in ``ct.PassPipeline``). See the module docstring for
+    the wiring. Raises `ChunkforgeError` when the sources do not tile the
+    target or a tensor cannot be wired."""
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto import load as milproto_load
+
+    from . import convert as convert_mod
+    from . import passes as passes_mod
+
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    entries = [(str(s[0]), s[1], str(s[2]) if len(s) > 2 else None) for s in sources]
+    chunks = [c for _, c, _ in entries]
+    functions = [function_of(c, fname) for _, c, fname in entries]
+    wiring = plan_wiring(chunks, functions, target)
+    programs = [read_source(p, fname or None) for p, _, fname in entries]
+    tf = target["functions"][0]
+    model = build_program(programs, functions, tf, wiring)
+    seconds["wire"] = time.perf_counter() - started
+
+    with tempfile.TemporaryDirectory() as weights:
+        for k, prog in enumerate(programs):
+            folder = os.path.join(os.path.dirname(os.path.join(prog.path, SPEC_REL)), "weights")
+            for base in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+                link = f"source{k}.bin" if base == "weight.bin" else f"source{k}_{base}"
+                os.symlink(os.path.abspath(os.path.join(folder, base)), os.path.join(weights, link))
+        # One validation of the program (not one per pass: the same check) and
+        # no text rendering of it for coremltools' debug log lines.
+        with passes_mod.validate_once(), passes_mod.terse_program_text():
+            t = time.perf_counter()
+            prog = milproto_load.load(model, model.specificationVersion, file_weights_dir=weights)
+            seconds["load"] = time.perf_counter() - t
+            t = time.perf_counter()
+            mlmodel = ct.convert(
+                prog,
+                convert_to="mlprogram",
+                minimum_deployment_target=ct.target.iOS18,
+                # The program is fp16 already: no casts to add.
+                compute_precision=ct.precision.FLOAT32,
+                compute_units=ct.ComputeUnit.CPU_AND_NE,
+                pass_pipeline=ct.PassPipeline(pass_names=list(passes)),
+            )
+            seconds["convert"] = time.perf_counter() - t
+    check_contract(mlmodel, tf, target["name"])
+
+    metadata = mlmodel.user_defined_metadata
+    for prog_src in programs:
+        for key, value in prog_src.spec.description.metadata.userDefined.items():
+            if key != CONVERSION_DATE:
+                metadata[key] = value
+    # The sources' chunk names (their packages may be staged under other names).
+    composed_from = ",".join(c["name"] for c in chunks)
+    metadata[COMPOSED_FROM] = composed_from
+    t = time.perf_counter()
+    stats = convert_mod.save(mlmodel, path)
+    seconds["save"] = time.perf_counter() - t
+    seconds["total"] = time.perf_counter() - started
+    return {"stats": stats, "seconds": seconds, "composed_from": composed_from, "wiring": wiring.describe(tf)}
+
+
+def check_contract(mlmodel: Any, function: FunctionPlan, name: str) -> None:
+    """The composed model declares exactly the target function's inputs and outputs."""
+    from coremltools.proto import FeatureTypes_pb2
+
+    desc = mlmodel.get_spec().description
+    dtypes = {
+        "fp16": FeatureTypes_pb2.ArrayFeatureType.FLOAT16,
+        "fp32": FeatureTypes_pb2.ArrayFeatureType.FLOAT32,
+        "int32": FeatureTypes_pb2.ArrayFeatureType.INT32,
+    }
+    for what, got, want in (("inputs", desc.input, function["inputs"]), ("outputs", desc.output, function["outputs"])):
+        have = [(f.name, list(f.type.multiArrayType.shape), f.type.multiArrayType.dataType) for f in got]
+        need = [(s["name"], s["shape"], dtypes[s["dtype"]]) for s in want]
+        if have != need:
+            raise ChunkforgeError(f"composed {name}: {what} {have} are not the plan's {need}")
+
+
+def compose_job(job: ComposeJob) -> ComposedChunk:
+    """The build's call (py/calls.rs `compose`): `compose` of ``job``'s
+    sources into its target at its path, with the seconds the build records:
+    ``compose`` (wiring, loading and writing the program) and ``save``."""
+    result = compose([(s["path"], s["chunk"]) for s in job["sources"]], job["target"], job["path"])
+    seconds = result["seconds"]
+    return {
+        "stats": result["stats"],
+        "seconds": {"compose": seconds["total"] - seconds["save"], "save": seconds["save"]},
+    }

@@ -1,0 +1,253 @@
+"""The MIL pass pipeline chunkforge converts with, and its profile.
+
+`ct.convert` runs coremltools' default pipeline: about 95 graph passes, each
+followed by a validation of the whole program. Most of them look for patterns
+that chunkforge's programs never contain (convolution fusions, image
+preprocessing, quantize/dequantize pairs, loops, ...). `SKIPPED` names those
+passes, each with the reason it cannot change a chunkforge program; the
+pipeline the build runs is the default one without them (`pipeline`). The
+list was found with `bench build --profile --pass-pipeline coremltools
+--mode all`, which counts, per pass, the runs that changed the program; the
+test `cut_pass_pipeline_gives_byte_identical_packages` (tests/build.rs)
+proves that every package of every layout and function comes out
+byte-identical to the default pipeline's.
+
+`terse_program_text` spares the pipeline's debug-log rendering of the whole
+program (computed whether or not it is logged). `validate_once` defers the
+program validation coremltools runs after every pass to one validation per
+program at the end: the same check, once. All three go with the
+"chunkforge" pipeline; "coremltools" is coremltools' own behaviour, pass
+for pass, for comparison (`bench build --baseline`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from .contract import PassStat
+
+# pass → why it cannot change a chunkforge program. Removing a pass removes
+# every occurrence of it from the pipeline.
+SKIPPED: dict[str, str] = {
+    "common::lower_complex_dialect_ops": "no complex-number ops",
+    "common::int_op_canonicalization": "no quantize/dequantize ops",
+    "common::nullify_redundant_quantization_zero_point": "no quantize/dequantize ops",
+    "common::dequantize_quantize_pair_elimination": "no quantize/dequantize ops",
+    "common::distributive_quantized_binary_op_scale_normalization": "no quantize/dequantize ops",
+    "common::dequantize_to_constexpr": "no dequantize ops (the LUTs come from the pass appended last)",
+    "common::canonicalize_quantized_lut_pattern": "no LUT ops before the palettization pass",
+    "common::sanitize_input_output_names": "the contract's names are valid identifiers already",
+    "common::select_optimization": "no select ops",
+    "common::add_conv_transpose_output_shape": "no conv_transpose ops",
+    "common::loop_invariant_elimination": "no while_loop ops",
+    "common::remove_symbolic_reshape": "every shape is static",
+    "common::fuse_matmul_weight_bias": "no matmul followed by a bias add",
+    "common::fuse_linear_bias": "projections have no bias",
+    "common::fuse_gelu_tanh_approximation": "the torch frontend emits gelu(tanh) as one op",
+    "common::fuse_gelu_exact": "no erf-based gelu pattern",
+    "common::fuse_leaky_relu": "no leaky relu pattern",
+    "common::rank0_expand_dims_swap": "no rank-0 expand_dims",
+    "common::fuse_squeeze_expand_dims": "no squeeze followed by expand_dims",
+    "common::compose_conv1d": "no conv1d pattern",
+    "common::use_reflection_padding": "no padding ops",
+    "common::merge_consecutive_paddings": "no padding ops",
+    "common::fuse_pad_conv": "no padding ops",
+    "common::image_input_preprocess": "no image inputs",
+    "common::replace_stack_reshape": "no stack followed by reshape",
+    "common::fuse_dilated_conv": "no space_to_batch/batch_to_space around a conv",
+    "common::fuse_conv_scale": "no scale after a conv",
+    "common::fuse_conv_bias": "no bias add after a conv",
+    "common::fuse_onehot_matmul_to_gather": "no one_hot ops",
+    "common::fuse_layernorm_or_instancenorm": "RMSNorm matches no layer/instance norm pattern",
+    "common::fuse_elementwise_to_batchnorm": "no batch-norm pattern",
+    "common::fuse_reduce_mean": "no reduce_sum-then-divide pattern",
+    "common::fuse_conv_batchnorm": "no batch_norm ops",
+    "common::detect_concat_interleave": "no interleaving concat",
+    "common::concat_to_pixel_shuffle": "no pixel-shuffle concat",
+    "common::fuse_prelu": "no prelu pattern",
+    "common::prelu_to_lrelu": "no prelu ops",
+    "common::merge_consecutive_relus": "no relu ops",
+    "common::merge_consecutive_reshapes": "no reshape feeds another reshape",
+    "common::merge_consecutive_transposes": "no transpose feeds another transpose",
+    "common::expand_high_rank_reshape_and_transpose": "every tensor is rank 5 or less",
+    "common::fuse_stack_split": "no stack/split pairs",
+    "common::add_int16_cast": "no op whose int32 inputs it narrows",
+    "common::guard_negative_gather_indices": "no gather with possibly negative indices",
+    "common::canonicalize_inplace_pattern": "no state (the KV caches are inputs and outputs)",
+    "common::prefer_state_in_downstream": "no state",
+    "common::merge_affine_dequantize_with_consecutive_ops": "no affine dequantize ops",
+    "common::expand_dynamic_linear": "every linear weight is a constant",
+}
+
+
+def pipeline(default: bool) -> Any:
+    """coremltools' default pipeline (`default`), or chunkforge's: the
+    default one without the `SKIPPED` passes."""
+    import coremltools as ct
+
+    p = ct.PassPipeline.DEFAULT
+    if not default:
+        p.remove_passes(list(SKIPPED))
+    return p
+
+
+def _fingerprint(prog: Any) -> str:
+    """A digest of the program's structure: every op's type, name, input and
+    output variables with their types, and each constant's shape, dtype and
+    leading bytes. Two programs a pass leaves with the same digest are the
+    same program for this profile's purpose (did the pass change anything)."""
+    h = hashlib.sha256()
+
+    def block(b: Any) -> None:
+        for v in b.inputs.values() if isinstance(b.inputs, dict) else b.inputs:
+            h.update(f"in {v.name} {v.sym_type}\n".encode())
+        for op in b.operations:
+            ins = ",".join(
+                f"{k}={getattr(v, 'name', [getattr(x, 'name', '?') for x in v] if isinstance(v, list | tuple) else v)}"
+                for k, v in op.inputs.items()
+            )
+            outs = ",".join(f"{o.name}:{o.sym_type}" for o in op.outputs)
+            h.update(f"{op.op_type} {op.name} ({ins}) -> {outs}\n".encode())
+            for o in op.outputs:
+                val = getattr(o, "val", None)
+                if val is not None and hasattr(val, "tobytes"):
+                    h.update(val.tobytes()[:256])
+            for sub in op.blocks:
+                block(sub)
+        h.update(("out " + ",".join(o.name for o in b.outputs) + "\n").encode())
+
+    for name, f in prog.functions.items():
+        h.update(f"function {name}\n".encode())
+        block(f)
+    return h.hexdigest()
+
+
+class PassProfile:
+    """Times every graph pass coremltools runs while it is active (the
+    frontend's, the main pipeline's and the backend's), and, with `probe`,
+    counts the runs that changed the program (a structural digest before and
+    after each run: slow, for finding passes to skip). Validation time is the
+    row "(validate)"."""
+
+    def __init__(self, probe: bool = False):
+        self.probe = probe
+        self.stats: dict[str, PassStat] = {}
+        self._undo: list[Any] = []
+
+    def _row(self, name: str) -> PassStat:
+        return self.stats.setdefault(name, {"seconds": 0.0, "runs": 0, "changed": 0 if self.probe else None})
+
+    def __enter__(self) -> PassProfile:
+        from coremltools.converters.mil.mil.passes.pass_registry import PassRegistry
+        from coremltools.converters.mil.mil.program import Program
+
+        profile = self
+        get_original = PassRegistry.__getitem__
+        validate_original = Program.validate
+
+        class Timed:
+            def __init__(self, name: str, inner: Any):
+                self._name, self._inner = name, inner
+
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(self._inner, attr)
+
+            def __call__(self, prog: Any) -> Any:
+                before = _fingerprint(prog) if profile.probe else None
+                started = time.perf_counter()
+                try:
+                    return self._inner(prog)
+                finally:
+                    row = profile._row(self._name)
+                    row["seconds"] += time.perf_counter() - started
+                    row["runs"] += 1
+                    if before is not None and _fingerprint(prog) != before:
+                        row["changed"] = (row["changed"] or 0) + 1
+
+        def getitem(registry: Any, pass_id: str) -> Any:
+            return Timed(pass_id, get_original(registry, pass_id))
+
+        def validate(prog: Any, *args: Any, **kwargs: Any) -> None:
+            started = time.perf_counter()
+            try:
+                validate_original(prog, *args, **kwargs)
+            finally:
+                row = profile._row("(validate)")
+                row["seconds"] += time.perf_counter() - started
+                row["runs"] += 1
+
+        PassRegistry.__getitem__ = getitem
+        Program.validate = validate
+        self._undo = [(PassRegistry, "__getitem__", get_original), (Program, "validate", validate_original)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, attr, original in reversed(self._undo):
+            setattr(cls, attr, original)
+        self._undo = []
+
+
+@contextmanager
+def maybe_profile(enabled: bool, probe: bool = False) -> Iterator[PassProfile | None]:
+    if not enabled:
+        yield None
+        return
+    with PassProfile(probe) as p:
+        yield p
+
+
+@contextmanager
+def validate_once(enabled: bool = True) -> Iterator[None]:
+    """Within the block, `Program.validate` only notes the program (and the
+    strictest check asked for it); on leaving the block, each noted program is
+    validated once. coremltools validates the whole program after each of
+    its ~100 passes; this is the same check on the final program."""
+    if not enabled:
+        yield
+        return
+    from coremltools.converters.mil.mil.program import Program
+
+    original = Program.validate
+    noted: dict[int, tuple[Any, bool]] = {}
+
+    def note(prog: Any, check_essential_scope: bool = False) -> None:
+        seen = noted.get(id(prog))
+        noted[id(prog)] = (prog, bool(check_essential_scope) or (seen is not None and seen[1]))
+
+    Program.validate = note
+    try:
+        yield
+    finally:
+        Program.validate = original
+    for prog, essential in noted.values():
+        prog.validate(check_essential_scope=essential)
+
+
+@contextmanager
+def terse_program_text(enabled: bool = True) -> Iterator[None]:
+    """Within the block, a MIL program renders as a one-line summary unless
+    coremltools' logger is at DEBUG: its pass pipeline formats the whole
+    program into debug messages (before and after each pipeline, whether or
+    not they are logged), which costs seconds on a 10k-op program. The
+    program itself is untouched."""
+    import logging
+
+    from coremltools.converters.mil.mil.program import Program
+
+    if not enabled or logging.getLogger("coremltools").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    original = Program.__str__
+
+    def summary(prog: Any) -> str:
+        return f"<MIL program: {', '.join(prog.functions)}>"
+
+    Program.__str__ = summary
+    try:
+        yield
+    finally:
+        Program.__str__ = original
