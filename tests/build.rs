@@ -181,7 +181,13 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
         for key in ["first_layer", "last_layer", "mil_ops", "weight_bytes"] {
             assert!(c[key].is_u64(), "{name}.{key}");
         }
-        for phase in ["trace", "convert", "palettize", "save"] {
+        // Composed packages are timed as compose + save (no conversion).
+        let phases: &[&str] = if c["composed_from"].is_array() {
+            &["compose", "save"]
+        } else {
+            &["trace", "convert", "palettize", "save"]
+        };
+        for phase in phases {
             assert!(
                 c["seconds"][phase].as_f64().is_some(),
                 "{name} seconds.{phase}"
@@ -457,6 +463,20 @@ fn sharded_e2b_checkpoint_builds_two() {
         .map(|c| c["layers"].as_u64().unwrap())
         .collect();
     assert_eq!(layers, [15, 20]);
+    // Without the four-chunk layout in the build, its decode programs are
+    // converted as sources only (never published) and both packages composed.
+    for c in build["chunks"].as_array().unwrap() {
+        assert!(c["composed_from"].is_array(), "{}", c["name"]);
+    }
+    assert!(build["seconds"]["phases"]["sources"].as_f64().unwrap() > 0.0);
+    let names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names.iter().all(|n| !n.starts_with('.')),
+        "staged sources left in the output: {names:?}"
+    );
     // build.json keeps the audit of its packages, in brief: the counts
     // `chunkforge audit` reports, per package and by rule.
     let audit = &build["audit"];
@@ -496,6 +516,13 @@ fn split_builds_three_packages_whose_contracts_chain() {
         out.to_str().unwrap(),
     ]);
     let names = ["layers_00-11", "layers_12-23", "layers_24-34"];
+    // Not on four-chunk boundaries: converted, not composed.
+    let record = json_file(&out.join("build.json"));
+    assert!(record["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| c["composed_from"].is_null()));
     let pkgs: Vec<Value> = names
         .iter()
         .map(|n| inspect(&out.join(format!("{n}.mlpackage"))))
@@ -836,5 +863,44 @@ fn output_path_that_is_a_file() {
     assert!(
         err.contains("output path exists and is not a folder"),
         "{err}"
+    );
+}
+
+#[test]
+fn bench_build_profile_times_every_pass_the_pipeline_runs() {
+    let out = ok(&[
+        "bench",
+        "build",
+        "--mode",
+        "one",
+        "--no-compose",
+        "--ctx",
+        "64",
+        "--profile",
+    ]);
+    let row = |pass: &str| -> Vec<String> {
+        out.lines()
+            .find(|l| l.split_whitespace().next() == Some(pass))
+            .unwrap_or_else(|| panic!("no row for {pass}:\n{out}"))
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    };
+    // pass, runs, changed, seconds, share: the fp16 casts change every program.
+    let fp16 = row("common::add_fp16_cast");
+    assert_eq!(fp16[1], "1", "{out}");
+    assert_eq!(fp16[2], "1", "{out}");
+    assert!(fp16[3].ends_with('s'), "{out}");
+    // The frontend's and the backend's passes are timed too, and validation.
+    row("mil_backend::sanitize_name_strings");
+    assert_eq!(row("(validate)")[1], "1", "one validation per program");
+    // A skipped pass (python/chunkforge_py/passes.py SKIPPED) never runs.
+    assert!(
+        !out.contains("common::fuse_conv_batchnorm"),
+        "a skipped pass ran:\n{out}"
+    );
+    assert!(
+        out.contains("merged_full") && out.contains("passes"),
+        "{out}"
     );
 }

@@ -76,8 +76,54 @@ def example_inputs(function: FunctionPlan, dtype: torch.dtype = torch.float16) -
 
 
 def trace(module: Chunk) -> torch.jit.ScriptModule:
-    with torch.no_grad():
+    with torch.no_grad(), fp32_cpu_kernels():
         return torch.jit.trace(module, tuple(example_inputs(module.function)), check_trace=False, strict=False)
+
+
+@contextmanager
+def fp32_cpu_kernels() -> Iterator[None]:
+    """Within the block, the CPU kernels of fp16 convolution and matrix
+    products compute in fp32 and round to fp16.
+
+    Tracing runs the module once and keeps only the ops it called: the values
+    are thrown away (the example inputs are zeros). torch's fp16 CPU kernels
+    for these ops are plain loops, 80x (a 1x1 conv) to 400x (mm) slower than
+    fp32, so tracing a full-width 512-token prefill took 270 s. The tracer
+    records ops above the backend kernels (`aten::_convolution`,
+    `aten::matmul`), so the traced graph is the same op for op; only how the
+    thrown-away values are computed changes. The kernels replaced are the ones
+    fp16 reaches (`_slow_conv2d_forward`, `mm`, `bmm`); each computes through
+    ops not replaced (`im2col` and `baddbmm`, `addmm`), so none calls itself."""
+    import warnings
+
+    def conv(x: torch.Tensor, w: torch.Tensor, kernel: Any, bias: Any, stride: Any, padding: Any) -> torch.Tensor:
+        # im2col + baddbmm (thnn's own method: groups 1, no dilation), in fp32.
+        n, h, wd = x.shape[0], x.shape[2], x.shape[3]
+        (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+        cols = torch.nn.functional.unfold(x.float(), (kh, kw), padding=(ph, pw), stride=(sh, sw))
+        weight = w.float().reshape(w.shape[0], -1).expand(n, -1, -1)
+        out = torch.baddbmm(torch.zeros((), dtype=torch.float32), weight, cols)
+        if bias is not None:
+            out = out + bias.float().reshape(1, -1, 1)
+        return out.reshape(n, w.shape[0], (h + 2 * ph - kh) // sh + 1, (wd + 2 * pw - kw) // sw + 1).to(x.dtype)
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(torch.zeros((), dtype=torch.float32), a.float(), b.float()).to(a.dtype)
+
+    def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.baddbmm(torch.zeros((), dtype=torch.float32), a.float(), b.float()).to(a.dtype)
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            # "Overriding a previously registered kernel": the point, undone below.
+            warnings.simplefilter("ignore")
+            lib.impl("_slow_conv2d_forward", conv, "CPU")
+            lib.impl("mm", mm, "CPU")
+            lib.impl("bmm", bmm, "CPU")
+        yield
+    finally:
+        lib._destroy()
 
 
 def convert(
