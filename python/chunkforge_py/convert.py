@@ -149,7 +149,7 @@ def convert(
 
         dispatcher = conversion_pipeline(pipeline, traced, name, pal, cache)
     cut = settings["pass_pipeline"] == "chunkforge"
-    with passes.validate_once(cut), passes.terse_program_text(cut):
+    with passes.validate_once(cut), passes.terse_program_text(cut), passes.fast_fp16_overflow_check(cut):
         mlmodel = ct.convert(
             traced,
             inputs=inputs,
