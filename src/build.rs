@@ -267,14 +267,21 @@ pub fn run(
         request,
         settings: settings.conversion.clone(),
         plan: plan.clone(),
+        // The composer's own sources palettize too.
         palettize_cache: CacheTotals {
-            hits: records.iter().filter_map(|r| r.palettize_cache_hits).sum(),
+            hits: records
+                .iter()
+                .filter_map(|r| r.palettize_cache_hits)
+                .sum::<u64>()
+                + composer.cache.hits,
             misses: records
                 .iter()
                 .filter_map(|r| r.palettize_cache_misses)
-                .sum(),
+                .sum::<u64>()
+                + composer.cache.misses,
         },
         chunks: records,
+        sources: std::mem::take(&mut composer.sources),
         seconds: BuildSeconds {
             total: started.elapsed().as_secs_f64(),
             phases,
@@ -374,6 +381,9 @@ struct Composer {
     staging: PathBuf,
     /// Seconds spent converting sources the build does not ship.
     sources_seconds: f64,
+    /// Those conversions' records and palettization cache counts.
+    sources: Vec<FunctionRecord>,
+    cache: CacheTotals,
 }
 
 impl Composer {
@@ -417,6 +427,8 @@ impl Composer {
             dims: plan.dims.clone(),
             staging: staging.to_path_buf(),
             sources_seconds: 0.0,
+            sources: Vec::new(),
+            cache: CacheTotals { hits: 0, misses: 0 },
         })
     }
 
@@ -433,11 +445,17 @@ impl Composer {
         (a <= b).then_some(a..=b)
     }
 
+    /// `chunk` is composed: a decode chunk the four-chunk layout tiles, of
+    /// two or more of its chunks, or of one the build converts anyway
+    /// (converting a source only to copy it would cost as much as converting
+    /// the chunk).
     fn composes(&self, kind: LayoutKind, chunk: &ChunkPlan) -> bool {
         self.enabled
             && !matches!(kind, LayoutKind::Four | LayoutKind::Prefill)
             && matches!(&chunk.functions[..], [f] if f.kind == FunctionKind::Decode && f.tokens == 1)
-            && self.tiling(chunk).is_some()
+            && self
+                .tiling(chunk)
+                .is_some_and(|r| self.in_plan || r.end() > r.start())
     }
 
     /// The build converts sources it does not ship.
@@ -502,11 +520,20 @@ impl Composer {
                     pyenv::render_error(e.error, settings.verbose)
                 )
             })?;
-            self.sources_seconds += converted
-                .functions
-                .iter()
-                .flat_map(|f| f.seconds.values())
-                .sum::<f64>();
+            for (f, c) in source.functions.iter().zip(converted.functions) {
+                self.sources_seconds += c.seconds.values().sum::<f64>();
+                self.cache.hits += c.stats.palettize_cache_hits.unwrap_or(0);
+                self.cache.misses += c.stats.palettize_cache_misses.unwrap_or(0);
+                self.sources.push(FunctionRecord {
+                    name: source.name.clone(),
+                    kind: f.kind,
+                    tokens: f.tokens,
+                    mil_ops: c.stats.mil_ops,
+                    weight_bytes: c.stats.weight_bytes,
+                    seconds: c.seconds,
+                    passes: c.passes,
+                });
+            }
             self.decode[i] = Some(path);
         }
         let from: Vec<String> = range.clone().map(|i| self.four[i].name.clone()).collect();
@@ -530,6 +557,7 @@ impl Composer {
             target: chunk,
             sources,
             path: path.to_string_lossy().into_owned(),
+            settings: &settings.conversion,
         });
         pb.finish_and_clear();
         let composed = composed.map_err(|e| {

@@ -231,8 +231,9 @@ pub struct BuildCmd {
     /// conversion time) or coremltools (its whole default pipeline).
     #[arg(long, default_value = "chunkforge", value_parser = named::<PassPipeline>())]
     pub pass_pipeline: PassPipeline,
-    /// Convert every layout's packages from torch, instead of composing the
-    /// three-chunk, two-chunk and one-chunk decode programs from the four-chunk ones.
+    /// Convert every layout's packages from torch, instead of composing the decode
+    /// packages the four-chunk layout tiles (three-chunk, two-chunk, one-chunk, a
+    /// --split on four-chunk boundaries) from the four-chunk decode programs.
     #[arg(long)]
     pub no_compose: bool,
     /// If another run is writing the same --output, fail at once instead of waiting for it.
@@ -398,7 +399,7 @@ pub struct BenchBuildCmd {
     /// Run the build twice, each in a child process of its own: as before chunkforge's
     /// optimisations (coremltools' default pass pipeline, every layout converted from
     /// torch) and as shipped; prints both side by side.
-    #[arg(long, conflicts_with_all = ["json", "pass_pipeline", "no_compose"])]
+    #[arg(long, conflicts_with_all = ["json", "pass_pipeline", "no_compose", "profile"])]
     pub baseline: bool,
     /// Print the build report JSON instead of a summary.
     #[arg(long)]

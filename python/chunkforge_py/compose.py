@@ -73,7 +73,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from .contract import Attention, ChunkPlan, ChunkStats, ComposedChunk, ComposeJob, FunctionPlan, TensorSpec
+from .contract import (
+    Attention,
+    ChunkPlan,
+    ChunkStats,
+    ComposedChunk,
+    ComposeJob,
+    ConversionSettings,
+    FunctionPlan,
+    TensorSpec,
+)
 from .roles import CACHE, NEW_ROWS, Key, key_of
 from .runtime import ChunkforgeError
 
@@ -81,8 +90,8 @@ COMPOSED_FROM = "com.github.chunkforge.composed_from"
 # The passes the composed program needs: the sources are optimised already;
 # only ops that became dead (a dropped output's producers, merged stacks) go.
 DEFAULT_PASSES: tuple[str, ...] = ("common::dead_code_elimination",)
-# coremltools' key that would make two compositions of the same sources differ.
-CONVERSION_DATE = "com.github.apple.coremltools.conversion_date"
+# coremltools' metadata keys (version, source, conversion date).
+COREMLTOOLS_KEYS = "com.github.apple.coremltools."
 
 # Roles whose tensor has one slot per cache-owning layer on axis 0, by attention kind.
 SLOT_ROLES: dict[str, Attention] = {
@@ -913,13 +922,15 @@ def compose(
     target: ChunkPlan,
     path: str,
     passes: Sequence[str] = DEFAULT_PASSES,
+    settings: ConversionSettings | None = None,
 ) -> ComposeResult:
     """Write the package of ``target``'s default function composed from
     ``sources`` (in layer order: ``(package, plan)`` or ``(package, plan,
     function)``) to ``path``; ``passes``: the MIL passes run on the composed
     program (names as in ``ct.PassPipeline``). See the module docstring for
-    the wiring. Raises `ChunkforgeError` when the sources do not tile the
-    target or a tensor cannot be wired."""
+    the wiring. ``settings``: the build's (deployment target and compute
+    units; default iOS18, CPU_AND_NE). Raises `ChunkforgeError` when the
+    sources do not tile the target or a tensor cannot be wired."""
     import coremltools as ct
     from coremltools.converters.mil.frontend.milproto import load as milproto_load
 
@@ -953,19 +964,24 @@ def compose(
             mlmodel = ct.convert(
                 prog,
                 convert_to="mlprogram",
-                minimum_deployment_target=ct.target.iOS18,
+                minimum_deployment_target=getattr(
+                    ct.target, settings["minimum_deployment_target"] if settings else "iOS18"
+                ),
                 # The program is fp16 already: no casts to add.
                 compute_precision=ct.precision.FLOAT32,
-                compute_units=ct.ComputeUnit.CPU_AND_NE,
+                compute_units=getattr(ct.ComputeUnit, settings["compute_units"] if settings else "CPU_AND_NE"),
                 pass_pipeline=ct.PassPipeline(pass_names=list(passes)),
             )
             seconds["convert"] = time.perf_counter() - t
     check_contract(mlmodel, tf, target["name"])
 
     metadata = mlmodel.user_defined_metadata
+    # The sources' own keys, not coremltools' (those describe this conversion:
+    # a MIL program, not TorchScript), so the bytes do not depend on which
+    # package of a source (a part, a bundle) was read.
     for prog_src in programs:
         for key, value in prog_src.spec.description.metadata.userDefined.items():
-            if key != CONVERSION_DATE:
+            if not key.startswith(COREMLTOOLS_KEYS):
                 metadata[key] = value
     # The sources' chunk names (their packages may be staged under other names).
     composed_from = ",".join(c["name"] for c in chunks)
@@ -998,7 +1014,9 @@ def compose_job(job: ComposeJob) -> ComposedChunk:
     """The build's call (py/calls.rs `compose`): `compose` of ``job``'s
     sources into its target at its path, with the seconds the build records:
     ``compose`` (wiring, loading and writing the program) and ``save``."""
-    result = compose([(s["path"], s["chunk"]) for s in job["sources"]], job["target"], job["path"])
+    result = compose(
+        [(s["path"], s["chunk"]) for s in job["sources"]], job["target"], job["path"], settings=job["settings"]
+    )
     seconds = result["seconds"]
     return {
         "stats": result["stats"],

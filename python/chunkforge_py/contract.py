@@ -247,6 +247,8 @@ class ConversionSettings(TypedDict):
     # "chunkforge": the default pipeline without `passes.SKIPPED`;
     # "coremltools": coremltools' default pipeline.
     pass_pipeline: Literal["chunkforge", "coremltools"]
+    # Compose decode packages from the four-chunk programs (build.rs `Composer`).
+    compose: bool
 
 
 class ChunkJob(TypedDict):
@@ -327,6 +329,7 @@ class ComposeJob(TypedDict):
     target: ChunkPlan
     sources: list[ComposeSource]
     path: str
+    settings: ConversionSettings
 
 
 class ComposedChunk(TypedDict):

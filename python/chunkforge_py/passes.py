@@ -98,9 +98,9 @@ def pipeline(default: bool) -> Any:
 
 def _fingerprint(prog: Any) -> str:
     """A digest of the program's structure: every op's type, name, input and
-    output variables with their types, and each constant's shape, dtype and
-    leading bytes. Two programs a pass leaves with the same digest are the
-    same program for this profile's purpose (did the pass change anything)."""
+    output variables with their types, and every constant's bytes. Two
+    programs a pass leaves with the same digest are the same program for this
+    profile's purpose (did the pass change anything)."""
     h = hashlib.sha256()
 
     def block(b: Any) -> None:
@@ -116,7 +116,8 @@ def _fingerprint(prog: Any) -> str:
             for o in op.outputs:
                 val = getattr(o, "val", None)
                 if val is not None and hasattr(val, "tobytes"):
-                    h.update(val.tobytes()[:256])
+                    h.update(f"{getattr(val, 'dtype', '')}{getattr(val, 'shape', '')}".encode())
+                    h.update(val.tobytes())
             for sub in op.blocks:
                 block(sub)
         h.update(("out " + ",".join(o.name for o in b.outputs) + "\n").encode())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -937,3 +938,45 @@ def test_sabotage_changes_what_the_package_computes_not_what_read_back_sees(
         else:
             assert differ == [], f"{what}: read-back weights changed: {differ}"
     assert tree_digest(src) == before, "the source package was modified"
+
+
+def test_tracing_with_fp32_cpu_kernels_records_the_same_graph(build: dict[str, Any]) -> None:
+    """`convert.trace` computes fp16 convolutions and matrix products in fp32
+    (`convert.fp32_cpu_kernels`, for speed); the traced graph, what
+    conversion reads, must be the one torch's own fp16 kernels give. Checked
+    on the prefill function of chunk4 (1x1 convs, attention matmuls over its
+    tokens, the head), the function where tracing took longest."""
+    from chunkforge_py import convert
+    from chunkforge_py.checkpoint import Checkpoint
+    from chunkforge_py.model import build_chunk
+    from safetensors import safe_open
+
+    b = build
+    files = {}
+    for name in sorted(os.listdir(b["checkpoint"]["dir"])):
+        if name.endswith(".safetensors"):
+            path = os.path.join(b["checkpoint"]["dir"], name)
+            with safe_open(path, framework="pt") as f:
+                files.update(dict.fromkeys(f.keys(), path))
+    ckpt = Checkpoint({"prefix": b["checkpoint"]["tensor_prefix"], "files": files})
+    chunk = layout(b, "prefill")["chunks"][-1]
+    function = chunk["functions"][0]
+    module = build_chunk(b["dims"], chunk, ckpt, torch.float16, function=function)
+    fast = convert.trace(module)
+    with torch.no_grad():
+        plain = torch.jit.trace(module, tuple(convert.example_inputs(function)), check_trace=False, strict=False)
+    # Outside the block, torch's own kernels again: an fp16 conv of these
+    # shapes runs through the slow loop and gives what it always gave.
+    x = torch.randn(1, 8, 1, 5, dtype=torch.float16)
+    w = torch.randn(4, 8, 1, 1, dtype=torch.float16)
+    assert torch.equal(torch.nn.functional.conv2d(x, w), torch.nn.functional.conv2d(x, w))
+
+    # A second trace of the same class gets a mangled class name, and the
+    # replaced kernels lay out some outputs with other strides on size-1
+    # axes (the same tensor; conversion reads shapes and dtypes, not strides):
+    # neither is the graph.
+    def text(graph: Any) -> str:
+        return re.sub(r", strides=\[[0-9, ]*\]", "", re.sub(r"___torch_mangle_\d+\.", "", str(graph)))
+
+    assert text(fast.graph) == text(plain.graph)
+    assert text(fast.inlined_graph) == text(plain.inlined_graph)

@@ -133,6 +133,7 @@ def shipped_settings(quantize: bool) -> ConversionSettings:
         "compute_units": "CPU_AND_NE",
         "quantize": quantize,
         "pass_pipeline": "chunkforge",
+        "compose": True,
         "palettization": {
             "nbits": 4,
             "granularity": "per_grouped_channel",

@@ -19,7 +19,7 @@ use crate::checkpoint::{Checkpoint, TensorInfo};
 use crate::cli::{BenchBuildCmd, BenchCmd, BenchSideFilesCmd, ParityCmd};
 use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
-use crate::records::{BuildRecord, PassStat, Seconds};
+use crate::records::{BuildRecord, FunctionRecord, PassStat, Seconds};
 use crate::{bench_palettize, hashbench, sidefiles};
 
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
@@ -118,7 +118,7 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
 /// default pass pipeline, then chunkforge's; one table of both.
 fn bench_build_baseline() -> Result<()> {
     let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
-    let argv: Vec<String> = std::env::args()
+    let argv: Vec<std::ffi::OsString> = std::env::args_os()
         .skip(1)
         .filter(|a| a != "--baseline")
         .collect();
@@ -194,9 +194,20 @@ fn bench_build_baseline() -> Result<()> {
 fn print_pass_profile(record: &BuildRecord) {
     let mut total: BTreeMap<&str, PassStat> = BTreeMap::new();
     let mut per_package = Vec::new();
-    for c in &record.chunks {
+    let sources: Vec<(String, &[FunctionRecord])> = record
+        .sources
+        .iter()
+        .map(|f| (format!("(source) {}", f.name), std::slice::from_ref(f)))
+        .collect();
+    let packages = sources.into_iter().chain(
+        record
+            .chunks
+            .iter()
+            .map(|c| (c.name.clone(), c.functions.as_slice())),
+    );
+    for (name, functions) in packages {
         let mut mine: BTreeMap<&str, f64> = BTreeMap::new();
-        for f in &c.functions {
+        for f in functions {
             for (name, s) in f.passes.iter().flatten() {
                 let t = total.entry(name).or_insert(PassStat {
                     seconds: 0.0,
@@ -212,7 +223,7 @@ fn print_pass_profile(record: &BuildRecord) {
                 *mine.entry(name).or_default() += s.seconds;
             }
         }
-        per_package.push((c.name.as_str(), mine));
+        per_package.push((name, mine));
     }
     let mut rows: Vec<_> = total.into_iter().collect();
     rows.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
@@ -249,8 +260,16 @@ fn print_pass_profile(record: &BuildRecord) {
 
 /// Seconds per phase of every package and, for a multifunction one, of each function.
 fn print_phases(record: &BuildRecord) {
-    const COLS: [&str; 6] = ["load", "trace", "convert", "palettize", "save", "bundle"];
-    const WIDTHS: [usize; 6] = [7, 7, 8, 10, 7, 7];
+    const COLS: [&str; 7] = [
+        "load",
+        "trace",
+        "convert",
+        "palettize",
+        "compose",
+        "save",
+        "bundle",
+    ];
+    const WIDTHS: [usize; 7] = [7, 7, 8, 10, 8, 7, 7];
     print!("{:<30}", "package / function");
     for (c, w) in COLS.iter().zip(WIDTHS) {
         print!(" {c:>w$}");
@@ -264,6 +283,10 @@ fn print_phases(record: &BuildRecord) {
         }
         println!(" {:>7.1}s", COLS.iter().map(|k| s(k)).sum::<f64>());
     };
+    // Four-chunk programs converted only to compose from.
+    for f in &record.sources {
+        row(&format!("(source) {}", f.name), &f.seconds);
+    }
     for c in &record.chunks {
         row(&c.name, &c.seconds);
         if c.functions.len() > 1 {

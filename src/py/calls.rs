@@ -371,6 +371,8 @@ pub struct ComposeJob<'a> {
     pub target: &'a ChunkPlan,
     pub sources: Vec<ComposeSource<'a>>,
     pub path: String,
+    /// The build's: deployment target and compute units of the package.
+    pub settings: &'a ConversionSettings,
 }
 
 /// `compose.compose_job`'s reply.

@@ -70,7 +70,7 @@ static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
 
 /// Bumped with the fixture generator (python/chunkforge_py/fixture.py) so cached
 /// test fixtures and builds are made again.
-const FIXTURE_GENERATION: &str = "gen3";
+const FIXTURE_GENERATION: &str = "gen4";
 
 /// A cached fixture checkpoint under target/test-fixtures/<name>, made once
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.

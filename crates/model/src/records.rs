@@ -306,6 +306,10 @@ pub struct BuildRecord {
     pub settings: ConversionSettings,
     pub plan: Plan,
     pub chunks: Vec<ChunkRecord>,
+    /// Four-chunk decode programs converted only to compose from (not
+    /// shipped): each one's function record (ops, seconds, `passes`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<FunctionRecord>,
     #[serde(default)]
     pub seconds: BuildSeconds,
     #[serde(default)]
