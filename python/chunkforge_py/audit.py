@@ -33,11 +33,9 @@ ancestors, ``next`` the set of layers of the nearest attributed ops among its
 descendants. With both, it belongs to ``max(up, min(next))`` (the norm before a
 layer's first weighted op is that layer's); with only ``next``, to its one
 layer, or ``pre`` when it feeds several (shared per-step preparation such as
-the per-layer inputs); with neither or only ``up``: ``head``, since nothing
-downstream is a layer's (final norm, head, argmax, the caches assembled for
-the outputs, wherever the program has them: a composed program stacks each
-source's caches right after its layers); ``pre`` in a program without
-attributed ops. A const belongs to the
+the per-layer inputs); with neither or only ``up``: ``head`` when it comes after
+the last attributed op in program order (final norm, head, argmax, the caches
+assembled after the last layer), else ``pre`` or ``up``. A const belongs to the
 layer its name says, else to its first consumer's.
 """
 
@@ -237,6 +235,7 @@ def layers_of(f: Function) -> list[str]:
         found_layers = [x for x in map(const_layer, consts) if x is not None]
         direct[op.index] = max(found_layers) if found_layers else None
     attributed = [i for i in range(n) if direct[i] is not None]
+    last_direct = attributed[-1] if attributed else -1
 
     # up: the last layer among the ancestors (ops are in topological order).
     up: list[int | None] = [None] * n
@@ -279,11 +278,7 @@ def layers_of(f: Function) -> list[str]:
                 out[i] = str(max(u, lo))
             else:
                 out[i] = str(lo) if len(fr) == 1 else "pre"
-        elif attributed:
-            # Nothing downstream is a layer's: it assembles outputs (the
-            # final norm, head, argmax, the caches handed back), wherever the
-            # program has it (a composed program stacks each source's caches
-            # right after that source's layers).
+        elif i > last_direct and attributed:
             out[i] = "head"
         elif u is not None:
             out[i] = str(u)

@@ -668,7 +668,11 @@ def build_program(
     stack_values: dict[tuple[int, str], list[str]] = {}
     finals: list[dict[str, str]] = []
 
+    # Where each source's ops begin in the block (then where the ops added
+    # after the sources begin), for `outputs_last`.
+    starts: list[int] = []
     for k, src in enumerate(sources):
+        starts.append(len(block.operations))
         suffix = f"_s{k}"
         rename: dict[str, str] = {}
         ops_by_output = {o.name: op for op in src.block.operations for o in op.outputs}
@@ -765,11 +769,50 @@ def build_program(
 
     del block.outputs[:]
     block.outputs.extend(t["name"] for t in target["outputs"])
+    starts.append(len(block.operations))
+    outputs_last(block, starts)
     model = Model_pb2.Model()
     model.specificationVersion = max(s.spec.specificationVersion for s in sources)
     model.mlProgram.version = 1
     model.mlProgram.functions["main"].CopyFrom(main)
     return model
+
+
+def outputs_last(block: Any, starts: Sequence[int]) -> None:
+    """Moves the ops that make a block output and feed no other op (a
+    source's cache stacks, its last hidden state) after all others: where a
+    direct conversion has them, after the last layer. ``starts``: the index
+    of each source's first op (ops from the last start on were added after
+    the sources). The last source's go first, then each earlier source's,
+    then those added after the sources, each in its order: every layer's op
+    then comes before the outputs of earlier layers' sources, as in a direct
+    conversion, whose audit (audit.py) places such ops in ``head`` by their
+    position. The values are the same; every moved op still follows its
+    inputs, and nothing reads it."""
+    ops = list(block.operations)
+    if any(op.blocks for op in ops):
+        # Control flow reads names inside its blocks: left as it is.
+        return
+    read = {
+        a.name for op in ops for arg in op.inputs.values() for a in arg.arguments if a.WhichOneof("binding") == "name"
+    }
+    outputs = set(block.outputs)
+
+    def origin(i: int) -> int:
+        return max(k for k, start in enumerate(starts) if start <= i) if starts and i >= starts[0] else 0
+
+    keep: list[tuple[int, Any]] = []
+    moved: list[tuple[int, Any]] = []
+    for i, op in enumerate(ops):
+        sink = any(o.name in outputs for o in op.outputs) and not any(o.name in read for o in op.outputs)
+        (moved if sink else keep).append((i, op))
+    added = len(starts) - 1
+    moved.sort(key=lambda e: (origin(e[0]) == added, -origin(e[0]), e[0]))
+    copies = [type(op)() for _, op in keep + moved]
+    for c, (_, op) in zip(copies, keep + moved, strict=True):
+        c.CopyFrom(op)
+    del block.operations[:]
+    block.operations.extend(copies)
 
 
 def slots_of(function: FunctionPlan, output: str) -> int:
