@@ -105,12 +105,15 @@ fn sigkill_during_build_leaves_the_previous_result_and_the_next_run_cleans_up() 
     let out = tempdir("kill-build");
     previous(&out);
     let args = build_two(&ck, &out);
-    // Early (Python loading the first chunk), during the conversion of the
-    // first package, during the second's.
+    // Early (Python loading the first source chunk), during the conversion of
+    // the first package's sources, during its composition, during the
+    // conversion of the second's sources (`--mode two` composes both
+    // packages from four-chunk programs it converts only for that).
     for (cue, delay) in [
-        ("merged_chunk1: load weights", 0.0),
-        ("merged_chunk1: convert", 2.0),
-        ("merged_chunk2: convert", 2.0),
+        ("chunk1: load weights", 0.0),
+        ("chunk1: convert", 2.0),
+        ("merged_chunk1: compose", 0.2),
+        ("chunk3: convert", 2.0),
     ] {
         let (mut child, _stderr) = spawn_until(&args, cue, delay);
         let _ = child.kill(); // SIGKILL
@@ -152,7 +155,7 @@ fn ctrl_c_stops_cleanly_with_a_message() {
     let ck = fixture("e2b", &[]);
     let out = tempdir("sigint-build");
     previous(&out);
-    let (mut child, stderr) = spawn_until(&build_two(&ck, &out), "merged_chunk1: convert", 1.0);
+    let (mut child, stderr) = spawn_until(&build_two(&ck, &out), "chunk1: convert", 1.0);
     unsafe_kill(child.id(), "INT");
     assert_eq!(child.wait().unwrap().code(), Some(130));
     let rest: Vec<String> = stderr.into_iter().collect();
@@ -949,7 +952,7 @@ fn a_second_build_into_one_output_refuses_with_no_wait() {
     let out = tempdir("lock-build");
     previous(&out);
     let args = build_two(&ck, &out);
-    let (mut first, _stderr) = spawn_until(&args, "merged_chunk1: load weights", 0.0);
+    let (mut first, _stderr) = spawn_until(&args, "chunk1: load weights", 0.0);
     let mut second = args.to_vec();
     second.push("--no-wait");
     let e = fails(&second);
