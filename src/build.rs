@@ -667,15 +667,11 @@ struct ReplayedSettings {
     #[serde(default)]
     palettization: Option<ReplayedPalettization>,
     /// Absent in records from before the field: coremltools' default ran.
-    #[serde(default = "coremltools_pipeline")]
+    #[serde(default = "crate::records::default_pass_pipeline")]
     pass_pipeline: PassPipeline,
     /// Absent in records from before the field: every layout was converted.
     #[serde(default)]
     compose: bool,
-}
-
-fn coremltools_pipeline() -> PassPipeline {
-    PassPipeline::Coremltools
 }
 
 #[derive(Deserialize)]

@@ -69,7 +69,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -509,27 +509,39 @@ def check_declared(src: SourceProgram, f: FunctionPlan, mil: Any) -> None:
         raise ChunkforgeError(f"{src.path}: outputs {list(src.block.outputs)} are not its plan's {outs}")
 
 
+def values_of(op: Any) -> Iterator[Any]:
+    """Every value proto ``op`` holds: inline input values and attributes, its
+    nested blocks' ops' too."""
+    for arg in op.inputs.values():
+        for b in arg.arguments:
+            if b.WhichOneof("binding") == "value":
+                yield b.value
+    yield from op.attributes.values()
+    for block in op.blocks:
+        for inner in block.operations:
+            yield from values_of(inner)
+
+
 def rename_bindings(op: Any, rename: dict[str, str], blob: dict[str, str]) -> None:
     """Point ``op``'s (and its nested blocks') variable references and blob files at their new names."""
-
-    def value(v: Any) -> None:
+    for v in values_of(op):
         if v.WhichOneof("value") == "blobFileValue":
             base = v.blobFileValue.fileName.removeprefix(WEIGHTS_PREFIX)
             if base not in blob:
                 raise ChunkforgeError(f"weight file {v.blobFileValue.fileName!r} is not in the package's weights/")
             v.blobFileValue.fileName = WEIGHTS_PREFIX + blob[base]
+    rename_names(op, rename)
 
+
+def rename_names(op: Any, rename: dict[str, str]) -> None:
+    """Point ``op``'s (and its nested blocks') variable references at their new names."""
     for arg in op.inputs.values():
         for b in arg.arguments:
             if b.WhichOneof("binding") == "name":
                 b.name = rename.get(b.name, b.name)
-            elif b.WhichOneof("binding") == "value":
-                value(b.value)
-    for a in op.attributes.values():
-        value(a)
     for block in op.blocks:
         for inner in block.operations:
-            rename_bindings(inner, rename, blob)
+            rename_names(inner, rename)
         outs = [rename.get(n, n) for n in block.outputs]
         del block.outputs[:]
         block.outputs.extend(outs)
@@ -889,22 +901,11 @@ def stack(mil: Any, block: Any, names: Names, values: Sequence[str], out: str, v
 def blob_files(op: Any, k: int) -> dict[str, str]:
     """Every weight file ``op`` references other than weight.bin -> its per-source name."""
     out: dict[str, str] = {}
-
-    def value(v: Any) -> None:
+    for v in values_of(op):
         if v.WhichOneof("value") == "blobFileValue":
             base = v.blobFileValue.fileName.removeprefix(WEIGHTS_PREFIX)
             if base != "weight.bin":
                 out[base] = f"source{k}_{base}"
-
-    for arg in op.inputs.values():
-        for b in arg.arguments:
-            if b.WhichOneof("binding") == "value":
-                value(b.value)
-    for a in op.attributes.values():
-        value(a)
-    for block in op.blocks:
-        for inner in block.operations:
-            out.update(blob_files(inner, k))
     return out
 
 

@@ -797,21 +797,27 @@ def test_chunk1_functions_match_their_torch_module(build: dict[str, Any], kind: 
         assert cos > 0.99999, f"{function['name']} {name}: cos {cos}"
 
 
-def test_fp16_build_matches_the_checkpoint_module(fp16_build: dict[str, Any]) -> None:
-    """An FP16 build's chunk1 decode, run by the interpreter, against the torch
-    module built from the checkpoint the build read (fp32 weights)."""
+def checkpoint_of(b: dict[str, Any]) -> Any:
+    """The checkpoint a shared build read, opened as the build opens it."""
     from chunkforge_py.checkpoint import Checkpoint
-    from chunkforge_py.model import build_chunk
     from safetensors import safe_open
 
-    b = fp16_build
     files = {}
     for name in sorted(os.listdir(b["checkpoint"]["dir"])):
         if name.endswith(".safetensors"):
             path = os.path.join(b["checkpoint"]["dir"], name)
             with safe_open(path, framework="pt") as f:
                 files.update(dict.fromkeys(f.keys(), path))
-    ckpt = Checkpoint({"prefix": b["checkpoint"]["tensor_prefix"], "files": files})
+    return Checkpoint({"prefix": b["checkpoint"]["tensor_prefix"], "files": files})
+
+
+def test_fp16_build_matches_the_checkpoint_module(fp16_build: dict[str, Any]) -> None:
+    """An FP16 build's chunk1 decode, run by the interpreter, against the torch
+    module built from the checkpoint the build read (fp32 weights)."""
+    from chunkforge_py.model import build_chunk
+
+    b = fp16_build
+    ckpt = checkpoint_of(b)
     for chunk in layout(b, "four")["chunks"]:
         function = next(f for f in chunk["functions"] if f["kind"] == "decode")
         fn = Interpreter(str(b["dir"] / f"{chunk['name']}.mlpackage")).function(function["name"])
@@ -947,18 +953,10 @@ def test_tracing_with_fp32_cpu_kernels_records_the_same_graph(build: dict[str, A
     on the prefill function of chunk4 (1x1 convs, attention matmuls over its
     tokens, the head), the function where tracing took longest."""
     from chunkforge_py import convert
-    from chunkforge_py.checkpoint import Checkpoint
     from chunkforge_py.model import build_chunk
-    from safetensors import safe_open
 
     b = build
-    files = {}
-    for name in sorted(os.listdir(b["checkpoint"]["dir"])):
-        if name.endswith(".safetensors"):
-            path = os.path.join(b["checkpoint"]["dir"], name)
-            with safe_open(path, framework="pt") as f:
-                files.update(dict.fromkeys(f.keys(), path))
-    ckpt = Checkpoint({"prefix": b["checkpoint"]["tensor_prefix"], "files": files})
+    ckpt = checkpoint_of(b)
     chunk = layout(b, "prefill")["chunks"][-1]
     function = chunk["functions"][0]
     module = build_chunk(b["dims"], chunk, ckpt, torch.float16, function=function)

@@ -39,7 +39,7 @@ crate::named! {
     }
 }
 
-fn default_pass_pipeline() -> PassPipeline {
+pub fn default_pass_pipeline() -> PassPipeline {
     // build.json files written before the field existed ran coremltools' default.
     PassPipeline::Coremltools
 }
