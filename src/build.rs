@@ -18,6 +18,7 @@ use crate::progress::{self, BuildProgress};
 use crate::publish::{OnLocked, OutputLock};
 use crate::py::calls::{self, CheckpointFiles, ChunkJob, WeightCache};
 use crate::py::env as pyenv;
+use crate::py::worker::{self, BundleRequest, Stage, Task, TaskReply, Worker};
 use crate::records::{
     BuildRecord, BuildRequest, BuildSeconds, CacheTotals, CheckpointRecord, ChunkRecord,
     ChunkStats, ConversionSettings, FunctionRecord, Palettizer, PassPipeline, Seconds,
@@ -31,6 +32,8 @@ pub struct Settings {
     pub conversion: ConversionSettings,
     /// Time every coremltools graph pass into each function's record.
     pub profile: bool,
+    /// Processes converting at once (`--jobs`).
+    pub jobs: Jobs,
     pub verbose: bool,
     /// When another run holds the output folder's lock; None: the output is
     /// a fresh temporary folder of this run (`--check`, `bench build`), unlocked.
@@ -39,6 +42,269 @@ pub struct Settings {
 
 /// The phase the bundle of a multifunction package is timed under.
 const BUNDLE: &str = "bundle";
+
+/// `--jobs`: processes converting at once (this one and its conversion
+/// workers), or `auto` (`Pool::start`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Jobs {
+    Auto,
+    N(usize),
+}
+
+impl std::str::FromStr for Jobs {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Jobs::Auto),
+            _ => match s.parse::<usize>() {
+                Ok(n) if n >= 1 => Ok(Jobs::N(n)),
+                _ => Err(format!(
+                    "{s}: expected auto or a number of processes (1 or more)"
+                )),
+            },
+        }
+    }
+}
+
+/// The memory a build may plan for with `--jobs auto`: half of upstream's
+/// 13 GB for a full-width `--mode both` (issue 15's target).
+const MEMORY_TARGET: u64 = 6_979_321_856; // 6.5 GiB
+
+/// A conversion's estimated peak RSS: the interpreter with torch and
+/// coremltools (0.9 GB), plus 3.5 times the fp16 weights of its layers.
+/// Measured on full-width E2B chunks (chunk4: 1.29 GB of weights, peak
+/// 4.8 GB at `add_fp16_cast`): the fp32 constants the frontend makes (2x),
+/// their fp16 casts (1x) and what MIL keeps besides.
+fn conversion_peak_estimate(weight_bytes: u64) -> u64 {
+    900 * 1024 * 1024 + weight_bytes * 7 / 2
+}
+
+/// Bytes of the checkpoint's tensors of layers `first..=last`, plus every
+/// tensor of no layer (embeddings, norms; counted for every chunk).
+fn chunk_weight_bytes(ckpt: &Checkpoint, first: usize, last: usize) -> u64 {
+    ckpt.tensors
+        .iter()
+        .filter(|(name, _)| {
+            let rest = name.strip_prefix(&ckpt.prefix).unwrap_or(name);
+            match rest
+                .strip_prefix("layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|n| n.parse::<usize>().ok())
+            {
+                Some(layer) => (first..=last).contains(&layer),
+                None => true,
+            }
+        })
+        .map(|(_, t)| t.bytes)
+        .sum()
+}
+
+/// Processes for `--jobs auto`: up to one per core and one per task, while
+/// the largest `peaks` (sorted, largest first) of that many conversions at
+/// once fit `budget`.
+fn auto_jobs(cores: usize, peaks: &[u64], budget: u64, tasks: usize) -> usize {
+    let mut n = 1;
+    while n < cores.min(tasks) && peaks.iter().take(n + 1).sum::<u64>() <= budget {
+        n += 1;
+    }
+    n
+}
+
+/// Memory available to new processes (`MemAvailable`), if the system says.
+fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+/// The processes a build converts on: its own and its conversion workers.
+struct Pool {
+    workers: Vec<Worker>,
+    /// Why that many (for the progress line and build.json's reader).
+    reason: String,
+}
+
+impl Pool {
+    /// `--jobs N` starts N-1 workers. `auto`: one process per core, as many
+    /// as the estimated peaks of that many of the build's largest
+    /// conversions at once keep within `MEMORY_TARGET` and the memory
+    /// available, and no more than there are tasks.
+    fn start(
+        settings: &Settings,
+        plan: &Plan,
+        ckpt: &Checkpoint,
+        tasks: usize,
+        uses: usize,
+    ) -> Result<Pool> {
+        let (n, reason) = match settings.jobs {
+            Jobs::N(n) => (n, "--jobs".to_string()),
+            Jobs::Auto => {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let mut peaks: Vec<u64> = plan
+                    .layouts
+                    .iter()
+                    .flat_map(|l| &l.chunks)
+                    .map(|c| {
+                        conversion_peak_estimate(chunk_weight_bytes(
+                            ckpt,
+                            c.first_layer,
+                            c.last_layer,
+                        ))
+                    })
+                    .collect();
+                peaks.sort_unstable_by(|a, b| b.cmp(a));
+                let budget = available_memory().map_or(MEMORY_TARGET, |a| a.min(MEMORY_TARGET));
+                let n = auto_jobs(cores, &peaks, budget, tasks);
+                let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+                let reason = format!(
+                    "auto: {cores} cores, {n} conversions at once estimated at {:.1} GiB of {:.1} GiB",
+                    gib(peaks.iter().take(n).sum()),
+                    gib(budget)
+                );
+                (n, reason)
+            }
+        };
+        let workers = (1..n.min(tasks.max(1)))
+            .map(|_| Worker::spawn(uses, settings.verbose))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Pool { workers, reason })
+    }
+
+    fn processes(&self) -> usize {
+        1 + self.workers.len()
+    }
+
+    fn describe(&self) -> String {
+        format!("{} processes; {}", self.processes(), self.reason)
+    }
+
+    /// Runs `tasks` (each with what its errors name and its cost: the
+    /// fp16 weight bytes it converts or composes, times its functions);
+    /// the first error, if any.
+    fn run(
+        &mut self,
+        tasks: &[(Task, String, u64)],
+        cache: &WeightCache,
+        progress: &BuildProgress,
+        verbose: bool,
+    ) -> Result<Vec<Option<TaskReply>>> {
+        let only: Vec<Task> = tasks.iter().map(|(t, _, _)| t.clone()).collect();
+        let cost: Vec<u64> = tasks.iter().map(|(_, _, c)| *c).collect();
+        let results = worker::run_all(&only, &cost, &mut self.workers, cache, progress, verbose);
+        // A task the build stopped (its worker killed after another failed)
+        // is not the error to report.
+        let failure = results
+            .iter()
+            .zip(tasks)
+            .filter_map(|(r, (_, label, _))| match r {
+                Some(Err(e)) => Some((e, label)),
+                _ => None,
+            })
+            .min_by_key(|(e, _)| matches!(e.stage, Stage::Worker));
+        if let Some((e, label)) = failure {
+            return Err(match &e.stage {
+                Stage::Convert(Some(function)) => anyhow!("building {function}: {}", e.message),
+                Stage::Convert(None) | Stage::Worker => anyhow!("building {label}: {}", e.message),
+                Stage::Bundle => anyhow!("bundling {label}: {}", e.message),
+                Stage::Compose => anyhow!("composing {label}: {}", e.message),
+            });
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| r.and_then(|r| r.ok()))
+            .collect())
+    }
+
+    /// Ends the workers; the largest peak RSS one of them reached, summed.
+    fn finish(self) -> Result<u64> {
+        let peak = self.workers.iter().map(|w| w.peak_rss_bytes).sum();
+        for w in self.workers {
+            w.finish()?;
+        }
+        Ok(peak)
+    }
+}
+
+/// What the build does for a unit of the plan.
+enum Work {
+    /// Converted by task `task`; `parts`: its single-function packages if bundled.
+    Converted {
+        task: usize,
+        parts: Vec<(String, String)>,
+    },
+    Composed,
+}
+
+/// A package's record parts, before its record is written.
+struct Done<'p> {
+    layout: LayoutKind,
+    chunk: &'p ChunkPlan,
+    functions: Vec<FunctionRecord>,
+    seconds: Seconds,
+    stats: ChunkStats,
+    from: Option<Vec<String>>,
+}
+
+/// `chunk`'s conversion job as JSON: each function to its path.
+fn chunk_job(
+    plan: &Plan,
+    chunk: &ChunkPlan,
+    checkpoint: &CheckpointFiles,
+    settings: &Settings,
+    paths: &[PathBuf],
+) -> Result<Value> {
+    Ok(serde_json::to_value(ChunkJob {
+        dims: &plan.dims,
+        chunk,
+        checkpoint,
+        settings: &settings.conversion,
+        paths: paths
+            .iter()
+            .map(|p| p.to_string_lossy().into_owned())
+            .collect(),
+        profile: settings.profile,
+    })?)
+}
+
+/// A converted chunk's function records, summed seconds and summed counts.
+fn function_records(
+    chunk: &ChunkPlan,
+    converted: calls::ConvertedChunk,
+) -> (Vec<FunctionRecord>, Seconds, ChunkStats) {
+    let mut functions = Vec::new();
+    let mut seconds = Seconds::new();
+    let mut stats: Option<ChunkStats> = None;
+    for (f, c) in chunk.functions.iter().zip(converted.functions) {
+        for (k, v) in &c.seconds {
+            *seconds.entry(k.clone()).or_default() += v;
+        }
+        functions.push(FunctionRecord {
+            name: f.name.clone(),
+            kind: f.kind,
+            tokens: f.tokens,
+            mil_ops: c.stats.mil_ops,
+            weight_bytes: c.stats.weight_bytes,
+            seconds: c.seconds,
+            passes: c.passes,
+        });
+        match &mut stats {
+            None => stats = Some(c.stats),
+            Some(acc) => acc.add(&c.stats),
+        }
+    }
+    (
+        functions,
+        seconds,
+        stats.expect("every chunk has a function"),
+    )
+}
 
 pub fn run(
     hf_dir: &Path,
@@ -81,27 +347,19 @@ pub fn run(
     let cache = WeightCache::new(uses)
         .map_err(|e| anyhow!("palettization cache: {}", pyenv::render_error(e, verbose)))?;
 
-    let mut records: Vec<ChunkRecord> = Vec::new();
+    // Every conversion (with its bundle) and composition is a task
+    // (py/worker.rs), run on this process and its conversion workers at
+    // once: the conversions first, then the compositions, which read the
+    // four-chunk decode programs. The packages are recorded in plan order.
+    let mut tasks: Vec<(Task, String, u64)> = Vec::new();
+    let cost = |chunk: &ChunkPlan| {
+        chunk_weight_bytes(ckpt, chunk.first_layer, chunk.last_layer) * chunk.functions.len() as u64
+    };
+    let mut work: Vec<Work> = Vec::new();
     for unit in &units {
-        let names: Vec<&str> = unit.iter().map(|(_, c)| c.name.as_str()).collect();
-        let (first, last) = (unit[0].1.first_layer, unit[0].1.last_layer);
-        progress
-            .bar
-            .set_message(format!("{} (layers {first}-{last})", names.join(" + ")));
         if let [(layout, chunk)] = unit[..] {
             if composer.composes(layout, chunk) {
-                let (functions, seconds, stats, from) =
-                    composer.compose(chunk, &checkpoint, &cache, settings, &progress)?;
-                records.push(record(
-                    &staging.dir,
-                    layout,
-                    chunk,
-                    functions,
-                    seconds,
-                    stats,
-                    Some(from),
-                    &progress,
-                )?);
+                work.push(Work::Composed);
                 continue;
             }
         }
@@ -109,77 +367,33 @@ pub fn run(
         // from single-function parts (see `convert.combine`).
         let bundled = unit.len() > 1 || unit[0].1.functions.len() > 1;
         let part_path = |pkg: &str, f: &str| staging.dir.join(format!(".part-{pkg}-{f}.mlpackage"));
+        let mut jobs = Vec::new();
         let mut parts = Vec::new();
-        let mut done = Vec::new();
         for (layout, chunk) in unit {
-            let name = &chunk.name;
             let paths: Vec<PathBuf> = chunk
                 .functions
                 .iter()
                 .map(|f| {
                     if bundled {
-                        part_path(name, &f.name)
+                        part_path(&chunk.name, &f.name)
                     } else {
-                        staging.dir.join(format!("{name}.mlpackage"))
+                        staging.dir.join(format!("{}.mlpackage", chunk.name))
                     }
                 })
                 .collect();
-            let job = ChunkJob {
-                dims: &plan.dims,
-                chunk,
-                checkpoint: &checkpoint,
-                settings: &settings.conversion,
-                paths: paths
-                    .iter()
-                    .map(|p| p.to_string_lossy().into_owned())
-                    .collect(),
-                profile: settings.profile,
-            };
-            let converted = calls::convert_chunk(&job, &cache, &progress).map_err(|e| {
-                let function = e.function.as_deref().unwrap_or(name);
-                anyhow!(
-                    "building {function}: {}",
-                    pyenv::render_error(e.error, verbose)
-                )
-            })?;
-            let mut functions = Vec::new();
-            let mut seconds = Seconds::new();
-            let mut stats: Option<ChunkStats> = None;
-            for (f, c) in chunk.functions.iter().zip(converted.functions) {
-                for (k, v) in &c.seconds {
-                    *seconds.entry(k.clone()).or_default() += v;
-                }
-                functions.push(FunctionRecord {
-                    name: f.name.clone(),
-                    kind: f.kind,
-                    tokens: f.tokens,
-                    mil_ops: c.stats.mil_ops,
-                    weight_bytes: c.stats.weight_bytes,
-                    seconds: c.seconds,
-                    passes: c.passes,
-                });
-                match &mut stats {
-                    None => stats = Some(c.stats),
-                    Some(acc) => acc.add(&c.stats),
-                }
-            }
+            jobs.push(chunk_job(plan, chunk, &checkpoint, settings, &paths)?);
             for (f, path) in chunk.functions.iter().zip(&paths) {
                 parts.push((path.to_string_lossy().into_owned(), f.name.clone()));
             }
             if *layout == LayoutKind::Four {
                 composer.converted(chunk, &paths);
             }
-            let stats = stats.expect("every chunk has a function");
-            done.push((*layout, *chunk, functions, seconds, stats));
         }
-        if bundled {
-            let t = Instant::now();
-            let pb = progress.phase(format!(
-                "{}: bundle {} functions",
-                names.join(" + "),
-                parts.len()
-            ));
-            let targets: Vec<(String, Vec<String>)> = unit
+        let names: Vec<&str> = unit.iter().map(|(_, c)| c.name.as_str()).collect();
+        let bundle = bundled.then(|| BundleRequest {
+            label: names.join(" + "),
+            parts: parts.clone(),
+            targets: unit
                 .iter()
                 .map(|(_, c)| {
                     (
@@ -191,40 +405,143 @@ pub fn run(
                         c.functions.iter().map(|f| f.name.clone()).collect(),
                     )
                 })
-                .collect();
-            let bundle = calls::combine(&parts, &targets, settings.conversion.pass_pipeline)
-                .map_err(|e| {
-                    anyhow!(
-                        "bundling {}: {}",
-                        names.join(" + "),
-                        pyenv::render_error(e, verbose)
-                    )
-                });
-            pb.finish_and_clear();
-            let bundle = bundle?;
-            for (path, _) in &parts {
+                .collect(),
+            pass_pipeline: settings.conversion.pass_pipeline,
+        });
+        work.push(Work::Converted {
+            task: tasks.len(),
+            parts,
+        });
+        let c = unit.iter().map(|(_, c)| cost(c)).sum();
+        tasks.push((Task::Convert { jobs, bundle }, names.join(" + "), c));
+    }
+    // The four-chunk decode programs the compositions need and the build
+    // does not make itself.
+    let composed: Vec<&ChunkPlan> = units
+        .iter()
+        .zip(&work)
+        .filter(|(_, w)| matches!(w, Work::Composed))
+        .map(|(u, _)| u[0].1)
+        .collect();
+    let sources = composer.missing_sources(&composed);
+    let first_source = tasks.len();
+    for (_, source, path) in &sources {
+        let job = chunk_job(
+            plan,
+            source,
+            &checkpoint,
+            settings,
+            std::slice::from_ref(path),
+        )?;
+        let task = Task::Convert {
+            jobs: vec![job],
+            bundle: None,
+        };
+        tasks.push((
+            task,
+            format!("{} (a source of a composed package)", source.name),
+            cost(source),
+        ));
+    }
+
+    let mut pool = Pool::start(settings, plan, ckpt, tasks.len(), uses)?;
+    if pool.processes() > 1 {
+        progress.println(format!("converting on {}", pool.describe()));
+    }
+    let mut results = pool.run(&tasks, &cache, &progress, verbose)?;
+
+    for (k, (i, source, _)) in sources.iter().enumerate() {
+        let reply = results[first_source + k].take().expect("every task ran");
+        let converted = reply
+            .converted
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow!("building {}: no reply", source.name))?;
+        let converted = calls::converted_chunk(source, converted)
+            .map_err(|e| anyhow!("building {}: {e}", source.name))?;
+        composer.sourced(*i, converted);
+    }
+    // The converted units' records; their parts no longer needed go.
+    let mut done: Vec<Option<Vec<Done>>> = Vec::new();
+    for (unit, w) in units.iter().zip(&work) {
+        let Work::Converted { task, parts } = w else {
+            done.push(None);
+            continue;
+        };
+        let reply = results[*task].take().expect("every task ran");
+        let mut out = Vec::new();
+        for ((layout, chunk), converted) in unit.iter().zip(reply.converted) {
+            let converted = calls::converted_chunk(chunk, converted)
+                .map_err(|e| anyhow!("building {}: {e}", chunk.name))?;
+            let (functions, mut seconds, mut stats) = function_records(chunk, converted);
+            if let Some(b) = &reply.bundle {
+                stats.weight_bytes = b.weight_bytes;
+                // The bundle's seconds are shared by its packages.
+                seconds.insert(BUNDLE.to_string(), reply.bundle_seconds / unit.len() as f64);
+            }
+            out.push(Done {
+                layout: *layout,
+                chunk,
+                functions,
+                seconds,
+                stats,
+                from: None,
+            });
+        }
+        if reply.bundle.is_some() {
+            for (path, _) in parts {
                 // A four-chunk decode program the composer reads stays until the build ends.
                 if !composer.keeps(Path::new(path)) {
                     std::fs::remove_dir_all(path)
                         .with_context(|| format!("{path}: cannot remove"))?;
                 }
             }
-            // The bundle's seconds are shared by its packages.
-            let share = t.elapsed().as_secs_f64() / unit.len() as f64;
-            for d in &mut done {
-                d.4.weight_bytes = bundle.weight_bytes;
-                d.3.insert(BUNDLE.to_string(), share);
-            }
         }
-        for (layout, chunk, functions, seconds, stats) in done {
+        done.push(Some(out));
+    }
+
+    let mut compose_tasks = Vec::new();
+    for chunk in &composed {
+        let (task, label) = composer.compose_task(chunk, &staging.dir, &settings.conversion)?;
+        compose_tasks.push((task, label, cost(chunk)));
+    }
+    let mut composed_results = pool.run(&compose_tasks, &cache, &progress, verbose)?;
+    let processes = pool.processes();
+    let worker_peak = pool.finish()?;
+    let mut next_composed = 0;
+    let mut records: Vec<ChunkRecord> = Vec::new();
+    for (unit, d) in units.iter().zip(done) {
+        let out = match d {
+            Some(out) => out,
+            None => {
+                let (layout, chunk) = unit[0];
+                let reply = composed_results[next_composed]
+                    .take()
+                    .expect("every task ran");
+                next_composed += 1;
+                let value = reply
+                    .composed
+                    .ok_or_else(|| anyhow!("composing {}: no reply", chunk.name))?;
+                let (functions, seconds, stats, from) = composer.composed(chunk, value)?;
+                vec![Done {
+                    layout,
+                    chunk,
+                    functions,
+                    seconds,
+                    stats,
+                    from: Some(from),
+                }]
+            }
+        };
+        for d in out {
             records.push(record(
                 &staging.dir,
-                layout,
-                chunk,
-                functions,
-                seconds,
-                stats,
-                None,
+                d.layout,
+                d.chunk,
+                d.functions,
+                d.seconds,
+                d.stats,
+                d.from,
                 &progress,
             )?);
         }
@@ -286,7 +603,8 @@ pub fn run(
             total: started.elapsed().as_secs_f64(),
             phases,
         },
-        peak_rss_bytes: progress::peak_rss_bytes(),
+        peak_rss_bytes: progress::peak_rss_bytes() + worker_peak,
+        processes,
         audit: None,
     };
     // The static ANE audit of the staged packages goes into build.json, so
@@ -377,7 +695,6 @@ struct Composer {
     in_plan: bool,
     /// Each four-chunk chunk's single-function decode package, once there.
     decode: Vec<Option<PathBuf>>,
-    dims: crate::plan::Dims,
     staging: PathBuf,
     /// Seconds spent converting sources the build does not ship.
     sources_seconds: f64,
@@ -424,7 +741,6 @@ impl Composer {
             decode: vec![None; four.len()],
             four,
             in_plan: own.is_some(),
-            dims: plan.dims.clone(),
             staging: staging.to_path_buf(),
             sources_seconds: 0.0,
             sources: Vec::new(),
@@ -486,88 +802,95 @@ impl Composer {
         self.decode.iter().flatten().any(|p| p == path)
     }
 
-    /// Composes `chunk` into staging (converting the sources it still lacks).
-    fn compose(
-        &mut self,
-        chunk: &ChunkPlan,
-        checkpoint: &CheckpointFiles,
-        cache: &WeightCache,
-        settings: &Settings,
-        progress: &BuildProgress,
-    ) -> Result<(Vec<FunctionRecord>, Seconds, ChunkStats, Vec<String>)> {
-        let range = self.tiling(chunk).expect("composes() checked the tiling");
-        for i in range.clone() {
-            if self.decode[i].is_some() {
-                continue;
+    /// The four-chunk chunks `chunks`' compositions read that nothing
+    /// converts yet: (index, chunk, staged path), each given its path now.
+    fn missing_sources(&mut self, chunks: &[&ChunkPlan]) -> Vec<(usize, ChunkPlan, PathBuf)> {
+        let mut out = Vec::new();
+        for chunk in chunks {
+            for i in self.tiling(chunk).expect("composes() checked the tiling") {
+                if self.decode[i].is_some() {
+                    continue;
+                }
+                let source = self.four[i].clone();
+                let path = self
+                    .staging
+                    .join(format!(".source-{}.mlpackage", source.name));
+                self.decode[i] = Some(path.clone());
+                out.push((i, source, path));
             }
-            let source = &self.four[i];
-            let path = self
-                .staging
-                .join(format!(".source-{}.mlpackage", source.name));
-            let job = ChunkJob {
-                dims: &self.dims,
-                chunk: source,
-                checkpoint,
-                settings: &settings.conversion,
-                paths: vec![path.to_string_lossy().into_owned()],
-                profile: settings.profile,
-            };
-            let converted = calls::convert_chunk(&job, cache, progress).map_err(|e| {
-                anyhow!(
-                    "building {} (a source of {}): {}",
-                    source.name,
-                    chunk.name,
-                    pyenv::render_error(e.error, settings.verbose)
-                )
-            })?;
-            for (f, c) in source.functions.iter().zip(converted.functions) {
-                self.sources_seconds += c.seconds.values().sum::<f64>();
-                self.cache.hits += c.stats.palettize_cache_hits.unwrap_or(0);
-                self.cache.misses += c.stats.palettize_cache_misses.unwrap_or(0);
-                self.sources.push(FunctionRecord {
-                    name: source.name.clone(),
-                    kind: f.kind,
-                    tokens: f.tokens,
-                    mil_ops: c.stats.mil_ops,
-                    weight_bytes: c.stats.weight_bytes,
-                    seconds: c.seconds,
-                    passes: c.passes,
-                });
-            }
-            self.decode[i] = Some(path);
         }
-        let from: Vec<String> = range.clone().map(|i| self.four[i].name.clone()).collect();
+        out
+    }
+
+    /// Source `i` was converted (for composition only).
+    fn sourced(&mut self, i: usize, converted: calls::ConvertedChunk) {
+        let source = &self.four[i];
+        for (f, c) in source.functions.iter().zip(converted.functions) {
+            self.sources_seconds += c.seconds.values().sum::<f64>();
+            self.cache.hits += c.stats.palettize_cache_hits.unwrap_or(0);
+            self.cache.misses += c.stats.palettize_cache_misses.unwrap_or(0);
+            self.sources.push(FunctionRecord {
+                name: source.name.clone(),
+                kind: f.kind,
+                tokens: f.tokens,
+                mil_ops: c.stats.mil_ops,
+                weight_bytes: c.stats.weight_bytes,
+                seconds: c.seconds,
+                passes: c.passes,
+            });
+        }
+    }
+
+    /// The four-chunk chunks `chunk` is composed from, by name.
+    fn from(&self, chunk: &ChunkPlan) -> Vec<String> {
+        self.tiling(chunk)
+            .expect("composes() checked the tiling")
+            .map(|i| self.four[i].name.clone())
+            .collect()
+    }
+
+    /// The task composing `chunk` into staging, and what its errors say it was.
+    fn compose_task(
+        &self,
+        chunk: &ChunkPlan,
+        staging: &Path,
+        conversion: &ConversionSettings,
+    ) -> Result<(Task, String)> {
+        let range = self.tiling(chunk).expect("composes() checked the tiling");
+        let from = self.from(chunk).join(" + ");
         let sources = range
             .map(|i| calls::ComposeSource {
                 path: self.decode[i]
                     .as_ref()
-                    .expect("converted above")
+                    .expect("missing_sources() gave every source a path")
                     .to_string_lossy()
                     .into_owned(),
                 chunk: &self.four[i],
             })
             .collect();
-        let path = self.staging.join(format!("{}.mlpackage", chunk.name));
-        let pb = progress.phase(format!(
-            "{}: compose {} (MIL, no conversion)",
-            chunk.name,
-            from.join(" + ")
-        ));
-        let composed = calls::compose(&calls::ComposeJob {
+        let path = staging.join(format!("{}.mlpackage", chunk.name));
+        let job = serde_json::to_value(calls::ComposeJob {
             target: chunk,
             sources,
             path: path.to_string_lossy().into_owned(),
-            settings: &settings.conversion,
-        });
-        pb.finish_and_clear();
-        let composed = composed.map_err(|e| {
-            anyhow!(
-                "composing {} from {}: {}",
-                chunk.name,
-                from.join(" + "),
-                pyenv::render_error(e, settings.verbose)
-            )
+            settings: conversion,
         })?;
+        let task = Task::Compose {
+            job,
+            label: chunk.name.clone(),
+            what: format!("compose {from} (MIL, no conversion)"),
+        };
+        Ok((task, format!("{} from {from}", chunk.name)))
+    }
+
+    /// `chunk`'s record parts from its composition's reply.
+    fn composed(
+        &self,
+        chunk: &ChunkPlan,
+        reply: Value,
+    ) -> Result<(Vec<FunctionRecord>, Seconds, ChunkStats, Vec<String>)> {
+        let composed: calls::Composed = serde_json::from_value(reply)
+            .map_err(|e| anyhow!("composing {}: bad reply: {e}", chunk.name))?;
         let f = &chunk.functions[0];
         let functions = vec![FunctionRecord {
             name: f.name.clone(),
@@ -578,7 +901,12 @@ impl Composer {
             seconds: composed.seconds.clone(),
             passes: None,
         }];
-        Ok((functions, composed.seconds, composed.stats, from))
+        Ok((
+            functions,
+            composed.seconds,
+            composed.stats,
+            self.from(chunk),
+        ))
     }
 }
 
@@ -788,6 +1116,42 @@ pub fn compare(old: &Path, fresh_dir: &Path, fresh: &BuildRecord) -> Result<bool
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn auto_jobs_runs_two_tiny_conversions_at_once_but_one_full_width() {
+        let gib = 1u64 << 30;
+        // The tiny default checkpoint: a few MB of weights per chunk.
+        let tiny = conversion_peak_estimate(4 << 20);
+        assert_eq!(auto_jobs(2, &[tiny; 4], MEMORY_TARGET, 12), 2);
+        assert_eq!(
+            auto_jobs(8, &[tiny; 4], MEMORY_TARGET, 3),
+            3,
+            "no more than tasks"
+        );
+        assert_eq!(
+            auto_jobs(1, &[tiny; 4], MEMORY_TARGET, 12),
+            1,
+            "no more than cores"
+        );
+        // Full-width E2B: chunk4 holds 1.29 GB of fp16 weights, one
+        // conversion alone is estimated at 5.1 GiB (measured: 4.7 GiB).
+        let wide = conversion_peak_estimate(1_290_000_000);
+        assert!(wide > 5 * gib && wide < MEMORY_TARGET, "{wide}");
+        assert_eq!(auto_jobs(2, &[wide, wide, tiny], MEMORY_TARGET, 12), 1);
+        // With memory to spare, both cores.
+        assert_eq!(auto_jobs(2, &[wide, wide, tiny], 16 * gib, 12), 2);
+    }
+
+    #[test]
+    fn jobs_parse_auto_or_a_positive_count() {
+        assert_eq!("auto".parse::<Jobs>(), Ok(Jobs::Auto));
+        assert_eq!("3".parse::<Jobs>(), Ok(Jobs::N(3)));
+        assert!("0"
+            .parse::<Jobs>()
+            .unwrap_err()
+            .contains("auto or a number"));
+        assert!("two".parse::<Jobs>().is_err());
+    }
 
     #[test]
     fn a_relative_checkpoint_dir_is_taken_relative_to_build_json() {

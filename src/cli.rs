@@ -156,6 +156,9 @@ pub enum Cmd {
     /// Turn device bench logs (the runtime's [Load], [ComputePlan], [Profile] lines) into a
     /// verdict per decode layout, by the release's DEVICE_RUNBOOK.md.
     DeviceReport(crate::commands::device_report::DeviceReportCmd),
+    /// Serve a build's conversion tasks on stdin (started by `build --jobs`).
+    #[command(hide = true)]
+    ConvertWorker,
     /// Run pytest inside the embedded interpreter (where chunkforge_native is importable).
     #[command(hide = true)]
     SelftestPython {
@@ -239,6 +242,11 @@ pub struct BuildCmd {
     /// If another run is writing the same --output, fail at once instead of waiting for it.
     #[arg(long)]
     pub no_wait: bool,
+    /// Processes converting at once: this one plus conversion workers. auto: one per
+    /// core, as many as the estimated peak memory of that many conversions at once
+    /// keeps within 6.5 GiB and the memory available.
+    #[arg(long, default_value = "auto")]
+    pub jobs: crate::build::Jobs,
 }
 
 #[derive(Args, Clone)]
@@ -392,14 +400,18 @@ pub struct BenchBuildCmd {
     /// As `build --no-compose`.
     #[arg(long)]
     pub no_compose: bool,
+    /// As `build --jobs`.
+    #[arg(long, default_value = "auto")]
+    pub jobs: crate::build::Jobs,
     /// Also time every coremltools graph pass of every conversion and count the
     /// runs that changed the program; prints seconds per pass, per package.
     #[arg(long)]
     pub profile: bool,
-    /// Run the build twice, each in a child process of its own: as before chunkforge's
-    /// optimisations (coremltools' default pass pipeline, every layout converted from
-    /// torch) and as shipped; prints both side by side.
-    #[arg(long, conflicts_with_all = ["json", "pass_pipeline", "no_compose", "profile"])]
+    /// Run the build three times, each in a child process of its own: as before
+    /// chunkforge's optimisations (coremltools' default pass pipeline, every layout
+    /// converted from torch, one process), as shipped in one process (--jobs 1), and
+    /// as shipped (--jobs auto); prints them side by side.
+    #[arg(long, conflicts_with_all = ["json", "pass_pipeline", "no_compose", "profile", "jobs"])]
     pub baseline: bool,
     /// Print the build report JSON instead of a summary.
     #[arg(long)]

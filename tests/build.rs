@@ -193,6 +193,15 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
                 "{name} seconds.{phase}"
             );
         }
+        if !c["composed_from"].is_array() {
+            // The dispatcher found every weight coremltools palettized among
+            // the program's own constants: the kernel ran (or the cache
+            // served) whole weights, no group was palettized alone.
+            assert_eq!(c["palettize_unmatched_groups"], 0, "{name}");
+            let served = c["palettize_cache_hits"].as_u64().unwrap()
+                + c["palettize_cache_misses"].as_u64().unwrap();
+            assert!(served > 0, "{name}: {c}");
+        }
         let pkg = inspect(&out.join(format!("{name}.mlpackage")));
         assert_eq!(
             pkg["specification_version"], 9,
@@ -319,6 +328,37 @@ fn cut_pass_pipeline_gives_byte_identical_packages() {
     }
     assert_eq!(pa, pb, "a package's tree differs");
     assert_eq!(a["tree_sha256"], b["tree_sha256"]);
+}
+
+#[test]
+fn two_processes_build_the_same_packages_as_one() {
+    // The shared `--mode all` build runs with `--jobs auto`: on the tiny
+    // default checkpoint, one process per core (conversions, bundles and
+    // compositions split between the build and a conversion worker). Every
+    // package must be byte-identical to a one-process build's.
+    let auto = json_file(&built_all().join("build.json"));
+    let hf = auto["checkpoint"]["dir"].as_str().unwrap().to_string();
+    let one = json_file(
+        &shared_build(
+            "default-all-one-process",
+            Path::new(&hf),
+            &["--mode", "all", "--jobs", "1"],
+        )
+        .join("build.json"),
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    assert_eq!(
+        auto["processes"],
+        cores.clamp(1, 4),
+        "--jobs auto on {cores} cores"
+    );
+    assert_eq!(one["processes"], 1);
+    assert_eq!(package_trees(&auto), package_trees(&one));
+    assert_eq!(auto["tree_sha256"], one["tree_sha256"]);
+    // Each process's peak is counted.
+    if cores > 1 {
+        assert!(auto["peak_rss_bytes"].as_u64() > one["peak_rss_bytes"].as_u64());
+    }
 }
 
 #[test]

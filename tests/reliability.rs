@@ -172,6 +172,64 @@ fn ctrl_c_stops_cleanly_with_a_message() {
         .starts_with(".chunkforge")));
 }
 
+/// Processes whose parent is `pid` (from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...: comm may hold spaces, so split after ')'.
+        let rest = &stat[stat.rfind(')').unwrap() + 1..];
+        let ppid: u32 = rest.split_whitespace().nth(1).unwrap().parse().unwrap();
+        if ppid == pid {
+            out.push(child);
+        }
+    }
+    out
+}
+
+/// Whether `pid` is gone or a zombie (dead, not yet reaped by its new parent).
+fn dead(pid: u32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat[stat.rfind(')').unwrap() + 1..]
+            .trim_start()
+            .starts_with('Z'),
+    }
+}
+
+#[test]
+fn sigkill_during_a_two_process_build_takes_its_conversion_worker_with_it() {
+    let ck = fixture("e2b", &[]);
+    let out = tempdir("kill-jobs");
+    previous(&out);
+    let mut args = build_two(&ck, &out).to_vec();
+    args.extend(["--jobs", "2"]);
+    let (mut child, _stderr) = spawn_until(&args, ": convert", 0.5);
+    let workers = children_of(child.id());
+    assert_eq!(workers.len(), 1, "one conversion worker: {workers:?}");
+    let _ = child.kill(); // SIGKILL: no handler runs in the build
+    let _ = child.wait();
+    let t = std::time::Instant::now();
+    while !dead(workers[0]) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the worker outlived the build"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_previous(&out);
+    let o = run(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let build: serde_json::Value =
+        serde_json::from_slice(&fs::read(out.join("build.json")).unwrap()).unwrap();
+    assert_eq!(build["processes"], 2);
+}
+
 fn unsafe_kill(pid: u32, sig: &str) {
     assert!(Command::new("kill")
         .args([&format!("-{sig}"), &pid.to_string()])

@@ -84,7 +84,7 @@ from .contract import (
     TensorSpec,
 )
 from .roles import CACHE, NEW_ROWS, Key, key_of
-from .runtime import ChunkforgeError
+from .runtime import ChunkforgeError, release_memory
 
 COMPOSED_FROM = "com.github.chunkforge.composed_from"
 # The passes the composed program needs: the sources are optimised already;
@@ -1061,6 +1061,7 @@ def compose_job(job: ComposeJob) -> ComposedChunk:
     result = compose(
         [(s["path"], s["chunk"]) for s in job["sources"]], job["target"], job["path"], settings=job["settings"]
     )
+    release_memory()
     seconds = result["seconds"]
     return {
         "stats": result["stats"],

@@ -40,7 +40,7 @@ from .contract import (
 from .inspect_pkg import PROJECTION_OPS
 from .model import Chunk, build_chunk
 from .palettize import WeightCache
-from .runtime import ChunkforgeError
+from .runtime import ChunkforgeError, release_memory
 
 NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}
@@ -136,7 +136,9 @@ def convert(
     """ct.convert with `settings`. With the chunkforge palettizer, the Rust
     kernel's INT4 palettization runs as the last pass of the conversion itself
     (see `palettize.conversion_pipeline`; `cache`: the build's results); its
-    counts and kernel seconds are attached to the model for `save`."""
+    counts and kernel seconds are attached to the model for `save`. With the
+    chunkforge pass pipeline, `traced`'s weights are freed during the
+    conversion (`passes.release_torch_weights`): it cannot be used again."""
     import coremltools as ct
 
     inputs = [ct.TensorType(name=t["name"], shape=t["shape"], dtype=NP_DTYPES[t["dtype"]]) for t in function["inputs"]]
@@ -147,8 +149,10 @@ def convert(
     if pal is not None and pal["palettizer"] == "chunkforge":
         from .palettize import conversion_pipeline
 
-        dispatcher = conversion_pipeline(pipeline, traced, name, pal, cache)
+        dispatcher = conversion_pipeline(pipeline, name, pal, cache)
     cut = settings["pass_pipeline"] == "chunkforge"
+    if cut:
+        passes.release_torch_weights(pipeline, traced)
     with passes.validate_once(cut), passes.terse_program_text(cut), passes.fast_fp16_overflow_check(cut):
         mlmodel = ct.convert(
             traced,
@@ -161,6 +165,7 @@ def convert(
             pass_pipeline=pipeline,
         )
     if dispatcher is not None and pal is not None:
+        dispatcher.release()
         check_palettized(mlmodel, name, int(pal["group_size"]))
         mlmodel._chunkforge_palettize_stats = dispatcher.stats()
     return mlmodel
@@ -351,6 +356,7 @@ def combine(
             with open(os.path.join(path, spec_rel), "wb") as f:
                 f.write(spec.SerializeToString(deterministic=True))
             normalize_manifest(path)
+    release_memory()
     return {"weight_bytes": weight_bytes(targets[0][0])}
 
 
@@ -402,6 +408,7 @@ def convert_chunk(job: ChunkJob, cache: WeightCache, progress: Callable[[str, st
         with phases("save", "save"):
             stats = save(ml, path)
         del ml
+        release_memory()
         seconds = phases.seconds
         kernel = stats["palettize_seconds"]
         if kernel is not None:

@@ -174,8 +174,11 @@ class Dispatcher:
     weight shares one config there, so the pass does not name the weight).
 
     A group that is not the next one of the weight in progress is a weight's
-    first channel group: it is matched by content against the traced
-    module's 2-D fp16 tensors, and that weight's `_Feeder` (kernel on the
+    first channel group: it is matched by content against the program's
+    projection weights (`add`: the pass `chunkforge::palettize_sources`
+    hands them over just before the palettization pass, as fp16 constants of
+    the program itself, so the torch module's copy need not outlive the
+    frontend), and that weight's `_Feeder` (kernel on the
     whole weight, the build cache) serves its groups, each checked bit for
     bit against the tensor. (A weight matched by its first group only, when
     another tensor starts with the same rows, thus starts over at the first
@@ -188,21 +191,28 @@ class Dispatcher:
     tied embedding's gather, which no chunk holds) would make coremltools
     refuse the config as a conflict."""
 
-    def __init__(
-        self, name: str, tensors: list[tuple[str, np.ndarray]], nbits: int, group: int, cache: WeightCache | None
-    ):
+    def __init__(self, name: str, nbits: int, group: int, cache: WeightCache | None):
         self.name, self.nbits, self.group = name, nbits, group
         # No build cache: every weight is palettized for this conversion only.
         self.cache = cache if cache is not None else WeightCache(uses=1)
         self.heads: dict[bytes, list[tuple[str, np.ndarray]]] = {}
-        for tname, t in tensors:
-            t = as_matrix(t)
-            if t.ndim == 2 and t.dtype == np.float16 and t.shape[0] >= group and t.shape[0] % group == 0:
-                self.heads.setdefault(_head_key(t[:group]), []).append((tname, t))
         self.feeder: _Feeder | None = None
         self.counts = {"hits": 0, "misses": 0}
         self.unmatched_groups = 0
         self.seconds = 0.0
+
+    def add(self, tensors: list[tuple[str, np.ndarray]]) -> None:
+        """Weights the groups coremltools passes may come from (name, array)."""
+        group = self.group
+        for tname, t in tensors:
+            t = as_matrix(t)
+            if t.ndim == 2 and t.dtype == np.float16 and t.shape[0] >= group and t.shape[0] % group == 0:
+                self.heads.setdefault(_head_key(t[:group]), []).append((tname, t))
+
+    def release(self) -> None:
+        """Lets go of the weights once the palettization pass has run."""
+        self.heads.clear()
+        self.feeder = None
 
     def _match(self, head: np.ndarray) -> _Feeder | None:
         for tname, t in self.heads.get(_head_key(head), []):
@@ -239,22 +249,64 @@ class Dispatcher:
         }
 
 
-def conversion_pipeline(
-    pipeline: Any, traced: Any, name: str, settings: Palettization, cache: WeightCache | None
-) -> Dispatcher:
+def weight_label(const: str) -> str:
+    """A projection weight's name for messages: its constant's name without
+    the suffixes coremltools' passes add (``layers_3_mlp_up_proj_weight`` for
+    ``layers_3_mlp_up_proj_weight_promoted_to_fp16``)."""
+    for suffix in ("_to_fp16", "_promoted"):
+        const = const.removesuffix(suffix)
+    return const
+
+
+def program_weights(prog: Any) -> list[tuple[str, np.ndarray]]:
+    """(name, value) of every constant weight feeding a projection in `prog`."""
+    out = []
+    for func in prog.functions.values():
+        for op in func.operations:
+            if op.op_type in PROJECTION_OPS:
+                w = op.weight
+                if w.op is not None and w.op.op_type == "const" and isinstance(w.val, np.ndarray):
+                    out.append((weight_label(w.op.name), w.val))
+    return out
+
+
+_SOURCES_PASS = "chunkforge::palettize_sources"
+
+
+def _register_sources_pass() -> None:
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY, register_pass
+
+    if _SOURCES_PASS in PASS_REGISTRY:
+        return
+
+    @register_pass(namespace="chunkforge")
+    class palettize_sources(AbstractGraphPass):
+        """Hands the program's projection weights to the conversion's `Dispatcher`
+        (option `dispatcher`); changes nothing in the program."""
+
+        def __init__(self) -> None:
+            self.dispatcher: Dispatcher | None = None
+
+        def apply(self, prog: Any) -> None:
+            if self.dispatcher is not None:
+                self.dispatcher.add(program_weights(prog))
+
+
+def conversion_pipeline(pipeline: Any, name: str, settings: Palettization, cache: WeightCache | None) -> Dispatcher:
     """Appends coremltools' palettization pass last to `pipeline` (ct.convert's
     pass pipeline, `passes.pipeline`; public API: `PassPipeline.append_pass`,
     and `set_options` for its config, as `PassPipeline.DEFAULT_PALETTIZATION`
-    sets it), in custom mode with our LUTs, for every linear weight. Palettizing during
-    conversion spares the program a second trip through the pipeline and
-    serialization, which is what `palettize_weights` on a converted model
-    costs."""
+    sets it), in custom mode with our LUTs, for every linear weight, after
+    `chunkforge::palettize_sources`, which gives the dispatcher the weights.
+    Palettizing during conversion spares the program a second trip through
+    the pipeline and serialization, which is what `palettize_weights` on a
+    converted model costs."""
     from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig
 
     nbits = int(settings["nbits"])
     group = int(settings["group_size"])
-    tensors = [(n, t.detach().numpy()) for n, t in list(traced.named_parameters()) + list(traced.named_buffers())]
-    dispatcher = Dispatcher(name, tensors, nbits, group, cache)
+    dispatcher = Dispatcher(name, nbits, group, cache)
     op_config = OpPalettizerConfig(
         mode="custom",
         lut_function=dispatcher,
@@ -264,6 +316,9 @@ def conversion_pipeline(
         weight_threshold=0,
     )
     config = OptimizationConfig(op_type_configs={op: op_config for op in PROJECTION_OPS})
+    _register_sources_pass()
+    pipeline.append_pass(_SOURCES_PASS)
+    pipeline.set_options(_SOURCES_PASS, {"dispatcher": dispatcher})
     pipeline.append_pass("compression::palettize_weights")
     pipeline.set_options("compression::palettize_weights", {"config": config})
     return dispatcher

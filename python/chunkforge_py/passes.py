@@ -96,6 +96,58 @@ def pipeline(default: bool) -> Any:
     return p
 
 
+RELEASE_PASS = "chunkforge::release_torch_weights"
+
+
+def _register_release_pass() -> None:
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY, register_pass
+
+    if RELEASE_PASS in PASS_REGISTRY:
+        return
+
+    @register_pass(namespace="chunkforge")
+    class release_torch_weights(AbstractGraphPass):
+        """Frees the parameters and buffers of the torch module being converted
+        (option `module`); changes nothing in the program."""
+
+        def __init__(self) -> None:
+            self.module: Any = None
+
+        def apply(self, prog: Any) -> None:
+            import gc
+
+            import torch
+
+            if self.module is None:
+                return
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                t.data = torch.empty(0, dtype=t.dtype)
+            self.module = None
+            # The frontend's own objects (its torch graph and parameter
+            # table) are reference cycles that still hold the tensors.
+            gc.collect()
+
+
+def release_torch_weights(pipeline: Any, module: Any) -> None:
+    """Makes the first pass of `pipeline` free `module`'s weights.
+
+    By then the torch frontend has made its own constants of them (an fp32
+    copy of every projection weight: the frontend promotes fp16 weights for
+    its fp32 graph, and `add_fp16_cast` casts them back) and its pipeline has
+    dropped the constants that were views of the torch tensors. Until the
+    end of `ct.convert` nothing reads the module again, yet it would hold
+    an fp16 copy of every weight through the pipeline's peak (`add_fp16_cast`,
+    where the fp32 constant and its fp16 cast exist side by side): for a
+    full-width E2B chunk of ten layers that is 1.3 GB. The pass also
+    collects the frontend's finished objects (reference cycles that hold the
+    tensors too). A weight the program still holds a view of stays alive
+    through that view. `module` is unusable afterwards."""
+    _register_release_pass()
+    pipeline.insert_pass(0, RELEASE_PASS)
+    pipeline.set_options(RELEASE_PASS, {"module": module})
+
+
 def _fingerprint(prog: Any) -> str:
     """A digest of the program's structure: every op's type, name, input and
     output variables with their types, and every constant's bytes. Two

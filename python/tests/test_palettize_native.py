@@ -7,7 +7,7 @@ run them with `chunkforge selftest-python python/tests/test_palettize_native.py`
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -104,23 +104,31 @@ def test_degenerate_groups_exact():
     assert lut[0, 0] == np.float16(0.5) and (idx[:32] == 0).all()
 
 
-def _one_linear_model(w: np.ndarray, cache: palettize.WeightCache | None = None):
-    """A one-linear torch model converted like a build converts a chunk: with
-    `cache`, palettized by the kernel inside the conversion (the shipped
-    settings, INT4 in groups of 32)."""
+def _traced_linear(w: np.ndarray) -> Any:
     import torch
-    from chunkforge_py import convert
 
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).half().eval()
     with torch.no_grad():
         lin.weight.copy_(torch.from_numpy(w))
-    traced = torch.jit.trace(lin, (torch.zeros(1, w.shape[1], dtype=torch.float16),))
+    return torch.jit.trace(lin, (torch.zeros(1, w.shape[1], dtype=torch.float16),))
+
+
+def _one_linear_model(
+    w: np.ndarray, cache: palettize.WeightCache | None = None, pass_pipeline: str = "chunkforge", traced: Any = None
+):
+    """A one-linear torch model (`traced`, else traced here) converted like a
+    build converts a chunk: with `cache`, palettized by the kernel inside the
+    conversion (the shipped settings, INT4 in groups of 32)."""
+    from chunkforge_py import convert
+
     # A hand-made function: only what `convert` reads.
     function = {
         "inputs": [{"name": "x", "shape": [1, w.shape[1]], "dtype": "fp16"}],
         "outputs": [{"name": "y", "dtype": "fp16"}],
     }
     settings = shipped_settings(quantize=cache is not None)
+    settings["pass_pipeline"] = cast(Any, pass_pipeline)
+    traced = traced if traced is not None else _traced_linear(w)
     return convert.convert(traced, cast(FunctionPlan, function), "t", settings, cache)
 
 
@@ -163,6 +171,25 @@ def test_kernel_palettizes_inside_the_conversion(tmp_path):
     np.testing.assert_array_equal(op["indices"], idx)
 
 
+def test_the_shipped_pipeline_frees_the_torch_weights_during_the_conversion(tmp_path):
+    # The torch module's weights are freed once the frontend has its own
+    # copies; the palettization still gets every weight (from the program's
+    # constants) and the package is the same as coremltools' pipeline makes.
+    w = weight(64, 32, seed=27)
+    saved = {}
+    for pipeline, left in (("chunkforge", 0), ("coremltools", w.size)):
+        traced = _traced_linear(w)
+        ml = _one_linear_model(w, palettize.WeightCache(uses=1), pipeline, traced)
+        assert [p.numel() for p in traced.parameters()] == [left], pipeline
+        assert ml._chunkforge_palettize_stats["palettize_unmatched_groups"] == 0
+        path = str(tmp_path / f"{pipeline}.mlpackage")
+        ml.save(path)
+        [op] = palettize.read_palettized(path)
+        saved[pipeline] = (op["lut"].tobytes(), op["indices"].tobytes())
+    lut, idx = native.palettize_int4(w, 32, 4)
+    assert saved["chunkforge"] == saved["coremltools"] == (lut.tobytes(), idx.tobytes())
+
+
 def test_conversions_count_uses_per_layout():
     w = weight(64, 48, seed=21)
     one, three = palettize.WeightCache(uses=1), palettize.WeightCache(uses=3)
@@ -183,7 +210,8 @@ def test_a_first_group_matching_no_module_tensor_is_palettized_alone():
     # each group on its own gives the whole-weight result (groups are
     # independent).
     w = weight(96, 40, seed=23)
-    d = palettize.Dispatcher("t", [("other", weight(64, 40, seed=24))], 4, 32, None)
+    d = palettize.Dispatcher("t", 4, 32, None)
+    d.add([("other", weight(64, 40, seed=24))])
     got = [d(w[g * 32 : (g + 1) * 32]) for g in range(3)]
     lut, idx = native.palettize_int4(w, 32, 4)
     for g, (glut, gidx) in enumerate(got):

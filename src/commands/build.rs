@@ -26,6 +26,7 @@ pub(super) struct BuildJob<'a> {
     pub compose: bool,
     /// Time every coremltools graph pass (`bench build --profile`).
     pub profile: bool,
+    pub jobs: build::Jobs,
     pub lock: Option<OnLocked>,
 }
 
@@ -51,6 +52,7 @@ impl BuildJob<'_> {
         let settings = Settings {
             conversion,
             profile: self.profile,
+            jobs: self.jobs,
             verbose,
             lock: self.lock,
         };
@@ -76,6 +78,7 @@ pub fn run(args: BuildCmd, verbose: bool) -> Result<ExitStatus> {
         pass_pipeline: args.pass_pipeline,
         compose: !args.no_compose,
         profile: false,
+        jobs: args.jobs,
         lock: Some(OnLocked::from_no_wait(args.no_wait)),
     }
     .run(output, verbose)?;
@@ -97,6 +100,7 @@ fn check(dir: &Path, args: &BuildCmd, verbose: bool) -> Result<ExitStatus> {
         pass_pipeline: old.pass_pipeline,
         compose: old.compose,
         profile: false,
+        jobs: args.jobs,
         lock: None,
     }
     .run(&tmp, verbose);
@@ -125,8 +129,13 @@ pub(super) fn summary(record: &BuildRecord, out: &Path) -> String {
         .iter()
         .map(|(k, v)| format!("{k} {v:.1}s"))
         .collect();
+    // Phase seconds add up over processes.
+    let on = match record.processes {
+        1 => String::new(),
+        n => format!(" on {n} processes"),
+    };
     format!(
-        "wrote {} packages to {} in {:.1}s ({}); peak RSS {:.0} MiB",
+        "wrote {} packages to {} in {:.1}s{on} ({}); peak RSS {:.0} MiB",
         record.chunks.len(),
         out.display(),
         record.seconds.total,

@@ -102,6 +102,10 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Verify(args) => verify::run(args),
         Cmd::DeviceReport(args) => device_report::run(args),
         Cmd::SelftestPython { args } => selftest::run(&args, verbose),
+        Cmd::ConvertWorker => {
+            crate::py::worker::serve(verbose)?;
+            Ok(ExitStatus::Success)
+        }
         Cmd::Bench { what } => bench::run(what, verbose),
     }
 }

@@ -57,6 +57,7 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
             pass_pipeline: PassPipeline::Chunkforge,
             compose: true,
             profile: false,
+            jobs: crate::build::Jobs::Auto,
             lock: Some(OnLocked::from_no_wait(args.release.no_wait)),
         }
         .run(&build_dir, verbose)?;

@@ -267,11 +267,88 @@ pub struct ChunkError {
     pub error: PyErr,
 }
 
-/// The phase on screen and the function it belongs to.
-#[derive(Default)]
-struct Phase {
-    bar: Option<ProgressBar>,
-    function: Option<String>,
+/// Shows each phase of a conversion as it starts: `(function, phase)`.
+pub type OnPhase = Arc<dyn Fn(&str, &str) + Send + Sync>;
+
+/// `convert.convert_chunk(job, cache, progress)` with `job` as JSON and the
+/// reply as JSON, each phase told to `on_phase` as Python starts it (the
+/// build's own process and a conversion worker share this).
+pub fn convert_chunk_value(
+    job: &serde_json::Value,
+    cache: &WeightCache,
+    on_phase: OnPhase,
+) -> Result<serde_json::Value, ChunkError> {
+    let current: Arc<Mutex<Option<String>>> = Arc::default();
+    let result = Python::attach(|py| {
+        let slot = Arc::clone(&current);
+        let report = PyCFunction::new_closure(
+            py,
+            Some(c"progress"),
+            Some(c"Tells a build phase as it starts: progress(function, phase)."),
+            move |args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
+                let function: String = args.get_item(0)?.extract()?;
+                let what: String = args.get_item(1)?.extract()?;
+                on_phase(&function, &what);
+                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(function);
+                Ok(())
+            },
+        )?;
+        let reply = py
+            .import("chunkforge_py.convert")?
+            .call_method1("convert_chunk", (to_py(py, job)?, cache.0.bind(py), report))?;
+        from_py::<serde_json::Value>(&reply, "convert.convert_chunk")
+    });
+    let function = current.lock().unwrap_or_else(|e| e.into_inner()).take();
+    result.map_err(|error| ChunkError { function, error })
+}
+
+/// The reply of `convert_chunk_value` for `chunk` read back, checking that
+/// every function was converted, in order.
+pub fn converted_chunk(
+    chunk: &ChunkPlan,
+    reply: serde_json::Value,
+) -> std::result::Result<ConvertedChunk, String> {
+    let converted: ConvertedChunk = serde_json::from_value(reply)
+        .map_err(|e| format!("bad reply from convert.convert_chunk: {e}"))?;
+    let sent: Vec<&str> = chunk.functions.iter().map(|f| f.name.as_str()).collect();
+    let got: Vec<&str> = converted
+        .functions
+        .iter()
+        .map(|f| f.name.as_str())
+        .collect();
+    if sent != got {
+        return Err(format!(
+            "convert.convert_chunk converted functions {got:?} of {sent:?}"
+        ));
+    }
+    Ok(converted)
+}
+
+/// Each phase shown as a spinner under `progress`, the last one cleared when
+/// the returned guard is dropped.
+pub fn phase_spinners(progress: &BuildProgress) -> (OnPhase, PhaseGuard) {
+    let slot: Arc<Mutex<Option<ProgressBar>>> = Arc::default();
+    let shown = progress.clone();
+    let bars = Arc::clone(&slot);
+    let on_phase: OnPhase = Arc::new(move |function: &str, what: &str| {
+        let mut bar = bars.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(previous) = bar.take() {
+            previous.finish_and_clear();
+        }
+        *bar = Some(shown.phase(format!("{function}: {what}")));
+    });
+    (on_phase, PhaseGuard(slot))
+}
+
+/// Clears the last phase spinner of `phase_spinners` when dropped.
+pub struct PhaseGuard(Arc<Mutex<Option<ProgressBar>>>);
+
+impl Drop for PhaseGuard {
+    fn drop(&mut self) {
+        if let Some(last) = self.0.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            last.finish_and_clear();
+        }
+    }
 }
 
 /// `convert.convert_chunk(job, cache, progress)`: the one call per package.
@@ -282,60 +359,20 @@ pub fn convert_chunk(
     cache: &WeightCache,
     progress: &BuildProgress,
 ) -> Result<ConvertedChunk, ChunkError> {
-    let current: Arc<Mutex<Phase>> = Arc::default();
-    let result = Python::attach(|py| {
-        let shown = progress.clone();
-        let slot = Arc::clone(&current);
-        let report = PyCFunction::new_closure(
-            py,
-            Some(c"progress"),
-            Some(c"Shows a build phase as it starts: progress(function, phase)."),
-            move |args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
-                let function: String = args.get_item(0)?.extract()?;
-                let what: String = args.get_item(1)?.extract()?;
-                let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(previous) = slot.bar.take() {
-                    previous.finish_and_clear();
-                }
-                slot.bar = Some(shown.phase(format!("{function}: {what}")));
-                slot.function = Some(function);
-                Ok(())
-            },
-        )?;
-        let reply = py
-            .import("chunkforge_py.convert")?
-            .call_method1("convert_chunk", (to_py(py, job)?, cache.0.bind(py), report))?;
-        let converted: ConvertedChunk = from_py(&reply, "convert.convert_chunk")?;
-        let sent: Vec<&str> = job
-            .chunk
-            .functions
-            .iter()
-            .map(|f| f.name.as_str())
-            .collect();
-        let got: Vec<&str> = converted
-            .functions
-            .iter()
-            .map(|f| f.name.as_str())
-            .collect();
-        if sent != got {
-            return Err(PyValueError::new_err(format!(
-                "convert.convert_chunk converted functions {got:?} of {sent:?}"
-            )));
-        }
-        Ok(converted)
-    });
-    let mut phase = current.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(last) = phase.bar.take() {
-        last.finish_and_clear();
-    }
-    result.map_err(|error| ChunkError {
-        function: phase.function.take(),
-        error,
+    let value = serde_json::to_value(job).map_err(|e| ChunkError {
+        function: None,
+        error: PyValueError::new_err(e.to_string()),
+    })?;
+    let (on_phase, _spinners) = phase_spinners(progress);
+    let reply = convert_chunk_value(&value, cache, on_phase)?;
+    converted_chunk(job.chunk, reply).map_err(|e| ChunkError {
+        function: None,
+        error: PyValueError::new_err(e),
     })
 }
 
 /// `convert.combine`'s reply: the bundle's weight blob size.
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize)]
 pub struct Bundle {
     pub weight_bytes: u64,
 }
@@ -382,7 +419,8 @@ pub struct Composed {
     pub seconds: Seconds,
 }
 
-pub fn compose(job: &ComposeJob) -> PyResult<Composed> {
+/// `compose.compose_job(job)` with `job` and the reply as JSON.
+pub fn compose_value(job: &serde_json::Value) -> PyResult<serde_json::Value> {
     Python::attach(|py| {
         let reply = py
             .import("chunkforge_py.compose")?

@@ -6,3 +6,4 @@ pub mod calls;
 pub mod env;
 pub mod error;
 pub mod native;
+pub mod worker;

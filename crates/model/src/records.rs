@@ -314,8 +314,13 @@ pub struct BuildRecord {
     pub seconds: BuildSeconds,
     #[serde(default)]
     pub palettize_cache: CacheTotals,
+    /// Peak RSS of the build's process plus that of each conversion worker
+    /// (each its own peak: the sum bounds the build's).
     #[serde(default)]
     pub peak_rss_bytes: u64,
+    /// Processes that converted: the build's own and its conversion workers (`--jobs`).
+    #[serde(default = "one_process")]
+    pub processes: usize,
     /// The static ANE audit of the packages (`chunkforge audit`), in brief;
     /// absent from builds made before the audit existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -330,6 +335,10 @@ impl BuildRecord {
 }
 
 /// The audit report's `format`.
+fn one_process() -> usize {
+    1
+}
+
 pub const AUDIT_FORMAT: &str = "chunkforge-audit/1";
 
 /// One rule broken by one op (or function input) of one function of a package.

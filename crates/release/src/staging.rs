@@ -15,6 +15,24 @@ const STAGING_PREFIX: &str = ".chunkforge-staging-";
 /// Staging folders of this process, removed by the Ctrl-C handler.
 static LIVE_STAGING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
+/// Child processes writing into this process's staging folders (a build's
+/// conversion workers): the Ctrl-C handler kills and reaps them first, so
+/// nothing writes into a staging folder after it is removed.
+static LIVE_CHILDREN: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+/// `pid` writes into this run's staging folders until `forget_child(pid)`.
+pub fn register_child(pid: u32) {
+    if let Ok(mut v) = LIVE_CHILDREN.lock() {
+        v.push(pid);
+    }
+}
+
+pub fn forget_child(pid: u32) {
+    if let Ok(mut v) = LIVE_CHILDREN.lock() {
+        v.retain(|p| *p != pid);
+    }
+}
+
 /// Held while a run moves its finished outputs into place; the interrupt
 /// handler waits for it, so Ctrl-C never splits a set of packages.
 pub static PUBLISH_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -25,6 +43,15 @@ pub static PUBLISH_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 pub fn install_interrupt_handler(exit_code: i32) {
     let _ = ctrlc::set_handler(move || {
         let _publishing = PUBLISH_LOCK.lock();
+        let children = LIVE_CHILDREN.lock().map(|v| v.clone()).unwrap_or_default();
+        for pid in children {
+            // SAFETY: our own child, not yet reaped (forget_child runs before
+            // the build waits for it).
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+                libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0);
+            }
+        }
         let dirs = LIVE_STAGING.lock().map(|v| v.clone()).unwrap_or_default();
         // A folder with a journal holds previous entries a failed publish
         // could not put back: left for the next run to recover.
