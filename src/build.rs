@@ -412,8 +412,9 @@ pub fn run(
             task: tasks.len(),
             parts,
         });
-        let c = unit.iter().map(|(_, c)| cost(c)).sum();
-        tasks.push((Task::Convert { jobs, bundle }, names.join(" + "), c));
+        // Conversions keep plan order (cost 0): a bad weight in the first
+        // layers is reported first, as in one process.
+        tasks.push((Task::Convert { jobs, bundle }, names.join(" + "), 0));
     }
     // The four-chunk decode programs the compositions need and the build
     // does not make itself.
@@ -440,14 +441,14 @@ pub fn run(
         tasks.push((
             task,
             format!("{} (a source of a composed package)", source.name),
-            cost(source),
+            0,
         ));
     }
 
     let mut pool = Pool::start(settings, plan, ckpt, tasks.len(), uses)?;
-    if pool.processes() > 1 {
-        progress.println(format!("converting on {}", pool.describe()));
-    }
+    progress
+        .bar
+        .set_message(format!("converting on {}", pool.describe()));
     let mut results = pool.run(&tasks, &cache, &progress, verbose)?;
 
     for (k, (i, source, _)) in sources.iter().enumerate() {

@@ -290,8 +290,13 @@ fn corpus_case(tag: &str, edit: impl FnOnce(&Path), fragment: &str) {
         !err.contains("Traceback") && !err.contains("panicked"),
         "{tag}: {err}"
     );
+    // Phase lines (`chunk1: load weights ...`) are progress, not the error:
+    // with a conversion worker, the other process's appear too.
     assert!(
-        err.lines().filter(|l| !l.trim().is_empty()).count() <= 3,
+        err.lines()
+            .filter(|l| !l.trim().is_empty() && !l.ends_with(" ..."))
+            .count()
+            <= 3,
         "{tag}: one short paragraph:\n{err}"
     );
     assert_previous(&out);
