@@ -2,9 +2,11 @@
 
 Builds the default checkpoint with the chunkforge binary (`target/release/chunkforge`,
 or $CHUNKFORGE_BIN): `--mode both --no-compose` twice, so the same weights go
-through two separate processes, and within each build through the two-chunk and
+through two separate builds, and within each build through the two-chunk and
 the one-chunk conversions (composed packages reuse their sources' LUTs: the
-cache across conversions is what this exercises).
+cache across conversions is what this exercises). The first build runs in one
+process (`--jobs 1`: one cache sees every conversion), the second in two
+(`--jobs 2`: each process has its own cache), and both give the same bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ def build(out: Path, *extra: str) -> dict:
 def builds(tmp_path_factory):
     a = tmp_path_factory.mktemp("a")
     b = tmp_path_factory.mktemp("b")
-    return (a, build(a, "--mode", "both", "--no-compose")), (b, build(b, "--mode", "both", "--no-compose"))
+    return (
+        (a, build(a, "--mode", "both", "--no-compose", "--jobs", "1")),
+        (b, build(b, "--mode", "both", "--no-compose", "--jobs", "2")),
+    )
 
 
 def luts(path: Path) -> list[tuple[str, bytes, bytes]]:
