@@ -273,6 +273,23 @@ fn chunk_job(
     })?)
 }
 
+/// The record of converted function `f` (`c`: its reply), under `name`.
+fn function_record(
+    name: &str,
+    f: &crate::plan::FunctionPlan,
+    c: calls::ConvertedFunction,
+) -> FunctionRecord {
+    FunctionRecord {
+        name: name.to_string(),
+        kind: f.kind,
+        tokens: f.tokens,
+        mil_ops: c.stats.mil_ops,
+        weight_bytes: c.stats.weight_bytes,
+        seconds: c.seconds,
+        passes: c.passes,
+    }
+}
+
 /// A converted chunk's function records, summed seconds and summed counts.
 fn function_records(
     chunk: &ChunkPlan,
@@ -285,19 +302,11 @@ fn function_records(
         for (k, v) in &c.seconds {
             *seconds.entry(k.clone()).or_default() += v;
         }
-        functions.push(FunctionRecord {
-            name: f.name.clone(),
-            kind: f.kind,
-            tokens: f.tokens,
-            mil_ops: c.stats.mil_ops,
-            weight_bytes: c.stats.weight_bytes,
-            seconds: c.seconds,
-            passes: c.passes,
-        });
         match &mut stats {
-            None => stats = Some(c.stats),
+            None => stats = Some(c.stats.clone()),
             Some(acc) => acc.add(&c.stats),
         }
+        functions.push(function_record(&f.name, f, c));
     }
     (
         functions,
@@ -830,15 +839,8 @@ impl Composer {
             self.sources_seconds += c.seconds.values().sum::<f64>();
             self.cache.hits += c.stats.palettize_cache_hits.unwrap_or(0);
             self.cache.misses += c.stats.palettize_cache_misses.unwrap_or(0);
-            self.sources.push(FunctionRecord {
-                name: source.name.clone(),
-                kind: f.kind,
-                tokens: f.tokens,
-                mil_ops: c.stats.mil_ops,
-                weight_bytes: c.stats.weight_bytes,
-                seconds: c.seconds,
-                passes: c.passes,
-            });
+            // A source's record is named after its chunk (its only function is decode).
+            self.sources.push(function_record(&source.name, f, c));
         }
     }
 
