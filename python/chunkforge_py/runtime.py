@@ -3,10 +3,16 @@ message reaches the user verbatim (no exception class name, no traceback)."""
 
 from __future__ import annotations
 
+import gc
+import importlib.abc
+import importlib.machinery
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
 
 from .contract import PlatformLimits
 
@@ -33,6 +39,83 @@ def configure(verbose: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# coremltools' import tries every optional converter's dependency
+# (coremltools/_deps): scikit-learn, XGBoost, libsvm, TensorFlow, SciPy and
+# transformers. chunkforge converts torch programs only, and importing those
+# took 2.8 of coremltools' 3.8 s import on this machine, once per process.
+# While coremltools imports, they read as not installed; afterwards they import
+# normally (bench palettize's scikit-learn k-means, the transformers oracle).
+# coremltools only uses the flags for its scikit-learn / XGBoost / libsvm
+# converters and SciPy sparse inputs to `predict`.
+COREMLTOOLS_OPTIONAL = (
+    "sklearn",
+    "xgboost",
+    "libsvm",
+    "tensorflow",
+    "scipy",
+    "transformers",
+    "torchvision",
+    "torchaudio",
+    "executorch",
+    "torchao",
+)
+
+
+class _LeanLoader(importlib.abc.Loader):
+    """coremltools' own loader, run with `COREMLTOOLS_OPTIONAL` hidden."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        import torch  # noqa: F401  (coremltools needs it; imported with its own optional modules)
+
+        hidden = [name for name in COREMLTOOLS_OPTIONAL if name not in sys.modules]
+        for name in hidden:
+            sys.modules[name] = None  # type: ignore[assignment]  # `import name` raises ImportError
+        try:
+            self._inner.exec_module(module)
+        finally:
+            for name in hidden:
+                if name in sys.modules and sys.modules[name] is None:
+                    del sys.modules[name]
+            module.__loader__ = self._inner
+            if module.__spec__ is not None:
+                module.__spec__.loader = self._inner
+        # torch and coremltools are now a few hundred thousand long-lived
+        # objects; frozen, the cycle collector runs of `release_memory` and
+        # the release pass no longer walk them after every conversion.
+        gc.freeze()
+
+
+class _LeanCoremltools(importlib.abc.MetaPathFinder):
+    """Finds `coremltools` the usual way and wraps its loader in `_LeanLoader`."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "coremltools":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LeanLoader(spec.loader)
+        return spec
+
+
+def lean_coremltools_import() -> None:
+    """Makes the process's first `import coremltools` skip its optional
+    converters' dependencies (see `COREMLTOOLS_OPTIONAL`)."""
+    if "coremltools" not in sys.modules and not any(isinstance(f, _LeanCoremltools) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LeanCoremltools())
+
+
 def release_memory() -> None:
     """Frees what one conversion, composition or bundle left behind before the
     next starts: MIL programs are reference cycles (ops and their values), so
@@ -43,7 +126,6 @@ def release_memory() -> None:
     each conversion's peak comes on top of it."""
     import ctypes
     import ctypes.util
-    import gc
 
     gc.collect()
     libc = ctypes.util.find_library("c")
