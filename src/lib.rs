@@ -19,6 +19,7 @@ pub mod cli;
 pub mod commands;
 pub mod fixture;
 pub mod hashbench;
+pub mod heap;
 pub mod palette;
 pub mod parity;
 pub mod progress;

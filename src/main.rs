@@ -11,6 +11,9 @@ use chunkforge::py::native::chunkforge_native;
 use chunkforge::staging;
 
 fn main() -> ExitCode {
+    // Before any thread or the interpreter starts: freed memory stays with
+    // the process for its next conversion (heap.rs says why).
+    chunkforge::heap::configure();
     // Fixed string hashing in the embedded interpreter (set before it starts):
     // set iteration order must not vary between runs of a reproducible build.
     std::env::set_var("PYTHONHASHSEED", "0");

@@ -450,7 +450,7 @@ fn edited_programs_fail_interpreter_parity_where_weight_read_back_passes() {
     // Three edits of a converted program that leave every weight where its
     // name says: read-back parity (our modules with the packages' weights)
     // cannot see them; the interpreter, running the program, must.
-    let q = |l: usize| format!("layers_{l}_self_attn_q_proj_weight_promoted_to_fp16_palettized");
+    let q = |l: usize| format!("layers_{l}_self_attn_q_proj_weight_to_fp16_palettized");
     let cases: [(&str, &str, &str, Vec<String>); 3] = [
         (
             "sub",

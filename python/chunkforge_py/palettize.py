@@ -252,7 +252,8 @@ class Dispatcher:
 def weight_label(const: str) -> str:
     """A projection weight's name for messages: its constant's name without
     the suffixes coremltools' passes add (``layers_3_mlp_up_proj_weight`` for
-    ``layers_3_mlp_up_proj_weight_promoted_to_fp16``)."""
+    ``layers_3_mlp_up_proj_weight_to_fp16``, or ``..._promoted_to_fp16`` from
+    an fp16 trace)."""
     for suffix in ("_to_fp16", "_promoted"):
         const = const.removesuffix(suffix)
     return const

@@ -132,17 +132,17 @@ def _register_release_pass() -> None:
 def release_torch_weights(pipeline: Any, module: Any) -> None:
     """Makes the first pass of `pipeline` free `module`'s weights.
 
-    By then the torch frontend has made its own constants of them (an fp32
-    copy of every projection weight: the frontend promotes fp16 weights for
-    its fp32 graph, and `add_fp16_cast` casts them back) and its pipeline has
-    dropped the constants that were views of the torch tensors. Until the
-    end of `ct.convert` nothing reads the module again, yet it would hold
-    an fp16 copy of every weight through the pipeline's peak (`add_fp16_cast`,
-    where the fp32 constant and its fp16 cast exist side by side): for a
-    full-width E2B chunk of ten layers that is 1.3 GB. The pass also
-    collects the frontend's finished objects (reference cycles that hold the
-    tensors too). A weight the program still holds a view of stays alive
-    through that view. `module` is unusable afterwards."""
+    By then the torch frontend has made its own constants of them (the fp32
+    constants of its fp32 program, which `add_fp16_cast` casts to fp16; from
+    the fp32 trace `convert.trace` makes they share the module's storage)
+    and its pipeline has dropped the constants it no longer needs. Until the
+    end of `ct.convert` nothing reads the module again, yet it would keep
+    every weight it holds alive through the pipeline's peak
+    (`add_fp16_cast`, where the fp32 constant and its fp16 cast exist side
+    by side): for a full-width E2B chunk of ten layers that is gigabytes.
+    The pass also collects the frontend's finished objects (reference
+    cycles that hold the tensors too). A weight the program still holds a
+    view of stays alive through that view. `module` is unusable afterwards."""
     _register_release_pass()
     pipeline.insert_pass(0, RELEASE_PASS)
     pipeline.set_options(RELEASE_PASS, {"module": module})

@@ -116,18 +116,32 @@ def lean_coremltools_import() -> None:
         sys.meta_path.insert(0, _LeanCoremltools())
 
 
+def heap_kept() -> bool:
+    """Whether this process keeps the memory it frees for its own next
+    allocations (`CHUNKFORGE_HEAP=keep`, set by the chunkforge binary after
+    configuring glibc's allocator that way: src/heap.rs). A plain Python
+    interpreter has glibc's defaults."""
+    return os.environ.get("CHUNKFORGE_HEAP") == "keep"
+
+
 def release_memory() -> None:
     """Frees what one conversion, composition or bundle left behind before the
     next starts: MIL programs are reference cycles (ops and their values), so
-    a finished one, weights and all, lives until the cycle collector runs;
-    and glibc keeps freed heap pages mapped (its mmap threshold grows with
-    every large array freed, so later arrays come from the heap). On a
-    full-width E2B build that is 1.2 GB still resident between conversions;
-    each conversion's peak comes on top of it."""
+    a finished one, weights and all, lives until the cycle collector runs.
+
+    With glibc's defaults (`CHUNKFORGE_HEAP=release`, or a plain
+    interpreter) the freed heap pages are then returned to the system
+    (`malloc_trim`): glibc keeps them mapped otherwise (its mmap threshold
+    grows with every large array freed, so later arrays come from the heap),
+    1.2 GB between two full-width conversions. Under chunkforge's default
+    policy (`heap_kept`) they stay: the next conversion reuses them instead
+    of faulting fresh pages in, which costs seconds per GB (src/heap.rs)."""
     import ctypes
     import ctypes.util
 
     gc.collect()
+    if heap_kept():
+        return
     libc = ctypes.util.find_library("c")
     if libc is not None and sys.platform.startswith("linux"):
         trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import coremltools as ct
 import numpy as np
@@ -922,7 +921,7 @@ def test_sabotage_changes_what_the_package_computes_not_what_read_back_sees(
     base_state = base_module.state_dict()
     from chunkforge_py.inspect_pkg import const_key
 
-    # The weights' program names (coremltools adds suffixes: _promoted_to_fp16, _palettized).
+    # The weights' program names (coremltools adds suffixes: _to_fp16, _palettized).
     by_key = {const_key(n): n for n in fn.consts}
     q0, q1 = by_key["layers_0_self_attn_q_proj_weight"], by_key["layers_1_self_attn_q_proj_weight"]
     edits: dict[str, Callable[[str], Any]] = {
@@ -946,35 +945,71 @@ def test_sabotage_changes_what_the_package_computes_not_what_read_back_sees(
     assert tree_digest(src) == before, "the source package was modified"
 
 
-def test_tracing_with_fp32_cpu_kernels_records_the_same_graph(build: dict[str, Any]) -> None:
-    """`convert.trace` computes fp16 convolutions and matrix products in fp32
-    (`convert.fp32_cpu_kernels`, for speed); the traced graph, what
-    conversion reads, must be the one torch's own fp16 kernels give. Checked
-    on the prefill function of chunk4 (1x1 convs, attention matmuls over its
-    tokens, the head), the function where tracing took longest."""
+def test_tracing_in_fp32_converts_to_the_program_an_fp16_trace_gives(build: dict[str, Any], tmp_path: Path) -> None:
+    """`convert.trace` traces the fp16-loaded module with fp32 weights and
+    inputs (the frontend then makes no fp32 copy of each weight). The
+    converted program must compute what an fp16 trace's does, bit for bit,
+    from byte-identical weights. Checked without palettization (the kernel
+    is not importable in plain pytest; it reads the same fp16 constants
+    either way) on:
+
+    - chunk4's prefill (1x1 convs, attention over its tokens, the head,
+      argmax), the largest program: the same program text but for the
+      frontend's names of converted constants (``_to_fp16`` /
+      ``_promoted_to_fp16``);
+    - chunk1's verify, where the fp16 trace promoted a norm weight read by
+      several tokens once per read (duplicate constants of one blob) and the
+      fp32 trace reads one constant: the interpreter's outputs must be
+      equal. (In the bundled chunk1 package, where duplicate constants share
+      one blob, the weights are byte-identical too.)"""
     from chunkforge_py import convert
+    from chunkforge_py.contract import ConversionSettings
     from chunkforge_py.model import build_chunk
+    from coremltools.proto import Model_pb2
 
     b = build
     ckpt = checkpoint_of(b)
-    chunk = layout(b, "prefill")["chunks"][-1]
-    function = chunk["functions"][0]
-    module = build_chunk(b["dims"], chunk, ckpt, torch.float16, function=function)
-    fast = convert.trace(module)
-    with torch.no_grad():
-        plain = torch.jit.trace(module, tuple(convert.example_inputs(function)), check_trace=False, strict=False)
-    # Outside the block, torch's own kernels again: an fp16 conv of these
-    # shapes runs through the slow loop and gives what it always gave.
-    x = torch.randn(1, 8, 1, 5, dtype=torch.float16)
-    w = torch.randn(4, 8, 1, 1, dtype=torch.float16)
-    assert torch.equal(torch.nn.functional.conv2d(x, w), torch.nn.functional.conv2d(x, w))
+    recorded = json.loads((b["dir"] / "build.json").read_text())["settings"]
+    settings = cast(ConversionSettings, {**recorded, "palettization": None})
 
-    # A second trace of the same class gets a mangled class name, and the
-    # replaced kernels lay out some outputs with other strides on size-1
-    # axes (the same tensor; conversion reads shapes and dtypes, not strides):
-    # neither is the graph.
-    def text(graph: Any) -> str:
-        return re.sub(r", strides=\[[0-9, ]*\]", "", re.sub(r"___torch_mangle_\d+\.", "", str(graph)))
+    def converted(chunk: Any, function: Any, how: str) -> Path:
+        module = build_chunk(b["dims"], chunk, ckpt, torch.float16, function=function)
+        if how == "fp32":
+            traced = convert.trace(module)
+        else:
+            with torch.no_grad():
+                inputs = tuple(convert.example_inputs(function))
+                traced = torch.jit.trace(module, inputs, check_trace=False, strict=False)
+        path = tmp_path / f"{chunk['name']}-{function['name']}-{how}.mlpackage"
+        convert.save(convert.convert(traced, function, chunk["name"], settings), str(path))
+        return path
 
-    assert text(fast.graph) == text(plain.graph)
-    assert text(fast.inlined_graph) == text(plain.inlined_graph)
+    def program_text(path: Path) -> str:
+        spec = Model_pb2.Model()
+        spec.ParseFromString((path / "Data" / "com.apple.CoreML" / "model.mlmodel").read_bytes())
+        return str(spec)
+
+    def weights(path: Path) -> bytes:
+        return (path / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").read_bytes()
+
+    prefill = layout(b, "prefill")["chunks"][-1]
+    fp16, fp32 = (converted(prefill, prefill["functions"][0], how) for how in ("fp16", "fp32"))
+    assert weights(fp32) == weights(fp16)
+    text16, text32 = program_text(fp16), program_text(fp32)
+    # The comparison is of two real conversions, not of one program with itself.
+    assert text16 != text32, "the fp16 trace no longer promotes weights: drop the fp32 trace"
+    assert text16.replace("_promoted_to_fp16", "_to_fp16") == text32.replace("_promoted_to_fp16", "_to_fp16")
+
+    chunk1 = layout(b, "four")["chunks"][0]
+    verify = next(f for f in chunk1["functions"] if f["kind"] == "verify")
+    fp16, fp32 = (converted(chunk1, verify, how) for how in ("fp16", "fp32"))
+    # A package of one function stores each duplicate constant again (a
+    # bundle stores them once: the built chunk1's weights are byte-identical).
+    assert len(weights(fp32)) < len(weights(fp16))
+    run16, run32 = Interpreter(str(fp16)).function("main"), Interpreter(str(fp32)).function("main")
+    assert len(run32.consts) < len(run16.consts)
+    inputs = random_inputs(run16, 5)
+    got16, got32 = run16.run(inputs), run32.run(inputs)
+    assert got16.keys() == got32.keys()
+    for name, want in got16.items():
+        assert np.array_equal(got32[name], want), name

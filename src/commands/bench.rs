@@ -20,7 +20,7 @@ use crate::cli::{BenchBuildCmd, BenchCmd, BenchSideFilesCmd, ParityCmd};
 use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
 use crate::records::{BuildRecord, FunctionRecord, PassStat, Seconds};
-use crate::{bench_palettize, hashbench, sidefiles};
+use crate::{bench_palettize, hashbench, heap, sidefiles};
 
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
     match what {
@@ -54,6 +54,9 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
 fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
     if args.baseline {
         return bench_build_baseline();
+    }
+    if args.heap_baseline {
+        return bench_build_heap_baseline();
     }
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
     let result = BuildJob {
@@ -119,12 +122,6 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
 /// default pass pipeline without composition in one process, chunkforge's in
 /// one process, chunkforge's with `--jobs auto`; one table of all three.
 fn bench_build_baseline() -> Result<()> {
-    let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
-    let argv: Vec<std::ffi::OsString> = std::env::args_os()
-        .skip(1)
-        .filter(|a| a != "--baseline")
-        .collect();
-    let mut runs = Vec::new();
     let before = [
         "--pass-pipeline",
         "coremltools",
@@ -134,45 +131,15 @@ fn bench_build_baseline() -> Result<()> {
     ];
     let one = ["--pass-pipeline", "chunkforge", "--jobs", "1"];
     let shipped = ["--pass-pipeline", "chunkforge", "--jobs", "auto"];
-    for (label, extra) in [
-        ("coremltools pipeline, no compose", &before[..]),
-        ("chunkforge, one process", &one[..]),
-        ("chunkforge (shipped, --jobs auto)", &shipped[..]),
-    ] {
-        eprintln!("bench build --baseline: {}", extra.join(" "));
-        let out = Command::new(&exe)
-            .args(&argv)
-            .arg("--json")
-            .args(extra)
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .with_context(|| format!("{}: cannot run", exe.display()))?;
-        if !out.status.success() {
-            bail!("bench build {} failed ({})", extra.join(" "), out.status);
-        }
-        let record: BuildRecord = serde_json::from_slice(&out.stdout)
-            .with_context(|| format!("bench build {}: unreadable report", extra.join(" ")))?;
-        runs.push((label, record));
-    }
-    // Phase seconds are summed over processes: with workers they exceed the wall time.
-    println!(
-        "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>11} {:>5}  packages",
-        "build", "wall", "convert", "sources", "compose", "bundle", "peak RSS", "procs"
-    );
-    for (label, r) in &runs {
-        let phase = |k: &str| r.seconds.phases.get(k).copied().unwrap_or(0.0);
-        println!(
-            "{label:<34} {:>7.1}s {:>7.1}s {:>7.1}s {:>7.1}s {:>7.1}s {:>7.0} MiB {:>5}  {}",
-            r.seconds.total,
-            phase("convert"),
-            phase("sources"),
-            phase("compose"),
-            phase("bundle"),
-            r.peak_rss_bytes as f64 / MIB,
-            r.processes,
-            r.chunks.len()
-        );
-    }
+    let runs = bench_children(
+        "--baseline",
+        &[
+            ("coremltools pipeline, no compose", &before[..], None),
+            ("chunkforge, one process", &one[..], None),
+            ("chunkforge (shipped, --jobs auto)", &shipped[..], None),
+        ],
+    )?;
+    print_children(&runs);
     let (a, one, b) = (&runs[0].1, &runs[1].1, &runs[2].1);
     for (x, y) in one.chunks.iter().zip(&b.chunks) {
         if x.package != y.package || x.sha256_tree != y.sha256_tree {
@@ -212,6 +179,100 @@ fn bench_build_baseline() -> Result<()> {
         "shipped vs before: {:.2}x faster wall, {:.2}x the peak RSS; {identical} converted packages byte-identical, {composed} composed",
         a.seconds.total / b.seconds.total.max(1e-9),
         b.peak_rss_bytes as f64 / (a.peak_rss_bytes as f64).max(1.0),
+    );
+    Ok(())
+}
+
+/// This `bench build` command once per child (label, extra arguments, the
+/// heap policy of its process or None for this process's own), each in a process of
+/// its own (own peak RSS, cold Python) with `--json`, without the bench flag
+/// `flag` that asked for them.
+fn bench_children(
+    flag: &str,
+    children: &[(&'static str, &[&str], Option<heap::Policy>)],
+) -> Result<Vec<(&'static str, BuildRecord)>> {
+    let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).filter(|a| a != flag).collect();
+    let mut runs = Vec::new();
+    for (label, extra, policy) in children {
+        let mut what = extra.join(" ");
+        let mut cmd = Command::new(&exe);
+        cmd.args(&argv).arg("--json").args(*extra);
+        // Without one, the child inherits this process's policy.
+        if let Some(p) = policy {
+            cmd.env(heap::ENV, p.name());
+            what = format!("{}={} {what}", heap::ENV, p.name());
+        }
+        eprintln!("bench build {flag}: {}", what.trim());
+        let out = cmd
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("{}: cannot run", exe.display()))?;
+        if !out.status.success() {
+            bail!("bench build {} failed ({})", what.trim(), out.status);
+        }
+        let record: BuildRecord = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("bench build {}: unreadable report", what.trim()))?;
+        runs.push((*label, record));
+    }
+    Ok(runs)
+}
+
+/// One table of the children's builds.
+fn print_children(runs: &[(&str, BuildRecord)]) {
+    // Phase seconds are summed over processes: with workers they exceed the wall time.
+    println!(
+        "{:<34} {:>8} {:>8} {:>8} {:>8} {:>8} {:>11} {:>5}  packages",
+        "build", "wall", "convert", "sources", "compose", "bundle", "peak RSS", "procs"
+    );
+    for (label, r) in runs {
+        let phase = |k: &str| r.seconds.phases.get(k).copied().unwrap_or(0.0);
+        println!(
+            "{label:<34} {:>7.1}s {:>7.1}s {:>7.1}s {:>7.1}s {:>7.1}s {:>7.0} MiB {:>5}  {}",
+            r.seconds.total,
+            phase("convert"),
+            phase("sources"),
+            phase("compose"),
+            phase("bundle"),
+            r.peak_rss_bytes as f64 / MIB,
+            r.processes,
+            r.chunks.len()
+        );
+    }
+}
+
+/// `bench build --heap-baseline`: the same build with glibc's heap defaults
+/// and with the heap kept (heap.rs), side by side; every package must be
+/// byte-identical (the allocator cannot change a value).
+fn bench_build_heap_baseline() -> Result<()> {
+    let runs = bench_children(
+        "--heap-baseline",
+        &[
+            (
+                "heap released (glibc defaults)",
+                &[],
+                Some(heap::Policy::Release),
+            ),
+            ("heap kept (shipped)", &[], Some(heap::Policy::Keep)),
+        ],
+    )?;
+    print_children(&runs);
+    let (released, kept) = (&runs[0].1, &runs[1].1);
+    for (x, y) in released.chunks.iter().zip(&kept.chunks) {
+        if x.package != y.package || x.sha256_tree != y.sha256_tree {
+            bail!(
+                "{}: the two heaps built different packages ({} vs {})",
+                y.package,
+                x.sha256_tree,
+                y.sha256_tree
+            );
+        }
+    }
+    println!(
+        "heap kept vs released: {:.2}x faster wall, {:.2}x the peak RSS; all {} packages byte-identical",
+        released.seconds.total / kept.seconds.total.max(1e-9),
+        kept.peak_rss_bytes as f64 / (released.peak_rss_bytes as f64).max(1.0),
+        kept.chunks.len()
     );
     Ok(())
 }
