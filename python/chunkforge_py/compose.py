@@ -1058,8 +1058,6 @@ def compose_job(job: ComposeJob) -> ComposedChunk:
     """The build's call (py/calls.rs `compose`): `compose` of ``job``'s
     sources into its target at its path, with the seconds the build records:
     ``compose`` (wiring, loading and writing the program) and ``save``."""
-    # From what is live only: the conversions' kept heap is not this one's.
-    release_memory(trim=True)
     result = compose(
         [(s["path"], s["chunk"]) for s in job["sources"]], job["target"], job["path"], settings=job["settings"]
     )

@@ -308,8 +308,6 @@ def combine(
     from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
     from coremltools.proto import Model_pb2
 
-    # From what is live only: the conversions' kept heap is not this one's.
-    release_memory(trim=True)
     desc = MultiFunctionDescriptor()
     for part, function in parts:
         desc.add_function(part, src_function_name="main", target_function_name=function)

@@ -124,34 +124,29 @@ def heap_kept() -> bool:
     return os.environ.get("CHUNKFORGE_HEAP") == "keep"
 
 
-def release_memory(trim: bool = False) -> None:
+def release_memory() -> None:
     """Frees what one conversion, composition or bundle left behind before the
     next starts: MIL programs are reference cycles (ops and their values), so
     a finished one, weights and all, lives until the cycle collector runs.
 
     With glibc's defaults (`CHUNKFORGE_HEAP=release`, or a plain
-    interpreter), or with `trim`, the freed heap pages are then returned to
-    the system (`malloc_trim`): glibc keeps them mapped otherwise (its mmap
-    threshold grows with every large array freed, so later arrays come from
-    the heap), 1.2 GB between two full-width conversions. Under chunkforge's
-    default policy (`heap_kept`) they stay between the conversions of one
-    package: the next conversion of the same weights reuses them instead of
-    faulting fresh pages in, which costs seconds per GB (src/heap.rs). A
-    bundle or a composition trims first (`trim`): it allocates in another
-    pattern, and on top of the conversions' kept heap its own arrays would
-    raise the build's peak (full-width `--mode all`: 6.9 GB kept, 5.5 GB
-    trimmed)."""
+    interpreter) the freed heap pages are then returned to the system
+    (`malloc_trim`): glibc keeps them mapped otherwise (its mmap threshold
+    grows with every large array freed, so later arrays come from the heap),
+    1.2 GB between two full-width conversions. Under chunkforge's default
+    policy (`heap_kept`) they stay: the next conversion reuses them instead
+    of faulting fresh pages in, which costs seconds per GB (src/heap.rs)."""
     import ctypes
     import ctypes.util
 
     gc.collect()
-    if heap_kept() and not trim:
+    if heap_kept():
         return
     libc = ctypes.util.find_library("c")
     if libc is not None and sys.platform.startswith("linux"):
-        malloc_trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if malloc_trim is not None:
-            malloc_trim(0)
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
 
 
 def versions() -> dict[str, str]:
