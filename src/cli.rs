@@ -414,9 +414,9 @@ pub struct BenchBuildCmd {
     #[arg(long, conflicts_with_all = ["json", "pass_pipeline", "no_compose", "profile", "jobs"])]
     pub baseline: bool,
     /// Run the build twice, each in a child process of its own, as given but for the
-    /// heap: with glibc's defaults (CHUNKFORGE_HEAP=release: freed memory goes back to
-    /// the system) and as shipped (freed memory kept for the next allocation); prints
-    /// them side by side and requires byte-identical packages.
+    /// heap: with glibc's defaults (the default, CHUNKFORGE_HEAP=release: freed memory
+    /// goes back to the system) and with CHUNKFORGE_HEAP=keep (freed memory kept for the
+    /// next allocation); prints them side by side and requires byte-identical packages.
     #[arg(long, conflicts_with_all = ["json", "baseline", "profile"])]
     pub heap_baseline: bool,
     /// Print the build report JSON instead of a summary.

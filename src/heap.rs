@@ -11,15 +11,14 @@
 //! 37 MiB fp16-to-fp32 cast takes 0.14 s against 0.014 s into memory the
 //! process already holds, about 3.5 s per GB touched anew.
 //!
-//! So, by default, every chunkforge process keeps what it frees for its own
-//! next allocations (`keep`): no `mmap` for large blocks, no trimming, and
-//! the Python side skips its `malloc_trim` (`runtime.release_memory`). The
-//! resident size then stays at the process's high-water mark instead of
-//! falling between conversions; the peak itself is what the live arrays
-//! need plus the heap's fragmentation (+5 % on a full-width four-chunk
-//! build). `CHUNKFORGE_HEAP=release` keeps glibc's defaults, for comparison
-//! (`bench build --heap-baseline`) or for a machine where memory returned
-//! between conversions matters more than time.
+//! `CHUNKFORGE_HEAP=keep` makes a chunkforge process (and the conversion
+//! workers it starts) keep what it frees for its own next allocations: no
+//! `mmap` for large blocks, no trimming, and the Python side skips its
+//! `malloc_trim` (`runtime.release_memory`). Full-width `--mode all`: 608 s
+//! to 506 s, but the peak grows from 5.5 to 6.9 GB (the resident size stays
+//! at the heap's high-water mark, fragmentation included), over the 6.5 GiB
+//! the build plans for. So the default stays `release`, glibc's own
+//! behaviour; `bench build --heap-baseline` measures both on a machine.
 
 /// The environment variable that selects the policy, and that tells the
 /// embedded Python (and worker processes) which one is in force.
@@ -42,15 +41,15 @@ impl Policy {
     }
 }
 
-/// Applies the policy `CHUNKFORGE_HEAP` asks for (default `keep`) to this
+/// Applies the policy `CHUNKFORGE_HEAP` asks for (default `release`) to this
 /// process's allocator and records it in `CHUNKFORGE_HEAP` for the embedded
 /// interpreter and any child process. Call before any thread starts and
 /// before the interpreter does. Where the allocator is not glibc's, nothing
 /// can be set and the policy is `release`.
 pub fn configure() -> Policy {
     let asked = match std::env::var(ENV).as_deref() {
-        Ok("release") => Policy::Release,
-        _ => Policy::Keep,
+        Ok("keep") => Policy::Keep,
+        _ => Policy::Release,
     };
     let policy = if asked == Policy::Keep && keep_freed_memory() {
         Policy::Keep

@@ -11,8 +11,8 @@ use chunkforge::py::native::chunkforge_native;
 use chunkforge::staging;
 
 fn main() -> ExitCode {
-    // Before any thread or the interpreter starts: freed memory stays with
-    // the process for its next conversion (heap.rs says why).
+    // Before any thread or the interpreter starts: whether freed memory
+    // stays with the process (CHUNKFORGE_HEAP, heap.rs).
     chunkforge::heap::configure();
     // Fixed string hashing in the embedded interpreter (set before it starts):
     // set iteration order must not vary between runs of a reproducible build.

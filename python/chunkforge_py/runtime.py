@@ -129,13 +129,14 @@ def release_memory() -> None:
     next starts: MIL programs are reference cycles (ops and their values), so
     a finished one, weights and all, lives until the cycle collector runs.
 
-    With glibc's defaults (`CHUNKFORGE_HEAP=release`, or a plain
-    interpreter) the freed heap pages are then returned to the system
+    With glibc's defaults (the default, `CHUNKFORGE_HEAP=release`, and a
+    plain interpreter) the freed heap pages are then returned to the system
     (`malloc_trim`): glibc keeps them mapped otherwise (its mmap threshold
     grows with every large array freed, so later arrays come from the heap),
-    1.2 GB between two full-width conversions. Under chunkforge's default
-    policy (`heap_kept`) they stay: the next conversion reuses them instead
-    of faulting fresh pages in, which costs seconds per GB (src/heap.rs)."""
+    1.2 GB between two full-width conversions. With `CHUNKFORGE_HEAP=keep`
+    (`heap_kept`) they stay: the next conversion reuses them instead of
+    faulting fresh pages in, which costs seconds per GB here, for a higher
+    peak (src/heap.rs)."""
     import ctypes
     import ctypes.util
 

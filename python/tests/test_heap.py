@@ -1,7 +1,7 @@
 """The heap policy of the process this runs in (src/heap.rs, runtime.heap_kept).
 
 Inside chunkforge (tests/heap.rs runs this file through `chunkforge
-selftest-python`, with and without CHUNKFORGE_HEAP=release) and in a plain
+selftest-python`, with and without CHUNKFORGE_HEAP=keep) and in a plain
 interpreter (the control: glibc's defaults)."""
 
 from __future__ import annotations

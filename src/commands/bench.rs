@@ -248,12 +248,12 @@ fn bench_build_heap_baseline() -> Result<()> {
     let runs = bench_children(
         "--heap-baseline",
         &[
+            ("heap released (default)", &[], Some(heap::Policy::Release)),
             (
-                "heap released (glibc defaults)",
+                "heap kept (CHUNKFORGE_HEAP=keep)",
                 &[],
-                Some(heap::Policy::Release),
+                Some(heap::Policy::Keep),
             ),
-            ("heap kept (shipped)", &[], Some(heap::Policy::Keep)),
         ],
     )?;
     print_children(&runs);
