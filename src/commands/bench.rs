@@ -141,16 +141,7 @@ fn bench_build_baseline() -> Result<()> {
     )?;
     print_children(&runs);
     let (a, one, b) = (&runs[0].1, &runs[1].1, &runs[2].1);
-    for (x, y) in one.chunks.iter().zip(&b.chunks) {
-        if x.package != y.package || x.sha256_tree != y.sha256_tree {
-            bail!(
-                "{}: one process and --jobs auto built different packages ({} vs {})",
-                y.package,
-                x.sha256_tree,
-                y.sha256_tree
-            );
-        }
-    }
+    same_packages(one, b, "one process and --jobs auto")?;
     println!(
         "--jobs auto ({} processes) vs one process: {:.2}x faster wall, {:.2}x the peak RSS; every package byte-identical",
         b.processes,
@@ -218,6 +209,21 @@ fn bench_children(
     Ok(runs)
 }
 
+/// Fails unless the two builds made the same packages, byte for byte.
+fn same_packages(x: &BuildRecord, y: &BuildRecord, who: &str) -> Result<()> {
+    for (a, b) in x.chunks.iter().zip(&y.chunks) {
+        if a.package != b.package || a.sha256_tree != b.sha256_tree {
+            bail!(
+                "{}: {who} built different packages ({} vs {})",
+                b.package,
+                a.sha256_tree,
+                b.sha256_tree
+            );
+        }
+    }
+    Ok(())
+}
+
 /// One table of the children's builds.
 fn print_children(runs: &[(&str, BuildRecord)]) {
     // Phase seconds are summed over processes: with workers they exceed the wall time.
@@ -258,16 +264,7 @@ fn bench_build_heap_baseline() -> Result<()> {
     )?;
     print_children(&runs);
     let (released, kept) = (&runs[0].1, &runs[1].1);
-    for (x, y) in released.chunks.iter().zip(&kept.chunks) {
-        if x.package != y.package || x.sha256_tree != y.sha256_tree {
-            bail!(
-                "{}: the two heaps built different packages ({} vs {})",
-                y.package,
-                x.sha256_tree,
-                y.sha256_tree
-            );
-        }
-    }
+    same_packages(released, kept, "the two heaps")?;
     println!(
         "heap kept vs released: {:.2}x faster wall, {:.2}x the peak RSS; all {} packages byte-identical",
         released.seconds.total / kept.seconds.total.max(1e-9),
