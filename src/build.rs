@@ -415,7 +415,6 @@ pub fn run(
                     )
                 })
                 .collect(),
-            pass_pipeline: settings.conversion.pass_pipeline,
         });
         work.push(Work::Converted {
             task: tasks.len(),

@@ -419,6 +419,13 @@ pub struct BenchBuildCmd {
     /// next allocation); prints them side by side and requires byte-identical packages.
     #[arg(long, conflicts_with_all = ["json", "baseline", "profile"])]
     pub heap_baseline: bool,
+    /// Run the build twice, each in a child process of its own, as given but for who
+    /// writes bundled and composed packages: coremltools (CHUNKFORGE_WRITER=coremltools:
+    /// save_multifunction, and ct.convert of each composed program) and chunkforge (the
+    /// default: protobuf level, weights copied, not loaded); prints them side by side and
+    /// requires byte-identical packages.
+    #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "profile"])]
+    pub writer_baseline: bool,
     /// Print the build report JSON instead of a summary.
     #[arg(long)]
     pub json: bool,

@@ -5,8 +5,11 @@ three-chunk layout's chunks, ...) computes exactly what the four-chunk
 layout's functions compute back to back. Instead of tracing and converting it
 from torch again (about 95 MIL graph passes over the whole program), `compose`
 splices the already converted and palettized programs of the chunks it is made
-of into one MIL function at the protobuf level and lets coremltools write the
-result with (almost) no passes.
+of into one MIL function at the protobuf level and writes it there too
+(`write`, `mil_write`): dead ops removed, the package's description and
+metadata added, the weights copied from the sources' files. That is byte for
+byte what coremltools' own loader and serialiser write
+(`write_with_coremltools`, the reference; python/tests/test_compose.py).
 
 Python API::
 
@@ -59,9 +62,9 @@ Names: the target's input and output names are reserved; any other variable
 or op name of a source that is taken (by the target or an earlier source) gets
 the source's suffix ``_s{k}`` (weights keep their names: they hold the layer
 index). Weights: each source's ``blobFileValue`` references are pointed at its
-own file (``@model_path/weights/source{k}.bin``, a link to its
-``weight.bin``); coremltools' MIL loader reads them into the composed program
-and `ct.convert` writes one fresh ``weight.bin``.
+own file (``@model_path/weights/source{k}.bin``, standing for its
+``weight.bin``); `mil_write.write_package` copies each blob the composed
+program reads into one fresh ``weight.bin``.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from . import mil_write
 from .contract import (
     Attention,
     ChunkPlan,
@@ -83,13 +87,11 @@ from .contract import (
     FunctionPlan,
     TensorSpec,
 )
+from .inspect_pkg import PROJECTION_OPS
 from .roles import CACHE, NEW_ROWS, Key, key_of
-from .runtime import ChunkforgeError, release_memory
+from .runtime import ChunkforgeError, package_writer, release_memory
 
 COMPOSED_FROM = "com.github.chunkforge.composed_from"
-# The passes the composed program needs: the sources are optimised already;
-# only ops that became dead (a dropped output's producers, merged stacks) go.
-DEFAULT_PASSES: tuple[str, ...] = ("common::dead_code_elimination",)
 # coremltools' metadata keys (version, source, conversion date).
 COREMLTOOLS_KEYS = "com.github.apple.coremltools."
 
@@ -965,21 +967,18 @@ def compose(
     sources: Sequence[Source],
     target: ChunkPlan,
     path: str,
-    passes: Sequence[str] = DEFAULT_PASSES,
     settings: ConversionSettings | None = None,
+    writer: str | None = None,
 ) -> ComposeResult:
     """Write the package of ``target``'s default function composed from
     ``sources`` (in layer order: ``(package, plan)`` or ``(package, plan,
-    function)``) to ``path``; ``passes``: the MIL passes run on the composed
-    program (names as in ``ct.PassPipeline``). See the module docstring for
-    the wiring. ``settings``: the build's (deployment target and compute
-    units; default iOS18, CPU_AND_NE). Raises `ChunkforgeError` when the
+    function)``) to ``path``. See the module docstring for the wiring.
+    ``settings``: the build's (its deployment target must be the sources';
+    default iOS18, CPU_AND_NE). ``writer``: ``chunkforge`` (`mil_write`) or
+    ``coremltools`` (its MIL loader and ``ct.convert``, the reference);
+    default `runtime.package_writer`. Raises `ChunkforgeError` when the
     sources do not tile the target or a tensor cannot be wired."""
     import coremltools as ct
-    from coremltools.converters.mil.frontend.milproto import load as milproto_load
-
-    from . import convert as convert_mod
-    from . import passes as passes_mod
 
     seconds: dict[str, float] = {}
     started = time.perf_counter()
@@ -990,21 +989,118 @@ def compose(
     programs = [read_source(p, fname or None) for p, _, fname in entries]
     tf = target["functions"][0]
     model = build_program(programs, functions, tf, wiring)
+    deployment = getattr(ct.target, settings["minimum_deployment_target"] if settings else "iOS18")
+    if model.specificationVersion != deployment.value:
+        raise ChunkforgeError(
+            f"composed {target['name']}: the sources are specification version {model.specificationVersion}, "
+            f"not the {deployment.value} of {deployment.name}"
+        )
+    # The sources' own metadata keys, not coremltools' conversion keys (the
+    # source's dialect, its date), so the bytes do not depend on which package
+    # of a source (a part, a bundle) was read; and the sources' chunk names
+    # (their packages may be staged under other names).
+    composed_from = ",".join(c["name"] for c in chunks)
+    metadata = {
+        key: value
+        for prog_src in programs
+        for key, value in prog_src.spec.description.metadata.userDefined.items()
+        if not key.startswith(COREMLTOOLS_KEYS)
+    }
+    metadata[COMPOSED_FROM] = composed_from
+    weights: dict[str, str] = {}
+    for k, prog in enumerate(programs):
+        folder = os.path.join(os.path.dirname(os.path.join(prog.path, SPEC_REL)), "weights")
+        for base in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            link = f"source{k}.bin" if base == "weight.bin" else f"source{k}_{base}"
+            weights[WEIGHTS_PREFIX + link] = os.path.abspath(os.path.join(folder, base))
     seconds["wire"] = time.perf_counter() - started
+    composed = Composed(model, tf, target["name"], weights, metadata, path, settings)
+    if (writer or package_writer()) == "coremltools":
+        stats = write_with_coremltools(composed, seconds)
+    else:
+        stats = write(composed, seconds)
+    seconds["total"] = time.perf_counter() - started
+    return {"stats": stats, "seconds": seconds, "composed_from": composed_from, "wiring": wiring.describe(tf)}
 
-    with tempfile.TemporaryDirectory() as weights:
-        for k, prog in enumerate(programs):
-            folder = os.path.join(os.path.dirname(os.path.join(prog.path, SPEC_REL)), "weights")
-            for base in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-                link = f"source{k}.bin" if base == "weight.bin" else f"source{k}_{base}"
-                os.symlink(os.path.abspath(os.path.join(folder, base)), os.path.join(weights, link))
+
+@dataclass
+class Composed:
+    """A composed program (`build_program`'s model) and what writing it needs."""
+
+    model: Any
+    function: FunctionPlan
+    name: str
+    # Weight file names the program reads -> their source files.
+    weights: dict[str, str]
+    # The package's own metadata keys.
+    metadata: dict[str, str]
+    path: str
+    settings: ConversionSettings | None
+
+
+def write(c: Composed, seconds: dict[str, float]) -> ChunkStats:
+    """Finish the composed program at the protobuf level, as coremltools'
+    serialiser would (`write_with_coremltools`, byte for byte), and write it
+    with `mil_write.write_package`."""
+    import coremltools as ct
+
+    model, function, name, path = c.model, c.function, c.name, c.path
+
+    t = time.perf_counter()
+    main = model.mlProgram.functions["main"]
+    block = main.block_specializations[main.opset]
+    # Only ops that became dead (a dropped output's producers, merged stacks)
+    # go: the sources are optimised already.
+    eliminate_dead_code(block)
+    consume_unused_inputs(main, block)
+    check_contract(model, function, name)
+    describe(model, function)
+    # What coremltools records for a MIL program it serialises: the composed
+    # ops are its ops.
+    model.description.metadata.userDefined.update(
+        {COREMLTOOLS_KEYS + "version": ct.__version__, COREMLTOOLS_KEYS + "source": "milinternal", **c.metadata}
+    )
+    build_info(model, {"coremltools-version": ct.__version__, "coremltools-component-milinternal": ""})
+    seconds["wire"] += time.perf_counter() - t
+    t = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(path))) as tmp:
+        staged = os.path.join(tmp, "composed.mlpackage")
+        mil_write.write_package(model, staged, c.weights, ["main"])
+        os.rename(staged, path)
+    seconds["save"] = time.perf_counter() - t
+    counts = mil_write.op_counts(block)
+    return {
+        "mil_ops": sum(counts.values()),
+        "op_counts": counts,
+        "weight_bytes": os.path.getsize(os.path.join(path, mil_write.WEIGHTS_REL)),
+        "palettized_weights": counts.get("constexpr_lut_to_dense", 0),
+        "projection_ops": sum(counts.get(op, 0) for op in PROJECTION_OPS),
+        "palettize_cache_hits": None,
+        "palettize_cache_misses": None,
+        "palettize_unmatched_groups": None,
+        "palettize_seconds": None,
+    }
+
+
+def write_with_coremltools(c: Composed, seconds: dict[str, float]) -> ChunkStats:
+    """The reference writer: coremltools' MIL loader reads the composed
+    program (type-checking every op) with its weights, and ``ct.convert``
+    runs dead code elimination and its backend passes and serialises it."""
+    import coremltools as ct
+    from coremltools.converters.mil.frontend.milproto import load as milproto_load
+
+    from . import convert as convert_mod
+    from . import passes as passes_mod
+
+    model, settings = c.model, c.settings
+    with tempfile.TemporaryDirectory() as folder:
+        for file_name, source in c.weights.items():
+            os.symlink(source, os.path.join(folder, file_name.removeprefix(WEIGHTS_PREFIX)))
         # One validation of the program (not one per pass: the same check) and
         # no text rendering of it for coremltools' debug log lines.
         with passes_mod.validate_once(), passes_mod.terse_program_text():
             t = time.perf_counter()
-            prog = milproto_load.load(model, model.specificationVersion, file_weights_dir=weights)
-            seconds["load"] = time.perf_counter() - t
-            t = time.perf_counter()
+            prog = milproto_load.load(model, model.specificationVersion, file_weights_dir=folder)
             mlmodel = ct.convert(
                 prog,
                 convert_to="mlprogram",
@@ -1014,44 +1110,121 @@ def compose(
                 # The program is fp16 already: no casts to add.
                 compute_precision=ct.precision.FLOAT32,
                 compute_units=getattr(ct.ComputeUnit, settings["compute_units"] if settings else "CPU_AND_NE"),
-                pass_pipeline=ct.PassPipeline(pass_names=list(passes)),
+                pass_pipeline=ct.PassPipeline(pass_names=["common::dead_code_elimination"]),
             )
-            seconds["convert"] = time.perf_counter() - t
-    check_contract(mlmodel, tf, target["name"])
-
-    metadata = mlmodel.user_defined_metadata
-    # The sources' own keys, not coremltools' (those describe this conversion:
-    # a MIL program, not TorchScript), so the bytes do not depend on which
-    # package of a source (a part, a bundle) was read.
-    for prog_src in programs:
-        for key, value in prog_src.spec.description.metadata.userDefined.items():
-            if not key.startswith(COREMLTOOLS_KEYS):
-                metadata[key] = value
-    # The sources' chunk names (their packages may be staged under other names).
-    composed_from = ",".join(c["name"] for c in chunks)
-    metadata[COMPOSED_FROM] = composed_from
+            seconds["wire"] += time.perf_counter() - t
+    check_contract(mlmodel.get_spec(), c.function, c.name)
+    mlmodel.user_defined_metadata.update(c.metadata)
     t = time.perf_counter()
-    stats = convert_mod.save(mlmodel, path)
+    stats = convert_mod.save(mlmodel, c.path)
     seconds["save"] = time.perf_counter() - t
-    seconds["total"] = time.perf_counter() - started
-    return {"stats": stats, "seconds": seconds, "composed_from": composed_from, "wiring": wiring.describe(tf)}
+    return stats
 
 
-def check_contract(mlmodel: Any, function: FunctionPlan, name: str) -> None:
-    """The composed model declares exactly the target function's inputs and outputs."""
+def eliminate_dead_code(block: Any) -> None:
+    """Remove the ops of ``block`` (in program order) whose outputs no later
+    op and no block output reads, as coremltools' ``dead_code_elimination``."""
+    live = set(block.outputs)
+    keep: list[Any] = []
+    for op in reversed(block.operations):
+        if not any(o.name in live for o in op.outputs):
+            continue
+        keep.append(op)
+        for arg in op.inputs.values():
+            for b in arg.arguments:
+                if b.WhichOneof("binding") == "name":
+                    live.add(b.name)
+        for inner in op.blocks:
+            # Conservative: a nested block keeps everything it reads.
+            live.update(n for iop in inner.operations for a in iop.inputs.values() for n in names_bound(a))
+            live.update(inner.outputs)
+    if len(keep) == len(block.operations):
+        return
+    kept = [type(block.operations[0])() for _ in keep]
+    for new, op in zip(kept, reversed(keep), strict=True):
+        new.CopyFrom(op)
+    del block.operations[:]
+    block.operations.extend(kept)
+
+
+def consume_unused_inputs(function: Any, block: Any) -> None:
+    """An ``identity`` op ``{input}_tmp`` at the end of ``block`` for each
+    input no op reads (a KV-shared chunk's ``update_mask``), as coremltools'
+    ``handle_unused_inputs`` pass writes every program it serialises."""
+    from coremltools.proto import MIL_pb2 as mil
+
+    used = set(consumers(block))
+    taken = {n for op in block.operations for n in defined_names(op)}
+    for i in function.inputs:
+        if i.name in used:
+            continue
+        out = f"{i.name}_tmp"
+        if out in taken:
+            raise ChunkforgeError(f"the composed program already has a variable {out}")
+        op = block.operations.add(type="identity")
+        op.inputs["x"].arguments.add(name=i.name)
+        op.outputs.add(name=out, type=i.type)
+        op.attributes["name"].CopyFrom(string_value(mil, out))
+
+
+def names_bound(arg: Any) -> Iterator[str]:
+    for b in arg.arguments:
+        if b.WhichOneof("binding") == "name":
+            yield b.name
+
+
+def describe(model: Any, function: FunctionPlan) -> None:
+    """The model description of a single-function program: the plan's inputs
+    and outputs as multi-arrays, as coremltools describes them."""
     from coremltools.proto import FeatureTypes_pb2
 
-    desc = mlmodel.get_spec().description
     dtypes = {
         "fp16": FeatureTypes_pb2.ArrayFeatureType.FLOAT16,
         "fp32": FeatureTypes_pb2.ArrayFeatureType.FLOAT32,
         "int32": FeatureTypes_pb2.ArrayFeatureType.INT32,
     }
-    for what, got, want in (("inputs", desc.input, function["inputs"]), ("outputs", desc.output, function["outputs"])):
-        have = [(f.name, list(f.type.multiArrayType.shape), f.type.multiArrayType.dataType) for f in got]
-        need = [(s["name"], s["shape"], dtypes[s["dtype"]]) for s in want]
-        if have != need:
-            raise ChunkforgeError(f"composed {name}: {what} {have} are not the plan's {need}")
+    for features, specs in (
+        (model.description.input, function["inputs"]),
+        (model.description.output, function["outputs"]),
+    ):
+        for s in specs:
+            f = features.add(name=s["name"])
+            f.type.multiArrayType.shape.extend(s["shape"])
+            f.type.multiArrayType.dataType = dtypes[s["dtype"]]
+
+
+def build_info(model: Any, info: dict[str, str]) -> None:
+    """The program's ``buildInfo`` attribute: a string -> string dictionary."""
+    from coremltools.proto import MIL_pb2 as mil
+
+    value = model.mlProgram.attributes["buildInfo"]
+    string = mil.ValueType(tensorType=mil.TensorType(dataType=mil.DataType.STRING))
+    value.type.dictionaryType.keyType.CopyFrom(string)
+    value.type.dictionaryType.valueType.CopyFrom(string)
+    for key, v in info.items():
+        entry = value.immediateValue.dictionary.values.add()
+        entry.key.CopyFrom(string_value(mil, key))
+        entry.value.CopyFrom(string_value(mil, v))
+
+
+def check_contract(model: Any, function: FunctionPlan, name: str) -> None:
+    """The composed program's inputs and outputs have exactly the target
+    function's names, shapes and dtypes."""
+    from coremltools.proto import MIL_pb2 as mil
+
+    main = model.mlProgram.functions["main"]
+    block = main.block_specializations[main.opset]
+    types = {i.name: i.type for i in main.inputs}
+    types.update((o.name, o.type) for op in block.operations for o in op.outputs)
+    for what, got, want in (
+        ("inputs", [i.name for i in main.inputs], function["inputs"]),
+        ("outputs", list(block.outputs), function["outputs"]),
+    ):
+        if got != [s["name"] for s in want]:
+            raise ChunkforgeError(f"composed {name}: {what} {got} are not the plan's {[s['name'] for s in want]}")
+        for s in want:
+            if types.get(s["name"]) != tensor_value_type(mil, DTYPES[s["dtype"]], s["shape"]):
+                raise ChunkforgeError(f"composed {name}: {s['name']} is not {s['shape']} {s['dtype']} as the plan says")
 
 
 def compose_job(job: ComposeJob) -> ComposedChunk:

@@ -20,7 +20,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import passes
+from . import mil_write, passes
 from .checkpoint import Checkpoint
 from .contract import (
     BundleStats,
@@ -40,7 +40,7 @@ from .contract import (
 from .inspect_pkg import PROJECTION_OPS
 from .model import Chunk, build_chunk
 from .palettize import WeightCache
-from .runtime import ChunkforgeError, release_memory
+from .runtime import ChunkforgeError, package_writer, release_memory
 
 NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}
@@ -286,27 +286,90 @@ def save(mlmodel: Any, path: str) -> ChunkStats:
 
 
 def combine(
-    parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]], pass_pipeline: str = "chunkforge"
+    parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]], writer: str | None = None
 ) -> BundleStats:
     """Bundle single-function packages ``(package path, function name)`` into the
     packages ``targets`` (``(path, [function, ...])``, each target's first
-    function its default).
+    function its default). ``writer``: ``chunkforge`` (`mil_write`, below) or
+    ``coremltools`` (`combine_with_coremltools`, the reference it matches
+    byte for byte); default `runtime.package_writer`.
 
-    All parts go into one multifunction program first: coremltools'
-    ``save_multifunction`` stores a weight that several functions hold (same
-    values) once, and the kernel's palettization is deterministic and cached
-    within the build, so every function's copy of a weight is the same bytes
-    and the blob is the size of one function's. Each target is then that
-    package with the other targets' functions removed from its spec, so all
+    All parts go into one multifunction program first, at the protobuf level
+    (`mil_write`): every part is a finished program, so its function is
+    copied as it is and its weights are copied, not loaded. A weight that
+    several functions hold (same values) is stored once: the kernel's
+    palettization is deterministic and cached within the build, so every
+    function's copy of a weight is the same bytes and the blob is the size of
+    one function's. Each target is then that program with the other targets'
+    functions removed from its spec, beside the same weight file, so all
     targets share one weight blob byte for byte (the runtime hard-links
-    ``chunkN``'s blob into ``prefill_chunkN``). With the chunkforge
-    ``pass_pipeline`` the merged program is validated once, not after each
-    of save_multifunction's passes."""
+    ``chunkN``'s blob into ``prefill_chunkN``)."""
+    import shutil
+    import tempfile
+
+    from coremltools.proto import Model_pb2
+
+    if (writer or package_writer()) == "coremltools":
+        return combine_with_coremltools(parts, targets)
+    whole = Model_pb2.Model()
+    sources: dict[str, str] = {}
+    for k, (part, function) in enumerate(parts):
+        spec = read_spec(part)
+        if list(spec.mlProgram.functions) != ["main"]:
+            raise ChunkforgeError(f"{part}: a bundle part must hold one function, main")
+        if k == 0:
+            whole.CopyFrom(spec)
+            whole.mlProgram.ClearField("functions")
+            # What coremltools' save_multifunction keeps of its parts: the
+            # functions, not a part's conversion metadata or build info.
+            whole.mlProgram.ClearField("attributes")
+            whole.description.Clear()
+            whole.description.defaultFunctionName = function
+        elif spec.specificationVersion != whole.specificationVersion:
+            raise ChunkforgeError(
+                f"{part}: specification version {spec.specificationVersion}, "
+                f"not the {whole.specificationVersion} of {parts[0][0]}"
+            )
+        fn = whole.mlProgram.functions[function]
+        fn.CopyFrom(spec.mlProgram.functions["main"])
+        # Each part's weight file under a name of its own.
+        key = f"@model_path/weights/part{k}.bin"
+        for v in mil_write.blob_values(whole, [function]):
+            if v.blobFileValue.fileName != mil_write.WEIGHT_FILE:
+                raise ChunkforgeError(f"{part}: reads weight file {v.blobFileValue.fileName!r}, not weight.bin")
+            v.blobFileValue.fileName = key
+        sources[key] = os.path.join(part, mil_write.WEIGHTS_REL)
+        fd = whole.description.functions.add(name=function)
+        fd.input.extend(spec.description.input)
+        fd.output.extend(spec.description.output)
+        fd.state.extend(spec.description.state)
+        fd.predictedFeatureName = spec.description.predictedFeatureName
+        fd.predictedProbabilitiesName = spec.description.predictedProbabilitiesName
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(targets[0][0])) as tmp:
+        staged = os.path.join(tmp, "whole.mlpackage")
+        mil_write.write_package(whole, staged, sources)
+        weights = os.path.join(staged, mil_write.WEIGHTS_REL)
+        for path, functions in targets:
+            spec = Model_pb2.Model()
+            spec.CopyFrom(whole)
+            keep_functions(spec, functions)
+            os.makedirs(os.path.dirname(os.path.join(path, mil_write.WEIGHTS_REL)))
+            shutil.copyfile(weights, os.path.join(path, mil_write.WEIGHTS_REL))
+            with open(os.path.join(path, mil_write.SPEC_REL), "wb") as f:
+                f.write(spec.SerializeToString(deterministic=True))
+            mil_write.write_manifest(path)
+    return {"weight_bytes": weight_bytes(targets[0][0])}
+
+
+def combine_with_coremltools(parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]]) -> BundleStats:
+    """`combine` by coremltools' ``save_multifunction``: it loads every part
+    into one MIL program (weights and all), stores a weight several functions
+    hold once, and serialises the program again; each target is then a copy
+    with the other targets' functions removed from its spec."""
     import shutil
     import tempfile
 
     from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
-    from coremltools.proto import Model_pb2
 
     desc = MultiFunctionDescriptor()
     for part, function in parts:
@@ -314,28 +377,46 @@ def combine(
     desc.default_function_name = parts[0][1]
     with tempfile.TemporaryDirectory(dir=os.path.dirname(targets[0][0])) as tmp:
         whole = os.path.join(tmp, "whole.mlpackage")
-        # save_multifunction reads every part back into one program and
-        # validates it after each of its passes; once is the same check.
-        with passes.validate_once(pass_pipeline == "chunkforge"):
+        # save_multifunction validates the program after each of its passes;
+        # once is the same check.
+        with passes.validate_once():
             save_multifunction(desc, whole)
-        spec_rel = os.path.join("Data", "com.apple.CoreML", "model.mlmodel")
         for path, functions in targets:
             shutil.copytree(whole, path)
-            spec = Model_pb2.Model()
-            with open(os.path.join(path, spec_rel), "rb") as f:
-                spec.ParseFromString(f.read())
-            for name in list(spec.mlProgram.functions):
-                if name not in functions:
-                    del spec.mlProgram.functions[name]
-            kept = [fd for fd in spec.description.functions if fd.name in functions]
-            del spec.description.functions[:]
-            spec.description.functions.extend(sorted(kept, key=lambda fd: functions.index(fd.name)))
-            spec.description.defaultFunctionName = functions[0]
-            with open(os.path.join(path, spec_rel), "wb") as f:
+            spec = read_spec(path)
+            keep_functions(spec, functions)
+            with open(os.path.join(path, mil_write.SPEC_REL), "wb") as f:
                 f.write(spec.SerializeToString(deterministic=True))
             normalize_manifest(path)
     release_memory()
     return {"weight_bytes": weight_bytes(targets[0][0])}
+
+
+def keep_functions(spec: Any, functions: list[str]) -> None:
+    """Remove every function but ``functions`` from a multifunction spec
+    (program and description), the first of them the default."""
+    for name in list(spec.mlProgram.functions):
+        if name not in functions:
+            del spec.mlProgram.functions[name]
+    kept = [fd for fd in spec.description.functions if fd.name in functions]
+    del spec.description.functions[:]
+    spec.description.functions.extend(sorted(kept, key=lambda fd: functions.index(fd.name)))
+    spec.description.defaultFunctionName = functions[0]
+
+
+def read_spec(path: str) -> Any:
+    """The protobuf spec of the package ``path``."""
+    from coremltools.proto import Model_pb2
+
+    spec = Model_pb2.Model()
+    try:
+        with open(os.path.join(path, mil_write.SPEC_REL), "rb") as f:
+            spec.ParseFromString(f.read())
+    except (OSError, ValueError) as e:
+        raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
+    if spec.WhichOneof("Type") != "mlProgram":
+        raise ChunkforgeError(f"{path}: not an ML program")
+    return spec
 
 
 class _Phases:

@@ -116,6 +116,21 @@ def lean_coremltools_import() -> None:
         sys.meta_path.insert(0, _LeanCoremltools())
 
 
+WRITER_ENV = "CHUNKFORGE_WRITER"
+
+
+def package_writer() -> str:
+    """Who writes bundled and composed packages: ``chunkforge`` (the default:
+    `mil_write`, at the protobuf level) or ``coremltools`` (its MIL loader and
+    serialiser: ``save_multifunction``, ``ct.convert`` of the loaded program),
+    the reference the first must match byte for byte (`bench build
+    --writer-baseline`, python/tests/test_compose.py)."""
+    writer = os.environ.get(WRITER_ENV, "chunkforge") or "chunkforge"
+    if writer not in ("chunkforge", "coremltools"):
+        raise ChunkforgeError(f"{WRITER_ENV}={writer!r}: expected chunkforge or coremltools")
+    return writer
+
+
 def heap_kept() -> bool:
     """Whether this process keeps the memory it frees for its own next
     allocations (`CHUNKFORGE_HEAP=keep`, set by the chunkforge binary after

@@ -58,6 +58,9 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
     if args.heap_baseline {
         return bench_build_heap_baseline();
     }
+    if args.writer_baseline {
+        return bench_build_writer_baseline();
+    }
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
     let result = BuildJob {
         hf_dir: args.model.hf_dir.as_deref(),
@@ -134,9 +137,13 @@ fn bench_build_baseline() -> Result<()> {
     let runs = bench_children(
         "--baseline",
         &[
-            ("coremltools pipeline, no compose", &before[..], None),
-            ("chunkforge, one process", &one[..], None),
-            ("chunkforge (shipped, --jobs auto)", &shipped[..], None),
+            (
+                "coremltools pipeline, no compose",
+                &before[..],
+                &[(WRITER_ENV, "coremltools")],
+            ),
+            ("chunkforge, one process", &one[..], &[]),
+            ("chunkforge (shipped, --jobs auto)", &shipped[..], &[]),
         ],
     )?;
     print_children(&runs);
@@ -174,25 +181,25 @@ fn bench_build_baseline() -> Result<()> {
     Ok(())
 }
 
-/// This `bench build` command once per child (label, extra arguments, the
-/// heap policy of its process or None for this process's own), each in a process of
-/// its own (own peak RSS, cold Python) with `--json`, without the bench flag
-/// `flag` that asked for them.
-fn bench_children(
-    flag: &str,
-    children: &[(&'static str, &[&str], Option<heap::Policy>)],
-) -> Result<Vec<(&'static str, BuildRecord)>> {
+/// One child build of a side-by-side bench: its label, its extra arguments
+/// and the environment variables it runs with (else it inherits this
+/// process's).
+type Child<'a> = (&'static str, &'a [&'a str], &'a [(&'a str, &'a str)]);
+
+/// This `bench build` command once per child, each in a process of its own
+/// (own peak RSS, cold Python) with `--json`, without the bench flag `flag`
+/// that asked for them.
+fn bench_children(flag: &str, children: &[Child]) -> Result<Vec<(&'static str, BuildRecord)>> {
     let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
     let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).filter(|a| a != flag).collect();
     let mut runs = Vec::new();
-    for (label, extra, policy) in children {
+    for (label, extra, env) in children {
         let mut what = extra.join(" ");
         let mut cmd = Command::new(&exe);
         cmd.args(&argv).arg("--json").args(*extra);
-        // Without one, the child inherits this process's policy.
-        if let Some(p) = policy {
-            cmd.env(heap::ENV, p.name());
-            what = format!("{}={} {what}", heap::ENV, p.name());
+        for (key, value) in env.iter().rev() {
+            cmd.env(key, value);
+            what = format!("{key}={value} {what}");
         }
         eprintln!("bench build {flag}: {}", what.trim());
         let out = cmd
@@ -254,11 +261,15 @@ fn bench_build_heap_baseline() -> Result<()> {
     let runs = bench_children(
         "--heap-baseline",
         &[
-            ("heap released (default)", &[], Some(heap::Policy::Release)),
+            (
+                "heap released (default)",
+                &[],
+                &[(heap::ENV, heap::Policy::Release.name())],
+            ),
             (
                 "heap kept (CHUNKFORGE_HEAP=keep)",
                 &[],
-                Some(heap::Policy::Keep),
+                &[(heap::ENV, heap::Policy::Keep.name())],
             ),
         ],
     )?;
@@ -270,6 +281,46 @@ fn bench_build_heap_baseline() -> Result<()> {
         released.seconds.total / kept.seconds.total.max(1e-9),
         kept.peak_rss_bytes as f64 / (released.peak_rss_bytes as f64).max(1.0),
         kept.chunks.len()
+    );
+    Ok(())
+}
+
+/// Who writes bundled and composed packages (python/chunkforge_py/runtime.py
+/// `package_writer`): `chunkforge` (protobuf level, the default) or
+/// `coremltools` (its MIL loader and serialiser, the reference).
+const WRITER_ENV: &str = "CHUNKFORGE_WRITER";
+
+/// `bench build --writer-baseline`: the same build with bundles and
+/// compositions written by coremltools (save_multifunction, ct.convert of
+/// the loaded program) and by chunkforge's protobuf-level writer, side by
+/// side; every package must be byte-identical.
+fn bench_build_writer_baseline() -> Result<()> {
+    let runs = bench_children(
+        "--writer-baseline",
+        &[
+            (
+                "coremltools writer",
+                &[],
+                &[(WRITER_ENV, "coremltools")],
+            ),
+            (
+                "chunkforge writer (default)",
+                &[],
+                &[(WRITER_ENV, "chunkforge")],
+            ),
+        ],
+    )?;
+    print_children(&runs);
+    let (reference, ours) = (&runs[0].1, &runs[1].1);
+    same_packages(reference, ours, "the two writers")?;
+    let phase = |r: &BuildRecord, k: &str| r.seconds.phases.get(k).copied().unwrap_or(0.0);
+    println!(
+        "chunkforge's writer vs coremltools': {:.2}x faster wall ({:.1}s vs {:.1}s of bundles and compositions), {:.2}x the peak RSS; all {} packages byte-identical",
+        reference.seconds.total / ours.seconds.total.max(1e-9),
+        phase(ours, "bundle") + phase(ours, "compose"),
+        phase(reference, "bundle") + phase(reference, "compose"),
+        ours.peak_rss_bytes as f64 / (reference.peak_rss_bytes as f64).max(1.0),
+        ours.chunks.len()
     );
     Ok(())
 }

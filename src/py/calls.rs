@@ -19,7 +19,7 @@ use super::error::PythonError;
 use crate::checkpoint::Checkpoint;
 use crate::plan::{ChunkPlan, Dims};
 use crate::progress::BuildProgress;
-use crate::records::{ChunkStats, ConversionSettings, PassPipeline, PassStat, Seconds, Versions};
+use crate::records::{ChunkStats, ConversionSettings, PassStat, Seconds, Versions};
 
 /// `chunkforge_py.<module>.<func>(request)` (no argument when `request` is
 /// `()`), its reply read as `T`.
@@ -379,16 +379,11 @@ pub struct Bundle {
 
 /// `convert.combine(parts, targets)`: single-function packages bundled into
 /// multifunction ones sharing one weight blob.
-pub fn combine(
-    parts: &[(String, String)],
-    targets: &[(String, Vec<String>)],
-    pass_pipeline: PassPipeline,
-) -> PyResult<Bundle> {
+pub fn combine(parts: &[(String, String)], targets: &[(String, Vec<String>)]) -> PyResult<Bundle> {
     Python::attach(|py| {
-        let reply = py.import("chunkforge_py.convert")?.call_method1(
-            "combine",
-            (parts.to_vec(), targets.to_vec(), pass_pipeline.as_str()),
-        )?;
+        let reply = py
+            .import("chunkforge_py.convert")?
+            .call_method1("combine", (parts.to_vec(), targets.to_vec()))?;
         from_py(&reply, "convert.combine")
     })
 }

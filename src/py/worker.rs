@@ -25,7 +25,6 @@ use serde_json::Value;
 use super::calls::{self, OnPhase, WeightCache};
 use super::env as pyenv;
 use crate::progress::{self, BuildProgress};
-use crate::records::PassPipeline;
 use crate::staging;
 
 /// A bundle of single-function parts into multifunction packages (`convert.combine`).
@@ -35,7 +34,6 @@ pub struct BundleRequest {
     pub label: String,
     pub parts: Vec<(String, String)>,
     pub targets: Vec<(String, Vec<String>)>,
-    pub pass_pipeline: PassPipeline,
 }
 
 /// One task, as JSON the worker can run as well as the build.
@@ -109,14 +107,10 @@ pub fn execute(
             if let Some(b) = bundle {
                 on_phase(&b.label, &format!("bundle {} functions", b.parts.len()));
                 let t = Instant::now();
-                done = Some(
-                    calls::combine(&b.parts, &b.targets, b.pass_pipeline).map_err(|e| {
-                        TaskError {
-                            stage: Stage::Bundle,
-                            message: pyenv::render_error(e, verbose),
-                        }
-                    })?,
-                );
+                done = Some(calls::combine(&b.parts, &b.targets).map_err(|e| TaskError {
+                    stage: Stage::Bundle,
+                    message: pyenv::render_error(e, verbose),
+                })?);
                 seconds = t.elapsed().as_secs_f64();
             }
             Ok(TaskReply {
