@@ -298,11 +298,7 @@ fn bench_build_writer_baseline() -> Result<()> {
     let runs = bench_children(
         "--writer-baseline",
         &[
-            (
-                "coremltools writer",
-                &[],
-                &[(WRITER_ENV, "coremltools")],
-            ),
+            ("coremltools writer", &[], &[(WRITER_ENV, "coremltools")]),
             (
                 "chunkforge writer (default)",
                 &[],
