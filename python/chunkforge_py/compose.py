@@ -101,7 +101,6 @@ SLOT_ROLES: dict[str, Attention] = {
 }
 # A source input fed by an earlier source's output of another role.
 FORWARDED: dict[str, str] = {"hidden": "hidden_out", "per_layer_combined": "per_layer_combined_out"}
-SPEC_REL = os.path.join("Data", "com.apple.CoreML", "model.mlmodel")
 WEIGHTS_PREFIX = "@model_path/weights/"
 
 # A source: (package path, its chunk plan) or (package path, chunk plan, function name).
@@ -476,16 +475,7 @@ class SourceProgram:
 
 
 def read_source(path: str, function: str | None) -> SourceProgram:
-    from coremltools.proto import Model_pb2
-
-    spec = Model_pb2.Model()
-    try:
-        with open(os.path.join(path, SPEC_REL), "rb") as f:
-            spec.ParseFromString(f.read())
-    except (OSError, ValueError) as e:
-        raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
-    if spec.WhichOneof("Type") != "mlProgram":
-        raise ChunkforgeError(f"{path}: not an ML program")
+    spec = mil_write.read_spec(path)
     names = list(spec.mlProgram.functions)
     name = function or spec.description.defaultFunctionName or ("main" if "main" in names else names[0])
     if name not in spec.mlProgram.functions:
@@ -1009,7 +999,7 @@ def compose(
     metadata[COMPOSED_FROM] = composed_from
     weights: dict[str, str] = {}
     for k, prog in enumerate(programs):
-        folder = os.path.join(os.path.dirname(os.path.join(prog.path, SPEC_REL)), "weights")
+        folder = os.path.join(os.path.dirname(os.path.join(prog.path, mil_write.SPEC_REL)), "weights")
         for base in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
             link = f"source{k}.bin" if base == "weight.bin" else f"source{k}_{base}"
             weights[WEIGHTS_PREFIX + link] = os.path.abspath(os.path.join(folder, base))

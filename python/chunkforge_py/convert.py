@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -228,9 +227,7 @@ def normalize_manifest(path: str) -> None:
     with open(manifest_path) as f:
         manifest = json.load(f)
     entries = manifest.get("itemInfoEntries", {})
-    renamed = {
-        old: str(uuid.uuid5(uuid.NAMESPACE_URL, "chunkforge:" + entry["path"])) for old, entry in entries.items()
-    }
+    renamed = {old: mil_write.manifest_id(entry["path"]) for old, entry in entries.items()}
     manifest["itemInfoEntries"] = {renamed[old]: entries[old] for old in sorted(entries, key=lambda o: renamed[o])}
     if manifest.get("rootModelIdentifier") in renamed:
         manifest["rootModelIdentifier"] = renamed[manifest["rootModelIdentifier"]]
@@ -314,7 +311,7 @@ def combine(
     whole = Model_pb2.Model()
     sources: dict[str, str] = {}
     for k, (part, function) in enumerate(parts):
-        spec = read_spec(part)
+        spec = mil_write.read_spec(part)
         if list(spec.mlProgram.functions) != ["main"]:
             raise ChunkforgeError(f"{part}: a bundle part must hold one function, main")
         if k == 0:
@@ -383,7 +380,7 @@ def combine_with_coremltools(parts: list[tuple[str, str]], targets: list[tuple[s
             save_multifunction(desc, whole)
         for path, functions in targets:
             shutil.copytree(whole, path)
-            spec = read_spec(path)
+            spec = mil_write.read_spec(path)
             keep_functions(spec, functions)
             with open(os.path.join(path, mil_write.SPEC_REL), "wb") as f:
                 f.write(spec.SerializeToString(deterministic=True))
@@ -402,21 +399,6 @@ def keep_functions(spec: Any, functions: list[str]) -> None:
     del spec.description.functions[:]
     spec.description.functions.extend(sorted(kept, key=lambda fd: functions.index(fd.name)))
     spec.description.defaultFunctionName = functions[0]
-
-
-def read_spec(path: str) -> Any:
-    """The protobuf spec of the package ``path``."""
-    from coremltools.proto import Model_pb2
-
-    spec = Model_pb2.Model()
-    try:
-        with open(os.path.join(path, mil_write.SPEC_REL), "rb") as f:
-            spec.ParseFromString(f.read())
-    except (OSError, ValueError) as e:
-        raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
-    if spec.WhichOneof("Type") != "mlProgram":
-        raise ChunkforgeError(f"{path}: not an ML program")
-    return spec
 
 
 class _Phases:

@@ -56,6 +56,21 @@ def manifest_id(item_path: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, "chunkforge:" + item_path))
 
 
+def read_spec(path: str) -> Any:
+    """The protobuf spec of the ML program package ``path``."""
+    from coremltools.proto import Model_pb2
+
+    spec = Model_pb2.Model()
+    try:
+        with open(os.path.join(path, SPEC_REL), "rb") as f:
+            spec.ParseFromString(f.read())
+    except (OSError, ValueError) as e:
+        raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
+    if spec.WhichOneof("Type") != "mlProgram":
+        raise ChunkforgeError(f"{path}: not an ML program")
+    return spec
+
+
 def write_manifest(path: str) -> None:
     """``path``/Manifest.json, in the layout coremltools writes (keys sorted,
     four-space indent) with path-derived identifiers."""

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chunkforge_py.convert import combine, read_spec
-from chunkforge_py.mil_write import SPEC_REL, WEIGHTS_REL, op_counts, write_package
+from chunkforge_py.convert import combine
+from chunkforge_py.mil_write import SPEC_REL, WEIGHTS_REL, op_counts, read_spec, write_package
 from chunkforge_py.runtime import ChunkforgeError
 from test_mil_interp import shared_build
 
