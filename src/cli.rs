@@ -426,6 +426,13 @@ pub struct BenchBuildCmd {
     /// requires byte-identical packages.
     #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "profile"])]
     pub writer_baseline: bool,
+    /// Run the build twice, each in a child process of its own, as given but for the
+    /// shortcuts conversions take through coremltools' own code (python/chunkforge_py/
+    /// passes.py `shortcuts`): off (CHUNKFORGE_MIL_SHORTCUTS=off: coremltools' code for
+    /// every step) and on (the default); prints them side by side and requires
+    /// byte-identical packages.
+    #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "writer_baseline", "profile", "pass_pipeline"])]
+    pub shortcuts_baseline: bool,
     /// Print the build report JSON instead of a summary.
     #[arg(long)]
     pub json: bool,

@@ -39,7 +39,7 @@ from .contract import (
 from .inspect_pkg import PROJECTION_OPS
 from .model import Chunk, build_chunk
 from .palettize import WeightCache
-from .runtime import ChunkforgeError, package_writer, release_memory
+from .runtime import ChunkforgeError, mil_shortcuts, package_writer, release_memory
 
 NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}
@@ -130,7 +130,7 @@ def convert(
     cut = settings["pass_pipeline"] == "chunkforge"
     if cut:
         passes.release_torch_weights(pipeline, traced)
-    with passes.validate_once(cut), passes.terse_program_text(cut), passes.fast_fp16_overflow_check(cut):
+    with passes.shortcuts(cut and mil_shortcuts()):
         mlmodel = ct.convert(
             traced,
             inputs=inputs,

@@ -12,13 +12,18 @@ test `cut_pass_pipeline_gives_byte_identical_packages` (tests/build.rs)
 proves that every package of every layout and function comes out
 byte-identical to the default pipeline's.
 
-`terse_program_text` spares the pipeline's debug-log rendering of the whole
-program (computed whether or not it is logged). `validate_once` defers the
-program validation coremltools runs after every pass to one validation per
-program at the end: the same check, once. `fast_fp16_overflow_check` gives
-`add_fp16_cast`'s fp16-range test of each constant without copies. All four
-go with the "chunkforge" pipeline; "coremltools" is coremltools' own behaviour, pass
-for pass, for comparison (`bench build --baseline`).
+`shortcuts` takes shortcuts through coremltools' own code, each giving the
+result coremltools' code gives: `terse_program_text` spares the debug-log
+rendering of the whole program (computed whether or not it is logged);
+`validate_once` defers the program validation coremltools runs after every
+pass to one validation per program at the end; `fast_fp16_overflow_check`
+gives `add_fp16_cast`'s fp16-range test of each constant without copies;
+`fast_nonreplaceable_propagation` skips recomputing sets that must be empty;
+`cached_type_info` describes each MIL type once; `single_const_inference`
+infers each constant's type and value once. They go with the "chunkforge"
+pipeline (`CHUNKFORGE_MIL_SHORTCUTS=off` turns them off, `bench build
+--shortcuts-baseline` compares); "coremltools" is coremltools' own
+behaviour, pass for pass, for comparison (`bench build --baseline`).
 """
 
 from __future__ import annotations
@@ -255,6 +260,26 @@ def maybe_profile(enabled: bool, probe: bool = False) -> Iterator[PassProfile | 
 
 
 @contextmanager
+def shortcuts(enabled: bool = True) -> Iterator[None]:
+    """Every shortcut through coremltools' own code that a conversion takes
+    (each below, with the reason its result is the one coremltools' code
+    gives): `validate_once`, `terse_program_text`, `fast_fp16_overflow_check`,
+    `fast_nonreplaceable_propagation`, `cached_type_info` and
+    `single_const_inference`. None changes the program: with them and without
+    them (`CHUNKFORGE_MIL_SHORTCUTS=off`) every package is byte-identical
+    (`bench build --shortcuts-baseline`; tests/build.rs)."""
+    with (
+        validate_once(enabled),
+        terse_program_text(enabled),
+        fast_fp16_overflow_check(enabled),
+        fast_nonreplaceable_propagation(enabled),
+        cached_type_info(enabled),
+        single_const_inference(enabled),
+    ):
+        yield
+
+
+@contextmanager
 def validate_once(enabled: bool = True) -> Iterator[None]:
     """Within the block, `Program.validate` only notes the program (and the
     strictest check asked for it); on leaving the block, each noted program is
@@ -283,28 +308,37 @@ def validate_once(enabled: bool = True) -> Iterator[None]:
 
 @contextmanager
 def terse_program_text(enabled: bool = True) -> Iterator[None]:
-    """Within the block, a MIL program renders as a one-line summary unless
-    coremltools' logger is at DEBUG: its pass pipeline formats the whole
-    program into debug messages (before and after each pipeline, whether or
-    not they are logged), which costs seconds on a 10k-op program. The
-    program itself is untouched."""
+    """Within the block, a MIL program, function or block renders as a
+    one-line summary unless coremltools' logger is at DEBUG: its pass
+    pipeline formats the whole program into debug messages (before and after
+    each pipeline), and `reduce_transposes` the whole function (before and
+    after each of its runs), whether or not they are logged, which costs
+    seconds on a 10k-op program (`reduce_transposes`: 2.9 of 11.6 s on the
+    default checkpoint's `--mode four`). The program itself is untouched."""
     import logging
 
+    from coremltools.converters.mil.mil.block import Block, Function
     from coremltools.converters.mil.mil.program import Program
 
     if not enabled or logging.getLogger("coremltools").isEnabledFor(logging.DEBUG):
         yield
         return
-    original = Program.__str__
+    originals = [(cls, cls.__dict__["__str__"]) for cls in (Program, Function, Block)]
 
-    def summary(prog: Any) -> str:
+    def program(prog: Any) -> str:
         return f"<MIL program: {', '.join(prog.functions)}>"
 
-    Program.__str__ = summary
+    def block(b: Any) -> str:
+        return f"<MIL block {b.name}: {len(b.operations)} ops>"
+
+    Program.__str__ = program
+    Function.__str__ = block
+    Block.__str__ = block
     try:
         yield
     finally:
-        Program.__str__ = original
+        for cls, original in originals:
+            cls.__str__ = original
 
 
 @contextmanager
@@ -353,3 +387,148 @@ def fast_fp16_overflow_check(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         FP16ComputePrecision.fp16_overflow = original
+
+
+@contextmanager
+def fast_nonreplaceable_propagation(enabled: bool = True) -> Iterator[None]:
+    """Within the block, leaving a `with block:` (every graph pass that edits
+    the program does, often several times) skips coremltools' recomputation
+    of every variable's set of non-replaceable variables upstream for as long
+    as every such set is necessarily empty.
+
+    coremltools recomputes that set for every output of every op on each
+    exit (`Block._propagate_nonreplaceable_vars`): the union of the sets of
+    the op's inputs, `{var}` for the output of a `constexpr_` op, empty for
+    `shape`; each variable an op makes gets its set the same way when it is
+    made, and again when the op's inputs change
+    (`Var._set_nonreplaceable_vars_upstream`). So a set is non-empty only
+    downstream of a `constexpr_` op's output. Until the first variable made
+    by a `constexpr_` op asks for its set, every set is empty and both
+    computations change nothing; from then on, coremltools' own code runs.
+    A chunkforge program has no `constexpr_` op until the palettization pass
+    appended last, yet the two were 22 % of a conversion's time on the
+    default checkpoint (cProfile, `--mode four`)."""
+    if not enabled:
+        yield
+        return
+    from coremltools.converters.mil.mil.block import Block
+    from coremltools.converters.mil.mil.var import Var
+
+    original_propagate = Block.__dict__["_propagate_nonreplaceable_vars"]
+    original_set = Var.__dict__["_set_nonreplaceable_vars_upstream"]
+    seen = False
+
+    def set_upstream(var: Any) -> None:
+        nonlocal seen
+        if not seen:
+            op = var.op
+            if op is None or not op.op_type.startswith("constexpr_"):
+                # Every set is empty: so is the union of the inputs' sets
+                # (and `shape`'s), which is the set `var` already has.
+                return
+            seen = True
+        original_set(var)
+
+    def propagate(block: Any) -> None:
+        if seen:
+            original_propagate(block)
+
+    Var._set_nonreplaceable_vars_upstream = set_upstream
+    Block._propagate_nonreplaceable_vars = propagate
+    try:
+        yield
+    finally:
+        Var._set_nonreplaceable_vars_upstream = original_set
+        Block._propagate_nonreplaceable_vars = original_propagate
+
+
+@contextmanager
+def cached_type_info(enabled: bool = True) -> Iterator[None]:
+    """Within the block, coremltools' `get_type_info` of a MIL type (a class:
+    `types.fp16`, each `types.tensor(dtype, shape)`, ...) is computed once per
+    type instead of on every call.
+
+    Every `types.is_tensor`, `is_list`, `is_str`, `is_dict`, `is_state` and
+    `Var.dtype` builds a fresh `Type` description of its argument (a tensor
+    type's also builds its element type's), 2.3 million of them in the
+    default checkpoint's `--mode four`, 14 % of its conversion time
+    (cProfile). A type's description depends on the type alone (its shape
+    and element type are fixed when the class is made, and `tensor` classes
+    are memoised per dtype and shape), and no caller changes the `Type` it is
+    given, so the cached answer is the one coremltools would compute.
+    Arguments that are not classes are not cached; every module that
+    imported the function gets the cached one for the duration."""
+    if not enabled:
+        yield
+        return
+    import importlib
+    import sys
+
+    # (the package `types` exports the function under the module's name)
+    original = importlib.import_module("coremltools.converters.mil.mil.types.get_type_info").get_type_info
+    cache: dict[type, Any] = {}
+
+    def get_type_info(t: Any) -> Any:
+        if isinstance(t, type):
+            found = cache.get(t)
+            if found is None:
+                found = cache[t] = original(t)
+            return found
+        return original(t)
+
+    patched: list[Any] = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("coremltools") and getattr(m, "get_type_info", None) is original
+    ]
+    for m in patched:
+        m.get_type_info = get_type_info
+    try:
+        yield
+    finally:
+        for m in patched:
+            m.get_type_info = original
+
+
+@contextmanager
+def single_const_inference(enabled: bool = True) -> Iterator[None]:
+    """Within the block, making a `const` op works out its value's type and
+    value once instead of twice.
+
+    coremltools' `Const` answers `type_inference` and then `value_inference`
+    (one right after the other, in `Operation.type_value_inference`) with the
+    same `_get_type_val(self.val.val)` each time: 89 thousand calls and 9 %
+    of the default checkpoint's `--mode four` conversions (cProfile). Here
+    `type_inference` keeps its answer for the value object it was given and
+    `value_inference` takes it if asked about that same object next; any
+    other call computes it as coremltools does."""
+    if not enabled:
+        yield
+        return
+    from coremltools.converters.mil.mil.ops.defs.iOS15.control_flow import Const
+
+    originals = {name: Const.__dict__[name] for name in ("type_inference", "value_inference")}
+    last: dict[int, tuple[Any, Any]] = {}
+
+    def type_inference(op: Any) -> Any:
+        value = op.val.val
+        builtin_type, val = op._get_type_val(value)
+        last.clear()
+        last[id(op)] = (value, val)
+        return builtin_type
+
+    def value_inference(op: Any) -> Any:
+        value = op.val.val
+        kept = last.pop(id(op), None)
+        if kept is not None and kept[0] is value:
+            return kept[1]
+        return op._get_type_val(value)[1]
+
+    Const.type_inference = type_inference
+    Const.value_inference = value_inference
+    try:
+        yield
+    finally:
+        last.clear()
+        for name, original in originals.items():
+            setattr(Const, name, original)

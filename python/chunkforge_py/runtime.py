@@ -131,6 +131,21 @@ def package_writer() -> str:
     return writer
 
 
+SHORTCUTS_ENV = "CHUNKFORGE_MIL_SHORTCUTS"
+
+
+def mil_shortcuts() -> bool:
+    """Whether a conversion with chunkforge's pass pipeline takes the
+    shortcuts through coremltools' own code (`passes.shortcuts`: ``on``, the
+    default) or runs coremltools' code for every step (``off``, the
+    reference the first must match byte for byte: `bench build
+    --shortcuts-baseline`, tests/build.rs)."""
+    value = os.environ.get(SHORTCUTS_ENV, "on") or "on"
+    if value not in ("on", "off"):
+        raise ChunkforgeError(f"{SHORTCUTS_ENV}={value!r}: expected on or off")
+    return value == "on"
+
+
 def heap_kept() -> bool:
     """Whether this process keeps the memory it frees for its own next
     allocations (`CHUNKFORGE_HEAP=keep`, set by the chunkforge binary after

@@ -61,6 +61,9 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
     if args.writer_baseline {
         return bench_build_writer_baseline();
     }
+    if args.shortcuts_baseline {
+        return bench_build_shortcuts_baseline();
+    }
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
     let result = BuildJob {
         hf_dir: args.model.hf_dir.as_deref(),
@@ -254,32 +257,57 @@ fn print_children(runs: &[(&str, BuildRecord)]) {
     }
 }
 
+/// Two child builds that differ only in one environment variable (`env`:
+/// the reference's value, then the default's), printed side by side; fails
+/// unless every package is byte-identical. Returns (reference, default).
+fn bench_env_pair(
+    flag: &str,
+    env: &str,
+    reference: (&'static str, &str),
+    default: (&'static str, &str),
+    what: &str,
+) -> Result<(BuildRecord, BuildRecord)> {
+    let runs = bench_children(
+        flag,
+        &[
+            (reference.0, &[], &[(env, reference.1)]),
+            (default.0, &[], &[(env, default.1)]),
+        ],
+    )?;
+    print_children(&runs);
+    let mut runs = runs.into_iter().map(|(_, r)| r);
+    let (x, y) = (runs.next().unwrap(), runs.next().unwrap());
+    same_packages(&x, &y, what)?;
+    Ok((x, y))
+}
+
+/// "{wall speed-up}x faster wall, {peak ratio}x the peak RSS" of `ours`
+/// against `reference`.
+fn speedup(reference: &BuildRecord, ours: &BuildRecord) -> String {
+    format!(
+        "{:.2}x faster wall, {:.2}x the peak RSS",
+        reference.seconds.total / ours.seconds.total.max(1e-9),
+        ours.peak_rss_bytes as f64 / (reference.peak_rss_bytes as f64).max(1.0)
+    )
+}
+
 /// `bench build --heap-baseline`: the same build with glibc's heap defaults
 /// and with the heap kept (heap.rs), side by side; every package must be
 /// byte-identical (the allocator cannot change a value).
 fn bench_build_heap_baseline() -> Result<()> {
-    let runs = bench_children(
+    let (released, kept) = bench_env_pair(
         "--heap-baseline",
-        &[
-            (
-                "heap released (default)",
-                &[],
-                &[(heap::ENV, heap::Policy::Release.name())],
-            ),
-            (
-                "heap kept (CHUNKFORGE_HEAP=keep)",
-                &[],
-                &[(heap::ENV, heap::Policy::Keep.name())],
-            ),
-        ],
+        heap::ENV,
+        ("heap released (default)", heap::Policy::Release.name()),
+        (
+            "heap kept (CHUNKFORGE_HEAP=keep)",
+            heap::Policy::Keep.name(),
+        ),
+        "the two heaps",
     )?;
-    print_children(&runs);
-    let (released, kept) = (&runs[0].1, &runs[1].1);
-    same_packages(released, kept, "the two heaps")?;
     println!(
-        "heap kept vs released: {:.2}x faster wall, {:.2}x the peak RSS; all {} packages byte-identical",
-        released.seconds.total / kept.seconds.total.max(1e-9),
-        kept.peak_rss_bytes as f64 / (released.peak_rss_bytes as f64).max(1.0),
+        "heap kept vs released: {}; all {} packages byte-identical",
+        speedup(&released, &kept),
         kept.chunks.len()
     );
     Ok(())
@@ -295,27 +323,53 @@ const WRITER_ENV: &str = "CHUNKFORGE_WRITER";
 /// the loaded program) and by chunkforge's protobuf-level writer, side by
 /// side; every package must be byte-identical.
 fn bench_build_writer_baseline() -> Result<()> {
-    let runs = bench_children(
+    let (reference, ours) = bench_env_pair(
         "--writer-baseline",
-        &[
-            ("coremltools writer", &[], &[(WRITER_ENV, "coremltools")]),
-            (
-                "chunkforge writer (default)",
-                &[],
-                &[(WRITER_ENV, "chunkforge")],
-            ),
-        ],
+        WRITER_ENV,
+        ("coremltools writer", "coremltools"),
+        ("chunkforge writer (default)", "chunkforge"),
+        "the two writers",
     )?;
-    print_children(&runs);
-    let (reference, ours) = (&runs[0].1, &runs[1].1);
-    same_packages(reference, ours, "the two writers")?;
     let phase = |r: &BuildRecord, k: &str| r.seconds.phases.get(k).copied().unwrap_or(0.0);
     println!(
-        "chunkforge's writer vs coremltools': {:.2}x faster wall ({:.1}s vs {:.1}s of bundles and compositions), {:.2}x the peak RSS; all {} packages byte-identical",
-        reference.seconds.total / ours.seconds.total.max(1e-9),
-        phase(ours, "bundle") + phase(ours, "compose"),
-        phase(reference, "bundle") + phase(reference, "compose"),
-        ours.peak_rss_bytes as f64 / (reference.peak_rss_bytes as f64).max(1.0),
+        "chunkforge's writer vs coremltools': {} ({:.1}s vs {:.1}s of bundles and compositions); all {} packages byte-identical",
+        speedup(&reference, &ours),
+        phase(&ours, "bundle") + phase(&ours, "compose"),
+        phase(&reference, "bundle") + phase(&reference, "compose"),
+        ours.chunks.len()
+    );
+    Ok(())
+}
+
+/// Whether conversions take chunkforge's shortcuts through coremltools' own
+/// code (python/chunkforge_py/passes.py `shortcuts`; runtime.py
+/// `mil_shortcuts`): `on` (the default) or `off` (coremltools' code for
+/// every step, the reference).
+const SHORTCUTS_ENV: &str = "CHUNKFORGE_MIL_SHORTCUTS";
+
+/// `bench build --shortcuts-baseline`: the same build with coremltools' own
+/// code for every step of each conversion and with chunkforge's shortcuts
+/// through it, side by side; every package must be byte-identical.
+fn bench_build_shortcuts_baseline() -> Result<()> {
+    let (reference, ours) = bench_env_pair(
+        "--shortcuts-baseline",
+        SHORTCUTS_ENV,
+        ("coremltools' code (shortcuts off)", "off"),
+        ("shortcuts on (default)", "on"),
+        "the builds with and without shortcuts",
+    )?;
+    // Conversions of packages and of the sources of composed ones.
+    let convert = |r: &BuildRecord| {
+        ["convert", "sources"]
+            .iter()
+            .filter_map(|k| r.seconds.phases.get(*k))
+            .sum::<f64>()
+    };
+    println!(
+        "shortcuts vs coremltools' code: {} ({:.1}s vs {:.1}s of conversions); all {} packages byte-identical",
+        speedup(&reference, &ours),
+        convert(&ours),
+        convert(&reference),
         ours.chunks.len()
     );
     Ok(())

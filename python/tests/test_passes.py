@@ -1,0 +1,246 @@
+"""`passes.shortcuts`: each shortcut through coremltools' own code gives the
+answer coremltools' code gives, and leaves coremltools as it found it."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import coremltools as ct
+import numpy as np
+import pytest
+from chunkforge_py import passes
+from coremltools.converters.mil.mil import Builder as mb
+from coremltools.converters.mil.mil import types
+from coremltools.converters.mil.mil.block import Block, Function
+from coremltools.converters.mil.mil.ops.defs.iOS15.control_flow import Const
+from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
+from coremltools.converters.mil.mil.program import Program
+from coremltools.converters.mil.mil.var import Var
+
+TYPE_INFO_MODULE = sys.modules["coremltools.converters.mil.mil.types.get_type_info"]
+
+
+def _patched_attributes() -> dict[str, Any]:
+    return {
+        "Program.__str__": Program.__dict__["__str__"],
+        "Function.__str__": Function.__dict__["__str__"],
+        "Block.__str__": Block.__dict__["__str__"],
+        "Program.validate": Program.__dict__["validate"],
+        "Block._propagate_nonreplaceable_vars": Block.__dict__["_propagate_nonreplaceable_vars"],
+        "Var._set_nonreplaceable_vars_upstream": Var.__dict__["_set_nonreplaceable_vars_upstream"],
+        "FP16ComputePrecision.fp16_overflow": FP16ComputePrecision.__dict__["fp16_overflow"],
+        "Const.type_inference": Const.__dict__["type_inference"],
+        "Const.value_inference": Const.__dict__["value_inference"],
+        "get_type_info": TYPE_INFO_MODULE.get_type_info,
+        "types.get_type_info": types.get_type_info,
+    }
+
+
+def test_every_shortcut_is_taken_inside_and_undone_after() -> None:
+    before = _patched_attributes()
+    with passes.shortcuts(True):
+        inside = _patched_attributes()
+    after = _patched_attributes()
+    assert after == before
+    changed = {k for k in before if inside[k] is not before[k]}
+    assert changed == set(before), f"not replaced inside: {sorted(set(before) - changed)}"
+    with passes.shortcuts(False):
+        assert _patched_attributes() == before
+
+
+def _sets(prog: Program) -> dict[str, set[str]]:
+    """Each variable's set by name; a literal's constant (named with a
+    process-wide counter) by its name without the counter."""
+    out: dict[str, set[str]] = {}
+
+    def name(v: Any) -> str:
+        return re.sub(r"_\d+$", "", v.name)
+
+    def block(b: Any) -> None:
+        for op in b.operations:
+            for sub in op.blocks:
+                block(sub)
+            for v in op.outputs:
+                out[name(v)] = {name(u) for u in v.nonreplaceable_vars_upstream}
+
+    for f in prog.functions.values():
+        block(f)
+    return out
+
+
+def _edited_program() -> Program:
+    """relu(x) built first, then its input replaced by a palettized weight
+    (a `constexpr_lut_to_dense` made afterwards): only the propagation on
+    leaving the block gives relu's output a non-empty set."""
+
+    @mb.program(
+        input_specs=[mb.TensorSpec(shape=(4, 2), dtype=types.fp16)],
+        opset_version=ct.target.iOS18,
+    )
+    def prog(x: Any) -> Any:
+        r = mb.relu(x=x, name="r")
+        s = mb.shape(x=r, name="s")
+        return mb.add(x=r, y=np.float16(1.0), name="out"), s
+
+    f = prog.functions["main"]
+    relu = f.find_ops(op_type="relu")[0]
+    with f:
+        lut = mb.constexpr_lut_to_dense(
+            indices=np.array([[0, 1], [1, 0], [0, 0], [1, 1]], dtype=types.np_uint1_dtype),
+            lut=np.array([-1.0, 2.0], dtype=np.float16).reshape(1, 1, 2, 1),
+            before_op=relu,
+            name="w",
+        )
+        relu.enclosing_block.replace_uses_of_var_after_op(anchor_op=lut.op, old_var=relu.x, new_var=lut)
+        relu.set_inputs(x=lut)
+    return prog
+
+
+def test_upstream_sets_are_the_ones_coremltools_computes() -> None:
+    with passes.fast_nonreplaceable_propagation(True):
+        ours = _sets(_edited_program())
+    reference = _sets(_edited_program())
+    assert ours == reference
+    assert reference["r"] == {"w"} and reference["out"] == {"w"} and reference["s"] == set()
+
+
+def test_upstream_sets_without_a_constexpr_op_stay_empty() -> None:
+    @mb.program(input_specs=[mb.TensorSpec(shape=(2, 3))], opset_version=ct.target.iOS18)
+    def prog(x: Any) -> Any:
+        return mb.mul(x=mb.relu(x=x), y=2.0)
+
+    with passes.fast_nonreplaceable_propagation(True):
+        f = prog.functions["main"]
+        with f:
+            mb.add(x=f.operations[-1].outputs[0], y=1.0)
+        assert all(not s for s in _sets(prog).values())
+
+
+def _describe(info: Any) -> tuple[Any, ...]:
+    return (info.name, repr(info), info.python_class)
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        types.fp16,
+        types.fp32,
+        types.int32,
+        types.bool,
+        types.str,
+        types.tensor(types.fp16, (1, 2, 3)),
+        types.tensor(types.int32, (7,)),
+        types.list(types.fp32, init_length=2),
+        types.tuple((types.fp32, types.int32)),
+        types.dict(types.str, types.fp32),
+    ],
+)
+def test_cached_type_info_is_coremltools_answer(t: Any) -> None:
+    reference = TYPE_INFO_MODULE.get_type_info(t)
+    checks = (types.is_tensor, types.is_scalar, types.is_list, types.is_tuple, types.is_dict, types.is_str)
+    expected = [check(t) for check in checks]
+    with passes.cached_type_info(True):
+        first = types.get_type_info(t)
+        second = TYPE_INFO_MODULE.get_type_info(t)
+        assert second is first
+        assert [check(t) for check in checks] == expected
+    assert _describe(first) == _describe(reference)
+    assert first == reference
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        2.5,
+        True,
+        7,
+        2**40,
+        np.int64(-(2**40)),
+        [1, 2, 3],
+        (1.5, 2.5),
+        np.arange(6, dtype=np.float64).reshape(2, 3),
+        np.arange(12, dtype=np.float16),
+        np.array([2**40, 3], dtype=np.int64),
+        "fp16",
+    ],
+)
+def test_const_inferred_once_as_coremltools_infers_it(value: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    original = Const._get_type_val
+
+    def counted(op: Any, v: Any) -> Any:
+        calls.append(op.name)
+        return original(op, v)
+
+    monkeypatch.setattr(Const, "_get_type_val", counted)
+
+    def make() -> Any:
+        @mb.program(input_specs=[], opset_version=ct.target.iOS18)
+        def prog() -> Any:
+            return mb.identity(x=mb.const(val=value, name="c"))
+
+        return prog.functions["main"].find_ops(op_type="const")[0].outputs[0]
+
+    reference = make()
+    reference_calls = len(calls)
+    calls.clear()
+    with passes.single_const_inference(True):
+        ours = make()
+    assert len(calls) * 2 == reference_calls
+    assert ours.sym_type == reference.sym_type
+    assert type(ours.val) is type(reference.val)
+    assert np.array_equal(np.asarray(ours.val), np.asarray(reference.val))
+
+
+def test_a_conversion_with_shortcuts_is_the_conversion_without() -> None:
+    """A small torch module converted with chunkforge's pipeline, with and
+    without the shortcuts: the same program, weights and all."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Conv2d(32, 64, 1, bias=False)
+            self.b = torch.nn.Conv2d(64, 32, 1, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            h = torch.nn.functional.gelu(h, approximate="tanh") * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + 1e-6)
+            return self.b(h).transpose(1, 3) + 1.0
+
+    torch.manual_seed(0)
+    traced = torch.jit.trace(Net().eval(), torch.randn(1, 32, 1, 8))
+
+    def convert(shortcuts: bool) -> bytes:
+        with passes.shortcuts(shortcuts):
+            model = ct.convert(
+                traced,
+                inputs=[ct.TensorType(name="x", shape=(1, 32, 1, 8), dtype=np.float16)],
+                convert_to="mlprogram",
+                minimum_deployment_target=ct.target.iOS18,
+                compute_precision=ct.precision.FLOAT16,
+                pass_pipeline=passes.pipeline(default=False),
+                skip_model_load=True,
+            )
+        return model.get_spec().SerializeToString(deterministic=True) + b"".join(
+            p.read_bytes() for p in sorted(Path(model.weights_dir).rglob("*")) if p.is_file()
+        )
+
+    assert convert(True) == convert(False)
+
+
+def test_the_environment_turns_the_shortcuts_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chunkforge_py.runtime import SHORTCUTS_ENV, ChunkforgeError, mil_shortcuts
+
+    monkeypatch.delenv(SHORTCUTS_ENV, raising=False)
+    assert mil_shortcuts()
+    monkeypatch.setenv(SHORTCUTS_ENV, "off")
+    assert not mil_shortcuts()
+    monkeypatch.setenv(SHORTCUTS_ENV, "on")
+    assert mil_shortcuts()
+    monkeypatch.setenv(SHORTCUTS_ENV, "fast")
+    with pytest.raises(ChunkforgeError, match="CHUNKFORGE_MIL_SHORTCUTS='fast': expected on or off"):
+        mil_shortcuts()
