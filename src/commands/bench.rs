@@ -153,10 +153,9 @@ fn bench_build_baseline() -> Result<()> {
     let (a, one, b) = (&runs[0].1, &runs[1].1, &runs[2].1);
     same_packages(one, b, "one process and --jobs auto")?;
     println!(
-        "--jobs auto ({} processes) vs one process: {:.2}x faster wall, {:.2}x the peak RSS; every package byte-identical",
+        "--jobs auto ({} processes) vs one process: {}; every package byte-identical",
         b.processes,
-        one.seconds.total / b.seconds.total.max(1e-9),
-        b.peak_rss_bytes as f64 / (one.peak_rss_bytes as f64).max(1.0),
+        speedup(one, b),
     );
     // Converted packages must be byte-identical; composed ones are other
     // programs (same values: python/tests/test_compose.py).
@@ -177,9 +176,8 @@ fn bench_build_baseline() -> Result<()> {
         }
     }
     println!(
-        "shipped vs before: {:.2}x faster wall, {:.2}x the peak RSS; {identical} converted packages byte-identical, {composed} composed",
-        a.seconds.total / b.seconds.total.max(1e-9),
-        b.peak_rss_bytes as f64 / (a.peak_rss_bytes as f64).max(1.0),
+        "shipped vs before: {}; {identical} converted packages byte-identical, {composed} composed",
+        speedup(a, b),
     );
     Ok(())
 }
@@ -242,7 +240,7 @@ fn print_children(runs: &[(&str, BuildRecord)]) {
         "build", "wall", "convert", "sources", "compose", "bundle", "peak RSS", "procs"
     );
     for (label, r) in runs {
-        let phase = |k: &str| r.seconds.phases.get(k).copied().unwrap_or(0.0);
+        let phase = |k: &str| phase_seconds(r, &[k]);
         println!(
             "{label:<34} {:>7.1}s {:>7.1}s {:>7.1}s {:>7.1}s {:>7.1}s {:>7.0} MiB {:>5}  {}",
             r.seconds.total,
@@ -279,6 +277,11 @@ fn bench_env_pair(
     let (x, y) = (runs.next().unwrap(), runs.next().unwrap());
     same_packages(&x, &y, what)?;
     Ok((x, y))
+}
+
+/// Seconds of the phases `keys` of a build, summed (over processes).
+fn phase_seconds(r: &BuildRecord, keys: &[&str]) -> f64 {
+    keys.iter().filter_map(|k| r.seconds.phases.get(*k)).sum()
 }
 
 /// "{wall speed-up}x faster wall, {peak ratio}x the peak RSS" of `ours`
@@ -330,12 +333,12 @@ fn bench_build_writer_baseline() -> Result<()> {
         ("chunkforge writer (default)", "chunkforge"),
         "the two writers",
     )?;
-    let phase = |r: &BuildRecord, k: &str| r.seconds.phases.get(k).copied().unwrap_or(0.0);
+    let written = ["bundle", "compose"];
     println!(
         "chunkforge's writer vs coremltools': {} ({:.1}s vs {:.1}s of bundles and compositions); all {} packages byte-identical",
         speedup(&reference, &ours),
-        phase(&ours, "bundle") + phase(&ours, "compose"),
-        phase(&reference, "bundle") + phase(&reference, "compose"),
+        phase_seconds(&ours, &written),
+        phase_seconds(&reference, &written),
         ours.chunks.len()
     );
     Ok(())
@@ -359,17 +362,12 @@ fn bench_build_shortcuts_baseline() -> Result<()> {
         "the builds with and without shortcuts",
     )?;
     // Conversions of packages and of the sources of composed ones.
-    let convert = |r: &BuildRecord| {
-        ["convert", "sources"]
-            .iter()
-            .filter_map(|k| r.seconds.phases.get(*k))
-            .sum::<f64>()
-    };
+    let converted = ["convert", "sources"];
     println!(
         "shortcuts vs coremltools' code: {} ({:.1}s vs {:.1}s of conversions); all {} packages byte-identical",
         speedup(&reference, &ours),
-        convert(&ours),
-        convert(&reference),
+        phase_seconds(&ours, &converted),
+        phase_seconds(&reference, &converted),
         ours.chunks.len()
     );
     Ok(())
