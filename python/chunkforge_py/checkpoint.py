@@ -14,6 +14,23 @@ from safetensors import safe_open
 
 from .contract import CheckpointInfo
 
+# Values converted per block by `rounded`: small enough that the block's
+# intermediate copy costs nothing, large enough for torch's threads.
+ROUND_BLOCK = 1 << 22
+
+
+def rounded(tensor: torch.Tensor, dtype: torch.dtype, via: torch.dtype) -> torch.Tensor:
+    """``tensor.to(via).to(dtype)`` into one new tensor, a block of
+    `ROUND_BLOCK` values at a time: the memory written is the result's alone
+    (at full width, a chunk's weights are gigabytes, and on a virtual machine
+    every page written anew costs time)."""
+    out = torch.empty(tensor.shape, dtype=dtype)
+    src, dst = tensor.reshape(-1), out.view(-1)
+    for start in range(0, src.numel(), ROUND_BLOCK):
+        end = start + ROUND_BLOCK
+        dst[start:end].copy_(src[start:end].to(via))
+    return out
+
 
 class Checkpoint:
     """Reads text-decoder tensors by their unprefixed name (``layers.3.mlp.up_proj.weight``)."""
@@ -29,8 +46,13 @@ class Checkpoint:
             self._handles[path] = safe_open(path, framework="pt")
         return self._handles[path]
 
-    def get(self, name: str, dtype: torch.dtype | None, share: bool = False) -> torch.Tensor:
-        """The tensor, converted to ``dtype`` (None keeps the stored dtype).
+    def get(
+        self, name: str, dtype: torch.dtype | None, share: bool = False, rounded_to: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The tensor, converted to ``dtype`` (None keeps the stored dtype);
+        with ``rounded_to``, its values rounded to that dtype first and then
+        held as ``dtype`` (fp16 values in fp32: what ``.to(fp16).float()``
+        gives, without a whole fp16 copy in between).
 
         The result may share memory with the file mapping: never modify it in
         place. With ``share``, conversions are cached so several modules built
@@ -44,7 +66,9 @@ class Checkpoint:
         if path is None:
             raise KeyError(f"tensor {full} is not in the checkpoint")
         tensor = self._handle(path).get_tensor(full)
-        if dtype is not None:
+        if dtype is not None and rounded_to is not None:
+            tensor = rounded(tensor, dtype, rounded_to)
+        elif dtype is not None:
             tensor = tensor.to(dtype)
         if share:
             self._cache[key] = tensor

@@ -38,7 +38,7 @@ from .contract import (
 )
 from .inspect_pkg import PROJECTION_OPS
 from .model import Chunk, build_chunk
-from .palettize import WeightCache
+from .palettize import WeightCache, conversion_pipeline, whole_weight_compression
 from .runtime import ChunkforgeError, mil_shortcuts, package_writer, release_memory
 
 NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
@@ -46,10 +46,14 @@ TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int
 
 
 def load(dims: Dims, chunk: ChunkPlan, ckpt_info: CheckpointInfo, function: FunctionPlan) -> Chunk:
-    """Build the torch module of one of the chunk's functions in fp16 with its weights from the checkpoint."""
+    """Build the torch module of one of the chunk's functions with its weights
+    from the checkpoint, rounded to fp16 and held in fp32, as `trace` takes
+    them: the same module as one loaded in fp16 and then cast to fp32, without
+    the fp16 copy of every weight in between (at full width, gigabytes
+    written, which costs seconds per GB on a virtual machine)."""
     ckpt = Checkpoint(ckpt_info)
     try:
-        module = build_chunk(dims, chunk, ckpt, torch.float16, function=function)
+        module = build_chunk(dims, chunk, ckpt, torch.float32, function=function, rounded_to=torch.float16)
     finally:
         ckpt.close()
     check_finite(module, ckpt_info["prefix"])
@@ -80,8 +84,8 @@ def example_inputs(function: FunctionPlan, dtype: torch.dtype = torch.float16) -
 
 
 def trace(module: Chunk) -> torch.jit.ScriptModule:
-    """Traces `module`, loaded in fp16 (its weights rounded to fp16 and
-    checked: `load`), with its weights and inputs in fp32.
+    """Traces `module`, its weights rounded to fp16 (and checked: `load`),
+    with its weights and inputs in fp32 (a module loaded in fp16 is cast).
 
     coremltools' frontend builds an fp32 program and `add_fp16_cast` casts
     it to fp16 (compute precision FLOAT16). From an fp16 trace it first
@@ -124,13 +128,12 @@ def convert(
     pipeline = passes.pipeline(default=settings["pass_pipeline"] == "coremltools")
     dispatcher = None
     if pal is not None and pal["palettizer"] == "chunkforge":
-        from .palettize import conversion_pipeline
-
         dispatcher = conversion_pipeline(pipeline, name, pal, cache)
     cut = settings["pass_pipeline"] == "chunkforge"
     if cut:
         passes.release_torch_weights(pipeline, traced)
-    with passes.shortcuts(cut and mil_shortcuts()):
+    shortcuts = cut and mil_shortcuts()
+    with passes.shortcuts(shortcuts), whole_weight_compression(dispatcher if shortcuts else None):
         mlmodel = ct.convert(
             traced,
             inputs=inputs,

@@ -266,11 +266,18 @@ class Chunk(nn.Module):
 
     # ---- weights ---------------------------------------------------------
 
-    def load(self, ckpt: Checkpoint, dtype: torch.dtype, share: bool = False) -> None:
-        """Fill every parameter from the checkpoint by name (tied head reads embed_tokens)."""
+    def load(
+        self, ckpt: Checkpoint, dtype: torch.dtype, share: bool = False, rounded_to: torch.dtype | None = None
+    ) -> None:
+        """Fill every parameter from the checkpoint by name (tied head reads
+        embed_tokens), in ``dtype``; with ``rounded_to``, values rounded to
+        that dtype first (`Checkpoint.get`)."""
         shapes = {n: t.shape for n, t in [*self.named_parameters(), *self.named_buffers()]}
         # A projection's [out, in] matrix is its 1x1 convolution's [out, in, 1, 1] weight.
-        state = {n: ckpt.get(self.checkpoint_name(n), dtype, share=share).view(shape) for n, shape in shapes.items()}
+        state = {
+            n: ckpt.get(self.checkpoint_name(n), dtype, share=share, rounded_to=rounded_to).view(shape)
+            for n, shape in shapes.items()
+        }
         # assign=True adopts the tensors as they are (the module was built on the
         # meta device, so nothing was allocated or initialised before this).
         self.load_state_dict(state, strict=True, assign=True)
@@ -512,10 +519,12 @@ def build_chunk(
     dtype: torch.dtype,
     share: bool = False,
     function: FunctionPlan | None = None,
+    rounded_to: torch.dtype | None = None,
 ) -> Chunk:
     """The module of one of the chunk's functions (default: the first) with its
-    weights; ``share`` reuses tensors across modules (parity)."""
+    weights; ``share`` reuses tensors across modules (parity); ``rounded_to``:
+    weight values rounded to that dtype, held as ``dtype``."""
     with torch.device("meta"):
         module = Chunk(dims, chunk, function).eval()
-    module.load(ckpt, dtype, share=share)
+    module.load(ckpt, dtype, share=share, rounded_to=rounded_to)
     return module

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -240,6 +242,35 @@ class Dispatcher:
         finally:
             self.seconds += time.perf_counter() - started
 
+    def whole(self, weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(lut [groups, 2**nbits], indices [rows, cols] uint8) of a whole
+        weight at once, when `weight` is one of the program's weights this
+        dispatcher was given (the same memory, so the same bits) and is
+        grouped as ours are; None otherwise (its groups then come one by one
+        through `__call__`). The LUT and indices are those `__call__` serves
+        group by group, from the same kernel and cache."""
+        started = time.perf_counter()
+        try:
+            if group != self.group or weight.dtype != np.float16:
+                return None
+            matrix = as_matrix(weight)
+            if matrix.ndim != 2 or matrix.shape[0] < group or matrix.shape[0] % group != 0:
+                return None
+            address = matrix.__array_interface__["data"][0]
+            for tname, t in self.heads.get(_head_key(matrix[:group]), []):
+                if (
+                    t.__array_interface__["data"][0] == address
+                    and t.shape == matrix.shape
+                    and t.strides == matrix.strides
+                ):
+                    label = f"{self.name}: weight {tname}"
+                    lut, indices, hit = self.cache.palettize_weight(t, self.nbits, group, label)
+                    self.counts["hits" if hit else "misses"] += 1
+                    return lut, indices
+            return None
+        finally:
+            self.seconds += time.perf_counter() - started
+
     def stats(self) -> PalettizeStats:
         return {
             "palettize_cache_hits": self.counts["hits"],
@@ -292,6 +323,82 @@ def _register_sources_pass() -> None:
         def apply(self, prog: Any) -> None:
             if self.dispatcher is not None:
                 self.dispatcher.add(program_weights(prog))
+
+
+@contextmanager
+def whole_weight_compression(dispatcher: Dispatcher | None) -> Iterator[None]:
+    """Within the block, coremltools' grouped-channel palettization of a
+    weight the `dispatcher` holds (`Dispatcher.whole`) takes its LUTs and
+    indices for the whole weight at once, instead of calling the dispatcher
+    once per group of 32 rows and stacking the results.
+
+    coremltools' custom mode (`grouped_channelwise_compress`) splits the
+    weight into its groups, calls `lut_function` on each (our dispatcher
+    serves each from one kernel call on the whole weight, after checking the
+    group's bits against it) and stacks the per-group LUTs and indices into
+    new arrays (`np.stack`, then a copy to the indices' dtype): 30 thousand
+    calls, a compare of every weight and two copies of its indices per
+    full-width `--mode four` build (4 s of its conversions, cProfile). Here
+    the result is built from the kernel's arrays: `LutParams(indices
+    reshaped to the weight's shape, LUTs reshaped to [groups, 1, ..., 16,
+    1], None)`, the values, dtypes and shapes coremltools builds. Any call
+    it does not cover (another mode or dispatcher, vector or non-zero-axis
+    palettization, a weight the dispatcher does not hold) runs
+    coremltools' own code; so does every call with `dispatcher` None."""
+    if dispatcher is None:
+        yield
+        return
+    from coremltools.optimize import _utils as optimize_utils
+    from coremltools.optimize.coreml._quantization_passes import palettize_weights
+
+    original = palettize_weights.__dict__["grouped_channelwise_compress"]
+
+    def grouped_channelwise_compress(
+        original_data: np.ndarray,
+        mode: str,
+        nbits: int | None,
+        channel_axis: int,
+        channel_group_size: int,
+        lut_function: Any = None,
+        cluster_dim: int = 1,
+        num_kmeans_workers: int = 1,
+    ) -> Any:
+        served = None
+        if (
+            lut_function is dispatcher
+            and mode.upper() == "CUSTOM"
+            and cluster_dim == 1
+            and isinstance(original_data, np.ndarray)
+            and original_data.ndim >= 1
+            and channel_axis in (0, -original_data.ndim)
+            and nbits in (None, dispatcher.nbits)
+        ):
+            # Group size 0: the whole axis is one group (coremltools' rule).
+            served = dispatcher.whole(original_data, channel_group_size or original_data.shape[0])
+        if served is None:
+            return original.__func__(
+                original_data,
+                mode,
+                nbits,
+                channel_axis,
+                channel_group_size,
+                lut_function,
+                cluster_dim,
+                num_kmeans_workers,
+            )
+        lut, indices = served
+        lut_shape = [lut.shape[0]] + [1] * (original_data.ndim - 1) + [lut.shape[1], 1]
+        return optimize_utils.LutParams(
+            np.ascontiguousarray(indices).reshape(original_data.shape),
+            np.array(lut).reshape(lut_shape),
+            None,
+        )
+
+    palettize_weights.grouped_channelwise_compress = staticmethod(grouped_channelwise_compress)
+    try:
+        yield
+    finally:
+        palettize_weights.grouped_channelwise_compress = original
 
 
 def conversion_pipeline(pipeline: Any, name: str, settings: Palettization, cache: WeightCache | None) -> Dispatcher:

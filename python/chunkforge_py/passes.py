@@ -20,7 +20,9 @@ pass to one validation per program at the end; `fast_fp16_overflow_check`
 gives `add_fp16_cast`'s fp16-range test of each constant without copies;
 `fast_nonreplaceable_propagation` skips recomputing sets that must be empty;
 `cached_type_info` describes each MIL type once; `single_const_inference`
-infers each constant's type and value once. They go with the "chunkforge"
+infers each constant's type and value once; `sized_underflow_check`,
+`const_reinference_without_compare` and `fast_fp16_cast_value` spare
+copies and passes over every weight. They go with the "chunkforge"
 pipeline (`CHUNKFORGE_MIL_SHORTCUTS=off` turns them off, `bench build
 --shortcuts-baseline` compares); "coremltools" is coremltools' own
 behaviour, pass for pass, for comparison (`bench build --baseline`).
@@ -264,10 +266,13 @@ def shortcuts(enabled: bool = True) -> Iterator[None]:
     """Every shortcut through coremltools' own code that a conversion takes
     (each below, with the reason its result is the one coremltools' code
     gives): `validate_once`, `terse_program_text`, `fast_fp16_overflow_check`,
-    `fast_nonreplaceable_propagation`, `cached_type_info` and
-    `single_const_inference`. None changes the program: with them and without
-    them (`CHUNKFORGE_MIL_SHORTCUTS=off`) every package is byte-identical
-    (`bench build --shortcuts-baseline`; tests/build.rs)."""
+    `fast_nonreplaceable_propagation`, `cached_type_info`,
+    `single_const_inference`, `sized_underflow_check`,
+    `const_reinference_without_compare` and `fast_fp16_cast_value`; with the
+    Rust palettizer, `palettize.whole_weight_compression` goes with them.
+    None changes the program: with them and without them
+    (`CHUNKFORGE_MIL_SHORTCUTS=off`) every package is byte-identical (`bench
+    build --shortcuts-baseline`; tests/build.rs)."""
     with (
         validate_once(enabled),
         terse_program_text(enabled),
@@ -275,6 +280,9 @@ def shortcuts(enabled: bool = True) -> Iterator[None]:
         fast_nonreplaceable_propagation(enabled),
         cached_type_info(enabled),
         single_const_inference(enabled),
+        sized_underflow_check(enabled),
+        const_reinference_without_compare(enabled),
+        fast_fp16_cast_value(enabled),
     ):
         yield
 
@@ -532,3 +540,132 @@ def single_const_inference(enabled: bool = True) -> Iterator[None]:
         last.clear()
         for name, original in originals.items():
             setattr(Const, name, original)
+
+
+@contextmanager
+def sized_underflow_check(enabled: bool = True) -> Iterator[None]:
+    """Within the block, `add_fp16_cast`'s check of whether a constant's
+    values underflow to zero in fp16 (`_check_underflow_to_zero`) skips
+    constants of 400 values or more without copying them first.
+
+    coremltools' check applies only to constants of fewer than 400 values,
+    but it learns a constant's size by flattening it (`len(val.flatten())`,
+    a copy of the whole weight): 14 of the 101 s of a full-width `--mode
+    four` build's conversions (cProfile). An array's `size` is the length of
+    its flattened copy, so an array of 400 values or more is skipped here as
+    there; every other case runs coremltools' own check."""
+    if not enabled:
+        yield
+        return
+    import numpy as np
+    from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
+
+    original = FP16ComputePrecision.__dict__["_check_underflow_to_zero"]
+
+    def check(self: Any, new_var: Any, var: Any) -> None:
+        value = var.val
+        if isinstance(value, np.ndarray) and value.size >= 400 and new_var.val is not None:
+            return
+        original(self, new_var, var)
+
+    FP16ComputePrecision._check_underflow_to_zero = check
+    try:
+        yield
+    finally:
+        FP16ComputePrecision._check_underflow_to_zero = original
+
+
+@contextmanager
+def const_reinference_without_compare(enabled: bool = True) -> Iterator[None]:
+    """Within the block, re-inferring a `const` op with `overwrite_output`
+    (`reduce_transposes` re-infers every op of the function after each of
+    its runs) sets the output's type and value without comparing the value
+    with itself.
+
+    With `overwrite_output`, coremltools' `Operation.type_value_inference`
+    first replaces the output's type and value with the new ones, then
+    compares the new value with the output's value, now the same object,
+    element by element (`np.any(new != old)`), and if they differ assigns
+    the new value again: the comparison cannot change anything, and on every
+    weight it is a pass and a boolean array the size of the weight (6.5 of
+    the 101 s of a full-width `--mode four` build's conversions, cProfile).
+    Here a `const` op gets the same assignments (type, value, the output's
+    non-replaceable set) without it; any other op, or a call without
+    `overwrite_output`, runs coremltools' own code."""
+    if not enabled:
+        yield
+        return
+    from coremltools.converters.mil.mil.operation import Operation
+
+    original = Operation.__dict__["type_value_inference"]
+
+    def type_value_inference(op: Any, overwrite_output: bool = False) -> None:
+        if not overwrite_output or op.op_type != "const" or op._output_vars is None or len(op._output_vars) != 1:
+            return original(op, overwrite_output)
+        sym_type = op.type_inference()
+        (sym_val,) = op._auto_val((sym_type,))
+        var = op._output_vars[0]
+        var._sym_type = sym_type
+        var._sym_val = sym_val
+        var._set_nonreplaceable_vars_upstream()
+        return None
+
+    Operation.type_value_inference = type_value_inference
+    try:
+        yield
+    finally:
+        Operation.type_value_inference = original
+
+
+# fp32 → fp16 by torch only from this many values: below it numpy's
+# conversion is as fast and the tensor wrapping is overhead.
+TORCH_CAST_MIN_VALUES = 1 << 16
+
+
+@contextmanager
+def fast_fp16_cast_value(enabled: bool = True) -> Iterator[None]:
+    """Within the block, the value of a `cast` of an fp32 weight to fp16 is
+    converted by torch's vectorised kernel instead of numpy's `astype`.
+
+    `add_fp16_cast` casts every fp32 weight to fp16, and the cast's value is
+    worked out when the op is made (`cast.get_cast_value`, numpy's scalar
+    conversion loop): 7.6 of the 101 s of a full-width `--mode four` build's
+    conversions (cProfile). torch's conversion is 5-8x faster here. Both
+    round to nearest, ties to even, give the same subnormals and overflow
+    to the same infinities (every one of the 2^32 fp32 bit patterns that is
+    not a NaN, checked with `scripts/check_fp16_cast.py`); NaN payloads are
+    the one difference, so a result holding a NaN is recomputed by numpy.
+    The fast path takes only C-contiguous, writeable fp32 arrays of at least
+    `TORCH_CAST_MIN_VALUES` values (the shape and layout `astype` gives such
+    an array); anything else runs coremltools' own code."""
+    if not enabled:
+        yield
+        return
+    import numpy as np
+    import torch
+    from coremltools.converters.mil.mil.ops.defs.iOS15.elementwise_unary import cast
+
+    original = cast.__dict__["get_cast_value"]
+
+    def get_cast_value(cls: Any, input_var: Any, dtype_val: str) -> Any:
+        value = input_var.val
+        if (
+            dtype_val == "fp16"
+            and isinstance(value, np.ndarray)
+            and value.dtype == np.float32
+            and value.size >= TORCH_CAST_MIN_VALUES
+            and value.flags.c_contiguous
+            and value.flags.writeable
+        ):
+            half = torch.from_numpy(value).to(torch.float16)
+            # A NaN anywhere makes both ends NaN (one reduction, no mask).
+            lo, hi = torch.aminmax(half)
+            if not (bool(torch.isnan(lo)) or bool(torch.isnan(hi))):
+                return half.numpy()
+        return original.__func__(cls, input_var, dtype_val)
+
+    cast.get_cast_value = classmethod(get_cast_value)
+    try:
+        yield
+    finally:
+        cast.get_cast_value = original

@@ -148,3 +148,20 @@ def test_prefill_window_band_matches_transformers() -> None:
         for j in range(n):
             assert (float(sliding[i, j]) == 0) == bool(rule(0, 0, torch.tensor(i), torch.tensor(j))), (i, j)
     assert last.view(-1).tolist() == [1.0 if i == 8 else 0.0 for i in range(n)]
+
+
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32])
+def test_rounded_load_is_fp16_then_fp32(source: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`checkpoint.rounded` (how a conversion loads its weights) gives the bits
+    of ``.to(fp16).float()``, across blocks and for every shape."""
+    from chunkforge_py import checkpoint
+
+    monkeypatch.setattr(checkpoint, "ROUND_BLOCK", 1000)
+    gen = torch.Generator().manual_seed(0)
+    big = (torch.randn(37, 101, generator=gen) * 30000).to(source)  # some values overflow fp16
+    tiny = (torch.randn(64, generator=gen) * 1e-6).to(source)  # fp16 subnormals and zeros
+    for t in (big, tiny, torch.tensor(3.14159, dtype=source), torch.zeros(0, 5, dtype=source)):
+        got = checkpoint.rounded(t, torch.float32, torch.float16)
+        want = t.to(torch.float16).float()
+        assert got.dtype == torch.float32 and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

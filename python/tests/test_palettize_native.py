@@ -220,9 +220,17 @@ def test_a_first_group_matching_no_module_tensor_is_palettized_alone():
     assert d.unmatched_groups == 3 and d.counts == {"hits": 0, "misses": 0}
 
 
-def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path):
+@pytest.mark.parametrize("shortcuts", ["off", "on"])
+def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path, monkeypatch, shortcuts):
+    # Group by group (shortcuts off), b's first group matches a: a's result
+    # serves it, then b's own groups go alone. Whole weights at once (on,
+    # `whole_weight_compression`): each weight is found by its memory, so no
+    # group goes alone; the packages are the same.
     import torch
     from chunkforge_py import convert
+    from chunkforge_py.runtime import SHORTCUTS_ENV
+
+    monkeypatch.setenv(SHORTCUTS_ENV, shortcuts)
 
     a, b, c = weight(64, 48, seed=31), weight(96, 48, seed=32), weight(32, 48, seed=33)
     b[:32] = a[:32]  # b's first group matches a: a's result serves it, then b's own groups go alone
@@ -246,7 +254,9 @@ def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path)
     cache = palettize.WeightCache()
     ml = convert.convert(traced, cast(FunctionPlan, function), "t", shipped_settings(quantize=True), cache)
     stats = ml._chunkforge_palettize_stats
-    assert stats["palettize_unmatched_groups"] == 2
+    assert stats["palettize_unmatched_groups"] == (2 if shortcuts == "off" else 0)
+    # Off: a is served twice (once for b's first group), a cache hit.
+    assert (stats["palettize_cache_hits"], stats["palettize_cache_misses"]) == ((0, 3) if shortcuts == "on" else (1, 2))
     ml.save(str(tmp_path / "three.mlpackage"))
     ops = {op["indices"].shape: op for op in palettize.read_palettized(str(tmp_path / "three.mlpackage"))}
     assert len(ops) == 3

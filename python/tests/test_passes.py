@@ -15,7 +15,9 @@ from chunkforge_py import passes
 from coremltools.converters.mil.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 from coremltools.converters.mil.mil.block import Block, Function
+from coremltools.converters.mil.mil.operation import Operation
 from coremltools.converters.mil.mil.ops.defs.iOS15.control_flow import Const
+from coremltools.converters.mil.mil.ops.defs.iOS15.elementwise_unary import cast as Cast
 from coremltools.converters.mil.mil.passes.defs.quantization import FP16ComputePrecision
 from coremltools.converters.mil.mil.program import Program
 from coremltools.converters.mil.mil.var import Var
@@ -34,6 +36,9 @@ def _patched_attributes() -> dict[str, Any]:
         "FP16ComputePrecision.fp16_overflow": FP16ComputePrecision.__dict__["fp16_overflow"],
         "Const.type_inference": Const.__dict__["type_inference"],
         "Const.value_inference": Const.__dict__["value_inference"],
+        "FP16ComputePrecision._check_underflow_to_zero": FP16ComputePrecision.__dict__["_check_underflow_to_zero"],
+        "Operation.type_value_inference": Operation.__dict__["type_value_inference"],
+        "cast.get_cast_value": Cast.__dict__["get_cast_value"],
         "get_type_info": TYPE_INFO_MODULE.get_type_info,
         "types.get_type_info": types.get_type_info,
     }
@@ -203,13 +208,17 @@ def test_a_conversion_with_shortcuts_is_the_conversion_without() -> None:
     class Net(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a = torch.nn.Conv2d(32, 64, 1, bias=False)
-            self.b = torch.nn.Conv2d(64, 32, 1, bias=False)
+            # 32x4096 weights: above the size from which fp16 casts go
+            # through torch, and the underflow check is skipped.
+            self.a = torch.nn.Conv2d(32, 4096, 1, bias=False)
+            self.b = torch.nn.Conv2d(4096, 32, 1, bias=False)
+            # Below the underflow check's size: values that become 0 in fp16.
+            self.tiny = torch.nn.Parameter(torch.full((1, 32, 1, 1), 1e-9))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.a(x)
             h = torch.nn.functional.gelu(h, approximate="tanh") * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + 1e-6)
-            return self.b(h).transpose(1, 3) + 1.0
+            return (self.b(h) + self.tiny).transpose(1, 3) + 1.0
 
     torch.manual_seed(0)
     traced = torch.jit.trace(Net().eval(), torch.randn(1, 32, 1, 8))
@@ -244,3 +253,133 @@ def test_the_environment_turns_the_shortcuts_off(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(SHORTCUTS_ENV, "fast")
     with pytest.raises(ChunkforgeError, match="CHUNKFORGE_MIL_SHORTCUTS='fast': expected on or off"):
         mil_shortcuts()
+
+
+class _Counting(np.ndarray):
+    """An array that counts its `flatten` calls and elementwise `!=`."""
+
+    calls: list[str] = []
+
+    def flatten(self, *args: Any, **kwargs: Any) -> Any:
+        _Counting.calls.append("flatten")
+        return super().flatten(*args, **kwargs)
+
+    def __ne__(self, other: Any) -> Any:
+        _Counting.calls.append("!=")
+        return super().__ne__(other)
+
+
+class _CastOutput:
+    """The output of the cast `add_fp16_cast` makes: its value is its `_sym_val`'s."""
+
+    def __init__(self, half: np.ndarray) -> None:
+        from types import SimpleNamespace
+
+        self._sym_val = SimpleNamespace(val=half)
+
+    @property
+    def val(self) -> Any:
+        return self._sym_val.val
+
+
+def _underflow_case(values: np.ndarray) -> tuple[_CastOutput, Any]:
+    """(new_var, var) as `add_fp16_cast` hands them to the check: the cast's
+    output (its fp16 value) and the fp32 constant."""
+    from types import SimpleNamespace
+
+    return _CastOutput(values.astype(np.float16)), SimpleNamespace(val=values.view(_Counting))
+
+
+@pytest.mark.parametrize("size", [1, 399, 400, 5000])
+def test_underflow_check_is_coremltools_check(size: int) -> None:
+    values = np.full(size, 1e-9, dtype=np.float32)
+    values[0] = 1.0
+    pass_ = FP16ComputePrecision()
+    reference_new, reference_var = _underflow_case(values)
+    pass_._check_underflow_to_zero(reference_new, reference_var)
+    _Counting.calls.clear()
+    new, var = _underflow_case(values)
+    with passes.sized_underflow_check(True):
+        FP16ComputePrecision()._check_underflow_to_zero(new, var)
+    assert np.array_equal(new._sym_val.val.view(np.uint16), reference_new._sym_val.val.view(np.uint16))
+    # Below 400 values coremltools replaces the zeros; from 400 on it keeps them,
+    # and only then does the shortcut skip the copy.
+    assert bool((new._sym_val.val == 0).any()) == (size >= 400)
+    assert ("flatten" in _Counting.calls) == (size < 400)
+
+
+def _reinferred(value: np.ndarray, shortcut: bool) -> tuple[Any, Any, Any]:
+    @mb.program(input_specs=[mb.TensorSpec(shape=value.shape, dtype=types.fp32)], opset_version=ct.target.iOS18)
+    def prog(x: Any) -> Any:
+        return mb.add(x=x, y=mb.const(val=value, name="w"))
+
+    op = prog.functions["main"].find_ops(op_type="const")[0]
+    before = op.outputs[0]._sym_val
+    with passes.const_reinference_without_compare(shortcut):
+        op.type_value_inference(overwrite_output=True)
+    out = op.outputs[0]
+    return out, before, op
+
+
+@pytest.mark.parametrize(
+    "value", [np.arange(12, dtype=np.float32).reshape(3, 4), np.array([np.nan, 1.0, -np.inf], dtype=np.float32)]
+)
+def test_const_reinference_assigns_what_coremltools_assigns(value: np.ndarray) -> None:
+    reference, reference_before, _ = _reinferred(value.view(_Counting), False)
+    _Counting.calls.clear()
+    ours, before, op = _reinferred(value.view(_Counting), True)
+    assert "!=" not in _Counting.calls
+    assert ours.sym_type == reference.sym_type
+    # A fresh value object, as coremltools makes, holding the op's own array.
+    assert ours._sym_val is not before and reference._sym_val is not reference_before
+    assert ours.val is op.val.val
+    assert np.array_equal(ours.val, reference.val, equal_nan=True)
+    assert ours.nonreplaceable_vars_upstream == reference.nonreplaceable_vars_upstream
+
+
+def _cast_value(values: np.ndarray, dtype: str = "fp16") -> np.ndarray:
+    from types import SimpleNamespace
+
+    return Cast.get_cast_value(SimpleNamespace(val=values, sym_val=values), dtype)
+
+
+def _fp16_edge_values() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    random_bits = rng.integers(0, 2**32, size=1 << 17, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.array(
+        [0.0, -0.0, np.inf, -np.inf, 65504, 65519.99, 65520, -65520, 6e-8, 2.98e-8, 2.99e-8, 1e-45, 1e30],
+        dtype=np.float32,
+    )
+    # Halfway between neighbouring fp16 values: ties to even.
+    halves = np.arange(0, 2048, dtype=np.float32) + np.float32(0.5)
+    return np.concatenate([random_bits[~np.isnan(random_bits)], edges, halves, -halves])
+
+
+def test_fp16_cast_value_is_numpys() -> None:
+    values = _fp16_edge_values()
+    assert values.size >= passes.TORCH_CAST_MIN_VALUES
+    reference = _cast_value(values)
+    with passes.fast_fp16_cast_value(True):
+        ours = _cast_value(values)
+    assert ours.dtype == np.float16 and ours.shape == reference.shape and ours.flags.c_contiguous
+    assert np.array_equal(ours.view(np.uint16), reference.view(np.uint16))
+
+
+@pytest.mark.parametrize("case", ["nan", "strided", "small", "fp32"])
+def test_fp16_cast_value_falls_back_to_numpy(case: str) -> None:
+    values = _fp16_edge_values()
+    dtype = "fp16"
+    if case == "nan":
+        # A signalling NaN with a payload: numpy and torch make different NaNs of it.
+        values[5] = np.array([0x7F800001], dtype=np.uint32).view(np.float32)[0]
+    elif case == "strided":
+        values = values[::2]
+    elif case == "small":
+        values = values[: passes.TORCH_CAST_MIN_VALUES - 1]
+    else:
+        dtype = "fp32"
+    reference = _cast_value(values, dtype)
+    with passes.fast_fp16_cast_value(True):
+        ours = _cast_value(values, dtype)
+    assert ours.dtype == reference.dtype and ours.strides == reference.strides
+    assert np.array_equal(ours.view(np.uint8), reference.view(np.uint8))
