@@ -125,10 +125,16 @@ def package_writer() -> str:
     serialiser: ``save_multifunction``, ``ct.convert`` of the loaded program),
     the reference the first must match byte for byte (`bench build
     --writer-baseline`, python/tests/test_compose.py)."""
-    writer = os.environ.get(WRITER_ENV, "chunkforge") or "chunkforge"
-    if writer not in ("chunkforge", "coremltools"):
-        raise ChunkforgeError(f"{WRITER_ENV}={writer!r}: expected chunkforge or coremltools")
-    return writer
+    return env_choice(WRITER_ENV, ("chunkforge", "coremltools"))
+
+
+def env_choice(name: str, choices: tuple[str, str]) -> str:
+    """The value of the environment switch `name`: one of `choices`, the
+    first when unset or empty; any other value is an error naming both."""
+    value = os.environ.get(name, "") or choices[0]
+    if value not in choices:
+        raise ChunkforgeError(f"{name}={value!r}: expected {' or '.join(choices)}")
+    return value
 
 
 SHORTCUTS_ENV = "CHUNKFORGE_MIL_SHORTCUTS"
@@ -140,10 +146,7 @@ def mil_shortcuts() -> bool:
     default) or runs coremltools' code for every step (``off``, the
     reference the first must match byte for byte: `bench build
     --shortcuts-baseline`, tests/build.rs)."""
-    value = os.environ.get(SHORTCUTS_ENV, "on") or "on"
-    if value not in ("on", "off"):
-        raise ChunkforgeError(f"{SHORTCUTS_ENV}={value!r}: expected on or off")
-    return value == "on"
+    return env_choice(SHORTCUTS_ENV, ("on", "off")) == "on"
 
 
 def heap_kept() -> bool:

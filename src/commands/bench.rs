@@ -281,7 +281,11 @@ fn bench_env_pair(
 
 /// Seconds of the phases `keys` of a build, summed (over processes).
 fn phase_seconds(r: &BuildRecord, keys: &[&str]) -> f64 {
-    keys.iter().filter_map(|k| r.seconds.phases.get(*k)).sum()
+    // An empty float sum is -0.0 (printed "-0.0s"); adding 0.0 makes it +0.0.
+    keys.iter()
+        .filter_map(|k| r.seconds.phases.get(*k))
+        .sum::<f64>()
+        + 0.0
 }
 
 /// "{wall speed-up}x faster wall, {peak ratio}x the peak RSS" of `ours`
