@@ -49,6 +49,7 @@ import numpy as np
 
 from .contract import Palettization, PalettizeStats
 from .inspect_pkg import PROJECTION_OPS
+from .passes import replaced
 from .runtime import ChunkforgeError
 
 # Bump when the kernel's output for the same input could change.
@@ -394,11 +395,8 @@ def whole_weight_compression(dispatcher: Dispatcher | None) -> Iterator[None]:
             None,
         )
 
-    palettize_weights.grouped_channelwise_compress = staticmethod(grouped_channelwise_compress)
-    try:
+    with replaced(palettize_weights, grouped_channelwise_compress=staticmethod(grouped_channelwise_compress)):
         yield
-    finally:
-        palettize_weights.grouped_channelwise_compress = original
 
 
 def conversion_pipeline(pipeline: Any, name: str, settings: Palettization, cache: WeightCache | None) -> Dispatcher:

@@ -262,6 +262,25 @@ def maybe_profile(enabled: bool, probe: bool = False) -> Iterator[PassProfile | 
 
 
 @contextmanager
+def replaced(owner: Any, **replacements: Any) -> Iterator[None]:
+    """Within the block, each attribute ``owner.<name>`` is its replacement;
+    on leaving, what ``owner`` itself held under that name is restored (an
+    attribute it inherited is deleted from it again)."""
+    missing = object()
+    originals = {name: owner.__dict__.get(name, missing) for name in replacements}
+    for name, value in replacements.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            if value is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+@contextmanager
 def shortcuts(enabled: bool = True) -> Iterator[None]:
     """Every shortcut through coremltools' own code that a conversion takes
     (each below, with the reason its result is the one coremltools' code
@@ -298,18 +317,14 @@ def validate_once(enabled: bool = True) -> Iterator[None]:
         return
     from coremltools.converters.mil.mil.program import Program
 
-    original = Program.validate
     noted: dict[int, tuple[Any, bool]] = {}
 
     def note(prog: Any, check_essential_scope: bool = False) -> None:
         seen = noted.get(id(prog))
         noted[id(prog)] = (prog, bool(check_essential_scope) or (seen is not None and seen[1]))
 
-    Program.validate = note
-    try:
+    with replaced(Program, validate=note):
         yield
-    finally:
-        Program.validate = original
     for prog, essential in noted.values():
         prog.validate(check_essential_scope=essential)
 
@@ -331,7 +346,6 @@ def terse_program_text(enabled: bool = True) -> Iterator[None]:
     if not enabled or logging.getLogger("coremltools").isEnabledFor(logging.DEBUG):
         yield
         return
-    originals = [(cls, cls.__dict__["__str__"]) for cls in (Program, Function, Block)]
 
     def program(prog: Any) -> str:
         return f"<MIL program: {', '.join(prog.functions)}>"
@@ -339,14 +353,8 @@ def terse_program_text(enabled: bool = True) -> Iterator[None]:
     def block(b: Any) -> str:
         return f"<MIL block {b.name}: {len(b.operations)} ops>"
 
-    Program.__str__ = program
-    Function.__str__ = block
-    Block.__str__ = block
-    try:
+    with replaced(Program, __str__=program), replaced(Function, __str__=block), replaced(Block, __str__=block):
         yield
-    finally:
-        for cls, original in originals:
-            cls.__str__ = original
 
 
 @contextmanager
@@ -389,12 +397,8 @@ def fast_fp16_overflow_check(enabled: bool = True) -> Iterator[None]:
                     return True
         return False
 
-    original = FP16ComputePrecision.__dict__["fp16_overflow"]
-    FP16ComputePrecision.fp16_overflow = staticmethod(fp16_overflow)
-    try:
+    with replaced(FP16ComputePrecision, fp16_overflow=staticmethod(fp16_overflow)):
         yield
-    finally:
-        FP16ComputePrecision.fp16_overflow = original
 
 
 @contextmanager
@@ -441,13 +445,11 @@ def fast_nonreplaceable_propagation(enabled: bool = True) -> Iterator[None]:
         if seen:
             original_propagate(block)
 
-    Var._set_nonreplaceable_vars_upstream = set_upstream
-    Block._propagate_nonreplaceable_vars = propagate
-    try:
+    with (
+        replaced(Var, _set_nonreplaceable_vars_upstream=set_upstream),
+        replaced(Block, _propagate_nonreplaceable_vars=propagate),
+    ):
         yield
-    finally:
-        Var._set_nonreplaceable_vars_upstream = original_set
-        Block._propagate_nonreplaceable_vars = original_propagate
 
 
 @contextmanager
@@ -515,7 +517,6 @@ def single_const_inference(enabled: bool = True) -> Iterator[None]:
         return
     from coremltools.converters.mil.mil.ops.defs.iOS15.control_flow import Const
 
-    originals = {name: Const.__dict__[name] for name in ("type_inference", "value_inference")}
     last: dict[int, tuple[Any, Any]] = {}
 
     def type_inference(op: Any) -> Any:
@@ -532,14 +533,11 @@ def single_const_inference(enabled: bool = True) -> Iterator[None]:
             return kept[1]
         return op._get_type_val(value)[1]
 
-    Const.type_inference = type_inference
-    Const.value_inference = value_inference
     try:
-        yield
+        with replaced(Const, type_inference=type_inference, value_inference=value_inference):
+            yield
     finally:
         last.clear()
-        for name, original in originals.items():
-            setattr(Const, name, original)
 
 
 @contextmanager
@@ -568,11 +566,8 @@ def sized_underflow_check(enabled: bool = True) -> Iterator[None]:
             return
         original(self, new_var, var)
 
-    FP16ComputePrecision._check_underflow_to_zero = check
-    try:
+    with replaced(FP16ComputePrecision, _check_underflow_to_zero=check):
         yield
-    finally:
-        FP16ComputePrecision._check_underflow_to_zero = original
 
 
 @contextmanager
@@ -610,11 +605,8 @@ def const_reinference_without_compare(enabled: bool = True) -> Iterator[None]:
         var._set_nonreplaceable_vars_upstream()
         return None
 
-    Operation.type_value_inference = type_value_inference
-    try:
+    with replaced(Operation, type_value_inference=type_value_inference):
         yield
-    finally:
-        Operation.type_value_inference = original
 
 
 # fp32 → fp16 by torch only from this many values: below it numpy's
@@ -664,8 +656,5 @@ def fast_fp16_cast_value(enabled: bool = True) -> Iterator[None]:
                 return half.numpy()
         return original.__func__(cls, input_var, dtype_val)
 
-    cast.get_cast_value = classmethod(get_cast_value)
-    try:
+    with replaced(cast, get_cast_value=classmethod(get_cast_value)):
         yield
-    finally:
-        cast.get_cast_value = original

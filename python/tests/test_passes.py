@@ -383,3 +383,29 @@ def test_fp16_cast_value_falls_back_to_numpy(case: str) -> None:
         ours = _cast_value(values, dtype)
     assert ours.dtype == reference.dtype and ours.strides == reference.strides
     assert np.array_equal(ours.view(np.uint8), reference.view(np.uint8))
+
+
+def test_whole_weight_compression_is_undone_after() -> None:
+    from chunkforge_py import palettize
+    from coremltools.optimize.coreml._quantization_passes import palettize_weights
+
+    before = palettize_weights.__dict__["grouped_channelwise_compress"]
+    with palettize.whole_weight_compression(palettize.Dispatcher("t", 4, 32, None)):
+        assert palettize_weights.__dict__["grouped_channelwise_compress"] is not before
+    assert palettize_weights.__dict__["grouped_channelwise_compress"] is before
+    with palettize.whole_weight_compression(None):
+        assert palettize_weights.__dict__["grouped_channelwise_compress"] is before
+
+
+def test_replaced_restores_what_the_owner_held() -> None:
+    class Base:
+        def f(self) -> str:
+            return "base"
+
+    class Owner(Base):
+        def g(self) -> str:
+            return "g"
+
+    with passes.replaced(Owner, f=lambda self: "f'", g=lambda self: "g'"):
+        assert (Owner().f(), Owner().g()) == ("f'", "g'")
+    assert (Owner().f(), Owner().g()) == ("base", "g")
