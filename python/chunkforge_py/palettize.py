@@ -40,6 +40,7 @@ its count up early: later uses recompute them, with the same result.)
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -345,14 +346,30 @@ def whole_weight_compression(dispatcher: Dispatcher | None) -> Iterator[None]:
     1], None)`, the values, dtypes and shapes coremltools builds. Any call
     it does not cover (another mode or dispatcher, vector or non-zero-axis
     palettization, a weight the dispatcher does not hold) runs
-    coremltools' own code; so does every call with `dispatcher` None."""
+    coremltools' own code; so does every call with `dispatcher` None.
+
+    The pass then makes the `constexpr_lut_to_dense` op of those indices
+    (`_construct_constexpr_lut_op`), first copying them to the dtype of
+    the LUT's bit width (iOS18: uint4, numpy's uint8 tagged as uint4), the
+    same bytes (2.9 s per full-width `--mode four`). For the uint8 indices
+    served here, the op is made of a view of them under that dtype, with the
+    inputs coremltools passes (`mb.constexpr_lut_to_dense(indices, lut[,
+    vector_axis][, name][, before_op])`): the same values and dtype, in an
+    array nothing else holds."""
     if dispatcher is None:
         yield
         return
+    from coremltools.converters.mil._deployment_compatibility import AvailableTarget
+    from coremltools.converters.mil.frontend import _utils as frontend_utils
+    from coremltools.converters.mil.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil.block import is_current_opset_version_compatible_with
     from coremltools.optimize import _utils as optimize_utils
     from coremltools.optimize.coreml._quantization_passes import palettize_weights
 
     original = palettize_weights.__dict__["grouped_channelwise_compress"]
+    # The indices array last served (the pass makes its op next).
+    served_indices: list[np.ndarray] = []
 
     def grouped_channelwise_compress(
         original_data: np.ndarray,
@@ -389,14 +406,43 @@ def whole_weight_compression(dispatcher: Dispatcher | None) -> Iterator[None]:
             )
         lut, indices = served
         lut_shape = [lut.shape[0]] + [1] * (original_data.ndim - 1) + [lut.shape[1], 1]
-        return optimize_utils.LutParams(
-            np.ascontiguousarray(indices).reshape(original_data.shape),
-            np.array(lut).reshape(lut_shape),
-            None,
-        )
+        shaped = np.ascontiguousarray(indices).reshape(original_data.shape)
+        served_indices[:] = [shaped]
+        return optimize_utils.LutParams(shaped, np.array(lut).reshape(lut_shape), None)
 
-    with replaced(palettize_weights, grouped_channelwise_compress=staticmethod(grouped_channelwise_compress)):
-        yield
+    original_construct = frontend_utils.__dict__["_construct_constexpr_lut_op"]
+
+    def construct_constexpr_lut_op(
+        indices: Any, lut: Any, vector_axis: Any = None, name: str | None = None, before_op: Any = None
+    ) -> Any:
+        ours = bool(served_indices) and indices is served_indices[0]
+        served_indices.clear()
+        if ours and isinstance(lut, np.ndarray) and is_current_opset_version_compatible_with(AvailableTarget.iOS18):
+            # uint8 tagged as the bit width's type (numpy dtype metadata).
+            wanted = types.nptype_from_builtin(types.string_to_builtin(f"uint{int(math.log2(lut.shape[-2]))}"))
+        else:
+            wanted = None
+        if wanted is not None and indices.dtype == np.uint8 and np.dtype(wanted) == np.uint8:
+            # `astype(wanted)` of uint8 indices is the same bytes under the
+            # tagged dtype: a view of them gives that without the copy.
+            kwargs: dict[str, Any] = {"indices": indices.view(wanted), "lut": lut}
+            if vector_axis is not None:
+                kwargs["vector_axis"] = vector_axis
+            if name is not None:
+                kwargs["name"] = name
+            if before_op is not None:
+                kwargs["before_op"] = before_op
+            return mb.constexpr_lut_to_dense(**kwargs)
+        return original_construct(indices, lut, vector_axis, name=name, before_op=before_op)
+
+    try:
+        with (
+            replaced(palettize_weights, grouped_channelwise_compress=staticmethod(grouped_channelwise_compress)),
+            replaced(frontend_utils, _construct_constexpr_lut_op=construct_constexpr_lut_op),
+        ):
+            yield
+    finally:
+        served_indices.clear()
 
 
 def conversion_pipeline(pipeline: Any, name: str, settings: Palettization, cache: WeightCache | None) -> Dispatcher:

@@ -254,6 +254,9 @@ def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path,
     cache = palettize.WeightCache()
     ml = convert.convert(traced, cast(FunctionPlan, function), "t", shipped_settings(quantize=True), cache)
     stats = ml._chunkforge_palettize_stats
+    # The indices each op holds: the kernel's (a copy of them with shortcuts off).
+    made = [op.indices.val for op in ml._mil_program.functions["main"].find_ops(op_type="constexpr_lut_to_dense")]
+    assert len(made) == 3 and all(i.dtype == np.uint8 for i in made)
     assert stats["palettize_unmatched_groups"] == (2 if shortcuts == "off" else 0)
     # Off: a is served twice (once for b's first group), a cache hit.
     assert (stats["palettize_cache_hits"], stats["palettize_cache_misses"]) == ((0, 3) if shortcuts == "on" else (1, 2))

@@ -387,14 +387,22 @@ def test_fp16_cast_value_falls_back_to_numpy(case: str) -> None:
 
 def test_whole_weight_compression_is_undone_after() -> None:
     from chunkforge_py import palettize
+    from coremltools.converters.mil.frontend import _utils as frontend_utils
     from coremltools.optimize.coreml._quantization_passes import palettize_weights
 
-    before = palettize_weights.__dict__["grouped_channelwise_compress"]
+    def patched() -> tuple[Any, Any]:
+        return (
+            palettize_weights.__dict__["grouped_channelwise_compress"],
+            frontend_utils.__dict__["_construct_constexpr_lut_op"],
+        )
+
+    before = patched()
     with palettize.whole_weight_compression(palettize.Dispatcher("t", 4, 32, None)):
-        assert palettize_weights.__dict__["grouped_channelwise_compress"] is not before
-    assert palettize_weights.__dict__["grouped_channelwise_compress"] is before
+        inside = patched()
+        assert inside[0] is not before[0] and inside[1] is not before[1]
+    assert patched() == before
     with palettize.whole_weight_compression(None):
-        assert palettize_weights.__dict__["grouped_channelwise_compress"] is before
+        assert patched() == before
 
 
 def test_replaced_restores_what_the_owner_held() -> None:
