@@ -18,17 +18,30 @@ from .contract import CheckpointInfo
 # intermediate copy costs nothing, large enough for torch's threads.
 ROUND_BLOCK = 1 << 22
 
+# `rounded`'s intermediate block, by dtype: one buffer reused for every block
+# of every tensor, so its pages are faulted in once per process, not once per
+# block (a fresh 8 MB temporary per block is mapped and unmapped each time).
+_round_buffers: dict[torch.dtype, torch.Tensor] = {}
+
 
 def rounded(tensor: torch.Tensor, dtype: torch.dtype, via: torch.dtype) -> torch.Tensor:
     """``tensor.to(via).to(dtype)`` into one new tensor, a block of
-    `ROUND_BLOCK` values at a time: the memory written is the result's alone
-    (at full width, a chunk's weights are gigabytes, and on a virtual machine
-    every page written anew costs time)."""
+    `ROUND_BLOCK` values at a time through one reused buffer: the memory
+    written anew is the result's alone (at full width, a chunk's weights are
+    gigabytes, and on a virtual machine every page written anew costs
+    time)."""
     out = torch.empty(tensor.shape, dtype=dtype)
     src, dst = tensor.reshape(-1), out.view(-1)
-    for start in range(0, src.numel(), ROUND_BLOCK):
-        end = start + ROUND_BLOCK
-        dst[start:end].copy_(src[start:end].to(via))
+    n = src.numel()
+    block = max(min(ROUND_BLOCK, n), 1)
+    buffer = _round_buffers.get(via)
+    if buffer is None or buffer.numel() < block:
+        buffer = _round_buffers[via] = torch.empty(block, dtype=via)
+    for start in range(0, n, block):
+        end = min(start + block, n)
+        part = buffer[: end - start]
+        part.copy_(src[start:end])
+        dst[start:end].copy_(part)
     return out
 
 
