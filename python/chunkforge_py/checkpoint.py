@@ -52,7 +52,8 @@ class Checkpoint:
         self.prefix: str = info["prefix"]
         self.files: dict[str, str] = info["files"]
         self._handles: dict[str, Any] = {}
-        self._cache: dict[tuple[str, torch.dtype | None], torch.Tensor] = {}
+        # (name, dtype, rounded_to) -> tensor
+        self._cache: dict[tuple[str, torch.dtype | None, torch.dtype | None], torch.Tensor] = {}
 
     def _handle(self, path: str) -> Any:
         if path not in self._handles:
@@ -71,7 +72,7 @@ class Checkpoint:
         place. With ``share``, conversions are cached so several modules built
         from this checkpoint (parity's layouts, the oracle) hold one copy.
         """
-        key = (name, dtype)
+        key = (name, dtype, rounded_to)
         if share and key in self._cache:
             return self._cache[key]
         full = self.prefix + name
