@@ -181,6 +181,12 @@ impl Pool {
         1 + self.workers.len()
     }
 
+    /// torch threads for each conversion: the cores shared by the processes.
+    fn threads(&self) -> usize {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / self.processes()).max(1)
+    }
+
     fn describe(&self) -> String {
         format!("{} processes; {}", self.processes(), self.reason)
     }
@@ -325,6 +331,7 @@ pub fn run(
     settings: &Settings,
 ) -> Result<BuildRecord> {
     let started = Instant::now();
+    let joint = joint_conversions()?;
     staging::output_folder(out)?;
     let _lock = settings
         .lock
@@ -346,11 +353,19 @@ pub fn run(
     // once (the composer's own sources: one more), so the build's
     // palettization cache keeps a result until that many conversions have
     // used it. The cache lives as long as this run.
+    // Converted together (`joint`), a unit's functions are one conversion.
+    let has_four = plan.layouts.iter().any(|l| l.kind == LayoutKind::Four);
     let uses: usize = plan
         .layouts
         .iter()
         .filter(|l| !l.chunks.iter().all(|c| composer.composes(l.kind, c)))
-        .map(|l| l.chunks.first().map_or(0, |c| c.functions.len()))
+        .map(|l| match l.chunks.first() {
+            // Prefill chunks are in the four-chunk units (`units`).
+            Some(_) if joint && l.kind == LayoutKind::Prefill && has_four => 0,
+            Some(_) if joint => 1,
+            Some(c) => c.functions.len(),
+            None => 0,
+        })
         .sum::<usize>()
         + usize::from(composer.converts_sources(plan));
     let cache = WeightCache::new(uses)
@@ -422,7 +437,13 @@ pub fn run(
         });
         // Conversions keep plan order (cost 0): a bad weight in the first
         // layers is reported first, as in one process.
-        tasks.push((Task::Convert { jobs, bundle }, names.join(" + "), 0));
+        let task = Task::Convert {
+            jobs,
+            bundle,
+            joint: joint && bundled,
+            threads: 1,
+        };
+        tasks.push((task, names.join(" + "), 0));
     }
     // The four-chunk decode programs the compositions need and the build
     // does not make itself.
@@ -445,6 +466,8 @@ pub fn run(
         let task = Task::Convert {
             jobs: vec![job],
             bundle: None,
+            joint: false,
+            threads: 1,
         };
         tasks.push((
             task,
@@ -454,6 +477,15 @@ pub fn run(
     }
 
     let mut pool = Pool::start(settings, plan, ckpt, tasks.len(), uses)?;
+    // A process converting alone gets every core for torch's arithmetic
+    // (loading, and the trace's one run of the module: at full width a
+    // 512-token prefill); processes side by side take one each.
+    let threads = pool.threads();
+    for (task, _, _) in &mut tasks {
+        if let Task::Convert { threads: t, .. } = task {
+            *t = threads;
+        }
+    }
     progress
         .bar
         .set_message(format!("converting on {}", pool.describe()));
@@ -916,6 +948,19 @@ impl Composer {
 /// the prefill package of the same layers, which are bundled from one set of
 /// programs so their weight blobs are byte-identical (the runtime's
 /// downloader hard-links `chunkN`'s blob into `prefill_chunkN`).
+/// Whether a unit's functions are converted together (`joint.convert_jobs`):
+/// `CHUNKFORGE_JOINT` `on` (the default) or `off` (one conversion per
+/// function, the reference: `bench build --joint-baseline`).
+pub const JOINT_ENV: &str = "CHUNKFORGE_JOINT";
+
+fn joint_conversions() -> Result<bool> {
+    match std::env::var(JOINT_ENV).as_deref() {
+        Err(_) | Ok("") | Ok("on") => Ok(true),
+        Ok("off") => Ok(false),
+        Ok(other) => bail!("{JOINT_ENV}={other:?}: expected on or off"),
+    }
+}
+
 fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
     let prefill: Vec<&ChunkPlan> = plan
         .layouts

@@ -433,6 +433,13 @@ pub struct BenchBuildCmd {
     /// byte-identical packages.
     #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "writer_baseline", "profile", "pass_pipeline"])]
     pub shortcuts_baseline: bool,
+    /// Run the build twice, each in a child process of its own, as given but for how
+    /// the functions of a unit (chunkN's decode and verify, prefill_chunkN's prefill)
+    /// are converted: one conversion per function (CHUNKFORGE_JOINT=off) and one
+    /// conversion of them all, split into the functions (the default); prints them side
+    /// by side. The packages differ in op names only (python/tests/test_joint.py).
+    #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "writer_baseline", "shortcuts_baseline", "profile"])]
+    pub joint_baseline: bool,
     /// Print the build report JSON instead of a summary.
     #[arg(long)]
     pub json: bool,

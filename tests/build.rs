@@ -181,11 +181,17 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
         for key in ["first_layer", "last_layer", "mil_ops", "weight_bytes"] {
             assert!(c[key].is_u64(), "{name}.{key}");
         }
-        // Composed packages are timed as compose + save (no conversion).
+        // Composed packages are timed as compose + save (no conversion). A
+        // unit's functions are one conversion (python/chunkforge_py/joint.py):
+        // its phases and kernel counts are chunkN's, prefill_chunkN's first
+        // function took none of its own, only their bundle.
+        let partner = name.starts_with("prefill_");
         let phases: &[&str] = if c["composed_from"].is_array() {
             &["compose", "save"]
+        } else if partner {
+            &["bundle"]
         } else {
-            &["trace", "convert", "palettize", "save"]
+            &["load", "trace", "convert", "palettize", "save"]
         };
         for phase in phases {
             assert!(
@@ -200,7 +206,15 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
             assert_eq!(c["palettize_unmatched_groups"], 0, "{name}");
             let served = c["palettize_cache_hits"].as_u64().unwrap()
                 + c["palettize_cache_misses"].as_u64().unwrap();
-            assert!(served > 0, "{name}: {c}");
+            if partner {
+                assert_eq!(served, 0, "{name}: {c}");
+                assert_eq!(c["seconds"].as_object().unwrap().len(), 1, "{name}: {c}");
+            } else {
+                // Every weight palettized once, by the unit's one conversion:
+                // no cache (nothing holds a weight twice).
+                assert_eq!(c["palettize_cache_hits"], 0, "{name}: {c}");
+                assert!(served > 0, "{name}: {c}");
+            }
         }
         let pkg = inspect(&out.join(format!("{name}.mlpackage")));
         assert_eq!(
@@ -760,6 +774,43 @@ fn edit_tensor(ckpt: &Path, f: impl FnOnce(&mut Value, &mut Vec<u8>)) {
     let (mut h, mut data) = read_safetensors(&path);
     f(&mut h, &mut data);
     write_safetensors(&path, &h, &data);
+}
+
+#[test]
+fn bad_joint_switch_is_refused_before_anything_is_written() {
+    let out = previous_output("joint-env");
+    let o = run_env(
+        &["build", "--mode", "four", "--output", out.to_str().unwrap()],
+        &[("CHUNKFORGE_JOINT", "sometimes")],
+    );
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("CHUNKFORGE_JOINT=\"sometimes\": expected on or off"),
+        "{err}"
+    );
+    assert_untouched(&out);
+}
+
+/// python/tests/test_joint.py inside the binary (the Rust kernel palettizes):
+/// each function of a unit converted together and split is the program of
+/// its own conversion, bit for bit on the MIL interpreter.
+#[test]
+fn joint_conversion_python_tests_pass_inside_the_binary() {
+    let build = built_all();
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/python/tests/test_joint.py");
+    let tools = std::env::var("CHUNKFORGE_TEST_TOOLS").unwrap_or_default();
+    let args = ["selftest-python", "-q", "-p", "no:cacheprovider", path];
+    let o = run_env(
+        &args,
+        &[
+            ("PYTHONPATH", &tools),
+            ("CHUNKFORGE_TEST_BUILD", build.to_str().unwrap()),
+        ],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "pytest failed:\n{out}\n{}", stderr(&o));
+    assert!(out.contains(" passed") && !out.contains("skipped"), "{out}");
 }
 
 #[test]

@@ -39,7 +39,7 @@ from .contract import (
 from .inspect_pkg import PROJECTION_OPS
 from .model import Chunk, build_chunk
 from .palettize import WeightCache, conversion_pipeline, whole_weight_compression
-from .runtime import ChunkforgeError, mil_shortcuts, package_writer, release_memory
+from .runtime import ChunkforgeError, mil_shortcuts, package_writer, release_memory, torch_threads
 
 NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}
@@ -83,7 +83,7 @@ def example_inputs(function: FunctionPlan, dtype: torch.dtype = torch.float16) -
     return out
 
 
-def trace(module: Chunk) -> torch.jit.ScriptModule:
+def trace(module: Chunk, function: FunctionPlan | None = None) -> torch.jit.ScriptModule:
     """Traces `module`, its weights rounded to fp16 (and checked: `load`),
     with its weights and inputs in fp32 (a module loaded in fp16 is cast).
 
@@ -99,11 +99,15 @@ def trace(module: Chunk) -> torch.jit.ScriptModule:
     `test_tracing_in_fp32_converts_to_the_program_an_fp16_trace_gives`).
     Tracing runs the module once on zeros and keeps only the ops it called,
     and torch's fp32 CPU kernels are fast where its fp16 ones are plain loops
-    (a full-width 512-token prefill: 2 s against 270 s)."""
+    (a full-width 512-token prefill: 2 s against 270 s). ``function``: what
+    the module's forward takes, if not its own function (`model.Functions`)."""
     module.float()
     with torch.no_grad():
         return torch.jit.trace(
-            module, tuple(example_inputs(module.function, torch.float32)), check_trace=False, strict=False
+            module,
+            tuple(example_inputs(function or module.function, torch.float32)),
+            check_trace=False,
+            strict=False,
         )
 
 
@@ -404,6 +408,26 @@ def keep_functions(spec: Any, functions: list[str]) -> None:
     spec.description.defaultFunctionName = functions[0]
 
 
+def conversion_phases(settings: ConversionSettings) -> tuple[str, str]:
+    """How the progress line names the conversion phase, and the INT4
+    settings (for coremltools' palettization phase)."""
+    pal = settings["palettization"]
+    int4 = f"INT4 {pal['granularity']}, group {pal['group_size']}" if pal is not None else ""
+    target = f"{settings['minimum_deployment_target']}, FP16"
+    if pal is not None and pal["palettizer"] == "chunkforge":
+        return f"convert + palettize (ct.convert, {target}, {int4})", int4
+    return f"convert (ct.convert, {target})", int4
+
+
+def kernel_apart(seconds: dict[str, float], kernel: float | None) -> dict[str, float]:
+    """``seconds`` with the kernel's time inside the conversion reported as
+    palettize, not convert."""
+    if kernel is not None:
+        seconds["convert"] = max(seconds["convert"] - kernel, 0.0)
+        seconds["palettize"] = kernel
+    return seconds
+
+
 class _Phases:
     """Times the phases of one function's conversion, telling `progress` the
     function (`chunk` or `chunk/function`) and each phase as it starts."""
@@ -420,11 +444,14 @@ class _Phases:
         self.seconds[key] = time.perf_counter() - started
 
 
-def convert_chunk(job: ChunkJob, cache: WeightCache, progress: Callable[[str, str], None]) -> ConvertedChunk:
+def convert_chunk(
+    job: ChunkJob, cache: WeightCache, progress: Callable[[str, str], None], threads: int = 1
+) -> ConvertedChunk:
     """Every function of one package, each load → trace → convert (+ the
     kernel's palettization) → [coremltools' palettization] → save into its
     path. `progress(function, phase)` is told each phase as it starts; `cache` is the
-    build's palettization cache (Rust owns it: one per build)."""
+    build's palettization cache (Rust owns it: one per build); loading and
+    tracing take ``threads`` torch threads."""
     chunk, settings = job["chunk"], job["settings"]
     name = chunk["name"]
     functions = chunk["functions"]
@@ -432,17 +459,12 @@ def convert_chunk(job: ChunkJob, cache: WeightCache, progress: Callable[[str, st
     out: list[ConvertedFunction] = []
     for function, path in zip(functions, job["paths"], strict=True):
         phases = _Phases(f"{name}/{function['name']}" if len(functions) > 1 else name, progress)
-        with phases("load", "load weights"):
+        with phases("load", "load weights"), torch_threads(threads):
             module = load(job["dims"], chunk, job["checkpoint"], function)
-        with phases("trace", "trace"):
+        with phases("trace", "trace"), torch_threads(threads):
             traced = trace(module)
         del module
-        int4 = f"INT4 {pal['granularity']}, group {pal['group_size']}" if pal is not None else ""
-        target = f"{settings['minimum_deployment_target']}, FP16"
-        in_convert = pal is not None and pal["palettizer"] == "chunkforge"
-        what = (
-            f"convert + palettize (ct.convert, {target}, {int4})" if in_convert else f"convert (ct.convert, {target})"
-        )
+        what, int4 = conversion_phases(settings)
         with phases("convert", what), passes.maybe_profile(job["profile"], probe=True) as profile:
             ml = convert(traced, function, name, settings, cache)
         del traced
@@ -453,12 +475,7 @@ def convert_chunk(job: ChunkJob, cache: WeightCache, progress: Callable[[str, st
             stats = save(ml, path)
         del ml
         release_memory()
-        seconds = phases.seconds
-        kernel = stats["palettize_seconds"]
-        if kernel is not None:
-            # Kernel time inside the conversion: reported as palettize.
-            seconds["convert"] = max(seconds["convert"] - kernel, 0.0)
-            seconds["palettize"] = kernel
+        seconds = kernel_apart(phases.seconds, stats["palettize_seconds"])
         out.append(
             {
                 "name": function["name"],

@@ -129,7 +129,7 @@ def op_counts(block: Any) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-class _Source:
+class Source:
     """One source weight file, memory-mapped."""
 
     def __init__(self, path: str):
@@ -203,9 +203,11 @@ def write_package(spec: Any, path: str, sources: Mapping[str, str], functions: S
     if missing:
         raise ChunkforgeError(f"{path}: functions {sorted(missing)} have no place in the weight layout")
     os.makedirs(os.path.dirname(os.path.join(path, WEIGHTS_REL)))
-    opened: dict[str, _Source] = {}
-    # Offsets already copied, by (source file, offset).
-    moved: dict[tuple[str, int], int] = {}
+    opened: dict[str, Source] = {}
+    # Offsets already copied, by (source file, offset); a file is known by its
+    # inode, so the hard links of one weight file (`joint.split`) are one file.
+    moved: dict[tuple[int, int, int], int] = {}
+    inodes: dict[str, tuple[int, int]] = {}
     weights_path = os.path.join(path, WEIGHTS_REL)
     with open(weights_path, "wb") as f:
         storage = _Storage(f)
@@ -214,10 +216,12 @@ def write_package(spec: Any, path: str, sources: Mapping[str, str], functions: S
             if bf.fileName not in sources:
                 raise ChunkforgeError(f"{path}: the program reads weight file {bf.fileName!r}, which no source has")
             file = sources[bf.fileName]
-            where = (file, int(bf.offset))
+            if file not in opened:
+                opened[file] = Source(file)
+                st = os.stat(file)
+                inodes[file] = (st.st_dev, st.st_ino)
+            where = (*inodes[file], int(bf.offset))
             if where not in moved:
-                if file not in opened:
-                    opened[file] = _Source(file)
                 moved[where] = storage.add(*opened[file].blob(int(bf.offset)))
             bf.fileName = WEIGHT_FILE
             bf.offset = moved[where]

@@ -528,3 +528,55 @@ def build_chunk(
         module = Chunk(dims, chunk, function).eval()
     module.load(ckpt, dtype, share=share, rounded_to=rounded_to)
     return module
+
+
+class Functions(Chunk):
+    """Several functions of the same layers as one module, for one conversion
+    of them all (`joint.convert_jobs`): ``forward`` takes every function's
+    inputs, in ``functions`` order, and returns every function's outputs.
+
+    The module is the first function's; the others' modules are held in a
+    plain list, so they are not submodules, and take its parameters (the same
+    tensor objects, `share_weights`). The module's parameters are therefore
+    named as a single function's (``layers.15.self_attn.q_proj.weight``), and
+    tracing sees each weight once: every function's ops read the one tensor,
+    which becomes one constant of the converted program."""
+
+    def __init__(self, dims: Dims, functions: list[tuple[ChunkPlan, FunctionPlan]]):
+        chunk, first = functions[0]
+        super().__init__(dims, chunk, first)
+        self.others: list[Chunk] = [Chunk(dims, c, f).eval() for c, f in functions[1:]]
+
+    def share_weights(self) -> None:
+        """Give every other function's module this module's parameters and
+        buffers, by name (all of them: the same layers hold the same names)."""
+        shared = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        for m in self.others:
+            m.load_state_dict(shared, strict=True, assign=True)
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = len(self.function["inputs"])
+        out = list(super().forward(*args[:n]))
+        for m in self.others:
+            k = len(m.function["inputs"])
+            out.extend(m(*args[n : n + k]))
+            n += k
+        if n != len(args):
+            raise ValueError(f"{len(args)} inputs given, the functions take {n}")
+        return tuple(out)
+
+
+def build_functions(
+    dims: Dims,
+    functions: list[tuple[ChunkPlan, FunctionPlan]],
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    rounded_to: torch.dtype | None = None,
+) -> Functions:
+    """`Functions` of ``functions`` (each a chunk plan and one of its
+    functions; every chunk of the same layers) with its weights, loaded once."""
+    with torch.device("meta"):
+        module = Functions(dims, functions).eval()
+    module.load(ckpt, dtype, rounded_to=rounded_to)
+    module.share_weights()
+    return module

@@ -10,7 +10,8 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -155,6 +156,21 @@ def heap_kept() -> bool:
     configuring glibc's allocator that way: src/heap.rs). A plain Python
     interpreter has glibc's defaults."""
     return os.environ.get("CHUNKFORGE_HEAP") == "keep"
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's CPU ops on ``n`` threads inside the block (the build gives a
+    conversion every core when it is the only process converting; each
+    process runs on one otherwise, `OMP_NUM_THREADS`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(n, 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def release_memory() -> None:

@@ -64,6 +64,9 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
     if args.shortcuts_baseline {
         return bench_build_shortcuts_baseline();
     }
+    if args.joint_baseline {
+        return bench_build_joint_baseline();
+    }
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
     let result = BuildJob {
         hf_dir: args.model.hf_dir.as_deref(),
@@ -373,6 +376,39 @@ fn bench_build_shortcuts_baseline() -> Result<()> {
         phase_seconds(&ours, &converted),
         phase_seconds(&reference, &converted),
         ours.chunks.len()
+    );
+    Ok(())
+}
+
+/// `bench build --joint-baseline`: the same build with one conversion per
+/// function and with each unit's functions converted together, side by side.
+/// Their packages are not byte-identical: the names of the ops the trace
+/// numbers differ (python/tests/test_joint.py checks the programs compute
+/// the same bits and the weights are the same bytes).
+fn bench_build_joint_baseline() -> Result<()> {
+    let runs = bench_children(
+        "--joint-baseline",
+        &[
+            (
+                "one conversion per function",
+                &[],
+                &[(crate::build::JOINT_ENV, "off")],
+            ),
+            (
+                "functions together (default)",
+                &[],
+                &[(crate::build::JOINT_ENV, "on")],
+            ),
+        ],
+    )?;
+    print_children(&runs);
+    let (reference, ours) = (&runs[0].1, &runs[1].1);
+    let converted = ["load", "trace", "convert", "palettize", "save", "sources"];
+    println!(
+        "functions together vs one conversion each: {} ({:.1}s vs {:.1}s of load, trace, conversion, palettization and save)",
+        speedup(reference, ours),
+        phase_seconds(ours, &converted),
+        phase_seconds(reference, &converted),
     );
     Ok(())
 }

@@ -278,6 +278,50 @@ pub fn convert_chunk_value(
     cache: &WeightCache,
     on_phase: OnPhase,
 ) -> Result<serde_json::Value, ChunkError> {
+    call_with_progress("convert", "convert_chunk", on_phase, |py, report| {
+        (to_py(py, job)?, cache.0.bind(py).clone(), report).into_pyobject(py)
+    })
+}
+
+/// `joint.convert_jobs(jobs, joint, threads, cache, progress)`: every job of
+/// a task, converted together with `joint` (the jobs are of the same layers),
+/// loading and tracing on `threads` torch threads; one `convert_chunk` reply
+/// per job, as JSON.
+pub fn convert_jobs_value(
+    jobs: &[serde_json::Value],
+    joint: bool,
+    threads: usize,
+    cache: &WeightCache,
+    on_phase: OnPhase,
+) -> Result<Vec<serde_json::Value>, ChunkError> {
+    let reply = call_with_progress("joint", "convert_jobs", on_phase, |py, report| {
+        (
+            to_py(py, &jobs)?,
+            joint,
+            threads,
+            cache.0.bind(py).clone(),
+            report,
+        )
+            .into_pyobject(py)
+    })?;
+    serde_json::from_value(reply).map_err(|e| ChunkError {
+        function: None,
+        error: PyValueError::new_err(format!("bad reply from joint.convert_jobs: {e}")),
+    })
+}
+
+/// `chunkforge_py.{module}.{method}(*args)`, the last argument a
+/// `progress(function, phase)` callback telling `on_phase` each phase as it
+/// starts; the reply as JSON, or the error with the function it was in.
+fn call_with_progress<F>(
+    module: &str,
+    method: &str,
+    on_phase: OnPhase,
+    args: F,
+) -> Result<serde_json::Value, ChunkError>
+where
+    F: for<'py> FnOnce(Python<'py>, Bound<'py, PyCFunction>) -> PyResult<Bound<'py, PyTuple>>,
+{
     let current: Arc<Mutex<Option<String>>> = Arc::default();
     let result = Python::attach(|py| {
         let slot = Arc::clone(&current);
@@ -294,9 +338,9 @@ pub fn convert_chunk_value(
             },
         )?;
         let reply = py
-            .import("chunkforge_py.convert")?
-            .call_method1("convert_chunk", (to_py(py, job)?, cache.0.bind(py), report))?;
-        from_py::<serde_json::Value>(&reply, "convert.convert_chunk")
+            .import(format!("chunkforge_py.{module}"))?
+            .call_method1(method, args(py, report)?)?;
+        from_py::<serde_json::Value>(&reply, &format!("{module}.{method}"))
     });
     let function = current.lock().unwrap_or_else(|e| e.into_inner()).take();
     result.map_err(|error| ChunkError { function, error })

@@ -40,10 +40,16 @@ pub struct BundleRequest {
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Task {
-    /// `convert.convert_chunk` of each job (`calls::ChunkJob` as JSON), then the bundle.
+    /// The jobs (`calls::ChunkJob` as JSON) converted, together with `joint`
+    /// (`joint.convert_jobs`), then the bundle.
     Convert {
         jobs: Vec<Value>,
         bundle: Option<BundleRequest>,
+        #[serde(default)]
+        joint: bool,
+        /// torch threads for loading and tracing (`Pool::threads`).
+        #[serde(default = "one")]
+        threads: usize,
     },
     /// `compose.compose_job` (`calls::ComposeJob` as JSON), shown as `label: what`.
     Compose {
@@ -83,6 +89,10 @@ pub enum Stage {
     Worker,
 }
 
+fn one() -> usize {
+    1
+}
+
 /// Runs `task` in this process's interpreter.
 pub fn execute(
     task: &Task,
@@ -91,18 +101,18 @@ pub fn execute(
     verbose: bool,
 ) -> Result<TaskReply, TaskError> {
     match task {
-        Task::Convert { jobs, bundle } => {
-            let mut converted = Vec::new();
-            for job in jobs {
-                let reply =
-                    calls::convert_chunk_value(job, cache, Arc::clone(on_phase)).map_err(|e| {
-                        TaskError {
-                            stage: Stage::Convert(e.function),
-                            message: pyenv::render_error(e.error, verbose),
-                        }
+        Task::Convert {
+            jobs,
+            bundle,
+            joint,
+            threads,
+        } => {
+            let converted =
+                calls::convert_jobs_value(jobs, *joint, *threads, cache, Arc::clone(on_phase))
+                    .map_err(|e| TaskError {
+                        stage: Stage::Convert(e.function),
+                        message: pyenv::render_error(e.error, verbose),
                     })?;
-                converted.push(reply);
-            }
             let (mut done, mut seconds) = (None, 0.0);
             if let Some(b) = bundle {
                 on_phase(&b.label, &format!("bundle {} functions", b.parts.len()));
