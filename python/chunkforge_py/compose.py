@@ -1058,11 +1058,16 @@ def write(c: Composed, seconds: dict[str, float]) -> ChunkStats:
         mil_write.write_package(model, staged, c.weights, ["main"])
         os.rename(staged, path)
     seconds["save"] = time.perf_counter() - t
-    counts = mil_write.op_counts(block)
+    return program_stats(mil_write.op_counts(block), os.path.getsize(os.path.join(path, mil_write.WEIGHTS_REL)))
+
+
+def program_stats(counts: dict[str, int], weight_bytes: int) -> ChunkStats:
+    """The stats of a program written at the protobuf level (op counts as
+    `mil_write.op_counts` gives them); no kernel ran for it."""
     return {
         "mil_ops": sum(counts.values()),
         "op_counts": counts,
-        "weight_bytes": os.path.getsize(os.path.join(path, mil_write.WEIGHTS_REL)),
+        "weight_bytes": weight_bytes,
         "palettized_weights": counts.get("constexpr_lut_to_dense", 0),
         "projection_ops": sum(counts.get(op, 0) for op in PROJECTION_OPS),
         "palettize_cache_hits": None,

@@ -444,6 +444,39 @@ class _Phases:
         self.seconds[key] = time.perf_counter() - started
 
 
+def load_and_convert(
+    phases: _Phases,
+    module: Callable[[], Chunk],
+    loading: str,
+    function: FunctionPlan,
+    name: str,
+    settings: ConversionSettings,
+    cache: WeightCache | None,
+    job: ChunkJob,
+    threads: int,
+) -> tuple[Any, passes.PassProfile | None]:
+    """load (``module()``, told as ``loading``) → trace → convert (+ the
+    kernel's palettization) → [coremltools' palettization] of the module
+    whose forward takes ``function``'s inputs; the model and, with the job's
+    ``profile``, its pass profile. Loading and tracing take ``threads``
+    torch threads. Only this function holds the module, so its weights go
+    as soon as the conversion lets go of them."""
+    with phases("load", loading), torch_threads(threads):
+        loaded = module()
+    with phases("trace", "trace"), torch_threads(threads):
+        traced = trace(loaded, function)
+    del loaded
+    what, int4 = conversion_phases(settings)
+    with phases("convert", what), passes.maybe_profile(job["profile"], probe=True) as profile:
+        ml = convert(traced, function, name, settings, cache)
+    del traced
+    pal = settings["palettization"]
+    if pal is not None and pal["palettizer"] == "coremltools":
+        with phases("palettize", f"palettize ({int4})"):
+            ml = palettize(ml, name, pal)
+    return ml, profile
+
+
 def convert_chunk(
     job: ChunkJob, cache: WeightCache, progress: Callable[[str, str], None], threads: int = 1
 ) -> ConvertedChunk:
@@ -455,22 +488,14 @@ def convert_chunk(
     chunk, settings = job["chunk"], job["settings"]
     name = chunk["name"]
     functions = chunk["functions"]
-    pal = settings["palettization"]
     out: list[ConvertedFunction] = []
     for function, path in zip(functions, job["paths"], strict=True):
         phases = _Phases(f"{name}/{function['name']}" if len(functions) > 1 else name, progress)
-        with phases("load", "load weights"), torch_threads(threads):
-            module = load(job["dims"], chunk, job["checkpoint"], function)
-        with phases("trace", "trace"), torch_threads(threads):
-            traced = trace(module)
-        del module
-        what, int4 = conversion_phases(settings)
-        with phases("convert", what), passes.maybe_profile(job["profile"], probe=True) as profile:
-            ml = convert(traced, function, name, settings, cache)
-        del traced
-        if pal is not None and pal["palettizer"] == "coremltools":
-            with phases("palettize", f"palettize ({int4})"):
-                ml = palettize(ml, name, pal)
+
+        def module(function: FunctionPlan = function) -> Chunk:
+            return load(job["dims"], chunk, job["checkpoint"], function)
+
+        ml, profile = load_and_convert(phases, module, "load weights", function, name, settings, cache, job, threads)
         with phases("save", "save"):
             stats = save(ml, path)
         del ml

@@ -37,15 +37,14 @@ from typing import Any
 
 import torch
 
-from . import compose, mil_write, passes
+from . import compose, mil_write
 from .checkpoint import Checkpoint
 from .contract import ChunkJob, ChunkStats, ConvertedChunk, ConvertedFunction, FunctionPlan
-from .convert import _Phases, check_finite, conversion_phases, convert, kernel_apart, palettize, save, trace
-from .inspect_pkg import PROJECTION_OPS
+from .convert import _Phases, check_finite, kernel_apart, load_and_convert, save
 from .mil_program import BLOB_HEADER, BLOB_METADATA
-from .model import build_functions
+from .model import Functions, build_functions
 from .palettize import WeightCache
-from .runtime import ChunkforgeError, release_memory, torch_threads
+from .runtime import ChunkforgeError, release_memory
 
 
 def prefix(k: int) -> str:
@@ -99,25 +98,19 @@ def convert_joint(
     plan = joint_plan(functions)
     label = " + ".join(job["chunk"]["name"] for job in jobs)
     name = first["chunk"]["name"]
-    pal = settings["palettization"]
     phases = _Phases(label, progress)
-    with phases("load", f"load weights (once for {len(pairs)} functions)"), torch_threads(threads):
+
+    def module() -> Functions:
         ckpt = Checkpoint(first["checkpoint"])
         try:
-            module = build_functions(first["dims"], pairs, ckpt, torch.float32, rounded_to=torch.float16)
+            loaded = build_functions(first["dims"], pairs, ckpt, torch.float32, rounded_to=torch.float16)
         finally:
             ckpt.close()
-        check_finite(module, first["checkpoint"]["prefix"])
-    with phases("trace", "trace"), torch_threads(threads):
-        traced = trace(module, plan)
-    del module
-    what, int4 = conversion_phases(settings)
-    with phases("convert", what), passes.maybe_profile(first["profile"], probe=True) as profile:
-        ml = convert(traced, plan, name, settings, cache)
-    del traced
-    if pal is not None and pal["palettizer"] == "coremltools":
-        with phases("palettize", f"palettize ({int4})"):
-            ml = palettize(ml, name, pal)
+        check_finite(loaded, first["checkpoint"]["prefix"])
+        return loaded
+
+    loading = f"load weights (once for {len(pairs)} functions)"
+    ml, profile = load_and_convert(phases, module, loading, plan, name, settings, cache, first, threads)
     whole = os.path.join(os.path.dirname(paths[0]), ".joint-" + os.path.basename(paths[0]))
     try:
         with phases("save", f"save, split into {len(pairs)} functions"):
@@ -235,14 +228,4 @@ def part_stats(block: Any, weights: str) -> ChunkStats:
     for offset in read:
         _, data = source.blob(offset)
         read[offset] = -(-(BLOB_METADATA + len(data)) // mil_write.ALIGN) * mil_write.ALIGN
-    return {
-        "mil_ops": sum(counts.values()),
-        "op_counts": counts,
-        "weight_bytes": BLOB_HEADER + sum(read.values()),
-        "palettized_weights": counts.get("constexpr_lut_to_dense", 0),
-        "projection_ops": sum(counts.get(op, 0) for op in PROJECTION_OPS),
-        "palettize_cache_hits": None,
-        "palettize_cache_misses": None,
-        "palettize_unmatched_groups": None,
-        "palettize_seconds": None,
-    }
+    return compose.program_stats(counts, BLOB_HEADER + sum(read.values()))

@@ -26,23 +26,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from chunkforge_py import mil_write
 from chunkforge_py.contract import ChunkJob, ChunkPlan
 from chunkforge_py.mil_interp import Interpreter
 from chunkforge_py.runtime import ChunkforgeError
-from test_mil_interp import random_inputs, shared_build
+from test_mil_interp import one_thread, random_inputs, shared_build  # noqa: F401 (one_thread: autouse)
 
 native = pytest.importorskip("chunkforge_native", reason="the Rust kernel exists inside the chunkforge binary only")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    """One torch thread, as the binary runs (see test_mil_interp)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def checkpoint_info(build: dict[str, Any]) -> Any:
