@@ -331,7 +331,7 @@ pub fn run(
     settings: &Settings,
 ) -> Result<BuildRecord> {
     let started = Instant::now();
-    let joint = joint_conversions()?;
+    let joint = settings.conversion.joint;
     staging::output_folder(out)?;
     let _lock = settings
         .lock
@@ -944,16 +944,14 @@ impl Composer {
     }
 }
 
-/// Packages converted together: each alone, except a four-chunk package and
-/// the prefill package of the same layers, which are bundled from one set of
-/// programs so their weight blobs are byte-identical (the runtime's
-/// downloader hard-links `chunkN`'s blob into `prefill_chunkN`).
 /// Whether a unit's functions are converted together (`joint.convert_jobs`):
 /// `CHUNKFORGE_JOINT` `on` (the default) or `off` (one conversion per
 /// function, the reference: `bench build --joint-baseline`).
 pub const JOINT_ENV: &str = "CHUNKFORGE_JOINT";
 
-fn joint_conversions() -> Result<bool> {
+/// What `CHUNKFORGE_JOINT` asks for (unset or empty: on); any other value is
+/// an error, before anything is written.
+pub fn joint_conversions() -> Result<bool> {
     match std::env::var(JOINT_ENV).as_deref() {
         Err(_) | Ok("") | Ok("on") => Ok(true),
         Ok("off") => Ok(false),
@@ -961,6 +959,10 @@ fn joint_conversions() -> Result<bool> {
     }
 }
 
+/// Packages converted together: each alone, except a four-chunk package and
+/// the prefill package of the same layers, which are bundled from one set of
+/// programs so their weight blobs are byte-identical (the runtime's
+/// downloader hard-links `chunkN`'s blob into `prefill_chunkN`).
 fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
     let prefill: Vec<&ChunkPlan> = plan
         .layouts
@@ -1026,6 +1028,7 @@ pub struct Rebuild {
     pub palettizer: Palettizer,
     pub pass_pipeline: PassPipeline,
     pub compose: bool,
+    pub joint: bool,
 }
 
 /// The parts of build.json `--check` reads (older records have only these).
@@ -1047,6 +1050,9 @@ struct ReplayedSettings {
     /// Absent in records from before the field: every layout was converted.
     #[serde(default)]
     compose: bool,
+    /// Absent in records from before the field: one conversion per function.
+    #[serde(default)]
+    joint: bool,
 }
 
 #[derive(Deserialize)]
@@ -1120,6 +1126,7 @@ pub fn request_of(build_json: &Path, hf_override: &Option<PathBuf>) -> Result<Re
         palettizer,
         pass_pipeline: r.settings.pass_pipeline,
         compose: r.settings.compose,
+        joint: r.settings.joint,
     })
 }
 
@@ -1216,8 +1223,17 @@ mod tests {
         };
         let write = |dir: &str| write_ctx(dir, 64);
         write("../ck");
-        let hf = request_of(&out.join("build.json"), &None).unwrap().hf_dir;
-        assert_eq!(hf.unwrap(), out.join("../ck"));
+        let old = request_of(&out.join("build.json"), &None).unwrap();
+        assert_eq!(old.hf_dir.unwrap(), out.join("../ck"));
+        // A record from before joint conversions: each function was converted alone.
+        assert!(!old.joint);
+        let v = json!({
+            "request": {"mode": "all", "split": null, "ctx": 64},
+            "settings": {"quantize": true, "joint": true},
+            "checkpoint": {"dir": "../ck"},
+        });
+        std::fs::write(out.join("build.json"), v.to_string()).unwrap();
+        assert!(request_of(&out.join("build.json"), &None).unwrap().joint);
         write("../gone");
         let e = request_of(&out.join("build.json"), &None)
             .unwrap_err()

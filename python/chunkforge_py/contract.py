@@ -249,6 +249,8 @@ class ConversionSettings(TypedDict):
     pass_pipeline: Literal["chunkforge", "coremltools"]
     # Compose decode packages from the four-chunk programs (build.rs `Composer`).
     compose: bool
+    # Convert a unit's functions together (joint.py); absent in older records.
+    joint: NotRequired[bool]
 
 
 class ChunkJob(TypedDict):

@@ -461,6 +461,11 @@ def load_and_convert(
     ``profile``, its pass profile. Loading and tracing take ``threads``
     torch threads. Only this function holds the module, so its weights go
     as soon as the conversion lets go of them."""
+    pal = settings["palettization"]
+    if pal is not None and pal["palettizer"] == "coremltools" and int(pal["kmeans_workers"]) > 1:
+        # coremltools forks its k-means workers after this, and OpenMP's
+        # thread pool does not survive a fork (runtime.configure).
+        threads = 1
     with phases("load", loading), torch_threads(threads):
         loaded = module()
     with phases("trace", "trace"), torch_threads(threads):
@@ -470,7 +475,6 @@ def load_and_convert(
     with phases("convert", what), passes.maybe_profile(job["profile"], probe=True) as profile:
         ml = convert(traced, function, name, settings, cache)
     del traced
-    pal = settings["palettization"]
     if pal is not None and pal["palettizer"] == "coremltools":
         with phases("palettize", f"palettize ({int4})"):
             ml = palettize(ml, name, pal)

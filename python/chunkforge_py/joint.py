@@ -31,8 +31,9 @@ package reads.
 from __future__ import annotations
 
 import os
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -118,6 +119,10 @@ def convert_joint(
             del ml
             release_memory()
             parts = split(whole, functions, paths)
+    except BaseException:
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     finally:
         shutil.rmtree(whole, ignore_errors=True)
     kernel = stats["palettize_seconds"]
@@ -197,27 +202,57 @@ def cut(fn: Any, block: Any, pre: str, f: FunctionPlan) -> None:
     block.outputs.extend(outputs)
     compose.eliminate_dead_code(block)
     defined = {i.name for i in fn.inputs} | {n for op in block.operations for n in compose.defined_names(op)}
-    rename = {n: n.removeprefix(pre) for n in defined if n.startswith(pre)}
-    taken = set(rename.values()) & (defined - set(rename))
-    if taken:
-        raise ChunkforgeError(f"{f['name']}: names {sorted(taken)[:3]} are taken, the joint program cannot be split")
+    rename = unprefixed(defined)
     for i in fn.inputs:
         i.name = rename.get(i.name, i.name)
     for op in block.operations:
         compose.rename_definitions(op, rename)
         compose.rename_names(op, rename)
-        if "name" in op.attributes:
-            names = op.attributes["name"].immediateValue.tensor.strings.values
-            if len(names) == 1 and names[0] in rename:
-                names[0] = rename[names[0]]
     renamed = [rename.get(o, o) for o in block.outputs]
     del block.outputs[:]
     block.outputs.extend(renamed)
+    inputs = [i.name for i in fn.inputs]
+    if renamed != [s["name"] for s in f["outputs"]] or inputs != [s["name"] for s in f["inputs"]]:
+        raise ChunkforgeError(f"{f['name']}: the split program takes {inputs} and gives {renamed}, not its plan's")
+    # Op names too (an op's name is its first output's, or its own).
+    names = [op.attributes["name"].immediateValue.tensor.strings.values for op in all_ops(block)]
+    op_rename = unprefixed({n[0] for n in names if len(n) == 1})
+    for n in names:
+        if len(n) == 1 and n[0] in op_rename:
+            n[0] = op_rename[n[0]]
+
+
+# What a name of the joint program starts with when it comes from a function's
+# input or output (`prefix`); a constant two functions share keeps the name
+# the first gave it.
+PREFIXED = re.compile(r"f\d+__")
+
+
+def unprefixed(names: set[str]) -> dict[str, str]:
+    """Each of ``names`` that starts with a function's `prefix`, to itself
+    without it, unless that name is taken (by another of ``names``, or by two
+    of them): such a name keeps its prefix, which only the name shows."""
+    rename = {n: n[m.end() :] for n in names if (m := PREFIXED.match(n))}
+    counts: dict[str, int] = {}
+    for new in rename.values():
+        counts[new] = counts.get(new, 0) + 1
+    kept = names - set(rename)
+    return {old: new for old, new in rename.items() if counts[new] == 1 and new not in kept}
+
+
+def all_ops(block: Any) -> Iterator[Any]:
+    """Every op of ``block`` with a name, nested blocks' too."""
+    for op in block.operations:
+        if "name" in op.attributes:
+            yield op
+        for inner in op.blocks:
+            yield from all_ops(inner)
 
 
 def part_stats(block: Any, weights: str) -> ChunkStats:
     """A split function's counts; its weight bytes are those of the file a
-    package of that function alone holds: the header and each blob it reads."""
+    package of that function alone holds: the header and each blob it reads,
+    in the order it reads them."""
     counts = mil_write.op_counts(block)
     read: dict[int, int] = {}
     for op in block.operations:
@@ -227,5 +262,8 @@ def part_stats(block: Any, weights: str) -> ChunkStats:
     source = mil_write.Source(weights)
     for offset in read:
         _, data = source.blob(offset)
-        read[offset] = -(-(BLOB_METADATA + len(data)) // mil_write.ALIGN) * mil_write.ALIGN
-    return compose.program_stats(counts, BLOB_HEADER + sum(read.values()))
+        read[offset] = BLOB_METADATA + len(data)
+    # Each blob padded to the alignment but the last, as coremltools writes them.
+    sizes = list(read.values())
+    padded = sum(-(-n // mil_write.ALIGN) * mil_write.ALIGN for n in sizes[:-1])
+    return compose.program_stats(counts, BLOB_HEADER + padded + sum(sizes[-1:]))

@@ -126,6 +126,12 @@ def test_each_function_holds_the_ops_and_interface_of_its_own_conversion(convert
         assert sorted(o.name for op in ba.operations for o in op.outputs if o.name.endswith("_tmp")) == sorted(
             o.name for op in bb.operations for o in op.outputs if o.name.endswith("_tmp")
         ), name
+        # No name keeps a function's prefix.
+        from chunkforge_py.joint import PREFIXED, all_ops
+
+        names = [o.name for op in ba.operations for o in op.outputs] + [i.name for i in fa.inputs]
+        names += [op.attributes["name"].immediateValue.tensor.strings.values[0] for op in all_ops(ba)]
+        assert not [n for n in names if PREFIXED.match(n)], name
     # Not the same bytes: the joint program's op names differ (the trace
     # numbers them over every function).
     name, joint, alone = functions(converted)[1]
@@ -180,3 +186,10 @@ def test_chunks_of_different_layers_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ChunkforgeError, match="hold different layers"):
         convert_jobs([a, b], True, 1, None, lambda *_: None)  # type: ignore[arg-type]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_prefix_comes_off_unless_the_name_would_be_taken() -> None:
+    from chunkforge_py.joint import unprefixed
+
+    names = {"f0__a", "f1__b", "c", "f0__c", "f1__d", "f2__d", "f10__e", "xf0__g"}
+    assert unprefixed(names) == {"f0__a": "a", "f1__b": "b", "f10__e": "e"}

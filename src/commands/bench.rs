@@ -76,6 +76,7 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
         palettizer: args.palettizer,
         pass_pipeline: args.pass_pipeline,
         compose: !args.no_compose,
+        joint: None,
         profile: args.profile,
         jobs: args.jobs,
         lock: None,

@@ -24,6 +24,9 @@ pub(super) struct BuildJob<'a> {
     pub palettizer: Palettizer,
     pub pass_pipeline: PassPipeline,
     pub compose: bool,
+    /// A unit's functions converted together; None: as `CHUNKFORGE_JOINT`
+    /// says (`build --check` replays the recorded choice).
+    pub joint: Option<bool>,
     /// Time every coremltools graph pass (`bench build --profile`).
     pub profile: bool,
     pub jobs: build::Jobs,
@@ -49,6 +52,10 @@ impl BuildJob<'_> {
         );
         conversion.pass_pipeline = self.pass_pipeline;
         conversion.compose = self.compose;
+        conversion.joint = match self.joint {
+            Some(joint) => joint,
+            None => build::joint_conversions()?,
+        };
         let settings = Settings {
             conversion,
             profile: self.profile,
@@ -77,6 +84,7 @@ pub fn run(args: BuildCmd, verbose: bool) -> Result<ExitStatus> {
         palettizer: args.palettizer,
         pass_pipeline: args.pass_pipeline,
         compose: !args.no_compose,
+        joint: None,
         profile: false,
         jobs: args.jobs,
         lock: Some(OnLocked::from_no_wait(args.no_wait)),
@@ -99,6 +107,7 @@ fn check(dir: &Path, args: &BuildCmd, verbose: bool) -> Result<ExitStatus> {
         palettizer: old.palettizer,
         pass_pipeline: old.pass_pipeline,
         compose: old.compose,
+        joint: Some(old.joint),
         profile: false,
         jobs: args.jobs,
         lock: None,

@@ -56,6 +56,7 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
             palettizer: Palettizer::Chunkforge,
             pass_pipeline: PassPipeline::Chunkforge,
             compose: true,
+            joint: None,
             profile: false,
             jobs: crate::build::Jobs::Auto,
             lock: Some(OnLocked::from_no_wait(args.release.no_wait)),

@@ -353,7 +353,7 @@ pub fn converted_chunk(
     reply: serde_json::Value,
 ) -> std::result::Result<ConvertedChunk, String> {
     let converted: ConvertedChunk = serde_json::from_value(reply)
-        .map_err(|e| format!("bad reply from convert.convert_chunk: {e}"))?;
+        .map_err(|e| format!("bad reply from the conversion of {}: {e}", chunk.name))?;
     let sent: Vec<&str> = chunk.functions.iter().map(|f| f.name.as_str()).collect();
     let got: Vec<&str> = converted
         .functions
@@ -362,7 +362,8 @@ pub fn converted_chunk(
         .collect();
     if sent != got {
         return Err(format!(
-            "convert.convert_chunk converted functions {got:?} of {sent:?}"
+            "the conversion of {} converted functions {got:?} of {sent:?}",
+            chunk.name
         ));
     }
     Ok(converted)

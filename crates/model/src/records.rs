@@ -86,6 +86,11 @@ pub struct ConversionSettings {
     /// converted again (absent in older records: they were converted).
     #[serde(default)]
     pub compose: bool,
+    /// A unit's functions (chunkN's decode and verify, prefill_chunkN's
+    /// prefill) converted together and split (`joint.py`); absent in older
+    /// records: one conversion per function. The packages differ in op names.
+    #[serde(default)]
+    pub joint: bool,
 }
 
 impl ConversionSettings {
@@ -116,6 +121,7 @@ impl ConversionSettings {
             }),
             pass_pipeline: PassPipeline::Chunkforge,
             compose: true,
+            joint: true,
         }
     }
 
