@@ -299,6 +299,22 @@ fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
         .collect()
 }
 
+/// Writes the journal under a temporary name and renames it into place, so
+/// a run killed while writing it leaves no journal at all (nothing has moved
+/// yet), never a truncated one that recovery would have to refuse.
+fn write_journal(journal: &Path, entries: &[Entry]) -> Result<()> {
+    let partial = suffixed(journal, ".partial");
+    let mut f =
+        File::create(&partial).with_context(|| format!("{}: cannot create", partial.display()))?;
+    f.write_all(&encode(entries))
+        .and_then(|()| if durable() { f.sync_all() } else { Ok(()) })
+        .with_context(|| format!("{}: cannot write", partial.display()))?;
+    drop(f);
+    fs::rename(&partial, journal)
+        .and_then(|()| sync_dir(parent(journal)))
+        .with_context(|| format!("{}: cannot write", journal.display()))
+}
+
 /// Moves every `(from, to)` into place as one unit, the journal kept in
 /// `staging` (the run's staging folder). The previous entries are deleted
 /// only after the commit. On an error the entries already moved are put back.
@@ -315,13 +331,7 @@ pub fn publish(staging: &Path, pairs: &[(PathBuf, PathBuf)]) -> Result<()> {
     }
     sync_parents(&entries).context("fsync of the staging folders failed")?;
     let journal = staging.join(JOURNAL);
-    let mut f =
-        File::create(&journal).with_context(|| format!("{}: cannot create", journal.display()))?;
-    f.write_all(&encode(&entries))
-        .and_then(|()| if durable() { f.sync_all() } else { Ok(()) })
-        .and_then(|()| sync_dir(staging))
-        .with_context(|| format!("{}: cannot write", journal.display()))?;
-    drop(f);
+    write_journal(&journal, &entries)?;
 
     for e in &entries {
         if let Err(err) = swap_in(e) {
@@ -645,5 +655,28 @@ mod tests {
         assert_eq!(back[0].id, (7, u64::MAX));
         assert!(decode(b"/a\0/b\0x\x001\0").is_none());
         assert!(decode(b"/a\0/b\0").is_none());
+    }
+
+    /// A kill while the journal is written leaves only its `.partial`: no
+    /// journal, so recovery finds nothing to undo and does not refuse.
+    #[test]
+    fn journal_appears_whole_or_not_at_all() {
+        let dir = std::env::temp_dir().join(format!("cf-journal-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("new")).unwrap();
+        let journal = dir.join(JOURNAL);
+        let entries = [Entry {
+            from: dir.join("new"),
+            to: dir.join("out"),
+            id: id_of(&dir.join("new")).unwrap(),
+        }];
+        let bytes = encode(&entries);
+        fs::write(suffixed(&journal, ".partial"), &bytes[..bytes.len() / 2]).unwrap();
+        assert!(!has_journal(&dir));
+        assert_eq!(recover(&dir).unwrap(), Vec::<PathBuf>::new());
+        write_journal(&journal, &entries).unwrap();
+        assert!(!suffixed(&journal, ".partial").exists());
+        assert_eq!(decode(&fs::read(&journal).unwrap()).unwrap().len(), 1);
+        fs::remove_dir_all(&dir).unwrap();
     }
 }
