@@ -1,8 +1,9 @@
 """Trace a chunk module and turn it into a palettized Core ML package.
 
-`convert_chunk` is the one call the Rust build loop makes per package: every
-function of it is loaded, traced, converted (and palettized) and saved, each
-phase reported through the progress callback and timed. The conversion
+`convert_chunk` converts one package: every function of it is loaded,
+traced, converted (and palettized) and saved, each phase reported through the
+progress callback and timed. The Rust build calls `joint.convert_jobs`, which
+uses it when a unit's functions are converted one at a time. The conversion
 settings come from Rust (`ConversionSettings`, records.rs); none is written
 here.
 """

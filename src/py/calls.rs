@@ -270,19 +270,6 @@ pub struct ChunkError {
 /// Shows each phase of a conversion as it starts: `(function, phase)`.
 pub type OnPhase = Arc<dyn Fn(&str, &str) + Send + Sync>;
 
-/// `convert.convert_chunk(job, cache, progress)` with `job` as JSON and the
-/// reply as JSON, each phase told to `on_phase` as Python starts it (the
-/// build's own process and a conversion worker share this).
-pub fn convert_chunk_value(
-    job: &serde_json::Value,
-    cache: &WeightCache,
-    on_phase: OnPhase,
-) -> Result<serde_json::Value, ChunkError> {
-    call_with_progress("convert", "convert_chunk", on_phase, |py, report| {
-        (to_py(py, job)?, cache.0.bind(py).clone(), report).into_pyobject(py)
-    })
-}
-
 /// `joint.convert_jobs(jobs, joint, threads, cache, progress)`: every job of
 /// a task, converted together with `joint` (the jobs are of the same layers),
 /// loading and tracing on `threads` torch threads; one `convert_chunk` reply
@@ -346,7 +333,7 @@ where
     result.map_err(|error| ChunkError { function, error })
 }
 
-/// The reply of `convert_chunk_value` for `chunk` read back, checking that
+/// A `convert_chunk` reply (one per job of `convert_jobs_value`) for `chunk` read back, checking that
 /// every function was converted, in order.
 pub fn converted_chunk(
     chunk: &ChunkPlan,
@@ -394,26 +381,6 @@ impl Drop for PhaseGuard {
             last.finish_and_clear();
         }
     }
-}
-
-/// `convert.convert_chunk(job, cache, progress)`: the one call per package.
-/// Python names each function and phase as it starts; the phase is shown
-/// under `progress`.
-pub fn convert_chunk(
-    job: &ChunkJob,
-    cache: &WeightCache,
-    progress: &BuildProgress,
-) -> Result<ConvertedChunk, ChunkError> {
-    let value = serde_json::to_value(job).map_err(|e| ChunkError {
-        function: None,
-        error: PyValueError::new_err(e.to_string()),
-    })?;
-    let (on_phase, _spinners) = phase_spinners(progress);
-    let reply = convert_chunk_value(&value, cache, on_phase)?;
-    converted_chunk(job.chunk, reply).map_err(|e| ChunkError {
-        function: None,
-        error: PyValueError::new_err(e),
-    })
 }
 
 /// `convert.combine`'s reply: the bundle's weight blob size.
