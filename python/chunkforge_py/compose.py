@@ -89,7 +89,7 @@ from .contract import (
 )
 from .inspect_pkg import PROJECTION_OPS
 from .roles import CACHE, NEW_ROWS, Key, key_of
-from .runtime import ChunkforgeError, package_writer, release_memory
+from .runtime import ChunkforgeError, package_writer, release_memory, temporaries_beside
 
 COMPOSED_FROM = "com.github.chunkforge.composed_from"
 # coremltools' metadata keys (version, source, conversion date).
@@ -1080,7 +1080,13 @@ def program_stats(counts: dict[str, int], weight_bytes: int) -> ChunkStats:
 def write_with_coremltools(c: Composed, seconds: dict[str, float]) -> ChunkStats:
     """The reference writer: coremltools' MIL loader reads the composed
     program (type-checking every op) with its weights, and ``ct.convert``
-    runs dead code elimination and its backend passes and serialises it."""
+    runs dead code elimination and its backend passes and serialises it
+    (its temporaries beside the package, `runtime.temporaries_beside`)."""
+    with temporaries_beside(c.path):
+        return _write_with_coremltools(c, seconds)
+
+
+def _write_with_coremltools(c: Composed, seconds: dict[str, float]) -> ChunkStats:
     import coremltools as ct
     from coremltools.converters.mil.frontend.milproto import load as milproto_load
 

@@ -40,7 +40,14 @@ from .contract import (
 from .inspect_pkg import PROJECTION_OPS
 from .model import Chunk, build_chunk
 from .palettize import WeightCache, conversion_pipeline, whole_weight_compression
-from .runtime import ChunkforgeError, mil_shortcuts, package_writer, release_memory, torch_threads
+from .runtime import (
+    ChunkforgeError,
+    mil_shortcuts,
+    package_writer,
+    release_memory,
+    temporaries_beside,
+    torch_threads,
+)
 
 NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}
@@ -384,7 +391,7 @@ def combine_with_coremltools(parts: list[tuple[str, str]], targets: list[tuple[s
         whole = os.path.join(tmp, "whole.mlpackage")
         # save_multifunction validates the program after each of its passes;
         # once is the same check.
-        with passes.validate_once():
+        with passes.validate_once(), temporaries_beside(whole):
             save_multifunction(desc, whole)
         for path, functions in targets:
             shutil.copytree(whole, path)

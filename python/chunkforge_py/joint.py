@@ -45,7 +45,7 @@ from .convert import _Phases, check_finite, kernel_apart, load_and_convert, save
 from .mil_program import BLOB_HEADER, BLOB_METADATA
 from .model import Functions, build_functions
 from .palettize import WeightCache
-from .runtime import ChunkforgeError, release_memory
+from .runtime import ChunkforgeError, release_memory, temporaries_beside
 
 
 def prefix(k: int) -> str:
@@ -74,9 +74,10 @@ def convert_jobs(
     arithmetic: the trace runs the module once) take ``threads`` threads."""
     from .convert import convert_chunk
 
-    if not joint:
-        return [convert_chunk(job, cache, progress, threads) for job in jobs]
-    return convert_joint(jobs, cache, progress, threads)
+    with temporaries_beside(jobs[0]["paths"][0]):
+        if not joint:
+            return [convert_chunk(job, cache, progress, threads) for job in jobs]
+        return convert_joint(jobs, cache, progress, threads)
 
 
 def convert_joint(

@@ -8,7 +8,9 @@ import importlib.abc
 import importlib.machinery
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -171,6 +173,27 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@contextmanager
+def temporaries_beside(path: str) -> Iterator[str]:
+    """Every temporary file and folder made meanwhile (tempfile's default
+    folder: coremltools' temporary packages and weight folders) goes into a
+    fresh folder beside ``path``, removed on the way out.
+
+    coremltools removes its temporary packages only at interpreter exit
+    (``atexit``), which the embedded interpreter never reaches: each
+    conversion left a package under /tmp for good. Beside ``path`` (the run's
+    staging folder) they are also on the output's file system, and a killed
+    run's are swept with its staging folder."""
+    folder = tempfile.mkdtemp(prefix=".tmp-coremltools-", dir=os.path.dirname(os.path.abspath(path)))
+    previous = tempfile.tempdir
+    tempfile.tempdir = folder
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def release_memory() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +83,30 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def progress(function: str, what: str) -> None:
         phases.append((function, what))
 
-    replies = {
-        "joint": convert_jobs(together, True, 2, WeightCache(1), progress),
-        "alone": convert_jobs(alone, False, 1, WeightCache(3), progress),
+    # Where coremltools would leave its temporary packages without
+    # runtime.temporaries_beside: the embedded interpreter never runs atexit.
+    sentinel = tmp_path_factory.mktemp("tempdir")
+    previous, tempfile.tempdir = tempfile.tempdir, str(sentinel)
+    try:
+        replies = {
+            "joint": convert_jobs(together, True, 2, WeightCache(1), progress),
+            "alone": convert_jobs(alone, False, 1, WeightCache(3), progress),
+        }
+    finally:
+        tempfile.tempdir = previous
+    left = {"tempdir": sorted(os.listdir(sentinel)), "out": sorted(os.listdir(out))}
+    return {
+        "build": build,
+        "jobs": {"joint": together, "alone": alone},
+        "replies": replies,
+        "phases": phases,
+        "left": left,
     }
-    return {"build": build, "jobs": {"joint": together, "alone": alone}, "replies": replies, "phases": phases}
+
+
+def test_no_temporary_is_left_behind(converted: dict[str, Any]) -> None:
+    paths = [os.path.basename(p) for js in converted["jobs"].values() for j in js for p in j["paths"]]
+    assert converted["left"] == {"tempdir": [], "out": sorted(paths)}
 
 
 def functions(c: dict[str, Any]) -> list[tuple[str, str, str]]:
