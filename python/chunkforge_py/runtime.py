@@ -3,6 +3,7 @@ message reaches the user verbatim (no exception class name, no traceback)."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import importlib.abc
 import importlib.machinery
@@ -191,9 +192,46 @@ def temporaries_beside(path: str) -> Iterator[str]:
     tempfile.tempdir = folder
     try:
         yield folder
+    except (OSError, RuntimeError) as e:
+        full = _out_of_room(folder, e)
+        if full is None:
+            raise
+        raise ChunkforgeError(full) from e
     finally:
         tempfile.tempdir = previous
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _out_of_room(folder: str, e: BaseException) -> str | None:
+    """The user's message when ``e`` is a failed write into ``folder`` on a
+    full file system, else None.
+
+    coremltools' C++ copy of a temporary package reports a full disk as
+    "filesystem error: cannot copy: Input/output error", naming no cause. The
+    file system counts as full when a file already in ``folder`` could not be
+    written again into the space that is left (or less than 1 MiB is left)."""
+    if isinstance(e, OSError):
+        if e.errno != errno.ENOSPC:
+            return None
+    elif "filesystem error" not in str(e):
+        return None
+    try:
+        free = shutil.disk_usage(folder).free
+        largest = max(
+            (os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs),
+            default=0,
+        )
+    except OSError:
+        return None
+    if free >= max(largest, 1 << 20):
+        return None
+    place = os.path.dirname(folder)
+    if os.path.basename(place).startswith(".chunkforge-staging-"):
+        place = os.path.dirname(place)  # the output folder the user named
+    return (
+        f"{place}: No space left on device (coremltools' temporary package did not fit; "
+        f"{free // 1024} KiB free): free space on that file system or choose another --output"
+    )
 
 
 def release_memory() -> None:

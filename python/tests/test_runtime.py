@@ -77,3 +77,41 @@ def test_the_package_writer_switch(monkeypatch: Any) -> None:
     monkeypatch.setenv(WRITER_ENV, "protobuf")
     with pytest.raises(ChunkforgeError, match=f"{WRITER_ENV}='protobuf': expected chunkforge or coremltools"):
         package_writer()
+
+
+def test_a_full_disk_under_the_temporaries_is_named(tmp_path: Path) -> None:
+    """coremltools' C++ copy says "Input/output error" when the disk is full:
+    temporaries_beside names the cause when a file already written there could
+    not be written again into the space left, and passes other errors on."""
+    import shutil
+
+    import pytest
+    from chunkforge_py.runtime import ChunkforgeError, temporaries_beside
+
+    out = tmp_path / "out"
+    staging = out / ".chunkforge-staging-1-2"
+    staging.mkdir(parents=True)
+    copy_failed = RuntimeError("filesystem error: cannot copy: Input/output error [a] [b]")
+
+    # Room enough: the error is passed on untouched, and the folder is gone.
+    with pytest.raises(RuntimeError, match="Input/output error"), temporaries_beside(str(staging / "x")) as folder:
+        (Path(folder) / "small.mlmodel").write_bytes(b"0" * 1024)
+        raise copy_failed
+    assert os.listdir(staging) == []
+
+    # A (sparse) file larger than the free space: the disk counts as full, and
+    # the message names the output folder, not the staging folder.
+    free = shutil.disk_usage(staging).free
+    with pytest.raises(ChunkforgeError) as caught, temporaries_beside(str(staging / "x")) as folder:
+        with open(Path(folder) / "big.mlmodel", "wb") as f:
+            f.truncate(free + (1 << 30))
+        raise copy_failed
+    assert str(caught.value).startswith(f"{out}: No space left on device")
+    assert caught.value.__cause__ is copy_failed
+    assert os.listdir(staging) == []
+
+    # Not a file-system error: never reported as a full disk.
+    with pytest.raises(ValueError), temporaries_beside(str(staging / "x")) as folder:
+        with open(Path(folder) / "big.mlmodel", "wb") as f:
+            f.truncate(free + (1 << 30))
+        raise ValueError("bad weight")
