@@ -3,7 +3,6 @@ message reaches the user verbatim (no exception class name, no traceback)."""
 
 from __future__ import annotations
 
-import errno
 import gc
 import importlib.abc
 import importlib.machinery
@@ -192,7 +191,7 @@ def temporaries_beside(path: str) -> Iterator[str]:
     tempfile.tempdir = folder
     try:
         yield folder
-    except (OSError, RuntimeError) as e:
+    except RuntimeError as e:
         full = _out_of_room(folder, e)
         if full is None:
             raise
@@ -202,18 +201,16 @@ def temporaries_beside(path: str) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _out_of_room(folder: str, e: BaseException) -> str | None:
-    """The user's message when ``e`` is a failed write into ``folder`` on a
-    full file system, else None.
+def _out_of_room(folder: str, e: RuntimeError) -> str | None:
+    """The user's message when ``e`` is coremltools' failed copy into
+    ``folder`` on a full file system, else None.
 
     coremltools' C++ copy of a temporary package reports a full disk as
-    "filesystem error: cannot copy: Input/output error", naming no cause. The
-    file system counts as full when a file already in ``folder`` could not be
-    written again into the space that is left (or less than 1 MiB is left)."""
-    if isinstance(e, OSError):
-        if e.errno != errno.ENOSPC:
-            return None
-    elif "filesystem error" not in str(e):
+    "filesystem error: cannot copy: Input/output error", naming no cause (a
+    Python write says ENOSPC itself and passes through). The file system
+    counts as full when a file already in ``folder`` could not be written
+    again into the space that is left (or less than 1 MiB is left)."""
+    if "filesystem error" not in str(e):
         return None
     try:
         free = shutil.disk_usage(folder).free
