@@ -94,9 +94,9 @@ class Projection(nn.Conv2d):
     def __init__(self, inp: int, out: int):
         super().__init__(inp, out, kernel_size=1, bias=False)
 
-    def tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """The projection of token-major ``[1, T, in]`` as ``[1, T, out]``."""
-        return from_nchw(self(to_nchw(x, self.in_channels)), self.out_channels)
+    def tokens(self, x: torch.Tensor, t: int) -> torch.Tensor:
+        """The projection of token-major ``[1, t, in]`` as ``[1, t, out]``."""
+        return from_nchw(self(to_nchw(x, self.in_channels, t)), self.out_channels, t)
 
 
 # The two layout changes are reshapes, not unsqueeze/squeeze: coremltools'
@@ -106,16 +106,26 @@ class Projection(nn.Conv2d):
 # NCHW convolution the device-proven graphs hold.
 
 
-# ``c`` is a Python int (and T is -1) so tracing records static shapes.
+# ``c`` and ``t`` are Python ints (and T is -1) so tracing records static shapes.
 
 
-def to_nchw(x: torch.Tensor, c: int) -> torch.Tensor:
-    """[1, T, c] -> [1, c, 1, T]."""
+# One token (decode, T = 1) is a plain reshape either way, since moving an
+# axis of size 1 leaves the order of the elements as it is: the transposes
+# (and the [1, c, 1] between them, a tensor whose last axis the Neural Engine
+# pads to 64 bytes) are needed only when T > 1.
+
+
+def to_nchw(x: torch.Tensor, c: int, t: int) -> torch.Tensor:
+    """[1, t, c] -> [1, c, 1, t]."""
+    if t == 1:
+        return x.reshape(1, c, 1, 1)
     return x.permute(0, 2, 1).reshape(1, c, 1, -1)
 
 
-def from_nchw(x: torch.Tensor, c: int) -> torch.Tensor:
-    """[1, c, 1, T] -> [1, T, c]."""
+def from_nchw(x: torch.Tensor, c: int, t: int) -> torch.Tensor:
+    """[1, c, 1, t] -> [1, t, c]."""
+    if t == 1:
+        return x.reshape(1, 1, c)
     return x.reshape(1, c, -1).permute(0, 2, 1)
 
 
@@ -144,9 +154,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, t: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``t`` tokens' K and V, shaped [1, kv_heads, t, head_dim], K roped, both normed."""
-        k = self.k_norm(self.k_proj.tokens(x).view(1, t, self.kv_heads, self.head_dim))
+        k = self.k_norm(self.k_proj.tokens(x, t).view(1, t, self.kv_heads, self.head_dim))
         k = k * cos + rotate_half(k, self.head_dim) * sin
-        v = self.v_norm(self.v_proj.tokens(x).view(1, t, self.kv_heads, self.head_dim))
+        v = self.v_norm(self.v_proj.tokens(x, t).view(1, t, self.kv_heads, self.head_dim))
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def attend(
@@ -161,7 +171,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention of the ``t`` queries over ``keys``/``values`` [1, kv_heads, L, head_dim];
         ``mask`` is [1, 1, t, L]."""
-        q = self.q_norm(self.q_proj.tokens(x).view(1, t, self.heads, self.head_dim))
+        q = self.q_norm(self.q_proj.tokens(x, t).view(1, t, self.heads, self.head_dim))
         q = q * cos + rotate_half(q, self.head_dim) * sin
         # Grouped-query attention without repeating K/V: fold the query heads
         # that share a KV head (and the t tokens) into the row dimension of one
@@ -180,7 +190,7 @@ class Attention(nn.Module):
             out = out.reshape(1, 1, self.heads * self.head_dim)
         else:
             out = out.view(1, self.heads, t, self.head_dim).transpose(1, 2).reshape(1, t, self.heads * self.head_dim)
-        return self.o_proj.tokens(out)
+        return self.o_proj.tokens(out, t)
 
 
 class MLP(nn.Module):
@@ -190,11 +200,11 @@ class MLP(nn.Module):
         self.up_proj = Projection(hidden, width)
         self.down_proj = Projection(width, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: int) -> torch.Tensor:
         # One NCHW view in, one out: gate, up and down all run as convolutions.
-        xc = to_nchw(x, self.down_proj.out_channels)
+        xc = to_nchw(x, self.down_proj.out_channels, t)
         gate = nn.functional.gelu(self.gate_proj(xc), approximate="tanh")
-        return from_nchw(self.down_proj(gate * self.up_proj(xc)), self.down_proj.out_channels)
+        return from_nchw(self.down_proj(gate * self.up_proj(xc)), self.down_proj.out_channels, t)
 
 
 class DecoderLayer(nn.Module):
@@ -219,11 +229,11 @@ class DecoderLayer(nn.Module):
         self.post_per_layer_input_norm = RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def feed_forward(self, h: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
-        """Everything after attention: FFN block, per-layer-input block, layer scalar."""
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        gated = nn.functional.gelu(self.per_layer_input_gate.tokens(h), approximate="tanh") * per_layer_input
-        h = h + self.post_per_layer_input_norm(self.per_layer_projection.tokens(gated))
+    def feed_forward(self, h: torch.Tensor, per_layer_input: torch.Tensor, t: int) -> torch.Tensor:
+        """Everything after attention for ``t`` tokens: FFN block, per-layer-input block, layer scalar."""
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), t))
+        gated = nn.functional.gelu(self.per_layer_input_gate.tokens(h, t), approximate="tanh") * per_layer_input
+        h = h + self.post_per_layer_input_norm(self.per_layer_projection.tokens(gated, t))
         return h * self.layer_scalar
 
 
@@ -302,7 +312,7 @@ class Chunk(nn.Module):
             # per_layer_raw arrives already multiplied by per_layer_embed_scale (the
             # runtime scales the looked-up row), so it is used as is.
             raw = inp[Key("per_layer_raw")].view(1, t, n_layers, ple)
-            proj = self.per_layer_model_projection.tokens(h) * (dims["hidden_size"] ** -0.5)
+            proj = self.per_layer_model_projection.tokens(h, t) * (dims["hidden_size"] ** -0.5)
             proj = self.per_layer_projection_norm(proj.view(1, t, n_layers, ple))
             per_layer = (proj + raw) * (2.0**-0.5)
             out[Key("per_layer_combined_out")] = per_layer.reshape(1, t, n_layers * ple)
@@ -357,7 +367,7 @@ class Chunk(nn.Module):
             else:
                 a = attn.attend(x, cos, sin, keys, values, masks[kind], t)
             h = h + layer.post_attention_layernorm(a)
-            h = layer.feed_forward(h, per_layer[:, :, spec["index"], :])
+            h = layer.feed_forward(h, per_layer[:, :, spec["index"], :], t)
             trace.append(h)
         self.trace_layers = trace
 
@@ -436,10 +446,16 @@ class Chunk(nn.Module):
         # One causal mask serves every layer; sliding layers also block keys a
         # window or more behind the query (i - j >= w). Positions are 0..n-1 in
         # every prefill call, and causal[j, a] is blocked exactly when a > j, so
-        # row i of the band is row i - w + 1 of causal's transpose (rows before
-        # w - 1 block nothing). Derived from the input rather than stored as an
-        # n x n constant, the prefill program holds the same weights as decode.
-        band = nn.functional.pad(causal.transpose(2, 3)[:, :, : n - w + 1, :], (0, 0, w - 1, 0))
+        # row i of the band is row i - w + 1 of causal's transpose; the rows
+        # before w - 1 block nothing, as row 0 of the transpose does (every
+        # query sees key 0). Derived from the input rather than stored as an
+        # n x n constant, the prefill program holds the same weights as decode;
+        # built by slice, tile and concat (the op types the device-proven graphs
+        # use before the first layer), not pad (theirs only pads the K/V head dim).
+        rows = causal.transpose(2, 3)
+        band = rows[:, :, : n - w + 1, :]
+        if w > 1:
+            band = torch.cat([rows[:, :, :1, :].repeat(1, 1, w - 1, 1), band], dim=2)
         return {"sliding": causal + band, "full": causal}
 
     def _head(self, h: torch.Tensor, inp: Tensors, out: Tensors) -> None:
@@ -448,9 +464,9 @@ class Chunk(nn.Module):
         if self.kind == "prefill":
             # The prompt's last real token, picked by the runtime's one-hot mask.
             last = (normed * inp[Key("last_position_mask")]).sum(dim=1, keepdim=True)
-            logits = self.lm_head.tokens(last)
+            logits = self.lm_head.tokens(last, 1)
         else:
-            logits = self.lm_head.tokens(normed)
+            logits = self.lm_head.tokens(normed, self.tokens)
         cap = self.dims["final_logit_softcapping"]
         if cap:
             logits = torch.tanh(logits / cap) * cap
