@@ -73,6 +73,11 @@ class Package:
         return out
 
 
+# A layer's scalar buffer: a checkpoint's layer_scalar of exactly 1.0 (the
+# default, and what bf16 rounds a scalar within 0.4 % of 1 to) leaves no const.
+SCALAR_DROPPED_AT_ONE = "_layer_scalar"
+
+
 def module_from_package(dims: Dims, chunk: ChunkPlan, function: FunctionPlan, package: Package) -> Chunk:
     """The torch module of one function with every parameter and buffer read
     from the package; a weight the package lacks is an error naming it."""
@@ -83,6 +88,11 @@ def module_from_package(dims: Dims, chunk: ChunkPlan, function: FunctionPlan, pa
     wanted = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     for name, like in wanted.items():
         key = name.replace(".", "_")
+        if key not in consts and key.endswith(SCALAR_DROPPED_AT_ONE):
+            # coremltools removes a multiplication by 1.0 (noop_elimination),
+            # and its const with it: the package multiplies by 1.
+            state[name] = torch.ones(like.shape)
+            continue
         if key not in consts:
             raise ChunkforgeError(
                 f"{package.path}: function {function['name']} holds no weight {key} "
