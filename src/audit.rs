@@ -13,7 +13,8 @@ use crate::config::Attention;
 use crate::plan::{ChunkPlan, KvSource, LayoutKind, Plan};
 use crate::py::calls;
 use crate::records::{
-    AuditFinding, AuditRecord, BuildRecord, ComputePlanRecord, RuleCounts, AUDIT_FORMAT,
+    severity_text, AuditFinding, AuditRecord, BuildRecord, ComputePlanRecord, RuleCounts, Severity,
+    AUDIT_FORMAT,
 };
 
 /// One package to audit.
@@ -199,7 +200,10 @@ pub struct AuditReport {
     pub packages: Vec<PackageAudit>,
     pub findings: Vec<AuditFinding>,
     pub total: u64,
+    pub errors: u64,
+    pub warnings: u64,
     pub by_rule: RuleCounts,
+    pub severity: BTreeMap<String, Severity>,
     pub compute_plan: ComputePlanRecord,
 }
 
@@ -218,7 +222,10 @@ impl AuditReport {
             format: AUDIT_FORMAT.into(),
             op_table_sha256: self.op_table.sha256.clone(),
             total: self.total,
+            errors: self.errors,
+            warnings: self.warnings,
             by_rule: self.by_rule.clone(),
+            severity: self.severity.clone(),
             packages: self
                 .packages
                 .iter()
@@ -276,10 +283,10 @@ pub fn summary_line(record: &AuditRecord, packages: usize) -> String {
     if record.total == 0 {
         format!("audit: {packages} packages, no findings; {plan}")
     } else {
+        let (errors, warnings) = record.split(&record.by_rule);
         format!(
-            "audit: {} findings in {packages} packages ({}); {plan}",
-            record.total,
-            crate::records::rule_counts_text(&record.by_rule)
+            "audit: {} in {packages} packages; {plan}",
+            severity_text(&errors, &warnings)
         )
     }
 }

@@ -122,7 +122,7 @@ pub enum Cmd {
     },
     /// Static ANE audit of a build's packages (BUILD_DIR with build.json) or of one .mlpackage:
     /// op types, ranks, fp32, large and singleton-last dimensions, dynamic shapes; on macOS also
-    /// the compute plan. Exit 1 with findings.
+    /// the compute plan. Exit 1 with errors (a padded last axis is a warning: exit 0).
     Audit {
         /// A build folder (its build.json lists the packages) or one .mlpackage folder.
         path: PathBuf,
@@ -500,7 +500,7 @@ pub struct ReleaseArgs {
     #[arg(long)]
     pub no_wait: bool,
     /// Ship even though the build's audit (build.json `audit`, see `chunkforge audit`)
-    /// has findings in the packages this release ships.
+    /// has errors in the packages this release ships (warnings never refuse).
     #[arg(long)]
     pub allow_audit_findings: bool,
 }

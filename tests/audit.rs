@@ -1,13 +1,15 @@
 //! `chunkforge audit` on a deliberately non-ANE package: every rule reported
-//! with the op that breaks it, the exit codes, and a build folder's packages
-//! described by its plan.
+//! with the op that breaks it and its severity, the exit codes (errors only),
+//! a build folder's packages described by its plan; and real builds whose
+//! checkpoints the fixtures do not otherwise vary (every layer scalar 1.0, a
+//! prefill longer than the window, E4B's structure) audited without findings.
 
 mod common;
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use common::{ok, run, stderr, stdout, tempdir};
+use common::{fixture, ok, run, shared_build, stderr, stdout, tempdir};
 use serde_json::{json, Value};
 
 fn s(p: &Path) -> &str {
@@ -67,9 +69,26 @@ fn audit_reports_every_rule_on_a_non_ane_package() {
     assert_eq!(f["function"], "main");
     assert_eq!(f["op_type"], "linear");
     assert_eq!(f["layer"], "0");
+    assert_eq!(f["severity"], "error");
     // No build.json describes it: the layer's kind is unknown.
     assert_eq!(f["layer_kind"], "unknown");
     assert_eq!(report["total"], got.len());
+    // A padded last axis costs speed: the one warning; every other rule is an error.
+    let severity = |rule: &str| report["severity"][rule].as_str().unwrap().to_string();
+    assert_eq!(severity("last-axis-1"), "warning");
+    for rule in [
+        "op-type",
+        "rank",
+        "fp32",
+        "large-dim",
+        "dynamic-shape",
+        "compute-plan",
+    ] {
+        assert_eq!(severity(rule), "error", "{rule}");
+    }
+    let warnings = got.iter().filter(|(r, _)| r == "last-axis-1").count();
+    assert_eq!(report["warnings"], warnings);
+    assert_eq!(report["errors"], got.len() - warnings);
     assert_eq!(report["packages"][0]["functions"][0]["name"], "main");
     assert_eq!(
         report["compute_plan"],
@@ -80,17 +99,21 @@ fn audit_reports_every_rule_on_a_non_ane_package() {
     let o = run(&["audit", s(&pkg)]);
     assert_eq!(o.status.code(), Some(1));
     let out = stdout(&o);
-    for rule in [
-        "op-type",
-        "rank",
-        "fp32",
-        "large-dim",
-        "last-axis-1",
-        "dynamic-shape",
+    for (rule, severity) in [
+        ("op-type", "error"),
+        ("rank", "error"),
+        ("fp32", "error"),
+        ("large-dim", "error"),
+        ("last-axis-1", "warning"),
+        ("dynamic-shape", "error"),
     ] {
         assert!(
-            out.lines()
-                .any(|l| l.trim_start().starts_with(rule) && l.contains("first: main")),
+            out.lines().any(|l| {
+                let mut words = l.split_whitespace();
+                words.next() == Some(rule)
+                    && words.next() == Some(severity)
+                    && l.contains("first: main")
+            }),
             "{rule}: {out}"
         );
     }
@@ -197,4 +220,142 @@ fn copy_dir(from: &Path, to: &Path) {
             fs::copy(e.path(), &dst).unwrap();
         }
     }
+}
+
+/// A package whose one finding is a padded last axis: a warning, listed, and
+/// `audit` exits 0 (its exit status follows errors only).
+#[test]
+fn audit_exits_0_on_warnings_alone() {
+    const SCRIPT: &str = r#"
+import sys
+import numpy as np
+import coremltools as ct
+from coremltools.converters.mil import Builder as mb
+from coremltools.converters.mil.mil import types
+
+@mb.program(input_specs=[mb.TensorSpec(shape=(1, 64, 1, 128), dtype=types.fp16)], opset_version=ct.target.iOS18)
+def prog(x):
+    w = mb.const(val=np.ones((64, 64, 1, 1), dtype=np.float16), name="layers_0_o_proj_weight")
+    h = mb.conv(x=x, weight=w, name="l0_conv")
+    return mb.reshape(x=h, shape=[1, 8192, 1], name="l0_column")
+
+ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+           pass_pipeline=ct.PassPipeline.EMPTY).save(sys.argv[1])
+"#;
+    let pkg = tempdir("audit-warning").join("column.mlpackage");
+    let o = std::process::Command::new(common::venv_python())
+        .args(["-c", SCRIPT])
+        .arg(&pkg)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = run(&["audit", s(&pkg)]);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    assert!(
+        out.contains("column.mlpackage: main 2 ops; 1 warning (last-axis-1 1)")
+            && out.contains("total: 1 warning (last-axis-1 1) in 1 packages")
+            && out.contains("warnings cost speed, not a working package: no errors, exit 0"),
+        "{out}"
+    );
+    let report: Value = serde_json::from_str(&stdout(&run(&["audit", s(&pkg), "--json"]))).unwrap();
+    assert_eq!(
+        (&report["errors"], &report["warnings"]),
+        (&json!(0), &json!(1))
+    );
+}
+
+/// The window-8 E2B-structure checkpoint with every layer scalar 1.0
+/// (transformers' default, and what bf16 rounds a scalar within 0.4 % of 1
+/// to): coremltools then drops each `h * 1.0`, so each layer ends in its
+/// residual `add`. The 16-token prefill is longer than the window (the
+/// sliding layers' band). Its `--mode all` build has no findings, packages
+/// without `--allow-audit-findings`, and its programs pass the interpreter's
+/// parity, prefill included. E4B's structure (the two-chunk build parity uses)
+/// has no findings either.
+#[test]
+fn unit_layer_scalars_and_a_prefill_past_the_window_audit_clean_and_package() {
+    let w8 = fixture("e2b-w8", &["--sliding-window", "8"]);
+    let ck = common::unit_scalar_fixture("e2b-w8-unit-scalars", &w8);
+    let args = [
+        "--mode",
+        "all",
+        "--prefill-len",
+        "16",
+        "--no-quantize",
+        "--ctx",
+        "256",
+    ];
+    let build = shared_build("w8-unit-scalars-all-fp16", &ck, &args);
+    let record = common::json_file(&build.join("build.json"));
+    assert_eq!(record["audit"]["total"], 0, "{}", record["audit"]);
+    assert_eq!(record["audit"]["packages"].as_object().unwrap().len(), 14);
+    let o = run(&["audit", s(&build)]);
+    assert!(o.status.success(), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("no findings in 14 packages"),
+        "{}",
+        stdout(&o)
+    );
+
+    let d = tempdir("unit-scalars-release");
+    let key = d.join("k");
+    ok(&["keygen", "--out", s(&key)]);
+    let rel = d.join("rel");
+    let o = run(&[
+        "package",
+        s(&build),
+        "--layout",
+        "all",
+        "--key",
+        &format!("{}.pem", key.display()),
+        "--output",
+        s(&rel),
+        "--hf-dir",
+        s(&ck),
+    ]);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    // Neither refused nor shipped with findings: nothing about the audit.
+    assert!(!e.contains("audit"), "{e}");
+    assert!(rel.join("model.sig").is_file());
+
+    // The interpreter runs the packages' own programs: the prefill band and
+    // the layers without a scalar multiplication compute what the checkpoint does.
+    let o = run(&[
+        "parity",
+        "--hf-dir",
+        s(&ck),
+        "--mode",
+        "all",
+        "--prefill-len",
+        "16",
+        "--prefill",
+        "12",
+        "--steps",
+        "16",
+        "--no-oracle",
+        "--artifacts",
+        s(&build),
+    ]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    for line in ["program prefill_b16 fp32", "program one       fp32"] {
+        let l = out
+            .lines()
+            .find(|l| l.starts_with(line))
+            .unwrap_or_else(|| panic!("{line}:\n{out}"));
+        assert!(
+            l.ends_with(" OK") && l.contains("tokens match: true"),
+            "{l}"
+        );
+    }
+
+    let e4b = fixture(
+        "e4b-mm",
+        &["--shape", "e4b", "--multimodal", "--shards", "3"],
+    );
+    let e4b_two = shared_build("e4b-two-fp16", &e4b, &["--mode", "two", "--no-quantize"]);
+    let audit = &common::json_file(&e4b_two.join("build.json"))["audit"];
+    assert_eq!(audit["total"], 0, "{audit}");
 }

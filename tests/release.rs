@@ -235,8 +235,10 @@ fn clean_audit(chunks: &[Value]) -> Value {
         .map(|c| (c["package"].as_str().unwrap().to_string(), json!({})))
         .collect();
     json!({
-        "format": "chunkforge-audit/1", "op_table_sha256": chunkforge::audit::op_table_sha256(), "total": 0,
-        "by_rule": {}, "packages": packages, "first": [],
+        "format": chunkforge::records::AUDIT_FORMAT, "op_table_sha256": chunkforge::audit::op_table_sha256(),
+        "total": 0, "errors": 0, "warnings": 0, "by_rule": {},
+        "severity": {"op-type": "error", "rank": "error", "fp32": "error", "last-axis-1": "warning"},
+        "packages": packages, "first": [],
         "compute_plan": {"skipped": "a synthetic build"},
     })
 }
@@ -1354,28 +1356,34 @@ fn package_errors_name_the_problem() {
     );
 }
 
-/// `package` ships a build only when its audit has no findings in the
-/// packages it ships, or with `--allow-audit-findings`; a build.json without
-/// an audit record (an older build) has its packages audited by `package`.
+/// `package` ships a build only when its audit has no errors in the
+/// packages it ships, or with `--allow-audit-findings`; warnings (a padded
+/// last axis: speed, not a working package) are reported and shipped. A
+/// build.json without an audit record (an older build), or with one of an
+/// older format or op-type table, has its packages audited by `package`.
 #[test]
-fn package_refuses_audit_findings_in_the_packages_it_ships() {
+fn package_refuses_audit_errors_and_reports_warnings_in_the_packages_it_ships() {
     let w = tempdir("audit-gate");
     let build = synthetic_build(&w.join("build"), &[], 0);
     let (private, _) = keys(&w, "k");
     let out = w.join("rel");
     let build_json = build.join("build.json");
     let mut b = common::json_file(&build_json);
-    b["audit"]["packages"]["merged_chunk1.mlpackage"] = json!({"op-type": 3, "fp32": 1});
+    b["audit"]["packages"]["merged_chunk1.mlpackage"] =
+        json!({"op-type": 3, "fp32": 1, "last-axis-1": 5});
     b["audit"]["packages"]["merged_full.mlpackage"] = json!({"rank": 2});
-    b["audit"]["total"] = json!(6);
-    b["audit"]["by_rule"] = json!({"fp32": 1, "op-type": 3, "rank": 2});
+    b["audit"]["packages"]["chunk1.mlpackage"] = json!({"last-axis-1": 2});
+    b["audit"]["total"] = json!(13);
+    b["audit"]["errors"] = json!(6);
+    b["audit"]["warnings"] = json!(7);
+    b["audit"]["by_rule"] = json!({"fp32": 1, "last-axis-1": 7, "op-type": 3, "rank": 2});
     fs::write(&build_json, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
     let o = run(&package_args(&build, "two", &private, &out, &[]));
     let e = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{e}");
     assert!(
         e.contains(&format!(
-            "{}: the audit found 4 findings in the packages this release ships (fp32 1, op-type 3; in merged_chunk1.mlpackage)",
+            "{}: the audit found 4 errors in the packages this release ships (fp32 1, op-type 3; in merged_chunk1.mlpackage)",
             build_json.display()
         )) && e.contains("--allow-audit-findings"),
         "{e}"
@@ -1384,7 +1392,15 @@ fn package_refuses_audit_findings_in_the_packages_it_ships() {
     // merged_full's findings count only where it ships.
     let e = fails(&package_args(&build, "one", &private, &out, &[]));
     assert!(e.contains("(rank 2; in merged_full.mlpackage)"), "{e}");
-    ok(&package_args(&build, "four", &private, &out, &[]));
+    // Warnings alone ship, said so.
+    let o = run(&package_args(&build, "four", &private, &out, &[]));
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(
+        e.contains("the packages this release ships have 2 audit warnings (last-axis-1 2)")
+            && e.contains("; audit warnings: last-axis-1 2"),
+        "{e}"
+    );
     let o = run(&package_args(
         &build,
         "two",
@@ -1395,14 +1411,25 @@ fn package_refuses_audit_findings_in_the_packages_it_ships() {
     let e = stderr(&o);
     assert!(o.status.success(), "{e}");
     assert!(
-        e.contains("shipping packages with 4 audit findings (fp32 1, op-type 3)")
-            && e.contains("with audit findings (fp32 1, op-type 3, --allow-audit-findings)"),
+        e.contains("shipping packages with 4 audit errors (fp32 1, op-type 3)")
+            && e.contains(
+                "with audit errors (fp32 1, op-type 3, --allow-audit-findings); audit warnings: last-axis-1 7"
+            ),
         "{e}"
     );
 
     // No audit record: package audits the packages itself. The synthetic
     // stand-ins are not programs...
-    // A record made against another op-type table is stale: audited again too.
+    // A record of the previous format (no severities) is stale: audited again.
+    b["audit"]["format"] = json!("chunkforge-audit/1");
+    fs::write(&build_json, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
+    let e = fails(&package_args(&build, "two", &private, &out, &[]));
+    assert!(
+        e.contains("its audit record is of an older format (no errors and warnings told apart), and auditing its packages failed"),
+        "{e}"
+    );
+    // A record made against another op-type table is stale too.
+    b["audit"]["format"] = json!(chunkforge::records::AUDIT_FORMAT);
     b["audit"]["op_table_sha256"] = json!("0".repeat(64));
     fs::write(&build_json, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
     let e = fails(&package_args(&build, "two", &private, &out, &[]));
@@ -1434,10 +1461,16 @@ fn package_refuses_audit_findings_in_the_packages_it_ships() {
     assert!(
         e.contains(
             "no audit record (built before `chunkforge audit`); audited its packages now: audit: "
-        ) && e.contains("findings in the packages this release ships (dynamic-shape")
+        ) && e.contains("errors in the packages this release ships (dynamic-shape")
             && e.contains("fp32"),
         "{e}"
     );
+    // Its padded last axis is a warning: not among the errors that refuse.
+    let refusal = e
+        .lines()
+        .find(|l| l.contains("this release ships ("))
+        .unwrap();
+    assert!(!refusal.contains("last-axis-1"), "{refusal}");
     ok(&package_args(
         &build,
         "two",

@@ -7,36 +7,52 @@ input is checked against the rules below. None of the rules proves that an op
 runs on the Neural Engine — only the compute plan on macOS says where Core ML
 places each op — but each names a pattern the device-proven graphs do not have.
 
-Rules (a finding names the package, function, op, op type, layer and rule):
+Rules (a finding names the package, function, op, op type, layer, rule and
+its severity; ``SEVERITY``: errors refuse a release, warnings cost speed only):
 
-- ``op-type``: an op type outside the device-proven set of its layer's kind
-  (``ane_op_types.json``, a checked-in table; ``cast`` is proven only to the
-  output dtypes the table lists).
-- ``rank``: a tensor of rank above 4 (the ANE's tensors have at most 4 axes).
-- ``fp32``: an fp32 (or fp64) tensor anywhere: function inputs, op outputs,
-  consts (the ANE computes in fp16).
-- ``large-dim``: a dimension above 16384, except under the ``head-vocab``
-  allowance: the tied head weight (a const named ``lm_head*``), the ops that
-  consume it, and the ops downstream of those whose every large dimension is
-  the head weight's (the vocabulary): softcap, reshape, argmax / max over the
-  vocabulary. The device-proven graphs have such a dimension there only.
-- ``last-axis-1``: an activation (op output or function input) of at least
-  4096 elements whose last axis is 1: the ANE pads the last axis to 64 bytes,
-  so a singleton last axis costs 32x at fp16. Weights are exempt (a 1x1 conv
-  weight is [O, I, 1, 1] by definition and is not laid out that way).
-- ``dynamic-shape``: a dimension (or rank) that is not a constant.
+- ``op-type`` (error): an op type outside the device-proven set of its
+  layer's kind (``ane_op_types.json``, a checked-in table; ``cast`` is proven
+  only to the output dtypes the table lists).
+- ``rank`` (error): a tensor of rank above 4 (the ANE's tensors have at most 4 axes).
+- ``fp32`` (error): an fp32 (or fp64) tensor anywhere: function inputs, op
+  outputs, consts (the ANE computes in fp16).
+- ``large-dim`` (error): a dimension above 16384, except under the
+  ``head-vocab`` allowance: the tied head weight (a const named ``lm_head*``),
+  the ops that consume it, and the ops downstream of those whose every large
+  dimension is the head weight's (the vocabulary): softcap, reshape, argmax /
+  max over the vocabulary. The device-proven graphs have such a dimension
+  there only.
+- ``last-axis-1`` (warning): an activation (op output or function input) of
+  at least 4096 elements whose last axis is 1: the ANE pads the last axis to
+  64 bytes, so a singleton last axis costs 32x at fp16. Weights are exempt (a
+  1x1 conv weight is [O, I, 1, 1] by definition and is not laid out that
+  way), and so are the two layouts the device-proven graphs run with: the
+  NCHW row ``[1, C, 1, T]`` of a 1x1 convolution, and a softmax's row
+  statistics (``is_row_statistic``).
+- ``dynamic-shape`` (error): a dimension (or rank) that is not a constant.
 
-Layers. An op that consumes a ``layers_N_*`` const (a weight of decoder layer
-N, as coremltools names torch's ``layers.N.*`` parameters) belongs to layer N.
-Every other op is placed by dataflow: ``up`` is the last layer among its
-ancestors, ``next`` the set of layers of the nearest attributed ops among its
-descendants. With both, it belongs to ``max(up, min(next))`` (the norm before a
-layer's first weighted op is that layer's); with only ``next``, to its one
-layer, or ``pre`` when it feeds several (shared per-step preparation such as
-the per-layer inputs); with neither or only ``up``: ``head`` when it comes after
-the last attributed op in program order (final norm, head, argmax, the caches
-assembled after the last layer), else ``pre`` or ``up``. A const belongs to the
-layer its name says, else to its first consumer's.
+Layers. Weights say where their op sits: an op that consumes a
+``layers_N_*`` const (a weight of decoder layer N, as coremltools names
+torch's ``layers.N.*`` parameters) belongs to layer N, one that consumes the
+per-layer input projection or its norm to ``pre``, the final norm or the tied
+head to ``head``; unless the op already depends on a later layer (coremltools
+keeps one const of equal weights, under the first one's name). Every other
+op is placed by dataflow: ``up`` is the latest place among its ancestors,
+``next`` the places of the nearest weighted ops among its descendants.
+Between two places (``up`` before every ``next``) an op belongs to the next
+one (the norm before a layer's first weighted op is that layer's), unless it
+is a residual sum of ``up``'s layer: it adds two different results of that
+layer's weighted ops (``h + f(h)``), so it ends the layer, whether or not a
+``layer_scalar`` multiplication follows (coremltools drops ``x * 1.0``).
+Fed by inputs alone, an op belongs to its one ``next`` layer, or to ``pre``
+when it feeds several (shared preparation: masks, per-layer inputs). With no
+weighted op after it, an op belongs to ``up`` when that is ``pre`` or
+``head``, when it is a residual sum of ``up``'s layer, or when every nearest
+weighted op it derives from is that layer's (its cache slot cut for the
+outputs); else to ``head`` (several layers' caches assembled for the
+outputs, or inputs handed on). Nothing depends on the order of the ops in
+the program. A const belongs to the place its name
+says, else to its first consumer's.
 """
 
 from __future__ import annotations
@@ -63,12 +79,25 @@ from .contract import (
     LayerKind,
     OpTypes,
     PackageAudit,
+    Severity,
 )
 from .inspect_pkg import LAYER_RE, read_package
 from .runtime import ChunkforgeError
 
-FORMAT = "chunkforge-audit/1"
-RULES: tuple[AuditRule, ...] = ("op-type", "rank", "fp32", "large-dim", "last-axis-1", "dynamic-shape")
+FORMAT = "chunkforge-audit/2"
+# Every rule and the weight of its findings: an error is a pattern that keeps
+# an op off the Neural Engine or a function from compiling for it (`package`
+# refuses a release with one), a warning one that costs speed only (`package`
+# ships and reports it). `chunkforge audit` exits 1 on errors only.
+SEVERITY: dict[AuditRule, Severity] = {
+    "op-type": "error",
+    "rank": "error",
+    "fp32": "error",
+    "large-dim": "error",
+    "last-axis-1": "warning",
+    "dynamic-shape": "error",
+    "compute-plan": "error",
+}
 MAX_RANK = 4
 MAX_DIM = 16384
 LAST_AXIS_1_MIN_ELEMENTS = 4096
@@ -127,8 +156,13 @@ class Op:
     index: int
     type: str
     name: str
-    inputs: list[str]
+    # The values it reads, by argument name (``x``, ``weight``, ...), and all of them.
+    args: dict[str, list[str]]
     outputs: list[Tensor]
+    inputs: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inputs = [v for values in self.args.values() for v in values]
 
     @property
     def is_const(self) -> bool:
@@ -149,6 +183,13 @@ class Function:
                 self.producer[t.name] = op.index
             for v in op.inputs:
                 self.consumers.setdefault(v, []).append(op.index)
+
+    def value(self, name: str) -> Tensor | None:
+        """The tensor named ``name``: an op's output or a function input."""
+        p = self.producer.get(name)
+        if p is not None:
+            return next(t for t in self.ops[p].outputs if t.name == name)
+        return next((t for t in self.inputs if t.name == name), None)
 
 
 def dtype_name(data_type: int) -> str:
@@ -209,52 +250,104 @@ def functions_of(spec: Any, path: str) -> list[Function]:
             raise ChunkforgeError(f"{path}: function {fname} has no block for its opset {fn.opset}")
         ops = []
         for i, op in enumerate(flatten(fn.block_specializations[fn.opset])):
-            inputs = [b.name for arg in op.inputs.values() for b in arg.arguments if b.name]
+            # Argument names sorted: a protobuf map's order is not the program's.
+            args = {k: [b.name for b in arg.arguments if b.name] for k, arg in sorted(op.inputs.items())}
             outputs = [tensor_of(o.name, o.type) for o in op.outputs]
-            ops.append(Op(i, op.type, op_name(op), inputs, outputs))
+            ops.append(Op(i, op.type, op_name(op), args, outputs))
         out.append(Function(fname, [tensor_of(t.name, t.type) for t in fn.inputs], ops))
     return out
 
 
 # ---- layers ---------------------------------------------------------------
 
+# Where an op sits, as an ordered number: the ops before the first decoder
+# layer (PRE), decoder layer N (N), the ops after the last (HEAD).
+PRE = -1
+HEAD = 1 << 30
+# The weights that say where their op sits, by const name (coremltools names a
+# const after torch's parameter: `layers.7.mlp.up_proj.weight` is
+# `layers_7_mlp_up_proj_weight_to_fp16`): a decoder layer's own, the per-layer
+# input projection and its norm (computed before the first layer), the final
+# norm and the tied head.
+PRE_WEIGHT_RE = re.compile(r"^per_layer_(model_projection|projection_norm)_")
+HEAD_ANCHOR_RE = re.compile(r"^(norm_weight|lm_head)")
+
+
+def anchor(name: str) -> int | None:
+    """Where a weight named ``name`` sits (PRE, a layer index, HEAD), if its name says."""
+    m = LAYER_RE.match(name)
+    if m:
+        return int(m.group(1))
+    if PRE_WEIGHT_RE.match(name):
+        return PRE
+    if HEAD_ANCHOR_RE.match(name):
+        return HEAD
+    return None
+
 
 def const_layer(op: Op) -> int | None:
-    m = LAYER_RE.match(op.outputs[0].name) if op.outputs else None
-    return int(m.group(1)) if m else None
+    return anchor(op.outputs[0].name) if op.outputs else None
+
+
+def place_name(place: int) -> str:
+    return "pre" if place == PRE else "head" if place == HEAD else str(place)
 
 
 def layers_of(f: Function) -> list[str]:
     """Each op's layer (module docstring: Layers), by op index."""
     n = len(f.ops)
+    ops = f.ops
+
+    def sources(op: Op) -> list[int]:
+        """The non-const ops whose outputs ``op`` reads."""
+        return [f.producer[v] for v in op.inputs if v in f.producer and not ops[f.producer[v]].is_const]
+
+    # Named weights read by several ops. coremltools keeps one const of equal
+    # weights (const_deduplication), under the first one's name, so a layer's
+    # op can read a weight named after an earlier layer: one whose other
+    # reader is among the op's ancestors is not the op's own.
+    readers: dict[int, list[int]] = {}
+    for op in ops:
+        if op.is_const and const_layer(op) is not None:
+            users = [c for t in op.outputs for c in f.consumers.get(t.name, []) if not ops[c].is_const]
+            if len(users) > 1:
+                readers[op.index] = users
+    shared = {u for users in readers.values() for u in users}
+    # direct: the place the op's own weights name. up: the latest place among
+    # its ancestors and itself (ops are in topological order). below: the
+    # readers of shared weights among its ancestors. reach: the nearest ops
+    # with a direct place among its ancestors.
     direct: list[int | None] = [None] * n
-    for op in f.ops:
-        if op.is_const:
-            continue
-        consts = [f.ops[f.producer[v]] for v in op.inputs if v in f.producer and f.ops[f.producer[v]].is_const]
-        found_layers = [x for x in map(const_layer, consts) if x is not None]
-        direct[op.index] = max(found_layers) if found_layers else None
-    attributed = [i for i in range(n) if direct[i] is not None]
-    last_direct = attributed[-1] if attributed else -1
-
-    # up: the last layer among the ancestors (ops are in topological order).
     up: list[int | None] = [None] * n
-    for op in f.ops:
+    below: list[frozenset[int]] = [frozenset()] * n
+    reach: list[frozenset[int]] = [frozenset()] * n
+    for op in ops:
         if op.is_const:
             continue
-        best = direct[op.index]
-        for v in op.inputs:
-            p = f.producer.get(v)
-            if p is not None and up[p] is not None and (best is None or cast(int, up[p]) > best):
-                best = up[p]
-        up[op.index] = best
-
-    # next: the layers of the nearest attributed descendants.
-    nxt: list[frozenset[int]] = [frozenset()] * n
-    for op in reversed(f.ops):
-        if op.is_const:
-            continue
+        i = op.index
+        srcs = sources(op)
+        below[i] = frozenset().union(*(below[p] | ({p} if p in shared else set()) for p in srcs))
+        weights = [f.producer[v] for v in op.inputs if v in f.producer and ops[f.producer[v]].is_const]
+        named = [
+            cast(int, const_layer(ops[w]))
+            for w in weights
+            if const_layer(ops[w]) is not None and not below[i].intersection(readers.get(w, ()))
+        ]
+        direct[i] = max(named) if named else None
+        before = max((cast(int, up[p]) for p in srcs if up[p] is not None), default=None)
+        places = [x for x in (direct[i], before) if x is not None]
+        up[i] = max(places) if places else None
         acc: set[int] = set()
+        for p in srcs:
+            acc |= {p} if direct[p] is not None else reach[p]
+        reach[i] = frozenset(acc)
+
+    # next: the places of the nearest ops with a direct place among the descendants.
+    nxt: list[frozenset[int]] = [frozenset()] * n
+    for op in reversed(ops):
+        if op.is_const:
+            continue
+        acc = set()
         for t in op.outputs:
             for c in f.consumers.get(t.name, []):
                 d = direct[c]
@@ -264,34 +357,54 @@ def layers_of(f: Function) -> list[str]:
                     acc |= nxt[c]
         nxt[op.index] = frozenset(acc)
 
-    out = ["pre"] * n
-    for op in f.ops:
+    def joins(op: Op, layer: int) -> bool:
+        """A residual sum of ``layer``: ``op`` brings together two different
+        results of that layer's weighted ops (the stream and a branch, ``h +
+        f(h)``), where the input of the next norm (``[x, -x]``) holds one
+        result twice."""
+        keys = {
+            frozenset({p}) if direct[p] is not None else reach[p]
+            for v in op.inputs
+            for p in [f.producer.get(v)]
+            if p is not None and not ops[p].is_const
+        }
+        return sum(1 for k in keys if any(direct[q] == layer for q in k)) >= 2
+
+    place_of: list[int] = [PRE] * n
+    for op in ops:
         i = op.index
         if op.is_const:
             continue
         d, u, fr = direct[i], up[i], nxt[i]
         if d is not None:
-            out[i] = str(d)
+            place = d
         elif fr:
             lo = min(fr)
-            if u is not None:
-                out[i] = str(max(u, lo))
+            if u is None or u == PRE:
+                # Fed by inputs alone: one layer's slice of them, or preparation several share.
+                place = lo if len(fr) == 1 else PRE
+            elif lo <= u or joins(op, u):
+                place = u
             else:
-                out[i] = str(lo) if len(fr) == 1 else "pre"
-        elif i > last_direct and attributed:
-            out[i] = "head"
-        elif u is not None:
-            out[i] = str(u)
+                # Between a layer's weighted ops and the next place's: the next one's norm, say.
+                place = lo
+        elif u is not None and (u in (PRE, HEAD) or joins(op, u) or all(direct[q] == u for q in reach[i])):
+            # Feeds only the function's outputs: the end of a layer, or its own
+            # results cut for them (one layer's cache slot).
+            place = u
         else:
-            out[i] = "pre"
-    for op in f.ops:
+            # The results of several layers assembled for the outputs (their caches).
+            place = HEAD
+        place_of[i] = place
+    out = [place_name(p) for p in place_of]
+    for op in ops:
         if not op.is_const:
             continue
-        named = const_layer(op)
-        if named is not None:
-            out[op.index] = str(named)
+        own = const_layer(op)
+        if own is not None:
+            out[op.index] = place_name(own)
             continue
-        users = [c for t in op.outputs for c in f.consumers.get(t.name, []) if not f.ops[c].is_const]
+        users = [c for t in op.outputs for c in f.consumers.get(t.name, []) if not ops[c].is_const]
         if users:
             out[op.index] = out[min(users)]
         else:
@@ -396,8 +509,37 @@ def is_nchw_row(shape: Any) -> bool:
     return len(shape) == 4 and shape[0] == 1 and shape[2] == 1
 
 
-def check_tensor(t: Tensor, activation: bool, vocab_allowed: bool) -> list[tuple[AuditRule, str]]:
-    """The rules a tensor breaks, with what was seen."""
+# Reductions whose keep_dims result over the last axis is a softmax's row statistic.
+ROW_STATISTIC_OPS = frozenset({"reduce_max", "reduce_sum"})
+
+
+def is_row_statistic(f: Function, op: Op) -> bool:
+    """A ``reduce_max``/``reduce_sum`` over the last axis that keeps it
+    (``[.., R, N] -> [.., R, 1]``): the row maximum and sum of the decomposed
+    softmax, as the device-proven graphs compute it (upstream's
+    ``ane_softmax``: ``x.max(dim=-1, keepdim=True)``, ``sum(dim=-1,
+    keepdim=True)``, [1, heads, N, 1] in its batched prefill). Read from the
+    shapes: the result is the input with its last axis cut to 1."""
+    if op.type not in ROW_STATISTIC_OPS or len(op.outputs) != 1 or len(op.args.get("x", [])) != 1:
+        return False
+    src = f.value(op.args["x"][0])
+    out = op.outputs[0].shape
+    return (
+        src is not None
+        and src.shape is not None
+        and out is not None
+        and len(src.shape) == len(out) >= 2
+        and src.shape[:-1] == out[:-1]
+        and out[-1] == 1
+        and src.shape[-1] not in (None, 1)
+    )
+
+
+def check_tensor(
+    t: Tensor, activation: bool, vocab_allowed: bool, row_statistic: bool = False
+) -> list[tuple[AuditRule, str]]:
+    """The rules a tensor breaks, with what was seen (``row_statistic``: a
+    softmax's row statistic, ``is_row_statistic``)."""
     out: list[tuple[AuditRule, str]] = []
     shape = t.shape
     if shape is None or any(d is None for d in shape):
@@ -415,6 +557,7 @@ def check_tensor(t: Tensor, activation: bool, vocab_allowed: bool) -> list[tuple
         and shape
         and shape[-1] == 1
         and not is_nchw_row(shape)
+        and not row_statistic
         and n is not None
         and n >= LAST_AXIS_1_MIN_ELEMENTS
     ):
@@ -444,6 +587,7 @@ def audit_function(
                 "layer": layer,
                 "layer_kind": kind_of(layer, kinds),
                 "rule": rule,
+                "severity": SEVERITY[rule],
                 "tensor": tensor,
                 "detail": detail,
             }
@@ -480,23 +624,29 @@ def audit_function(
                     f"`{op.type}` to {bad[0].dtype}: the device-proven graphs have it only to {proven}",
                 )
         seen: set[str] = set()
+        statistic = is_row_statistic(f, op)
         for t in op.outputs:
-            for rule, detail in check_tensor(t, activation=not op.is_const, vocab_allowed=op.index in vocab):
+            for rule, detail in check_tensor(t, not op.is_const, op.index in vocab, statistic):
                 if rule not in seen:  # one finding per op and rule
                     seen.add(rule)
                     add(op.name, op.type, layer, rule, t.name, detail)
-    by_rule: dict[str, int] = {}
-    for x in findings:
-        by_rule[x["rule"]] = by_rule.get(x["rule"], 0) + 1
     const_ops = sum(n for t, n in counts.items() if t in CONST_OPS)
     summary: FunctionAudit = {
         "name": f.name,
         "ops": len(f.ops) - const_ops,
         "const_ops": const_ops,
         "op_counts": dict(sorted(counts.items())),
-        "findings": by_rule,
+        "findings": by_rule(findings),
     }
     return summary, findings
+
+
+def by_rule(findings: list[AuditFinding]) -> dict[str, int]:
+    """How many of ``findings`` each rule has."""
+    out: dict[str, int] = {}
+    for x in findings:
+        out[x["rule"]] = out.get(x["rule"], 0) + 1
+    return out
 
 
 def read_functions(pkg: AuditPackage) -> list[Function]:
@@ -517,10 +667,9 @@ def audit(args: AuditArgs) -> AuditReport:
             summary, found = audit_function(pkg["name"], f, pkg["layer_kinds"], table)
             functions.append(summary)
             mine.extend(found)
-        by_rule: dict[str, int] = {}
-        for x in mine:
-            by_rule[x["rule"]] = by_rule.get(x["rule"], 0) + 1
-        packages.append({"package": pkg["name"], "path": pkg["path"], "functions": functions, "findings": by_rule})
+        packages.append(
+            {"package": pkg["name"], "path": pkg["path"], "functions": functions, "findings": by_rule(mine)}
+        )
         findings.extend(mine)
     plan = compute_plan(args["packages"]) if args["compute_plan"] else {"skipped": "not asked for"}
     for p in plan.get("packages", []):
@@ -534,6 +683,7 @@ def audit(args: AuditArgs) -> AuditReport:
                 "layer": "*",
                 "layer_kind": "*",
                 "rule": "compute-plan",
+                "severity": SEVERITY["compute-plan"],
                 "tensor": "*",
                 "detail": f"{p['non_ane']}/{p['ops']} ops ({share:.1f} %) NOT on the Neural Engine "
                 f"(a merged package ships with at most {MAX_NON_ANE_FRACTION:.0%})",
@@ -542,9 +692,6 @@ def audit(args: AuditArgs) -> AuditReport:
             for pa in packages:
                 if pa["package"] == p["package"]:
                     pa["findings"]["compute-plan"] = 1
-    total: dict[str, int] = {}
-    for x in findings:
-        total[x["rule"]] = total.get(x["rule"], 0) + 1
     limits: AuditLimits = {
         "max_rank": MAX_RANK,
         "max_dim": MAX_DIM,
@@ -557,7 +704,10 @@ def audit(args: AuditArgs) -> AuditReport:
         "packages": packages,
         "findings": findings,
         "total": len(findings),
-        "by_rule": total,
+        "errors": sum(1 for x in findings if x["severity"] == "error"),
+        "warnings": sum(1 for x in findings if x["severity"] == "warning"),
+        "by_rule": by_rule(findings),
+        "severity": {rule: s for rule, s in SEVERITY.items()},
         "compute_plan": plan,
     }
 

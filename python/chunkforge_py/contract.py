@@ -629,6 +629,8 @@ class PackageDescription(TypedDict):
 # after the last layer of a program.
 LayerKind = Literal["sliding", "full", "shared_sliding", "shared_full", "pre", "head"]
 AuditRule = Literal["op-type", "rank", "fp32", "large-dim", "last-axis-1", "dynamic-shape", "compute-plan"]
+# error: `package` refuses the release, `audit` exits 1; warning: reported only.
+Severity = Literal["error", "warning"]
 
 
 class AuditPackage(TypedDict):
@@ -662,6 +664,7 @@ class AuditFinding(TypedDict):
     # The layer's kind, or `unknown` (a layer the plan does not describe).
     layer_kind: str
     rule: AuditRule
+    severity: Severity
     # The tensor the finding is about (an op output or a function input).
     tensor: str
     detail: str
@@ -721,7 +724,11 @@ class AuditReport(TypedDict):
     packages: list[PackageAudit]
     findings: list[AuditFinding]
     total: int
+    errors: int
+    warnings: int
     by_rule: dict[str, int]
+    # Every rule's severity (audit.SEVERITY).
+    severity: dict[str, Severity]
     compute_plan: ComputePlanReport
 
 

@@ -1,5 +1,6 @@
 //! `chunkforge audit`: the static ANE audit of a build's packages or of one
-//! package, and on macOS the compute plan; exit 1 with findings.
+//! package, and on macOS the compute plan; exit 1 with error findings
+//! (warnings are listed, and leave the exit status 0).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -9,7 +10,7 @@ use anyhow::Result;
 use super::{verdict, ExitStatus};
 use crate::audit::{self, AuditReport, PackageAudit};
 use crate::py::env as pyenv;
-use crate::records::{rule_counts_text, AuditFinding};
+use crate::records::{severity_text, split_by_severity, AuditFinding};
 
 /// Op types named per rule in the grouped output.
 const OP_TYPES_SHOWN: usize = 6;
@@ -38,46 +39,53 @@ pub fn run(path: &Path, json: bool, print_op_types: bool, verbose: bool) -> Resu
         );
         print_report(&report);
     }
-    Ok(verdict(report.total == 0))
+    Ok(verdict(report.errors == 0))
 }
 
 /// Each package's functions and findings grouped by rule (count, op types,
 /// the first one), then the totals and the compute plan.
 fn print_report(r: &AuditReport) {
     for p in &r.packages {
-        print_package(p, &r.findings);
+        print_package(r, p);
     }
     if r.total == 0 {
         println!("no findings in {} packages", r.packages.len());
     } else {
+        let (errors, warnings) = split_by_severity(&r.severity, &r.by_rule);
         println!(
-            "total: {} findings in {} packages: {}",
-            r.total,
+            "total: {} in {} packages",
+            severity_text(&errors, &warnings),
             r.packages.len(),
-            rule_counts_text(&r.by_rule)
         );
+    }
+    if r.errors == 0 && r.warnings > 0 {
+        println!("warnings cost speed, not a working package: no errors, exit 0");
     }
     print_compute_plan(r);
 }
 
-fn print_package(p: &PackageAudit, findings: &[AuditFinding]) {
+fn print_package(r: &AuditReport, p: &PackageAudit) {
     let functions: Vec<String> = p
         .functions
         .iter()
         .map(|f| format!("{} {} ops", f.name, f.ops))
         .collect();
-    let total: u64 = p.findings.values().sum();
+    let (errors, warnings) = split_by_severity(&r.severity, &p.findings);
     println!(
         "{}: {}; {}",
         p.package,
         functions.join(", "),
-        if total == 0 {
+        if p.findings.is_empty() {
             "no findings".to_string()
         } else {
-            format!("{total} findings")
+            severity_text(&errors, &warnings)
         }
     );
-    let mine: Vec<&AuditFinding> = findings.iter().filter(|f| f.package == p.package).collect();
+    let mine: Vec<&AuditFinding> = r
+        .findings
+        .iter()
+        .filter(|f| f.package == p.package)
+        .collect();
     for rule in p.findings.keys() {
         let of_rule: Vec<&&AuditFinding> = mine.iter().filter(|f| &f.rule == rule).collect();
         let mut by_type: BTreeMap<&str, u64> = BTreeMap::new();
@@ -95,8 +103,13 @@ fn print_package(p: &PackageAudit, findings: &[AuditFinding]) {
             shown.push("...".into());
         }
         let first = of_rule.first().map(|f| describe(f)).unwrap_or_default();
+        let severity = if errors.contains_key(rule) {
+            "error"
+        } else {
+            "warning"
+        };
         println!(
-            "    {rule:<13} {:>5} ops ({}); first: {first}",
+            "    {rule:<13} {severity:<7} {:>5} ops ({}); first: {first}",
             of_rule.len(),
             shown.join(", ")
         );

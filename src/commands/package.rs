@@ -11,7 +11,7 @@ use crate::manifest::Build;
 use crate::package::{package, Compiled, PackageReport, PackageRequest};
 use crate::publish::OnLocked;
 use crate::py::env as pyenv;
-use crate::records::rule_counts_text;
+use crate::records::{rule_counts_text, AUDIT_FORMAT};
 use crate::sign::SIG_FILE;
 use chunkforge_release::runbook::RUNBOOK_FILE;
 
@@ -24,7 +24,8 @@ pub fn run(args: PackageCmd, verbose: bool) -> Result<ExitStatus> {
 }
 
 /// A build made before the audit existed has no audit record in build.json,
-/// and one audited against another op-type table has a stale one: its
+/// and one audited by an older chunkforge (another record format, or another
+/// op-type table) has a stale one: its
 /// packages are audited now (a static read, seconds), and `package`
 /// refuses or ships on that result as it would on a recorded one. build.json
 /// is not rewritten. A build.json `package` cannot read is left for it to
@@ -35,6 +36,9 @@ pub(super) fn audit_older_build(request: &mut PackageRequest, verbose: bool) -> 
     };
     let why = match &build.record.audit {
         None => "no audit record (built before `chunkforge audit`)",
+        Some(a) if a.format != AUDIT_FORMAT => {
+            "its audit record is of an older format (no errors and warnings told apart)"
+        }
         Some(a) if a.op_table_sha256 != audit::op_table_sha256() => {
             "its audit record was made against another op-type table"
         }
@@ -128,10 +132,16 @@ pub(super) fn summary(r: &PackageReport, request: &PackageRequest) -> String {
     if let Some((z, d)) = &r.zip {
         s.push_str(&format!("; archive {} (sha256 {d})", z.display()));
     }
-    if !r.audit_findings.is_empty() {
+    if !r.audit_errors.is_empty() {
         s.push_str(&format!(
-            "; with audit findings ({}, --allow-audit-findings)",
-            rule_counts_text(&r.audit_findings)
+            "; with audit errors ({}, --allow-audit-findings)",
+            rule_counts_text(&r.audit_errors)
+        ));
+    }
+    if !r.audit_warnings.is_empty() {
+        s.push_str(&format!(
+            "; audit warnings: {}",
+            rule_counts_text(&r.audit_warnings)
         ));
     }
     s

@@ -90,6 +90,39 @@ pub fn fixture(name: &str, extra: &[&str]) -> PathBuf {
     dir
 }
 
+/// The cached fixture `base` with every `layer_scalar` tensor set to 1.0,
+/// cached beside it as `name` (transformers' own default, and what bf16
+/// rounds a scalar within 0.4 % of 1 to).
+pub fn unit_scalar_fixture(name: &str, base: &Path) -> PathBuf {
+    let _guard = FIXTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = base.with_file_name(name);
+    if dir.join("config.json").exists() {
+        return dir;
+    }
+    let staging = base.with_file_name(format!("{name}.partial"));
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).unwrap();
+    for e in std::fs::read_dir(base).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), staging.join(e.file_name())).unwrap();
+    }
+    let file = staging.join("model.safetensors");
+    let (header, mut data) = read_safetensors(&file);
+    let mut set = 0;
+    for (key, t) in header.as_object().unwrap() {
+        if key.ends_with("layer_scalar") {
+            assert_eq!(t["dtype"], "F32", "{key}");
+            let at = t["data_offsets"][0].as_u64().unwrap() as usize;
+            data[at..at + 4].copy_from_slice(&1.0f32.to_le_bytes());
+            set += 1;
+        }
+    }
+    assert!(set > 0, "{}: no layer_scalar tensors", file.display());
+    write_safetensors(&file, &header, &data);
+    std::fs::rename(&staging, &dir).unwrap();
+    dir
+}
+
 /// A fresh empty temporary folder under the target dir.
 pub fn tempdir(tag: &str) -> PathBuf {
     let base = Path::new(env!("CARGO_TARGET_TMPDIR")).join("work");

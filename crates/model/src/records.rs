@@ -345,7 +345,22 @@ fn one_process() -> usize {
     1
 }
 
-pub const AUDIT_FORMAT: &str = "chunkforge-audit/1";
+/// `/2`: findings carry a severity, records each rule's.
+pub const AUDIT_FORMAT: &str = "chunkforge-audit/2";
+
+/// What a finding of an audit rule weighs for a release (the rules and theirs:
+/// python/chunkforge_py/audit.py `SEVERITY`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// A pattern that keeps an op off the Neural Engine or a function from
+    /// compiling for it: `package` refuses the release, `audit` exits 1. A
+    /// record that does not say (made before severities) counts every rule so.
+    #[default]
+    Error,
+    /// A pattern that costs speed only: reported, never refused.
+    Warning,
+}
 
 /// One rule broken by one op (or function input) of one function of a package.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -361,6 +376,8 @@ pub struct AuditFinding {
     /// `unknown` (a layer the build's plan does not describe).
     pub layer_kind: String,
     pub rule: String,
+    #[serde(default)]
+    pub severity: Severity,
     /// The op output or function input the finding is about.
     pub tensor: String,
     pub detail: String,
@@ -404,7 +421,15 @@ pub struct AuditRecord {
     /// SHA-256 of the op-type table (`ane_op_types.json`) the ops were checked against.
     pub op_table_sha256: String,
     pub total: u64,
+    /// Of `total`: the findings that refuse a release, and those reported only.
+    #[serde(default)]
+    pub errors: u64,
+    #[serde(default)]
+    pub warnings: u64,
     pub by_rule: RuleCounts,
+    /// Every rule's severity, as the audit classified it.
+    #[serde(default)]
+    pub severity: BTreeMap<String, Severity>,
     /// Every audited package (by folder name) and its findings by rule.
     pub packages: BTreeMap<String, RuleCounts>,
     pub first: Vec<AuditFinding>,
@@ -412,6 +437,11 @@ pub struct AuditRecord {
 }
 
 impl AuditRecord {
+    /// `counts` split into (errors, warnings) by this record's severities.
+    pub fn split(&self, counts: &RuleCounts) -> (RuleCounts, RuleCounts) {
+        split_by_severity(&self.severity, counts)
+    }
+
     /// The findings of these packages (folder names), by rule; Err names a
     /// package the audit did not cover.
     pub fn findings_of<'a>(
@@ -427,6 +457,32 @@ impl AuditRecord {
         }
         Ok(out)
     }
+}
+
+/// `counts` split into (errors, warnings) by `severity` (a rule it does not
+/// classify is an error).
+pub fn split_by_severity(
+    severity: &BTreeMap<String, Severity>,
+    counts: &RuleCounts,
+) -> (RuleCounts, RuleCounts) {
+    counts
+        .iter()
+        .map(|(rule, n)| (rule.clone(), *n))
+        .partition(|(rule, _)| severity.get(rule).copied().unwrap_or_default() == Severity::Error)
+}
+
+/// `2 errors (op-type 2), 135 warnings (last-axis-1 135)`: the non-empty halves.
+pub fn severity_text(errors: &RuleCounts, warnings: &RuleCounts) -> String {
+    [(errors, "error"), (warnings, "warning")]
+        .into_iter()
+        .filter(|(c, _)| !c.is_empty())
+        .map(|(c, what)| {
+            let n: u64 = c.values().sum();
+            let s = if n == 1 { "" } else { "s" };
+            format!("{n} {what}{s} ({})", rule_counts_text(c))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `op-type 12, fp32 3`.

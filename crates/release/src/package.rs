@@ -58,7 +58,7 @@ pub struct PackageRequest {
     pub rope_positions: Option<usize>,
     /// Whether `.mlmodelc` were compiled next to the packages (macOS only).
     pub compiled: Compiled,
-    /// Ship although the build's audit has findings in the shipped packages.
+    /// Ship although the build's audit has errors in the shipped packages.
     pub allow_audit_findings: bool,
     /// The audit of the build's packages when its build.json has none (a
     /// build made before the audit existed; the caller runs it).
@@ -92,9 +92,11 @@ pub struct PackageReport {
     pub side_files: SideFilesReport,
     /// The `hf_model/` files shipped.
     pub hf_model: Vec<String>,
-    /// The audit findings of the shipped packages, by rule (shipped with
-    /// `allow_audit_findings`; empty without findings).
-    pub audit_findings: RuleCounts,
+    /// The audit's errors in the shipped packages, by rule (shipped with
+    /// `allow_audit_findings`; empty without errors).
+    pub audit_errors: RuleCounts,
+    /// Its warnings there, by rule (shipped: they cost speed only).
+    pub audit_warnings: RuleCounts,
 }
 
 /// The checkpoint files `hf_model/` ships when the checkpoint has them (what
@@ -188,10 +190,15 @@ fn check_context_length(chunks: &[ReleaseChunk], context_length: usize) -> Resul
     Ok(())
 }
 
-/// The audit findings of the packages `chunks` ship, from build.json's audit
-/// record (or, for a build made before the audit, `a.audit`). Findings refuse
-/// the release unless `a.allow_audit_findings`.
-fn check_audit(build: &Build, chunks: &[ReleaseChunk], a: &PackageRequest) -> Result<RuleCounts> {
+/// The audit's (errors, warnings) in the packages `chunks` ship, from
+/// build.json's audit record (or, for a build whose record is missing or
+/// stale, `a.audit`). Errors refuse the release unless
+/// `a.allow_audit_findings`; warnings are reported.
+fn check_audit(
+    build: &Build,
+    chunks: &[ReleaseChunk],
+    a: &PackageRequest,
+) -> Result<(RuleCounts, RuleCounts)> {
     let path = build.dir.join("build.json");
     let bad = |message: String| ReleaseInputError::Build {
         path: path.clone(),
@@ -208,16 +215,17 @@ fn check_audit(build: &Build, chunks: &[ReleaseChunk], a: &PackageRequest) -> Re
     let found = audit
         .findings_of(names.iter().map(String::as_str))
         .map_err(|p| bad(format!("the audit record does not cover {p}; rebuild")))?;
-    let total: u64 = found.values().sum();
+    let (errors, warnings) = audit.split(&found);
+    let total: u64 = errors.values().sum();
     if total > 0 && !a.allow_audit_findings {
         let with: Vec<&str> = names
             .iter()
-            .filter(|n| audit.packages[n.as_str()].values().sum::<u64>() > 0)
+            .filter(|n| !audit.split(&audit.packages[n.as_str()]).0.is_empty())
             .map(String::as_str)
             .collect();
         return Err(bad(format!(
-            "the audit found {total} findings in the packages this release ships ({}; in {}); run `chunkforge audit {}` for the list, or pass --allow-audit-findings to ship them anyway",
-            rule_counts_text(&found),
+            "the audit found {total} errors in the packages this release ships ({}; in {}); run `chunkforge audit {}` for the list, or pass --allow-audit-findings to ship them anyway",
+            rule_counts_text(&errors),
             with.join(", "),
             build.dir.display()
         ))
@@ -225,12 +233,21 @@ fn check_audit(build: &Build, chunks: &[ReleaseChunk], a: &PackageRequest) -> Re
     }
     if total > 0 {
         eprintln!(
-            "warning: {}: shipping packages with {total} audit findings ({}) as --allow-audit-findings asks",
+            "warning: {}: shipping packages with {total} audit errors ({}) as --allow-audit-findings asks",
             path.display(),
-            rule_counts_text(&found)
+            rule_counts_text(&errors)
         );
     }
-    Ok(found)
+    let warned: u64 = warnings.values().sum();
+    if warned > 0 {
+        eprintln!(
+            "note: {}: the packages this release ships have {warned} audit warnings ({}): patterns that cost speed on the Neural Engine, not a working package; `chunkforge audit {}` lists them",
+            path.display(),
+            rule_counts_text(&warnings),
+            build.dir.display()
+        );
+    }
+    Ok((errors, warnings))
 }
 
 /// Refuses to replace something that is not a previous release.
@@ -496,7 +513,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     }
     let context_length = build.record.settings.ctx;
     check_context_length(&chunks, context_length)?;
-    let audit_findings = check_audit(&build, &chunks, a)?;
+    let (audit_errors, audit_warnings) = check_audit(&build, &chunks, a)?;
     let rope_positions = a.rope_positions.unwrap_or(context_length);
     if rope_positions < context_length {
         return Err(ReleaseInputError::Option {
@@ -689,7 +706,8 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         zip: zip_report,
         side_files,
         hf_model: hf_sources.into_iter().map(|(_, r)| r).collect(),
-        audit_findings,
+        audit_errors,
+        audit_warnings,
     })
 }
 
