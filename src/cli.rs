@@ -7,7 +7,7 @@ use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 
 use crate::args;
-use crate::fixture::Shape;
+use crate::fixture::{AttentionSharpness, Shape};
 use crate::manifest::ReleaseLayout;
 use crate::names::Named;
 use crate::parity::CorruptFunction;
@@ -321,9 +321,10 @@ pub struct FixtureCmd {
     /// Gemma4ForConditionalGeneration layout: text_config, model.language_model.* names, extra vision tensors.
     #[arg(long)]
     pub multimodal: bool,
-    /// Number of safetensors shards (>1 writes model.safetensors.index.json).
-    #[arg(long, default_value_t = 1)]
-    pub shards: usize,
+    /// Number of safetensors shards (>1 writes model.safetensors.index.json)
+    /// [default: 1; with --full-size, shards of at most 4 GiB].
+    #[arg(long)]
+    pub shards: Option<usize>,
     #[arg(long, default_value_t = 512)]
     pub sliding_window: usize,
     /// Vocabulary size: the LM head's rows and the tokenizer's tokens (at least 260).
@@ -334,6 +335,15 @@ pub struct FixtureCmd {
     /// with --vocab-size 16384).
     #[arg(long)]
     pub full_width: bool,
+    /// The published checkpoint's whole size: its widths, the 262144-token vocabulary
+    /// (per-layer table included) and 131072 positions (E2B 4.65 G parameters, 8.7 GiB;
+    /// E4B 7.5 G, 14 GiB), streamed tensor by tensor into bf16 shards in flat memory.
+    #[arg(long, conflicts_with_all = ["full_width", "vocab_size"])]
+    pub full_size: bool,
+    /// How peaked random attention is, by the q/k norm weights [default: soft with
+    /// --full-size; otherwise transformers' initialisation, near 1].
+    #[arg(long, value_parser = named::<AttentionSharpness>())]
+    pub attention: Option<AttentionSharpness>,
 }
 
 /// `chunkforge side-files`.

@@ -762,6 +762,40 @@ fn fixture_refuses_a_vocabulary_too_small_for_its_tokenizer() {
 }
 
 #[test]
+fn full_size_fixture_that_cannot_fit_is_refused_before_a_shard_is_written() {
+    // Room for the tokenizer (18 MB), not for 8.7 GiB of shards.
+    let Some(dir) = tmpfs("full-size", "size=64m") else {
+        return;
+    };
+    let out = dir.join("e2b");
+    let o = run(&["fixture", "--full-size", "--out", out.to_str().unwrap()]);
+    let err = stderr(&o);
+    let result = std::panic::catch_unwind(|| {
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(
+            err.contains("the checkpoint needs 8.7 GiB and the file system has"),
+            "{err}"
+        );
+        assert_eq!(
+            fs::read_dir(&dir).unwrap().count(),
+            0,
+            "nothing may be left"
+        );
+    });
+    umount(&dir);
+    result.unwrap();
+    let err = fails(&[
+        "fixture",
+        "--full-size",
+        "--vocab-size",
+        "512",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(err.contains("cannot be used with"), "{err}");
+}
+
+#[test]
 fn sigkill_during_keygen_never_leaves_a_partial_key() {
     let dir = tempdir("kill-keygen");
     for i in 0..40u64 {

@@ -545,6 +545,8 @@ class ParityReport(TypedDict):
 # ---- fixture (src/fixture.rs) -------------------------------------------
 
 FixtureShape = Literal["e2b", "e4b"]
+# fixture/mod.rs `AttentionSharpness`: how peaked random attention is.
+AttentionSharpness = Literal["soft", "sharp"]
 
 
 class FixtureArgs(TypedDict):
@@ -558,6 +560,7 @@ class FixtureArgs(TypedDict):
     sliding_window: int
     vocab_size: NotRequired[int]
     full_width: NotRequired[bool]
+    attention: NotRequired[AttentionSharpness | None]
 
 
 class FixtureInfo(TypedDict):
@@ -565,6 +568,46 @@ class FixtureInfo(TypedDict):
 
     tensors: int
     parameters: int
+
+
+class FullSizeArgs(TypedDict):
+    """What `fixture.full_size_layout_json` gets (fixture/mod.rs `write_full_size`)."""
+
+    out_dir: str
+    shape: FixtureShape
+    multimodal: bool
+    sliding_window: int
+    attention: AttentionSharpness
+
+
+class NormalInit(TypedDict):
+    """Values drawn from N(mean, std^2)."""
+
+    normal: dict[Literal["mean", "std"], float]
+
+
+class UniformInit(TypedDict):
+    """Values drawn from U(low, high)."""
+
+    uniform: dict[Literal["low", "high"], float]
+
+
+Init = NormalInit | UniformInit
+
+
+class TensorRecipe(TypedDict):
+    """One tensor of a streamed checkpoint (fixture/stream.rs `TensorRecipe`): its
+    name and shape as transformers has them, and how its values are drawn."""
+
+    name: str
+    shape: list[int]
+    init: Init
+
+
+class FullSizeLayout(TypedDict):
+    """What `fixture.full_size_layout_json` returns: the tensors for Rust to stream into shards."""
+
+    tensors: list[TensorRecipe]
 
 
 # ---- inspect (src/commands/inspect.rs, src/py/calls.rs) -----------------
