@@ -10,6 +10,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Attention;
+use crate::layouts::{kind_of_package, spec, Bench};
 use crate::plan::{ChunkPlan, KvSource, LayoutKind, Plan};
 use crate::py::calls;
 use crate::records::{
@@ -25,7 +26,8 @@ pub struct AuditPackage {
     pub name: String,
     /// The kind of each decoder layer by index (empty: unknown).
     pub layer_kinds: BTreeMap<String, &'static str>,
-    /// A two- or one-chunk layout's package (the compute plan's ship verdict applies).
+    /// A package of a layout with a device-bench target (two- and one-chunk):
+    /// the compute plan's ship verdict applies.
     pub merged: bool,
 }
 
@@ -40,7 +42,7 @@ impl AuditPackage {
                 .iter()
                 .map(|l| (l.index.to_string(), layer_kind(l.attention, &l.kv)))
                 .collect(),
-            merged: matches!(layout, LayoutKind::Two | LayoutKind::One),
+            merged: ships_on_verdict(layout),
         }
     }
 
@@ -49,11 +51,22 @@ impl AuditPackage {
         let name = file_name(path);
         AuditPackage {
             path: path.to_string_lossy().into_owned(),
-            merged: name.starts_with("merged_"),
+            merged: name
+                .strip_suffix(".mlpackage")
+                .and_then(kind_of_package)
+                .is_some_and(ships_on_verdict),
             name,
             layer_kinds: BTreeMap::new(),
         }
     }
+}
+
+/// A layout whose packages the compute plan's ship verdict applies to: one
+/// with a device-bench target (the two- and one-chunk layouts).
+fn ships_on_verdict(kind: LayoutKind) -> bool {
+    spec(kind)
+        .runtime
+        .is_some_and(|rt| matches!(rt.bench, Bench::Target { .. }))
 }
 
 fn file_name(path: &Path) -> String {

@@ -13,6 +13,7 @@ use crate::audit;
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
 use crate::hashing;
+use crate::layouts::{spec, Purpose, REFERENCE};
 use crate::plan::{ChunkPlan, FunctionKind, Functions, LayoutKind, Mode, Plan};
 use crate::progress::{self, BuildProgress};
 use crate::publish::{OnLocked, OutputLock};
@@ -354,7 +355,7 @@ pub fn run(
     // palettization cache keeps a result until that many conversions have
     // used it. The cache lives as long as this run.
     // Converted together (`joint`), a unit's functions are one conversion.
-    let has_four = plan.layouts.iter().any(|l| l.kind == LayoutKind::Four);
+    let has_four = plan.layouts.iter().any(|l| l.kind == REFERENCE);
     let uses: usize = plan
         .layouts
         .iter()
@@ -409,7 +410,7 @@ pub fn run(
             for (f, path) in chunk.functions.iter().zip(&paths) {
                 parts.push((path.to_string_lossy().into_owned(), f.name.clone()));
             }
-            if *layout == LayoutKind::Four {
+            if *layout == REFERENCE {
                 composer.converted(chunk, &paths);
             }
         }
@@ -751,16 +752,16 @@ impl Composer {
         conversion: &ConversionSettings,
         staging: &Path,
     ) -> Result<Self> {
-        let own = plan.layouts.iter().find(|l| l.kind == LayoutKind::Four);
+        let own = plan.layouts.iter().find(|l| l.kind == REFERENCE);
         let four: Vec<ChunkPlan> = match own {
             Some(l) => l.chunks.clone(),
             None if conversion.compose => {
                 crate::plan::plan(
                     cfg,
                     conversion.ctx,
-                    Mode::Four,
+                    Mode::Only(REFERENCE),
                     None,
-                    &Functions::resolve(Mode::Four, None, None),
+                    &Functions::resolve(Mode::Only(REFERENCE), None, None),
                 )
                 .map_err(|e| anyhow!("planning the four-chunk sources: {e}"))?
                 .layouts
@@ -808,7 +809,8 @@ impl Composer {
     /// the chunk).
     fn composes(&self, kind: LayoutKind, chunk: &ChunkPlan) -> bool {
         self.enabled
-            && !matches!(kind, LayoutKind::Four | LayoutKind::Prefill)
+            && kind != REFERENCE
+            && spec(kind).purpose == Purpose::Decode
             && matches!(&chunk.functions[..], [f] if f.kind == FunctionKind::Decode && f.tokens == 1)
             && self
                 .tiling(chunk)
@@ -976,18 +978,16 @@ fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
             .copied()
             .find(|p| (p.first_layer, p.last_layer) == (c.first_layer, c.last_layer))
     };
-    let has_four = plan.layouts.iter().any(|l| l.kind == LayoutKind::Four);
+    let has_four = plan.layouts.iter().any(|l| l.kind == REFERENCE);
     let mut units = Vec::new();
     for l in &plan.layouts {
         for c in &l.chunks {
-            match l.kind {
-                LayoutKind::Four => {
-                    let mut unit = vec![(l.kind, c)];
-                    unit.extend(partner(c).map(|p| (LayoutKind::Prefill, p)));
-                    units.push(unit);
-                }
-                LayoutKind::Prefill if has_four => {}
-                _ => units.push(vec![(l.kind, c)]),
+            if l.kind == REFERENCE {
+                let mut unit = vec![(l.kind, c)];
+                unit.extend(partner(c).map(|p| (LayoutKind::Prefill, p)));
+                units.push(unit);
+            } else if !(l.kind == LayoutKind::Prefill && has_four) {
+                units.push(vec![(l.kind, c)]);
             }
         }
     }

@@ -8,21 +8,22 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::args;
 use crate::fixture::{AttentionSharpness, Shape};
-use crate::manifest::ReleaseLayout;
+use crate::layouts::{Choice, Mode, ReleaseLayout, RunLayout};
 use crate::names::Named;
 use crate::parity::CorruptFunction;
-use crate::plan::Mode;
 use crate::records::{Palettizer, PassPipeline};
-use crate::run::RunLayout;
 
-/// A value parser for a [`chunkforge_model::named!`] enum: its names are the
-/// possible values (listed in `--help`, checked while parsing).
-pub(crate) fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
-    let values = T::NAMES.iter().zip(T::DOCS).map(|(name, doc)| {
-        let value = PossibleValue::new(*name);
+/// A value parser whose possible values (listed in `--help`, checked while
+/// parsing) are `values`: (name, help).
+fn values_parser<T>(values: Vec<(&'static str, String)>) -> impl TypedValueParser<Value = T>
+where
+    T: std::str::FromStr + Clone + Send + Sync + 'static,
+{
+    let values = values.into_iter().map(|(name, doc)| {
+        let value = PossibleValue::new(name);
         match doc.trim() {
             "" => value,
-            doc => value.help(doc.trim_end_matches('.')),
+            doc => value.help(doc.trim_end_matches('.').to_string()),
         }
     });
     PossibleValuesParser::new(values).map(|s| {
@@ -30,6 +31,24 @@ pub(crate) fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<V
             .ok()
             .expect("clap only passes one of the possible values")
     })
+}
+
+/// A value parser for a [`chunkforge_model::named!`] enum: its names are the
+/// possible values.
+pub(crate) fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
+    values_parser(
+        T::NAMES
+            .iter()
+            .zip(T::DOCS)
+            .map(|(n, d)| (*n, d.to_string()))
+            .collect(),
+    )
+}
+
+/// A value parser for a layout selector: the layouts of the layout table it
+/// admits (each with its packages as help) and its words.
+pub(crate) fn choice<T: Choice + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
+    values_parser(T::choices())
 }
 
 #[derive(Parser)]
@@ -59,9 +78,8 @@ pub const DEFAULT_CTX: usize = 2048;
 
 #[derive(Args, Clone)]
 pub struct LayoutArgs {
-    /// Layouts: four (chunk1..4 reference), three (chunk1..3_3way), two (merged_chunk1/2),
-    /// one (merged_full), both (two+one), all (four with verify, three, two, one, prefill).
-    #[arg(long, default_value = "both", value_parser = named::<Mode>())]
+    /// Layouts to build.
+    #[arg(long, default_value = "both", value_parser = choice::<Mode>())]
     pub mode: Mode,
     /// Custom split instead of --mode: contiguous layer ranges covering every layer, e.g. 0-11,12-23,24-34.
     #[arg(long)]
@@ -179,7 +197,7 @@ pub enum BenchCmd {
     Parity {
         #[command(flatten)]
         model: ModelArgs,
-        #[arg(long, default_value = "all", value_parser = named::<Mode>())]
+        #[arg(long, default_value = "all", value_parser = choice::<Mode>())]
         mode: Mode,
         #[arg(long, default_value_t = 16)]
         steps: usize,
@@ -253,9 +271,9 @@ pub struct BuildCmd {
 pub struct ParityCmd {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Layouts to check: three, two, one, both, all (four checks only the reference against
-    /// transformers; all also checks verify_qK and the prefill functions).
-    #[arg(long, default_value = "both", value_parser = named::<Mode>())]
+    /// Layouts to check against the reference (the reference alone: only against transformers;
+    /// all also checks verify_qK and the prefill functions).
+    #[arg(long, default_value = "both", value_parser = choice::<Mode>())]
     pub mode: Mode,
     #[command(flatten)]
     pub functions: FunctionArgs,
@@ -478,8 +496,9 @@ pub struct PackageCmd {
 /// What goes into a release folder and where (`package` and `release`).
 #[derive(Args, Clone, Debug)]
 pub struct ReleaseArgs {
-    /// Decode layout(s) to ship; chunk1..4 (decode, verify) and prefill_chunk1..4 ship with every layout.
-    #[arg(long, value_parser = named::<ReleaseLayout>())]
+    /// Decode layout(s) to ship; the reference's packages (decode, verify) and the prefill packages
+    /// ship with every layout.
+    #[arg(long, value_parser = choice::<ReleaseLayout>())]
     pub layout: ReleaseLayout,
     /// ECDSA P-256 private key (PKCS#8 PEM, e.g. from `chunkforge keygen`).
     #[arg(long)]
@@ -568,7 +587,7 @@ pub struct RunCmd {
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tokens: u32,
     /// Decode layout: auto picks by file presence, as the runtime does.
-    #[arg(long, default_value = "auto", value_parser = named::<RunLayout>())]
+    #[arg(long, default_value = "auto", value_parser = choice::<RunLayout>())]
     pub layout: RunLayout,
     /// Speculative decoding with chunk1..4's verify_qK: K tokens per call (the
     /// packages' K), drafts by prompt lookup.

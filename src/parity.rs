@@ -12,6 +12,8 @@ use serde::Serialize;
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
 use crate::hashing;
+use crate::layouts::{spec, Purpose, REFERENCE};
+use crate::manifest::Build;
 use crate::plan::{self, LayoutKind, Mode, Plan};
 use crate::progress;
 use crate::py::calls::{self, CheckpointFiles};
@@ -114,6 +116,8 @@ struct ParityRequest<'a> {
     corrupt_layer: Option<usize>,
     corrupt_function: Option<CorruptFunction>,
     artifacts: Option<String>,
+    /// `INT4` for a palettized build, `FP16` for a `--no-quantize` one.
+    artifacts_precision: Option<&'static str>,
     artifact_layouts: IndexMap<LayoutKind, ParityLayout<'a>>,
     tol_cos_int4: f64,
     min_top1_int4: f64,
@@ -137,25 +141,20 @@ pub fn run(
         functions.prefill_lens = vec![opts.prefill];
     }
     let requested: Plan = plan::plan(cfg, opts.ctx, opts.mode, opts.split.as_deref(), &functions)?;
-    let four = match requested
-        .layouts
-        .iter()
-        .find(|l| l.kind == LayoutKind::Four)
-    {
+    let four = match requested.layouts.iter().find(|l| l.kind == REFERENCE) {
         Some(l) => l.clone(),
-        None => plan::plan_layout(
-            cfg,
-            opts.ctx,
-            LayoutKind::Four,
-            &plan::layout_spans(cfg, LayoutKind::Four),
-        ),
+        None => {
+            let spans = plan::layout_spans(cfg, REFERENCE)
+                .context("the reference layout has fixed spans")?;
+            plan::plan_layout(cfg, opts.ctx, REFERENCE, &spans)
+        }
     };
-    let decode = |l: &&plan::Layout| l.kind != LayoutKind::Prefill;
+    let decode = |l: &&plan::Layout| spec(l.kind).purpose == Purpose::Decode;
     let compared: Vec<&plan::Layout> = requested
         .layouts
         .iter()
         .filter(decode)
-        .filter(|l| l.kind != LayoutKind::Four)
+        .filter(|l| l.kind != REFERENCE)
         .collect();
     let prefill_layout = requested
         .layouts
@@ -178,7 +177,7 @@ pub fn run(
         plan: DimsOnly {
             dims: &requested.dims,
         },
-        reference: LayoutKind::Four,
+        reference: REFERENCE,
         layouts,
         checkpoint: CheckpointFiles::of(ckpt),
         config_path: hf_dir.join("config.json").to_string_lossy().into_owned(),
@@ -195,6 +194,17 @@ pub fn run(
             .artifacts
             .as_ref()
             .map(|p| p.to_string_lossy().into_owned()),
+        artifacts_precision: opts
+            .artifacts
+            .as_deref()
+            .map(|dir| -> Result<&'static str> {
+                let build = Build::load(dir)?;
+                Ok(match build.record.settings.palettization {
+                    Some(_) => "INT4",
+                    None => "FP16",
+                })
+            })
+            .transpose()?,
         artifact_layouts,
         tol_cos_int4: opts.tol_cos_int4,
         min_top1_int4: opts.min_top1_int4,

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::folder::RunLayout;
 use crate::folder::{ReleaseFolder, RunPlan};
+use crate::layouts::{spec, REFERENCE};
 use crate::plan::{self, Layout, LayoutKind};
 use crate::py::calls;
 use crate::sidefiles;
@@ -50,7 +51,9 @@ struct RunRequest<'a> {
     release: String,
     dims: plan::Dims,
     decode: &'a Layout,
-    four: &'a Layout,
+    /// The reference layout: prefill's KV lands in its caches, and its
+    /// packages hold `verify_qK`.
+    reference: &'a Layout,
     prefill: &'a Layout,
     files: RunFiles,
     prompt: Option<&'a str>,
@@ -118,14 +121,19 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
             o.release.join("hf_model/tokenizer.json").display()
         );
     }
+    let reference = spec(REFERENCE);
     let decode = match (o.speculate, o.layout, decode.kind) {
         (Some(_), RunLayout::Auto, _) => four.clone(),
-        (Some(_), _, k) if k != LayoutKind::Four => bail!(
-            "--speculate verifies with chunk1..4's verify_qK, so it runs the four-chunk layout: use --layout four or auto"
+        (Some(_), _, k) if k != REFERENCE => bail!(
+            "--speculate verifies with {}'s verify_qK, so it runs the {} layout: use --layout {} or auto",
+            reference.range(),
+            reference.runtime.map_or(REFERENCE.as_str(), |rt| rt.name),
+            REFERENCE
         ),
         _ => decode,
     };
     if let Some(k) = o.speculate {
+        let last = four.chunks.last().map_or("", |c| c.name.as_str());
         let have = four
             .chunks
             .last()
@@ -137,11 +145,11 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
             .map(|f| f.tokens);
         match have {
             None => bail!(
-                "{}: chunk4 has no verify_qK function (build with --mode all or --verify-k)",
+                "{}: {last} has no verify_qK function (build with --mode all or --verify-k)",
                 o.release.display()
             ),
             Some(have) if have != k => bail!(
-                "--speculate {k}: chunk4's verify function takes {have} tokens per call (verify_q{have}); use --speculate {have}"
+                "--speculate {k}: {last}'s verify function takes {have} tokens per call (verify_q{have}); use --speculate {have}"
             ),
             _ => {}
         }
@@ -168,7 +176,7 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
             ..plan::dims(&folder.cfg, folder.context_length)
         },
         decode: &decode,
-        four: &four,
+        reference: &four,
         prefill: &prefill,
         files,
         prompt: match &o.prompt {
@@ -186,7 +194,7 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
     };
     let mut result: RunResult = calls::call("emulate", "run", &req, o.verbose)?;
     result.picked_by = if o.speculate.is_some() && o.layout == RunLayout::Auto {
-        "--speculate (verify_qK lives in chunk1..4)".into()
+        format!("--speculate (verify_qK lives in {})", reference.range())
     } else {
         picked_by.into()
     };

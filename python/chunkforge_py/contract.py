@@ -19,7 +19,9 @@ Attention = Literal["sliding", "full"]
 # Runtime names of the producer KV read by KV-shared sliding / full layers.
 Alias = Literal["kv13", "kv14"]
 FunctionKind = Literal["decode", "verify", "prefill"]
-LayoutKind = Literal["four", "three", "two", "one", "split", "prefill"]
+# A row of the layout table (crates/model/src/layouts.rs): Python takes the
+# names, and every fact about a layout, from the plan it is handed.
+LayoutKind = str
 # What a tensor of a function's contract carries.
 Role = Literal[
     "hidden",
@@ -380,6 +382,8 @@ class ParityRequest(TypedDict):
     corrupt_function: NotRequired[Literal["verify", "prefill"] | None]
     # The build folder whose packages' INT4 weights are checked, or None.
     artifacts: NotRequired[str | None]
+    # INT4 (palettized build) or FP16 (--no-quantize), from the build's settings.
+    artifacts_precision: NotRequired[str | None]
     artifact_layouts: dict[LayoutKind, ParityLayout]
     tol_cos_int4: float
     min_top1_int4: float
@@ -847,7 +851,8 @@ class RunRequest(TypedDict):
     release: str
     dims: Dims
     decode: RunLayout
-    four: RunLayout
+    # The reference layout: prefill's KV lands in its caches, its packages hold verify_qK.
+    reference: RunLayout
     prefill: RunLayout
     files: RunFiles
     prompt: NotRequired[str | None]

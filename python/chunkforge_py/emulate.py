@@ -267,10 +267,12 @@ def run(req: RunRequest) -> RunResult:
         return out
 
     decode_layout = req["decode"]
+    # The reference layout: prefill writes its caches, its packages verify.
+    reference = req["reference"]
     speculate = req.get("speculate") or 0
-    verify = modules(req["four"], "verify") if speculate else None
-    if speculate and decode_layout["kind"] != "four":
-        raise ChunkforgeError("speculative decoding verifies with chunk1..4: run it with the four-chunk layout")
+    verify = modules(reference, "verify") if speculate else None
+    if speculate and decode_layout["kind"] != reference["kind"]:
+        raise ChunkforgeError(f"speculative decoding verifies with the {reference['kind']} layout: run that layout")
     decode_modules = modules(decode_layout, "decode")
     runner = LayoutRunner(dims, decode_layout, None, modules=decode_modules, rope=rope, verify=verify)
     # The runtime reads N from prefill_chunk1's default function (the first,
@@ -281,15 +283,15 @@ def run(req: RunRequest) -> RunResult:
     prefill = PrefillRunner(dims, req["prefill"], None, n_call, modules=prefill_modules, rope=rope)
     loaded = time.perf_counter()
 
-    # Prefill into four-chunk caches, then the decode layout's by the slot map.
+    # Prefill into the reference's caches, then the decode layout's by the slot map.
     t0 = time.perf_counter()
     pre = prefill.run(emb, prompt[:n_prefill])
-    four: Caches = empty_caches(req["four"]["chunks"], torch.float32)
-    write_prefill_kv(four, req["four"]["chunks"], pre["kv"], n_prefill, dims["sliding_window"])
-    if decode_layout["kind"] == "four":
-        runner.caches = four
+    caches: Caches = empty_caches(reference["chunks"], torch.float32)
+    write_prefill_kv(caches, reference["chunks"], pre["kv"], n_prefill, dims["sliding_window"])
+    if decode_layout["kind"] == reference["kind"]:
+        runner.caches = caches
     else:
-        copy_slots(four, runner.caches, decode_layout["kv_slot_map"])
+        copy_slots(caches, runner.caches, decode_layout["kv_slot_map"])
     token = pre["token"]
     margin = top_margin(prefill.modules[req["prefill"]["chunks"][-1]["name"]].last_logits)
     # Prompt tokens past the prefill length go through decode, one by one.

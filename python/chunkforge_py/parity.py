@@ -220,14 +220,6 @@ def artifact_functions(
     return out
 
 
-def artifacts_precision(build_dir: str) -> str:
-    """INT4 for a palettized build, FP16 for a --no-quantize one (build.json's settings)."""
-    import json
-
-    with open(os.path.join(build_dir, "build.json")) as f:
-        return "INT4" if json.load(f)["settings"].get("palettization") else "FP16"
-
-
 def program_functions(
     req: ParityRequest,
     programs: Programs,
@@ -561,7 +553,7 @@ def run(req: ParityRequest) -> ParityReport:
         ),
         "verify_k": verify_k,
         "artifacts": artifact_summary or None,
-        "artifacts_precision": artifacts_precision(build_dir) if build_dir else None,
+        "artifacts_precision": req.get("artifacts_precision") if build_dir else None,
         "programs": program_summary or None,
         "corrupted_chunk": corrupted,
         "seconds": time.perf_counter() - started,

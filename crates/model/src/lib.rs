@@ -8,6 +8,10 @@ pub mod args;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod layouts;
 pub mod names;
 pub mod plan;
 pub mod records;
+
+/// For [`named!`]'s JSON schema in the crates that invoke it.
+pub use schemars;

@@ -1,7 +1,7 @@
 //! Closed sets of named values (`--mode`, layout kinds, palettizers, ...):
 //! each name is written once, in the [`named!`] invocation that defines the
-//! enum, and that one table is its `as_str`, its `FromStr`, its serde form and
-//! the CLI's list of possible values.
+//! enum, and that one table is its `as_str`, its `FromStr`, its serde form, its
+//! JSON schema and the CLI's list of possible values.
 
 /// What every [`named!`] enum is: a closed set of names.
 pub trait Named: Copy + std::str::FromStr + 'static {
@@ -70,6 +70,16 @@ macro_rules! named {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
                 let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
                 s.parse().map_err(serde::de::Error::custom)
+            }
+        }
+
+        impl $crate::schemars::JsonSchema for $name {
+            fn schema_name() -> std::borrow::Cow<'static, str> {
+                stringify!($name).into()
+            }
+
+            fn json_schema(_: &mut $crate::schemars::SchemaGenerator) -> $crate::schemars::Schema {
+                $crate::schemars::json_schema!({ "type": "string", "enum": $name::NAMES })
             }
         }
     };

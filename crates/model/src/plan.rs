@@ -6,6 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{Attention, TextConfig};
 use crate::error::InputError;
+use crate::layouts::{spec, FunctionSet, Purpose, SpansRule, REFERENCE};
+pub use crate::layouts::{LayoutKind, Mode};
 
 /// Layer count above which a single Core ML function has failed to compile for
 /// the Neural Engine on device (seed run book: 35 layers failed on iPhone 17 Pro,
@@ -17,37 +19,6 @@ pub fn alias_of(kind: Attention) -> Alias {
     match kind {
         Attention::Sliding => Alias::Kv13,
         Attention::Full => Alias::Kv14,
-    }
-}
-
-crate::named! {
-    /// Layouts a build or parity run can ask for.
-    pub enum Mode {
-        /// The four-chunk reference (chunk1..chunk4).
-        Four = "four",
-        /// chunk1_3way..chunk3_3way: four's chunk1, chunk2 ∪ chunk3, chunk4.
-        Three = "three",
-        /// merged_chunk1 + merged_chunk2.
-        Two = "two",
-        /// merged_full.
-        One = "one",
-        /// two and one.
-        Both = "both",
-        /// four (decode_q1 + verify_qK), three, two, one, and prefill_chunk1..4.
-        All = "all",
-    }
-}
-
-crate::named! {
-    /// The kind of one layout of a plan.
-    pub enum LayoutKind {
-        Four = "four",
-        Three = "three",
-        Two = "two",
-        One = "one",
-        Split = "split",
-        /// prefill_chunk1..4: the four-chunk spans as batched prefill functions.
-        Prefill = "prefill",
     }
 }
 
@@ -119,21 +90,6 @@ crate::named! {
     }
 }
 
-impl Mode {
-    /// The decode layouts this mode builds, in build order.
-    pub fn kinds(self) -> Vec<LayoutKind> {
-        use LayoutKind as K;
-        match self {
-            Mode::Four => vec![K::Four],
-            Mode::Three => vec![K::Three],
-            Mode::Two => vec![K::Two],
-            Mode::One => vec![K::One],
-            Mode::Both => vec![K::Two, K::One],
-            Mode::All => vec![K::Four, K::Three, K::Two, K::One],
-        }
-    }
-}
-
 impl Functions {
     /// `--mode all` adds verify (K = `verify_k` or 3) and prefill (`prefill_lens`
     /// or 512); other modes add only what is asked for explicitly.
@@ -155,7 +111,7 @@ impl Functions {
 }
 
 /// Model dimensions every consumer of the plan needs, copied out of the config.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Dims {
     pub num_hidden_layers: usize,
     pub hidden_size: usize,
@@ -210,7 +166,7 @@ pub struct LayerPlan {
     pub kv: KvSource,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct AliasUse {
     pub alias: Alias,
     pub layer: usize,
@@ -352,7 +308,7 @@ impl Role {
 }
 
 /// What one function of a package computes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FunctionKind {
     /// One token against the chunk's caches; returns the updated caches.
@@ -442,7 +398,7 @@ impl ChunkPlan {
 }
 
 /// One KV slot copy from the four-chunk prefill caches into a decode layout's caches.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct SlotCopy {
     pub layer: usize,
     pub attention: Attention,
@@ -536,50 +492,40 @@ fn halves(a: usize, b: usize) -> [Span; 2] {
     [(a, mid - 1), (mid, b - 1)]
 }
 
-/// Chunk spans of a built-in layout, derived from the config: the four-chunk
-/// reference splits the KV-owning layers and the KV-shared layers in halves
-/// (E2B: 0-7 / 8-14 / 15-24 / 25-34), two is owners / sharers, one is all.
-pub fn layout_spans(cfg: &TextConfig, kind: LayoutKind) -> Vec<Span> {
+/// Chunk spans of a built-in layout, derived from the config by its row's
+/// rule: the four-chunk reference splits the KV-owning layers and the
+/// KV-shared layers in halves (E2B: 0-7 / 8-14 / 15-24 / 25-34), two is
+/// owners / sharers, one is all, three and prefill group the reference's
+/// chunks. None for a layout whose spans come from `--split`.
+pub fn layout_spans(cfg: &TextConfig, kind: LayoutKind) -> Option<Vec<Span>> {
     let n = cfg.num_hidden_layers;
     let k = cfg.kv_start();
-    match kind {
-        LayoutKind::One => vec![(0, n - 1)],
-        LayoutKind::Two if k > 0 && k < n => vec![(0, k - 1), (k, n - 1)],
-        LayoutKind::Two => halves(0, n).to_vec(),
-        LayoutKind::Four if k >= 2 && n - k >= 2 => {
+    Some(match spec(kind).spans {
+        SpansRule::Whole => vec![(0, n - 1)],
+        SpansRule::OwnersSharers if k > 0 && k < n => vec![(0, k - 1), (k, n - 1)],
+        SpansRule::OwnersSharers => halves(0, n).to_vec(),
+        SpansRule::OwnersSharersHalved if k >= 2 && n - k >= 2 => {
             let [a, b] = halves(0, k);
             let [c, d] = halves(k, n);
             vec![a, b, c, d]
         }
-        LayoutKind::Four => {
+        SpansRule::OwnersSharersHalved => {
             let q = n.div_ceil(4);
             (0..n).step_by(q).map(|s| (s, (s + q).min(n) - 1)).collect()
         }
-        // The runtime's three-chunk layout: four's chunk1, chunk2 ∪ chunk3, chunk4
-        // (E2B 0-7 / 8-24 / 25-34), so the prefill chunks' weights still pair up.
-        LayoutKind::Three => {
-            let f = layout_spans(cfg, LayoutKind::Four);
-            vec![f[0], (f[1].0, f[2].1), f[3]]
+        SpansRule::Groups(groups) => {
+            let r = layout_spans(cfg, REFERENCE)?;
+            groups.iter().map(|&(a, b)| (r[a].0, r[b].1)).collect()
         }
-        LayoutKind::Prefill => layout_spans(cfg, LayoutKind::Four),
-        LayoutKind::Split => unreachable!("split spans come from --split"),
-    }
+        SpansRule::Given => return None,
+    })
 }
 
-fn chunk_names(kind: LayoutKind, spans: &[Span], n: usize) -> Vec<String> {
-    let width = (n - 1).to_string().len();
-    spans
-        .iter()
-        .enumerate()
-        .map(|(i, &(a, b))| match kind {
-            LayoutKind::Four => format!("chunk{}", i + 1),
-            LayoutKind::Three => format!("chunk{}_3way", i + 1),
-            LayoutKind::Prefill => format!("prefill_chunk{}", i + 1),
-            LayoutKind::Two => format!("merged_chunk{}", i + 1),
-            LayoutKind::One => "merged_full".to_string(),
-            LayoutKind::Split => format!("layers_{a:0width$}-{b:0width$}"),
-        })
-        .collect()
+/// [`layout_spans`] of a layout with fixed spans, or an error naming it.
+fn fixed_spans(cfg: &TextConfig, kind: LayoutKind) -> Result<Vec<Span>, InputError> {
+    layout_spans(cfg, kind).ok_or_else(|| InputError::Functions {
+        message: format!("the {kind} layout takes its layer ranges from --split"),
+    })
 }
 
 pub fn dims(cfg: &TextConfig, ctx: usize) -> Dims {
@@ -614,7 +560,7 @@ pub fn dims(cfg: &TextConfig, ctx: usize) -> Dims {
 /// Plans one layout from its spans.
 pub fn plan_layout(cfg: &TextConfig, ctx: usize, kind: LayoutKind, spans: &[Span]) -> Layout {
     let n = cfg.num_hidden_layers;
-    let names = chunk_names(kind, spans, n);
+    let names = spec(kind).names_for(spans, n);
     let kv_start = cfg.kv_start();
     let shared = cfg.num_kv_shared_layers > 0;
     let producer_of = |k: Attention| cfg.producer(k);
@@ -713,14 +659,13 @@ pub fn plan_layout(cfg: &TextConfig, ctx: usize, kind: LayoutKind, spans: &[Span
         chunks,
         kv_slot_map: Vec::new(),
     };
-    if !matches!(kind, LayoutKind::Four | LayoutKind::Prefill) {
-        let four = plan_layout(
-            cfg,
-            ctx,
-            LayoutKind::Four,
-            &layout_spans(cfg, LayoutKind::Four),
-        );
-        layout.kv_slot_map = slot_map(&four, &layout);
+    // Decode layouts other than the reference take prefill's KV (written
+    // into the reference's caches) through their slot map.
+    if spec(kind).purpose == Purpose::Decode && kind != REFERENCE {
+        if let Some(spans) = layout_spans(cfg, REFERENCE) {
+            let reference = plan_layout(cfg, ctx, REFERENCE, &spans);
+            layout.kv_slot_map = slot_map(&reference, &layout);
+        }
     }
     layout
 }
@@ -731,8 +676,8 @@ pub fn plan_layout(cfg: &TextConfig, ctx: usize, kind: LayoutKind, spans: &[Span
 /// chunk's own `inputs`/`outputs` are its default function's.
 fn attach_functions(cfg: &TextConfig, ctx: usize, layout: &mut Layout, f: &Functions) {
     for c in &mut layout.chunks {
-        match layout.kind {
-            LayoutKind::Prefill => {
+        match spec(layout.kind).functions {
+            FunctionSet::Prefill => {
                 c.functions = f
                     .prefill_lens
                     .iter()
@@ -749,7 +694,7 @@ fn attach_functions(cfg: &TextConfig, ctx: usize, layout: &mut Layout, f: &Funct
                     })
                     .collect();
             }
-            LayoutKind::Four => {
+            FunctionSet::DecodeVerify => {
                 if let Some(k) = f.verify_k {
                     c.functions[0].name = "decode_q1".into();
                     let (inputs, outputs) = verify_contract(cfg, ctx, c, k);
@@ -763,7 +708,7 @@ fn attach_functions(cfg: &TextConfig, ctx: usize, layout: &mut Layout, f: &Funct
                     });
                 }
             }
-            _ => {}
+            FunctionSet::Decode => {}
         }
         c.inputs = c.functions[0].inputs.clone();
         c.outputs = c.functions[0].outputs.clone();
@@ -1152,14 +1097,19 @@ pub fn plan(
         layouts.push(plan_layout(cfg, ctx, LayoutKind::Split, &spans));
     } else {
         for k in mode.kinds() {
-            layouts.push(plan_layout(cfg, ctx, k, &layout_spans(cfg, k)));
+            layouts.push(plan_layout(cfg, ctx, k, &fixed_spans(cfg, k)?));
         }
     }
     let bad = |message: String| InputError::Functions { message };
-    if functions.verify_k.is_some() && !layouts.iter().any(|l| l.kind == LayoutKind::Four) {
-        return Err(bad(
-            "verify_qK lives in chunk1..4: add the four-chunk layout (--mode four or all)".into(),
-        ));
+    let verifies = |l: &&Layout| spec(l.kind).functions == FunctionSet::DecodeVerify;
+    if functions.verify_k.is_some() && !layouts.iter().any(|l| verifies(&l)) {
+        let r = spec(REFERENCE);
+        return Err(bad(format!(
+            "verify_qK lives in {}: add the {} layout (--mode {} or all)",
+            r.range(),
+            r.runtime.map_or(r.kind.as_str(), |rt| rt.name),
+            r.kind
+        )));
     }
     if functions.verify_k == Some(0) {
         return Err(bad("--verify-k must be at least 1".into()));
@@ -1170,12 +1120,8 @@ pub fn plan(
         )));
     }
     if !functions.prefill_lens.is_empty() {
-        layouts.push(plan_layout(
-            cfg,
-            ctx,
-            LayoutKind::Prefill,
-            &layout_spans(cfg, LayoutKind::Prefill),
-        ));
+        let spans = fixed_spans(cfg, LayoutKind::Prefill)?;
+        layouts.push(plan_layout(cfg, ctx, LayoutKind::Prefill, &spans));
     }
     for l in &mut layouts {
         attach_functions(cfg, ctx, l, functions);
@@ -1366,7 +1312,14 @@ mod tests {
         let cfg = config(42, 6, 18, 2);
         assert_eq!(cfg.producer(Attention::Sliding), Some(22));
         assert_eq!(cfg.producer(Attention::Full), Some(23));
-        let p = plan(&cfg, 1024, Mode::Two, None, &Functions::default()).unwrap();
+        let p = plan(
+            &cfg,
+            1024,
+            Mode::Only(LayoutKind::Two),
+            None,
+            &Functions::default(),
+        )
+        .unwrap();
         assert_eq!(spans(&p.layouts[0]), vec![(0, 23), (24, 41)]);
         let emits: Vec<_> = p.layouts[0].chunks[0]
             .emits
@@ -1391,7 +1344,7 @@ mod tests {
     fn slot_map_copies_every_kv_layer_to_the_same_layer() {
         let cfg = e2b();
         for kind in [LayoutKind::Two, LayoutKind::One] {
-            let l = plan_layout(&cfg, 512, kind, &layout_spans(&cfg, kind));
+            let l = plan_layout(&cfg, 512, kind, &layout_spans(&cfg, kind).unwrap());
             assert_eq!(l.kv_slot_map.len(), 15);
             for m in &l.kv_slot_map {
                 let to = l.chunks.iter().find(|c| c.name == m.to_chunk).unwrap();
@@ -1547,7 +1500,14 @@ mod tests {
         let p = plan(&e2b(), 2048, Mode::Both, None, &Functions::default()).unwrap();
         assert_eq!(p.warnings.len(), 2, "{:?}", p.warnings); // merged_chunk2 (20) and merged_full (35)
         assert!(p.warnings[1].contains("merged_full holds 35 layers"));
-        let four = plan(&e2b(), 2048, Mode::Four, None, &Functions::default()).unwrap();
+        let four = plan(
+            &e2b(),
+            2048,
+            Mode::Only(LayoutKind::Four),
+            None,
+            &Functions::default(),
+        )
+        .unwrap();
         assert!(four.warnings.is_empty());
     }
 

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use indexmap::IndexMap;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::plan::{FunctionKind, LayoutKind, Mode, Plan};
@@ -45,7 +46,7 @@ pub fn default_pass_pipeline() -> PassPipeline {
 }
 
 /// INT4 palettization settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Palettization {
     pub nbits: u32,
     pub granularity: String,
@@ -68,7 +69,7 @@ fn one() -> usize {
 
 /// What `ct.convert` is called with, defined here once and handed to Python
 /// as it is (recorded in build.json and the manifest).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ConversionSettings {
     pub ctx: usize,
     /// `ct.target` member.
@@ -132,7 +133,7 @@ impl ConversionSettings {
 }
 
 /// What was asked for: the CLI's layout options, as `build --check` replays them.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct BuildRequest {
     pub mode: Option<Mode>,
     #[serde(default)]
@@ -146,7 +147,7 @@ pub struct BuildRequest {
 }
 
 /// Tool versions: chunkforge's, and the Python side's by package.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ToolVersions {
     pub chunkforge: String,
     /// `python`, `torch`, `coremltools`, `transformers`, ... (as `runtime.versions` reports them).
@@ -164,7 +165,7 @@ impl ToolVersions {
 }
 
 /// The checkpoint a build or parity run read.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct CheckpointRecord {
     pub dir: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -180,7 +181,7 @@ pub struct CheckpointRecord {
 }
 
 /// Python's counts for one converted function (`convert.save`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ChunkStats {
     pub mil_ops: u64,
     pub op_counts: BTreeMap<String, u64>,
@@ -220,7 +221,7 @@ impl ChunkStats {
 pub type Seconds = BTreeMap<String, f64>;
 
 /// One function of a built package.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct FunctionRecord {
     pub name: String,
     pub kind: FunctionKind,
@@ -236,7 +237,7 @@ pub struct FunctionRecord {
 }
 
 /// One graph pass in one conversion, summed over its runs.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct PassStat {
     pub seconds: f64,
     pub runs: u64,
@@ -245,7 +246,7 @@ pub struct PassStat {
 }
 
 /// One built package (`chunks[]` of build.json).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ChunkRecord {
     pub name: String,
     pub layout: LayoutKind,
@@ -287,14 +288,14 @@ pub struct ChunkRecord {
 }
 
 /// Wall time of a build: in total and per phase over all packages.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct BuildSeconds {
     pub total: f64,
     pub phases: Seconds,
 }
 
 /// Totals of the per-package palettization cache counts.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct CacheTotals {
     pub hits: u64,
     pub misses: u64,
@@ -363,7 +364,7 @@ pub enum Severity {
 }
 
 /// One rule broken by one op (or function input) of one function of a package.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct AuditFinding {
     /// The package's folder name (`chunk1.mlpackage`).
     pub package: String,
@@ -387,7 +388,7 @@ pub struct AuditFinding {
 pub type RuleCounts = BTreeMap<String, u64>;
 
 /// One package's ops by compute device, from MLComputePlan (macOS only).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ComputePlanPackage {
     pub package: String,
     pub ops: u64,
@@ -401,7 +402,7 @@ pub struct ComputePlanPackage {
 }
 
 /// The compute-plan half of an audit: skipped (and why), or its counts.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ComputePlanRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
@@ -415,7 +416,7 @@ pub struct ComputePlanRecord {
 
 /// The audit as build.json keeps it: counts, and the first finding of each
 /// rule in each package (`chunkforge audit BUILD_DIR` lists them all).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct AuditRecord {
     pub format: String,
     /// SHA-256 of the op-type table (`ane_op_types.json`) the ops were checked against.
@@ -498,7 +499,7 @@ pub fn rule_counts_text(counts: &RuleCounts) -> String {
 pub const PARITY_FORMAT: &str = "chunkforge-parity/1";
 
 /// One layout (or function) at one step against the reference.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct StepRecord {
     pub layout: String,
     pub step: i64,
@@ -510,7 +511,7 @@ pub struct StepRecord {
 }
 
 /// The reference against transformers at one step.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct OracleRecord {
     pub step: i64,
     pub hf_token: i64,
@@ -521,7 +522,7 @@ pub struct OracleRecord {
 }
 
 /// A layout with its packages' INT4 weights at one step.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ArtifactRecord {
     pub layout: String,
     pub step: i64,
@@ -532,14 +533,14 @@ pub struct ArtifactRecord {
 }
 
 /// The INT4 weight farthest from the checkpoint's.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct WorstWeight {
     pub weight: Option<String>,
     pub rel_mse: f64,
 }
 
 /// A decode layout with its packages' INT4 weights, over every step.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct LayoutArtifacts {
     pub weights_replaced: IndexMap<String, u64>,
     pub worst_weight: WorstWeight,
@@ -552,7 +553,7 @@ pub struct LayoutArtifacts {
 
 /// verify_qK / prefill_bN with their packages' weights, against the INT4
 /// four-chunk decode of the same build.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct FunctionArtifacts {
     pub weights_replaced: IndexMap<String, u64>,
     pub min_cos: f64,
@@ -562,7 +563,7 @@ pub struct FunctionArtifacts {
 }
 
 /// The INT4 artifact check of a layout or of a function.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(untagged)]
 pub enum ArtifactSummary {
     Function(FunctionArtifacts),
@@ -586,7 +587,7 @@ impl ArtifactSummary {
 }
 
 /// The first failing step.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct FirstFailure {
     pub layout: String,
     pub step: i64,
@@ -597,7 +598,7 @@ pub struct FirstFailure {
 
 /// Where a failing layout first leaves the reference (no layer: every
 /// layer matches, the divergence is in the head).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Localisation {
     pub step: i64,
     pub layer: Option<u64>,
@@ -606,7 +607,7 @@ pub struct Localisation {
 }
 
 /// The prefill hand-off a run checked.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct PrefillSummary {
     pub tokens: u64,
     pub function: String,
@@ -614,7 +615,7 @@ pub struct PrefillSummary {
 }
 
 /// One step of a package's own program run by the MIL interpreter.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ProgramRecord {
     pub target: String,
     pub precision: String,
@@ -631,7 +632,7 @@ pub struct ProgramRecord {
 /// A layout's or function's program in one precision, over its steps:
 /// against the read-back modules (same weights; the fp32 gate), the fp32
 /// reference and transformers.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ProgramSummary {
     pub steps: u64,
     pub min_cos_readback: f64,
@@ -646,7 +647,7 @@ pub struct ProgramSummary {
 
 /// The verdict of a parity run (`ok` is the one field a hand-written summary
 /// must have).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ParitySummary {
     pub ok: bool,
     #[serde(default)]
@@ -688,18 +689,20 @@ pub struct ParitySummary {
 }
 
 /// The checkpoint a parity run read.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ParityCheckpoint {
     #[serde(default)]
     pub dir: String,
     #[serde(default)]
+    #[schemars(pattern("^[0-9a-f]{64}$"))]
     pub config_sha256: String,
 }
 
 /// The parity report (`parity --report`; schema: parity/report.schema.json).
 /// Python returns the checks; Rust adds what it knows (format, checkpoint,
 /// prompt, tools).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(title = "chunkforge parity report")]
 pub struct ParityReport {
     pub steps: Vec<StepRecord>,
     pub oracle: Vec<OracleRecord>,
@@ -709,6 +712,7 @@ pub struct ParityReport {
     pub programs: Vec<ProgramRecord>,
     pub summary: ParitySummary,
     #[serde(default)]
+    #[schemars(extend("const" = PARITY_FORMAT))]
     pub format: String,
     #[serde(default)]
     pub checkpoint: ParityCheckpoint,

@@ -4,6 +4,9 @@
 //! `DEVICE_RUNBOOK.md` prints them and `chunkforge device-report` judges by
 //! them.
 
+use std::sync::LazyLock;
+
+use chunkforge_model::layouts::{spec, Bench, LAYOUTS, REFERENCE};
 use chunkforge_model::plan::LayoutKind;
 
 /// The context length (KV cache entries) the targets are measured at.
@@ -19,8 +22,8 @@ pub const COLD_RUNS: usize = 3;
 pub const MAX_OFF_NEURAL_ENGINE: f64 = 0.05;
 
 /// The layout the others are measured against: its tok/s is the baseline,
-/// it has no target of its own.
-pub const CONTROL: LayoutKind = LayoutKind::Four;
+/// it has no target of its own (its row's bench is `Control`).
+pub const CONTROL: LayoutKind = REFERENCE;
 
 /// Decode tok/s at [`BENCH_CONTEXT`] (median of the cold runs).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
@@ -32,23 +35,21 @@ pub struct TokTarget {
     pub ship: f64,
 }
 
-/// Layouts without a row (the control, the three-chunk layout) get no
-/// tok/s verdict; their tok/s is reported.
-pub const TOK_TARGETS: &[TokTarget] = &[
-    TokTarget {
-        layout: LayoutKind::Two,
-        pass: 36.0,
-        ship: 40.0,
-    },
-    TokTarget {
-        layout: LayoutKind::One,
-        pass: 40.0,
-        ship: 48.0,
-    },
-];
+/// The layouts with a target (their rows' bench), in layout-table order;
+/// the others (the control, the three-chunk layout) get no tok/s verdict:
+/// their tok/s is reported.
+pub static TOK_TARGETS: LazyLock<Vec<TokTarget>> =
+    LazyLock::new(|| LAYOUTS.iter().filter_map(|l| tok_target(l.kind)).collect());
 
 pub fn tok_target(kind: LayoutKind) -> Option<TokTarget> {
-    TOK_TARGETS.iter().copied().find(|t| t.layout == kind)
+    match spec(kind).runtime?.bench {
+        Bench::Target { pass, ship } => Some(TokTarget {
+            layout: kind,
+            pass,
+            ship,
+        }),
+        Bench::Control | Bench::Measured => None,
+    }
 }
 
 /// Whether the compute-plan limit applies: to every layout but the control.

@@ -11,18 +11,20 @@
 //! reported as unparsed; every other line is not the runtime's and is
 //! ignored.
 
+use std::sync::LazyLock;
+
+use chunkforge_model::layouts::{LoadLine, LAYOUTS};
 use chunkforge_model::plan::LayoutKind;
 
-use crate::runtime_layout::{Runtime, RUNTIME_LAYOUTS};
+use crate::runtime_layout::{profile_tag, Runtime, RUNTIME_LAYOUTS};
 
 /// The tags that mark a line as the runtime's.
 pub const RUNTIME_TAGS: &[&str] = &["[Load]", "[ComputePlan]", "[Profile"];
 
 /// The merged-layout runtime's layout line (NAME: `four`, `two`, `one`).
+/// The main runtime has no `Decode layout` line; its line per layout is in
+/// the layout's row ([`main_lines`]).
 pub const LAYOUT_LINE: &str = "[Load] Decode layout: {}-chunk";
-/// The main runtime's layout lines (it has no `Decode layout` line).
-pub const MAIN_THREE_LINE: &str = "[Load] Topology II — 3-chunk default ({})";
-pub const MAIN_FOUR_LINE: &str = "[Load] 4-chunk decode ({})";
 /// main's opt-in three-chunk split into `chunk*_topoI` packages, which
 /// chunkforge releases do not have.
 const MAIN_TOPOLOGY_I_LINE: &str = "[Load] Topology I — 3-chunk ({})";
@@ -34,21 +36,30 @@ pub const AUDIT_SUMMARY: &str =
 const AUDIT_LOAD_FAILED: &str = "[ComputePlan] {}: failed to load plan — {}";
 const AUDIT_NOT_A_PROGRAM: &str = "[ComputePlan] {}: model structure is not a program";
 
-/// Each `[Profile…]` tag's line; the last field is the running tok/s.
-pub const PROFILE_LINES: &[(&str, &str)] = &[
-    (
-        "[Profile]",
-        "[Profile] emb={n}ms mask={n}ms | c1={n} c2={n} c3={n} c4={n} (sum={n}ms) | predict={n}ms total={n}ms ({n} tok/s)",
-    ),
-    (
-        "[Profile-2chunk]",
-        "[Profile-2chunk] emb={n}ms mask={n}ms | m1={n} m2={n} (sum={n}ms) | predict={n}ms ({n} tok/s)",
-    ),
-    (
-        "[Profile-1chunk]",
-        "[Profile-1chunk] emb={n}ms mask={n}ms | full={n} | predict={n}ms ({n} tok/s)",
-    ),
-];
+/// Each `[Profile…]` tag's line (from the layout rows, each tag once); the
+/// last field is the running tok/s.
+pub static PROFILE_LINES: LazyLock<Vec<(&'static str, &'static str)>> = LazyLock::new(|| {
+    let mut v: Vec<(&str, &str)> = Vec::new();
+    for rt in LAYOUTS.iter().filter_map(|l| l.runtime) {
+        let tag = profile_tag(rt.profile_line);
+        if !v.iter().any(|(t, _)| *t == tag) {
+            v.push((tag, rt.profile_line));
+        }
+    }
+    v
+});
+
+/// The main runtime's layout line of each layout it loads.
+pub fn main_lines() -> impl Iterator<Item = (LayoutKind, &'static str)> {
+    LAYOUTS.iter().flat_map(|l| {
+        l.runtime.into_iter().flat_map(move |rt| {
+            rt.load_lines.iter().filter_map(move |line| match line {
+                LoadLine::Main(t) => Some((l.kind, *t)),
+                LoadLine::Merged => None,
+            })
+        })
+    })
+}
 
 /// The KV cache allocation, with the context length (main appends
 /// ` — ` and more).
@@ -210,11 +221,8 @@ pub fn parse_line(raw: &str) -> Line {
             )),
         };
     }
-    if match_template(line, MAIN_THREE_LINE).is_some() {
-        return Line::Layout(LayoutKind::Three, Runtime::Main);
-    }
-    if match_template(line, MAIN_FOUR_LINE).is_some() {
-        return Line::Layout(LayoutKind::Four, Runtime::Main);
+    if let Some((kind, _)) = main_lines().find(|(_, t)| match_template(line, t).is_some()) {
+        return Line::Layout(kind, Runtime::Main);
     }
     if match_template(line, MAIN_TOPOLOGY_I_LINE).is_some() {
         return Line::ForeignLayout("Topology I (chunk*_topoI packages)".into());
@@ -255,7 +263,7 @@ pub fn parse_line(raw: &str) -> Line {
             why: "model structure is not a program".into(),
         };
     }
-    for (ptag, template) in PROFILE_LINES {
+    for (ptag, template) in PROFILE_LINES.iter() {
         if let Some(f) = match_template(line, template) {
             let tok = f.last().and_then(|v| v.parse::<f64>().ok());
             return match tok {

@@ -236,7 +236,7 @@ pub struct Targets {
     pub cold_runs: usize,
     pub max_off_neural_engine: f64,
     pub control: LayoutKind,
-    pub tok_s: &'static [TokTarget],
+    pub tok_s: Vec<TokTarget>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -432,7 +432,16 @@ fn examine(log: &LogInput, c: &mut Collect) -> RunReport {
     if let Some(n) = ane_failed {
         c.doa.entry(kind).or_default().push(format!("{file}:{n}"));
     }
-    let rt = runtime_layout(kind).expect("labels and layout lines name runtime layouts");
+    let Some(rt) = runtime_layout(kind) else {
+        // Labels and layout lines name the runtime's layouts only.
+        exclude(
+            c,
+            &mut run,
+            None,
+            format!("the runtime does not load a {kind} layout"),
+        );
+        return run;
+    };
     if let Some(&(n, tag, _)) = profiles.iter().find(|p| p.1 != rt.profile_tag) {
         let said = match loaded {
             Some((l, _, _)) => format!("whose layout line (line {l}) says {}", rt.name),
@@ -609,8 +618,8 @@ fn layout_report(
     let runtime = (runtimes.len() == 1).then(|| runtimes[0]);
     let mut chunks = Vec::new();
     let mut missing = Vec::new();
-    for p in rt.decode {
-        match audits.get(*p) {
+    for p in &rt.decode {
+        match audits.get(p) {
             Some(&(off, total)) => chunks.push(ChunkPlacement {
                 chunk: p.to_string(),
                 off,
@@ -736,7 +745,7 @@ pub fn report(logs: &[LogInput]) -> Report {
             cold_runs: COLD_RUNS,
             max_off_neural_engine: MAX_OFF_NEURAL_ENGINE,
             control: CONTROL,
-            tok_s: bench_targets::TOK_TARGETS,
+            tok_s: bench_targets::TOK_TARGETS.clone(),
         },
         runs,
         layouts,

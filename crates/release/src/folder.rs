@@ -11,30 +11,17 @@ use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
-
 use chunkforge_model::config::TextConfig;
+pub use chunkforge_model::layouts::RunLayout;
+use chunkforge_model::layouts::{spec, REFERENCE};
 use chunkforge_model::plan::{self, FunctionKind, Functions, Layout, LayoutKind, Mode, SlotCopy};
 
 use crate::hashing;
-use crate::manifest::{self, MANIFEST_FILE};
+use crate::manifest::{self, Manifest, MANIFEST_FILE};
 use crate::package::{HF_MODEL_DIR, TOKENIZER_FILE};
 use crate::runtime_layout;
-use crate::sidefiles::{self, SIDE_FILES};
+use crate::sidefiles::{self, Expected, ModelConfig, SIDE_FILES};
 use crate::strict_json;
-
-chunkforge_model::named! {
-    /// `run --layout`: which decode layout to run.
-    pub enum RunLayout {
-        /// By file presence, as the runtime picks: chunk2_3way + chunk3_3way, else
-        /// merged_full, else merged_chunk1 + merged_chunk2, else chunk1..4.
-        Auto = "auto",
-        Four = "four",
-        Three = "three",
-        Two = "two",
-        One = "one",
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {message}", path.display())]
@@ -55,7 +42,7 @@ fn err(path: &Path, message: impl Into<String>) -> FolderError {
 /// A release folder, opened.
 pub struct ReleaseFolder {
     pub dir: PathBuf,
-    pub manifest: Value,
+    pub manifest: Manifest,
     /// `hf_model/config.json`.
     pub cfg: TextConfig,
     /// `model_config.json`'s `context_length`.
@@ -79,65 +66,31 @@ pub struct RunPlan {
     pub picked_by: &'static str,
 }
 
-fn read_json(path: &Path) -> Result<Value> {
-    let bytes = fs::read(path).map_err(|e| {
-        err(
-            path,
-            if e.kind() == std::io::ErrorKind::NotFound {
-                "missing".to_string()
-            } else {
-                format!("cannot read: {e}")
-            },
-        )
-    })?;
-    strict_json::from_slice(&bytes).map_err(|e| err(path, format!("not valid JSON: {e}")))
-}
-
 impl ReleaseFolder {
     pub fn open(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
             return Err(err(dir, "not a release folder"));
         }
-        let manifest = read_json(&dir.join(MANIFEST_FILE))?;
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let manifest = Manifest::load(&manifest_path).map_err(|e| err(&manifest_path, e))?;
         let config_path = dir.join(sidefiles::MODEL_CONFIG);
-        let config = read_json(&config_path)?;
-        let context_length = config
-            .get("context_length")
-            .and_then(Value::as_u64)
-            .ok_or_else(|| err(&config_path, "no context_length (a positive integer)"))?
-            as usize;
-        let eos_token_ids = match config.get("eos_token_id") {
-            Some(Value::Number(n)) => n.as_i64().into_iter().collect(),
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_i64).collect(),
-            _ => Vec::new(),
-        };
+        let config = read_model_config(&config_path)?;
         let hf = dir.join(HF_MODEL_DIR);
         let cfg = TextConfig::load(&hf).map_err(|e| err(&hf, e.to_string()))?;
-        check_model_config(&config, &config_path, &cfg, context_length)?;
-        let number = |key: &str| config.get(key).and_then(Value::as_f64).unwrap_or(f64::NAN);
-        let mut files = BTreeMap::new();
-        for f in manifest
-            .get("files")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            if let (Some(p), Some(size), Some(sha)) = (
-                f.get("path").and_then(Value::as_str),
-                f.get("size").and_then(Value::as_u64),
-                f.get("sha256").and_then(Value::as_str),
-            ) {
-                files.insert(p.to_string(), (size, sha.to_string()));
-            }
-        }
+        check_model_config(&config, &config_path, &cfg)?;
+        let files = manifest
+            .files
+            .iter()
+            .map(|f| (f.path.clone(), (f.size, f.sha256.clone())))
+            .collect();
         Ok(ReleaseFolder {
             dir: dir.to_path_buf(),
             manifest,
             cfg,
-            context_length,
-            eos_token_ids,
-            embed_scale: number("embed_scale"),
-            per_layer_embed_scale: number("per_layer_embed_scale"),
+            context_length: config.context_length,
+            eos_token_ids: config.eos_token_id.ids(),
+            embed_scale: config.embed_scale,
+            per_layer_embed_scale: config.per_layer_embed_scale,
             files,
         })
     }
@@ -147,7 +100,6 @@ impl ReleaseFolder {
     /// it; returns the first problem, naming the file.
     pub fn check_files(&self) -> Result<()> {
         let c = &self.cfg;
-        let per_layer = c.num_hidden_layers * c.hidden_size_per_layer_input;
         for spec in SIDE_FILES {
             let path = self.dir.join(spec.name);
             let listed = self.files.contains_key(spec.name);
@@ -175,20 +127,10 @@ impl ReleaseFolder {
             let size = fs::metadata(&path)
                 .map_err(|e| err(&path, format!("cannot read: {e}")))?
                 .len();
-            let expected = match spec.name {
-                sidefiles::EMBED_Q8 => Some((c.vocab_size * c.hidden_size) as u64),
-                sidefiles::EMBED_SCALES => Some(c.vocab_size as u64 * 2),
-                sidefiles::PER_LAYER_Q8 => Some((c.vocab_size_per_layer_input * per_layer) as u64),
-                sidefiles::PER_LAYER_SCALES => Some(c.vocab_size_per_layer_input as u64 * 2),
-                sidefiles::PER_LAYER_PROJECTION => Some((per_layer * c.hidden_size * 2) as u64),
-                sidefiles::PER_LAYER_NORM => Some(c.hidden_size_per_layer_input as u64 * 2),
-                sidefiles::COS_SLIDING | sidefiles::SIN_SLIDING => {
-                    Some(self.check_npy(&path, c.head_dim, size)?)
-                }
-                sidefiles::COS_FULL | sidefiles::SIN_FULL => {
-                    Some(self.check_npy(&path, c.global_head_dim, size)?)
-                }
-                _ => None,
+            let expected = match spec.expected(c) {
+                Expected::Bytes(n) => Some(n),
+                Expected::Npy { head_dim } => Some(self.check_npy(&path, head_dim, size)?),
+                Expected::Contents => None,
             };
             if let Some(want) = expected {
                 if size != want {
@@ -209,12 +151,9 @@ impl ReleaseFolder {
             .map_err(|e| err(&path, format!("cannot read: {e}")))?
             .len();
         self.check_digest(&config, &path, size)?;
-        let want = self
-            .manifest
-            .pointer("/model/config_sha256")
-            .and_then(Value::as_str);
+        let want = &self.manifest.model.config_sha256;
         let got = hashing::sha256_file(&path).map_err(|e| err(&path, e.to_string()))?;
-        if want.is_some_and(|w| w != got) {
+        if *want != got {
             return Err(err(
                 &path,
                 "not the config the packages were built from (manifest.json's model.config_sha256)",
@@ -319,25 +258,14 @@ impl ReleaseFolder {
         self.dir.join(format!("{name}.mlpackage")).is_dir()
     }
 
-    /// The manifest's chunk entry of package `name`.
-    fn manifest_chunk(&self, name: &str) -> Option<&Value> {
-        self.manifest
-            .get("chunks")?
-            .as_array()?
-            .iter()
-            .find(|c| c.get("name").and_then(Value::as_str) == Some(name))
-    }
-
     /// The token counts of `name`'s functions of `kind` in the manifest.
     fn function_tokens(&self, name: &str, kind: FunctionKind) -> Vec<usize> {
-        self.manifest_chunk(name)
-            .and_then(|c| c.get("functions"))
-            .and_then(Value::as_array)
+        self.manifest
+            .chunk(name)
             .into_iter()
-            .flatten()
-            .filter(|f| f.get("kind") == Some(&serde_json::json!(kind)))
-            .filter_map(|f| f.get("tokens").and_then(Value::as_u64))
-            .map(|t| t as usize)
+            .flat_map(|c| &c.functions)
+            .filter(|f| f.kind == kind)
+            .map(|f| f.tokens)
             .collect()
     }
 
@@ -348,27 +276,34 @@ impl ReleaseFolder {
         let manifest = self.dir.join(MANIFEST_FILE);
         let (kind, picked_by) = match want {
             RunLayout::Auto => {
-                // ChunkedEngine's presence rules; the three-chunk decode also
-                // needs four's chunk1, checked with the layout below.
+                // ChunkedEngine's presence rules; a decode that borrows the
+                // reference's first package also needs it, checked with the
+                // layout below.
                 let kind = runtime_layout::pick(|n| self.has_package(n));
                 (kind, "picked by file presence, as the runtime does")
             }
-            RunLayout::Four => (LayoutKind::Four, "--layout"),
-            RunLayout::Three => (LayoutKind::Three, "--layout"),
-            RunLayout::Two => (LayoutKind::Two, "--layout"),
-            RunLayout::One => (LayoutKind::One, "--layout"),
+            RunLayout::Only(kind) => (kind, "--layout"),
         };
+        let verify = spec(REFERENCE).package_names();
+        let prefill = spec(LayoutKind::Prefill).package_names();
         let functions = Functions {
-            verify_k: self
-                .function_tokens("chunk4", FunctionKind::Verify)
+            verify_k: verify.last().and_then(|c| {
+                self.function_tokens(c, FunctionKind::Verify)
+                    .first()
+                    .copied()
+            }),
+            prefill_lens: prefill
                 .first()
-                .copied(),
-            prefill_lens: self.function_tokens("prefill_chunk1", FunctionKind::Prefill),
+                .map(|c| self.function_tokens(c, FunctionKind::Prefill))
+                .unwrap_or_default(),
         };
         if functions.prefill_lens.is_empty() {
             return Err(err(
                 &manifest,
-                "no prefill_chunk1..4 with prefill functions: the runtime requires them",
+                format!(
+                    "no {} with prefill functions: the runtime requires them",
+                    spec(LayoutKind::Prefill).range()
+                ),
             ));
         }
         let planned = plan::plan(&self.cfg, self.context_length, Mode::All, None, &functions)
@@ -379,7 +314,7 @@ impl ReleaseFolder {
                 .iter()
                 .find(|l| l.kind == k)
                 .cloned()
-                .expect("--mode all plans every layout");
+                .ok_or_else(|| err(&manifest, format!("no {k} layout in the plan")))?;
             for c in &l.chunks {
                 let pkg = self.dir.join(format!("{}.mlpackage", c.name));
                 if !pkg.is_dir() {
@@ -389,13 +324,14 @@ impl ReleaseFolder {
             }
             Ok(l)
         };
-        let four = layout(LayoutKind::Four)?;
+        let four = layout(REFERENCE)?;
         let prefill = layout(LayoutKind::Prefill)?;
-        let decode = if kind == LayoutKind::Three {
-            self.three(&manifest, &planned, &four)?
+        let borrows = spec(kind).runtime.is_some_and(|rt| rt.borrows_first);
+        let decode = if borrows {
+            self.borrowing(&manifest, &planned, kind, &four)?
         } else {
             let mut decode = layout(kind)?;
-            if kind != LayoutKind::Four {
+            if kind != REFERENCE {
                 decode.kv_slot_map = self.slot_map(&manifest, kind)?;
             }
             decode
@@ -408,18 +344,25 @@ impl ReleaseFolder {
         })
     }
 
-    /// The three-chunk decode as the runtime runs it (ChunkedEngine:
-    /// `chunk1` + `chunk2_3way` + `chunk3_3way`): four's chunk1, whose
-    /// decode contract is the first three-chunk package's, then the other
-    /// two; the slot map's copies into the first package go to chunk1.
-    fn three(&self, manifest: &Path, planned: &plan::Plan, four: &Layout) -> Result<Layout> {
-        let mut three = planned
+    /// A decode that borrows the reference's first package, as the runtime
+    /// runs it (ChunkedEngine's three-chunk decode: `chunk1`, `chunk2_3way`,
+    /// `chunk3_3way`): the reference's first chunk, whose decode contract is
+    /// the layout's first package's, then the layout's other packages; the
+    /// slot map's copies into the first package go to the reference's.
+    fn borrowing(
+        &self,
+        manifest: &Path,
+        planned: &plan::Plan,
+        kind: LayoutKind,
+        four: &Layout,
+    ) -> Result<Layout> {
+        let mut layout = planned
             .layouts
             .iter()
-            .find(|l| l.kind == LayoutKind::Three)
+            .find(|l| l.kind == kind)
             .cloned()
-            .expect("--mode all plans every layout");
-        let first = std::mem::replace(&mut three.chunks[0], four.chunks[0].clone());
+            .ok_or_else(|| err(manifest, format!("no {kind} layout in the plan")))?;
+        let first = std::mem::replace(&mut layout.chunks[0], four.chunks[0].clone());
         if (
             first.first_layer,
             first.last_layer,
@@ -434,74 +377,74 @@ impl ReleaseFolder {
             return Err(err(
                 manifest,
                 format!(
-                    "{} and {} differ in layers or contract: the runtime's three-chunk decode runs {} first",
-                    first.name, four.chunks[0].name, four.chunks[0].name
+                    "{} and {} differ in layers or contract: the runtime's {} decode runs {} first",
+                    first.name,
+                    four.chunks[0].name,
+                    spec(kind).runtime.map_or(kind.as_str(), |rt| rt.name),
+                    four.chunks[0].name
                 ),
             ));
         }
-        for c in &three.chunks[1..] {
+        for c in &layout.chunks[1..] {
             let pkg = self.dir.join(format!("{}.mlpackage", c.name));
             if !pkg.is_dir() {
-                return Err(err(&pkg, "missing: the three layout needs it"));
+                return Err(err(&pkg, format!("missing: the {kind} layout needs it")));
             }
             self.check_chunk(manifest, c)?;
         }
-        three.kv_slot_map = self.slot_map(manifest, LayoutKind::Three)?;
-        for m in &mut three.kv_slot_map {
+        layout.kv_slot_map = self.slot_map(manifest, kind)?;
+        for m in &mut layout.kv_slot_map {
             if m.to_chunk == first.name {
                 m.to_chunk.clone_from(&four.chunks[0].name);
             }
         }
-        Ok(three)
+        Ok(layout)
     }
 
     /// The manifest's KV slot map of decode layout `kind`.
     fn slot_map(&self, manifest: &Path, kind: LayoutKind) -> Result<Vec<SlotCopy>> {
-        let entry = self
-            .manifest
-            .get("decode_layouts")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .find(|l| l.get("kind").and_then(Value::as_str) == Some(kind.as_str()))
-            .ok_or_else(|| err(manifest, format!("decode_layouts has no {kind} layout")))?;
-        serde_json::from_value(entry.get("kv_slot_map").cloned().unwrap_or(Value::Null))
-            .map_err(|e| err(manifest, format!("{kind}'s kv_slot_map: {e}")))
+        self.manifest
+            .decode_layouts
+            .iter()
+            .find(|l| l.kind == kind)
+            .map(|l| l.kv_slot_map.clone())
+            .ok_or_else(|| err(manifest, format!("decode_layouts has no {kind} layout")))
     }
 
     /// The plan's chunk against the manifest's entry for it: layer range,
     /// inputs, outputs and every function's contract.
     fn check_chunk(&self, manifest: &Path, c: &plan::ChunkPlan) -> Result<()> {
-        let m = self.manifest_chunk(&c.name).ok_or_else(|| {
+        let m = self.manifest.chunk(&c.name).ok_or_else(|| {
             err(
                 manifest,
                 format!("no entry for {}.mlpackage, which is in the folder", c.name),
             )
         })?;
+        let differs = |what: String| {
+            err(
+                manifest,
+                format!(
+                    "{}'s {what} is not what hf_model/config.json plans at context length {}",
+                    c.name, self.context_length
+                ),
+            )
+        };
         // The contract as the manifest states it, written by the same function.
-        let contract = |specs: &[plan::TensorSpec]| Value::from(manifest::contract(specs));
-        let mut want = vec![
-            ("first_layer".to_string(), serde_json::json!(c.first_layer)),
-            ("last_layer".to_string(), serde_json::json!(c.last_layer)),
-            ("inputs".to_string(), contract(&c.inputs)),
-            ("outputs".to_string(), contract(&c.outputs)),
-        ];
-        let got_functions = m.get("functions").and_then(Value::as_array);
         for f in &c.functions {
-            let got = got_functions
-                .and_then(|fs| {
-                    fs.iter()
-                        .find(|g| g.get("name").and_then(Value::as_str) == Some(f.name.as_str()))
-                })
-                .cloned()
-                .unwrap_or(Value::Null);
-            for (key, value) in [
-                ("kind", serde_json::json!(f.kind)),
-                ("tokens", serde_json::json!(f.tokens)),
-                ("inputs", contract(&f.inputs)),
-                ("outputs", contract(&f.outputs)),
+            let got = m.functions.iter().find(|g| g.name == f.name);
+            for (key, same) in [
+                ("kind", got.is_some_and(|g| g.kind == f.kind)),
+                ("tokens", got.is_some_and(|g| g.tokens == f.tokens)),
+                (
+                    "inputs",
+                    got.is_some_and(|g| g.inputs == manifest::contract(&f.inputs)),
+                ),
+                (
+                    "outputs",
+                    got.is_some_and(|g| g.outputs == manifest::contract(&f.outputs)),
+                ),
             ] {
-                if got.get(key) != Some(&value) {
+                if !same {
                     return Err(err(
                         manifest,
                         format!(
@@ -512,92 +455,142 @@ impl ReleaseFolder {
                 }
             }
         }
-        for (key, value) in want.drain(..) {
-            if m.get(&key) != Some(&value) {
-                return Err(err(
-                    manifest,
-                    format!(
-                        "{}'s {key} is not what hf_model/config.json plans at context length {}",
-                        c.name, self.context_length
-                    ),
-                ));
+        for (key, same) in [
+            ("first_layer", m.first_layer == c.first_layer),
+            ("last_layer", m.last_layer == c.last_layer),
+            ("inputs", m.inputs == manifest::contract(&c.inputs)),
+            ("outputs", m.outputs == manifest::contract(&c.outputs)),
+        ] {
+            if !same {
+                return Err(differs(key.into()));
             }
         }
         Ok(())
     }
 }
 
+/// Reads `model_config.json` through its type.
+fn read_model_config(path: &Path) -> Result<ModelConfig> {
+    let bytes = fs::read(path).map_err(|e| {
+        err(
+            path,
+            if e.kind() == std::io::ErrorKind::NotFound {
+                "missing".to_string()
+            } else {
+                format!("cannot read: {e}")
+            },
+        )
+    })?;
+    let v =
+        strict_json::from_slice(&bytes).map_err(|e| err(path, format!("not valid JSON: {e}")))?;
+    serde_json::from_value(v).map_err(|e| {
+        err(
+            path,
+            format!("not the runtime's model config ({e}; the runtime reads each key)"),
+        )
+    })
+}
+
 /// `model_config.json` against the plan of `hf_model/config.json`: every key
-/// the runtime reads must be there and agree (the app takes its dimensions
-/// and scales from this file, the packages were built from the other).
-fn check_model_config(
-    config: &Value,
-    path: &Path,
-    cfg: &TextConfig,
-    context_length: usize,
-) -> Result<()> {
-    let d = plan::dims(cfg, context_length);
-    let types: Vec<String> = cfg
-        .layer_types
-        .iter()
-        .map(|a| format!("{a}_attention"))
-        .collect();
+/// the runtime reads must agree (the app takes its dimensions and scales
+/// from this file, the packages were built from the other).
+fn check_model_config(config: &ModelConfig, path: &Path, cfg: &TextConfig) -> Result<()> {
+    let want = ModelConfig::of(
+        cfg,
+        config.context_length,
+        &config.model_name,
+        config.bos_token_id,
+        0,
+    );
     let exact = [
-        ("architecture", serde_json::json!("gemma4")),
-        ("hidden_size", serde_json::json!(cfg.hidden_size)),
-        ("vocab_size", serde_json::json!(cfg.vocab_size)),
+        (
+            "architecture",
+            json(&config.architecture),
+            json(&want.architecture),
+        ),
+        (
+            "hidden_size",
+            json(&config.hidden_size),
+            json(&want.hidden_size),
+        ),
+        (
+            "vocab_size",
+            json(&config.vocab_size),
+            json(&want.vocab_size),
+        ),
         (
             "num_hidden_layers",
-            serde_json::json!(cfg.num_hidden_layers),
+            json(&config.num_hidden_layers),
+            json(&want.num_hidden_layers),
         ),
-        ("num_layers", serde_json::json!(cfg.num_hidden_layers)),
+        (
+            "num_layers",
+            json(&config.num_layers),
+            json(&want.num_layers),
+        ),
         (
             "per_layer_dim",
-            serde_json::json!(cfg.hidden_size_per_layer_input),
+            json(&config.per_layer_dim),
+            json(&want.per_layer_dim),
         ),
-        ("sliding_window", serde_json::json!(cfg.sliding_window)),
+        (
+            "sliding_window",
+            json(&config.sliding_window),
+            json(&want.sliding_window),
+        ),
         (
             "num_kv_shared_layers",
-            serde_json::json!(cfg.num_kv_shared_layers),
+            json(&config.num_kv_shared_layers),
+            json(&want.num_kv_shared_layers),
         ),
-        ("layer_types", serde_json::json!(types)),
+        (
+            "layer_types",
+            json(&config.layer_types),
+            json(&want.layer_types),
+        ),
     ];
-    for (key, want) in exact {
-        match config.get(key) {
-            None => return Err(err(path, format!("no {key} (the runtime reads it)"))),
-            Some(got) if *got != want => {
-                return Err(err(
-                    path,
-                    format!(
+    for (key, got, want) in exact {
+        if got != want {
+            return Err(err(
+                path,
+                format!(
                     "{key} is {got}, but the packages were built for {want} (hf_model/config.json)"
                 ),
-                ))
-            }
-            _ => {}
+            ));
         }
     }
     let scales = [
-        ("embed_scale", d.embed_scale),
-        ("per_layer_embed_scale", d.per_layer_embed_scale),
+        ("embed_scale", config.embed_scale, want.embed_scale),
+        (
+            "per_layer_embed_scale",
+            config.per_layer_embed_scale,
+            want.per_layer_embed_scale,
+        ),
         (
             "per_layer_model_projection_scale",
-            1.0 / (cfg.hidden_size as f64).sqrt(),
+            config.per_layer_model_projection_scale,
+            want.per_layer_model_projection_scale,
         ),
-        ("per_layer_input_scale", 1.0 / 2f64.sqrt()),
+        (
+            "per_layer_input_scale",
+            config.per_layer_input_scale,
+            want.per_layer_input_scale,
+        ),
     ];
-    for (key, want) in scales {
-        match config.get(key).and_then(Value::as_f64) {
-            None => return Err(err(path, format!("no {key} (a number the runtime reads)"))),
-            Some(got) if (got - want).abs() > 1e-9 * want.abs() => {
-                return Err(err(
-                    path,
-                    format!("{key} is {got}, but hf_model/config.json's model has {want}"),
-                ))
-            }
-            _ => {}
+    for (key, got, want) in scales {
+        if (got - want).abs() > 1e-9 * want.abs() || got.is_nan() {
+            return Err(err(
+                path,
+                format!("{key} is {got}, but hf_model/config.json's model has {want}"),
+            ));
         }
     }
     Ok(())
+}
+
+/// A value as JSON text, for a message.
+fn json<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_default()
 }
 
 /// A `.npy` file's header: (bytes before the data, the header dict's text).

@@ -17,6 +17,7 @@ pub mod package;
 pub mod publish;
 pub mod runbook;
 pub mod runtime_layout;
+pub mod schemas;
 pub mod sidefiles;
 pub mod sign;
 pub mod staging;

@@ -2,7 +2,9 @@
 //! what model and release this is, which packages it holds with their layer
 //! ranges and I/O contracts, how prefill KV maps into each decode layout, the
 //! conversion settings and tool versions, the parity summary, and every file
-//! with its size and SHA-256. The schema is `manifests/manifest.schema.json`.
+//! with its size and SHA-256. [`Manifest`] is its type: `package` writes it,
+//! `run` and the run book read it, and `manifests/manifest.schema.json` is
+//! generated from it (`crate::schemas`).
 //!
 //! Everything here is read out of `build.json` (the plan computed at build
 //! time); nothing is re-derived.
@@ -11,12 +13,18 @@ use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
-use chunkforge_model::plan::{ChunkPlan, FunctionKind, Layout, LayoutKind, TensorSpec};
+use chunkforge_model::layouts::{spec, Purpose, ReleaseLayout, REFERENCE};
+use chunkforge_model::plan::{
+    AliasUse, ChunkPlan, Dims, Dtype, FunctionKind, FunctionPlan, Layout, LayoutKind, SlotCopy,
+    TensorSpec,
+};
 use chunkforge_model::records::{
-    BuildRecord, ChunkRecord, ParityCheckpoint, ParityReport, BUILD_FORMAT, PARITY_FORMAT,
+    BuildRecord, ChunkRecord, ConversionSettings, ParityCheckpoint, ParityReport, ParitySummary,
+    BUILD_FORMAT, PARITY_FORMAT,
 };
 
 use crate::hashing::FileDigest;
@@ -37,35 +45,6 @@ pub enum ReleaseInputError {
         option: &'static str,
         message: String,
     },
-}
-
-chunkforge_model::named! {
-    /// Which decode layouts a release carries.
-    pub enum ReleaseLayout {
-        /// chunk1..chunk4.
-        Four = "four",
-        /// chunk1_3way..chunk3_3way, plus chunk1..4.
-        Three = "three",
-        /// merged_chunk1 + merged_chunk2, plus chunk1..4 for prefill and verify.
-        Two = "two",
-        /// merged_full, plus chunk1..4 for prefill and verify.
-        One = "one",
-        /// Every layout in the build.
-        All = "all",
-    }
-}
-
-impl ReleaseLayout {
-    /// The one decode layout this ships (None: every layout of the build).
-    pub fn kind(self) -> Option<LayoutKind> {
-        match self {
-            ReleaseLayout::Four => Some(LayoutKind::Four),
-            ReleaseLayout::Three => Some(LayoutKind::Three),
-            ReleaseLayout::Two => Some(LayoutKind::Two),
-            ReleaseLayout::One => Some(LayoutKind::One),
-            ReleaseLayout::All => None,
-        }
-    }
 }
 
 chunkforge_model::named! {
@@ -115,10 +94,18 @@ impl Build {
         })?;
         let json: Value =
             serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON ({e})")))?;
-        if json.get("format").and_then(Value::as_str) != Some(BUILD_FORMAT) {
+        // The format first, so that another file is named as such.
+        #[derive(Default, Deserialize)]
+        struct Format {
+            #[serde(default)]
+            format: Value,
+        }
+        let format = serde_json::from_value::<Format>(json.clone())
+            .unwrap_or_default()
+            .format;
+        if format != BUILD_FORMAT {
             return Err(bad(format!(
-                "format is {}, expected \"{BUILD_FORMAT}\"",
-                json.get("format").unwrap_or(&Value::Null)
+                "format is {format}, expected \"{BUILD_FORMAT}\""
             )));
         }
         let record: BuildRecord = serde_json::from_value(json)
@@ -161,7 +148,7 @@ impl Build {
                 .layouts
                 .iter()
                 .map(|l| l.kind)
-                .filter(|k| *k != LayoutKind::Prefill)
+                .filter(|k| spec(*k).purpose == Purpose::Decode)
                 .collect(),
             Some(k) => vec![k],
         };
@@ -174,9 +161,10 @@ impl Build {
                 ))
             })?);
         }
-        if layout != ReleaseLayout::Four && self.layout(LayoutKind::Four).is_none() {
+        if layout != ReleaseLayout::Only(REFERENCE) && self.layout(REFERENCE).is_none() {
             return Err(self.err(format!(
-                "layout {layout} releases also ship chunk1..chunk4 (the runtime keeps them for prefill and speculative verify), but the build has layouts [{}]; rebuild with --mode all",
+                "layout {layout} releases also ship {} (the runtime keeps them for prefill and speculative verify), but the build has layouts [{}]; rebuild with --mode all",
+                spec(REFERENCE).summary(),
                 self.kinds()
             )));
         }
@@ -205,11 +193,8 @@ impl Build {
             }
         };
         let mut ship = decode.clone();
-        if !decode.iter().any(|l| l.kind == LayoutKind::Four) {
-            ship.push(
-                self.layout(LayoutKind::Four)
-                    .expect("checked in decode_layouts"),
-            );
+        if !decode.iter().any(|l| l.kind == REFERENCE) {
+            ship.extend(self.layout(REFERENCE));
         }
         ship.extend(self.layout(LayoutKind::Prefill));
         for l in ship {
@@ -314,7 +299,7 @@ fn url_path(p: &str) -> String {
     s
 }
 
-/// Reads `--parity-report` and returns its `summary`, to be embedded verbatim.
+/// Reads `--parity-report` and returns its `summary`, to be embedded.
 /// The report must be about the build's checkpoint (same `config.json`
 /// digest) and must have passed: `summary.ok` true and no failed step, oracle
 /// step or artifact check behind it. With `allow_failed` a failed report is
@@ -331,7 +316,24 @@ pub fn parity_summary(
     let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read ({e})")))?;
     let v: Value = strict_json::from_str(&text)
         .map_err(|e| bad(format!("not valid JSON ({e}); expected a parity report")))?;
-    let summary = match v.get("summary") {
+    // What is checked before the whole report is read, each with a message of
+    // its own (anything but an object reads as an empty outline).
+    #[derive(Default, Deserialize)]
+    struct Outline {
+        #[serde(default)]
+        summary: Option<Value>,
+        #[serde(default)]
+        format: Option<Value>,
+        #[serde(default)]
+        checkpoint: Option<Value>,
+    }
+    #[derive(Deserialize)]
+    struct Verdict {
+        #[serde(default)]
+        ok: Option<Value>,
+    }
+    let outline: Outline = serde_json::from_value(v.clone()).unwrap_or_default();
+    let summary = match outline.summary {
         Some(s @ Value::Object(_)) => s,
         Some(_) => return Err(bad("`summary` must be a JSON object".into())),
         None => {
@@ -340,7 +342,7 @@ pub fn parity_summary(
             ))
         }
     };
-    let format = v.get("format").unwrap_or(&Value::Null);
+    let format = outline.format.unwrap_or(Value::Null);
     if format != PARITY_FORMAT {
         return Err(bad(format!(
             "format is {format}, expected \"{PARITY_FORMAT}\" (written by `chunkforge parity --report`)"
@@ -348,14 +350,13 @@ pub fn parity_summary(
     }
     // The checkpoint first: a report about another model is refused as such,
     // whatever else is wrong with it.
-    #[derive(Deserialize)]
-    struct About {
-        #[serde(default)]
-        checkpoint: ParityCheckpoint,
-    }
-    let about: About = serde_json::from_value(v.clone())
-        .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
-    let theirs = about.checkpoint.config_sha256.as_str();
+    let checkpoint: ParityCheckpoint = outline
+        .checkpoint
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?
+        .unwrap_or_default();
+    let theirs = checkpoint.config_sha256.as_str();
     let ours = build.record.checkpoint.config_sha256.as_str();
     if ours.is_empty() {
         return Err(build.err(
@@ -366,20 +367,23 @@ pub fn parity_summary(
         return Err(bad(format!(
             "is about another checkpoint: its config.json digest is {} ({}), the build's is {ours} ({}); run parity on the checkpoint that was built",
             if theirs.is_empty() { "missing" } else { theirs },
-            if about.checkpoint.dir.is_empty() { "?" } else { &about.checkpoint.dir },
+            if checkpoint.dir.is_empty() { "?" } else { &checkpoint.dir },
             build.record.checkpoint.dir,
         )));
     }
-    let ok = match summary.get("ok") {
-        Some(Value::Bool(ok)) => *ok,
+    let verdict: Verdict = serde_json::from_value(summary.clone())
+        .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
+    let ok = match verdict.ok {
+        Some(Value::Bool(ok)) => ok,
         other => {
             return Err(bad(format!(
                 "summary.ok is {}, expected true or false",
-                other.unwrap_or(&Value::Null)
+                other.unwrap_or(Value::Null)
             )))
         }
     };
-    let embedded = summary.clone();
+    let embedded: EmbeddedParity = serde_json::from_value(summary)
+        .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
     let report: ParityReport = serde_json::from_value(v)
         .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
     let failed = report.failed_checks();
@@ -398,10 +402,7 @@ pub fn parity_summary(
                 .unwrap_or_default()
         )));
     }
-    Ok(EmbeddedParity {
-        ok,
-        summary: embedded,
-    })
+    Ok(embedded)
 }
 
 /// What `package` signs beside the resource list (the predicate's
@@ -419,11 +420,40 @@ pub struct PredicateSummary {
     pub bytes: u64,
 }
 
-/// A parity report's summary as the manifest embeds it, and its verdict.
+/// A parity report's summary as the manifest embeds it (`parity`): the
+/// report's typed summary, and whatever else a hand-written summary says,
+/// kept as written.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct EmbeddedParity {
-    pub ok: bool,
-    /// The report's `summary`, verbatim.
-    pub summary: Value,
+    #[serde(flatten)]
+    pub summary: ParitySummary,
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
+}
+
+impl EmbeddedParity {
+    pub fn ok(&self) -> bool {
+        self.summary.ok
+    }
+}
+
+/// Whether the release's packages were compiled to `.mlmodelc`, as the
+/// manifest records it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Compiled {
+    pub mlmodelc: bool,
+    pub note: String,
+}
+
+impl Compiled {
+    /// Not compiled: `why` says so in the manifest.
+    pub fn not(why: &str) -> Self {
+        Compiled {
+            mlmodelc: false,
+            note: why.into(),
+        }
+    }
 }
 
 /// Everything the manifest says besides the file list.
@@ -434,7 +464,7 @@ pub struct ManifestInputs<'a> {
     pub model_id: &'a str,
     pub parity: Option<EmbeddedParity>,
     pub base_url: Option<&'a str>,
-    pub compiled: &'a crate::package::Compiled,
+    pub compiled: &'a Compiled,
 }
 
 chunkforge_model::named! {
@@ -461,7 +491,7 @@ chunkforge_model::named! {
 
 /// The roles of the file at release path `path`: its package's roles, or
 /// what the side file or `hf_model/` file is for.
-fn file_roles(path: &str, chunks: &[ReleaseChunk]) -> Vec<FileRole> {
+fn file_roles(path: &str, chunks: &[ManifestChunk]) -> Vec<FileRole> {
     if path.starts_with(&format!("{}/", crate::package::HF_MODEL_DIR)) {
         return vec![FileRole::Tokenizer];
     }
@@ -473,7 +503,7 @@ fn file_roles(path: &str, chunks: &[ReleaseChunk]) -> Vec<FileRole> {
         .strip_suffix(".mlpackage")
         .or_else(|| top.strip_suffix(".mlmodelc"))
     {
-        if let Some(c) = chunks.iter().find(|c| c.name() == pkg) {
+        if let Some(c) = chunks.iter().find(|c| c.name == pkg) {
             return c
                 .roles
                 .iter()
@@ -499,158 +529,411 @@ fn file_roles(path: &str, chunks: &[ReleaseChunk]) -> Vec<FileRole> {
 
 /// Groups of files with one blob digest (e.g. a prefill package's weights
 /// equal to its decode package's), so a downloader fetches each blob once.
-fn shared_blobs(files: &[(String, FileDigest)]) -> Vec<Value> {
-    let mut by_digest: BTreeMap<String, (u64, Vec<&str>)> = BTreeMap::new();
+fn shared_blobs(files: &[(String, FileDigest)]) -> Vec<SharedBlob> {
+    let mut by_digest: BTreeMap<String, (u64, Vec<String>)> = BTreeMap::new();
     for (p, d) in files {
         by_digest
             .entry(d.hex())
             .or_insert((d.size, Vec::new()))
             .1
-            .push(p);
+            .push(p.clone());
     }
     by_digest
         .into_iter()
         .filter(|(_, (size, paths))| paths.len() > 1 && *size > 0)
-        .map(|(sha, (size, paths))| json!({"sha256": sha, "size": size, "paths": paths}))
+        .map(|(sha256, (size, paths))| SharedBlob {
+            sha256,
+            size,
+            paths,
+        })
         .collect()
 }
 
-/// Builds `manifest.json`. `files` are every file of the release except the
-/// manifest and the signature, sorted by path components.
-pub fn build_manifest(
-    inp: &ManifestInputs,
-    files: &[(String, FileDigest)],
-) -> Result<Value, ReleaseInputError> {
-    let b = &inp.build.record;
-    let chunks = inp.build.release_chunks(inp.layout)?;
-    let decode = inp.build.decode_layouts(inp.layout)?;
-    let names = |l: &Layout| l.chunks.iter().map(|c| c.name.clone()).collect::<Vec<_>>();
-    let chunk_json: Vec<Value> = chunks
-        .iter()
-        .map(|rc| {
-            let c = rc.plan;
-            let name = rc.name();
-            let mut m = json!({
-                "name": name,
-                "file": format!("{name}.mlpackage"),
-                "layout": rc.layout,
-                "roles": rc.roles,
-                "first_layer": c.first_layer,
-                "last_layer": c.last_layer,
-                "sliding_slots": c.sliding_slots,
-                "full_slots": c.full_slots,
-                "emits": c.emits,
-                "consumes": c.consumes,
-                "computes_per_layer_input": c.computes_per_layer_input,
-                "has_head": c.has_head,
-                "inputs": contract(&c.inputs),
-                "outputs": contract(&c.outputs),
-            });
-            let m = m.as_object_mut().expect("an object");
-            if !c.functions.is_empty() {
-                let functions: Vec<Value> = c
-                    .functions
-                    .iter()
-                    .map(|f| {
-                        let mut v = json!({
-                            "name": f.name,
-                            "kind": f.kind,
-                            "tokens": f.tokens,
-                            "inputs": contract(&f.inputs),
-                            "outputs": contract(&f.outputs),
-                        });
-                        if !f.kv_layers.is_empty() {
-                            v.as_object_mut()
-                                .expect("an object")
-                                .insert("kv_layers".into(), json!(f.kv_layers));
-                        }
-                        v
-                    })
-                    .collect();
-                m.insert("functions".into(), json!(functions));
-            }
-            if let Some(r) = inp.build.chunk_record(name) {
-                m.insert("sha256_tree".into(), json!(r.sha256_tree));
-                m.insert("weight_bytes".into(), json!(r.weight_bytes));
-            }
-            Value::Object(std::mem::take(m))
-        })
-        .collect();
-    let layouts: Vec<Value> = decode
-        .iter()
-        .map(|l| json!({"kind": l.kind, "chunks": names(l), "kv_slot_map": l.kv_slot_map}))
-        .collect();
-    let four = inp
-        .build
-        .layout(LayoutKind::Four)
-        .expect("checked by release_chunks");
-    let base = inp.base_url.map(|u| u.trim_end_matches('/').to_string());
-    let file_json: Vec<Value> = files
-        .iter()
-        .map(|(p, d)| {
-            let mut m = Map::new();
-            m.insert("path".into(), json!(p));
-            m.insert("size".into(), json!(d.size));
-            m.insert("sha256".into(), json!(d.hex()));
-            m.insert("roles".into(), json!(file_roles(p, &chunks)));
-            if let Some(base) = &base {
-                m.insert("url".into(), json!(format!("{base}/{}", url_path(p))));
-            }
-            Value::Object(m)
-        })
-        .collect();
-    // Batched prefill packages when the build has them; otherwise the runtime
-    // prefills one token at a time through chunk1..4.
-    let prefill = inp.build.layout(LayoutKind::Prefill).unwrap_or(four);
-    let mut m = Map::new();
-    m.insert("format".into(), json!(FORMAT));
-    m.insert(
-        "model".into(),
-        json!({
-            "id": inp.model_id,
-            "architecture": b.checkpoint.architecture,
-            "config_sha256": b.checkpoint.config_sha256,
-        }),
-    );
-    m.insert(
-        "release".into(),
-        json!({"version": inp.version, "layout": inp.layout}),
-    );
-    m.insert("dims".into(), json!(b.plan.dims));
-    m.insert("chunks".into(), Value::Array(chunk_json));
-    m.insert("decode_layouts".into(), Value::Array(layouts));
-    m.insert(
-        "prefill".into(),
-        json!({"layout": prefill.kind, "chunks": names(prefill)}),
-    );
-    m.insert("settings".into(), json!(b.settings));
-    if let Some(p) = &inp.parity {
-        m.insert("parity".into(), p.summary.clone());
+/// A SHA-256 digest as lowercase hex (for the schema).
+struct Sha256Hex;
+
+impl JsonSchema for Sha256Hex {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "sha256".into()
     }
-    m.insert(
-        "tools".into(),
-        json!({
-            "chunkforge": b.tool.chunkforge,
-            "chunkforge_package": env!("CARGO_PKG_VERSION"),
-            "python": b.tool.python("python"),
-            "coremltools": b.tool.python("coremltools"),
-            "torch": b.tool.python("torch"),
-            "transformers": b.tool.python("transformers"),
-        }),
-    );
-    m.insert("compiled".into(), json!(inp.compiled));
-    m.insert("files".into(), Value::Array(file_json));
-    m.insert("shared_blobs".into(), Value::Array(shared_blobs(files)));
-    Ok(Value::Object(m))
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({"type": "string", "pattern": "^[0-9a-f]{64}$"})
+    }
 }
 
-/// A contract as the manifest states it: name, shape and dtype per tensor
-/// (roles are the plan's internal wiring, not part of the runtime's contract).
-pub fn contract(specs: &[TensorSpec]) -> Vec<Value> {
+/// A release path (for the schema): what [`check_rel_path`] accepts.
+struct RelPath;
+
+impl JsonSchema for RelPath {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "rel_path".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "Relative POSIX path: no leading '/', no backslash, no '.', '..' or empty component.",
+            "type": "string",
+            "minLength": 1,
+            "pattern": "^(?!/)(?!.*\\\\)(?!(.*/)?\\.\\.?(/|$))(?!.*//)[^\\u0000]+$"
+        })
+    }
+}
+
+/// `manifest.json`. Members are written in this order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(
+    deny_unknown_fields,
+    title = "chunkforge release manifest (manifest.json)",
+    description = "Table of contents of a chunkforge release folder: model, release, packages with layer ranges and I/O contracts, KV slot maps, conversion settings, parity summary, tool versions and every file with size and SHA-256. manifest.json itself and model.sig are not listed in `files`; model.sig (OpenSSF model signing format) covers manifest.json and every listed file."
+)]
+pub struct Manifest {
+    #[schemars(extend("const" = FORMAT))]
+    pub format: String,
+    pub model: ModelInfo,
+    pub release: ReleaseInfo,
+    /// Model dimensions from the build plan (config.json-derived), as the runtime needs them.
+    pub dims: Dims,
+    /// Every package, each once: the decode layouts' chunks, then the reference's and the prefill packages.
+    #[schemars(length(min = 1))]
+    pub chunks: Vec<ManifestChunk>,
+    /// The decode layouts this release carries, each with the KV slot map from the reference's prefill caches into its caches (empty for the reference).
+    #[schemars(length(min = 1))]
+    pub decode_layouts: Vec<DecodeLayout>,
+    /// The packages that prefill: batched prefill packages when the build has them, else the reference's chunks token by token.
+    pub prefill: PrefillLayout,
+    /// Conversion settings from build.json.
+    pub settings: ConversionSettings,
+    /// The `summary` object of the parity report given to `package --parity-report` (schema in parity/).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "EmbeddedParity")]
+    pub parity: Option<EmbeddedParity>,
+    pub tools: Tools,
+    /// Whether the packages were compiled to .mlmodelc (xcrun coremlcompiler, macOS only), and why not.
+    pub compiled: Compiled,
+    /// Every file of the release except manifest.json and model.sig, sorted by path components.
+    #[schemars(length(min = 1))]
+    pub files: Vec<FileEntry>,
+    /// Groups of files with the same SHA-256 (e.g. a prefill package's weights equal to its decode package's): a downloader fetches each blob once.
+    pub shared_blobs: Vec<SharedBlob>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ModelInfo {
+    #[schemars(length(min = 1))]
+    pub id: String,
+    pub architecture: String,
+    #[schemars(with = "Sha256Hex")]
+    pub config_sha256: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ReleaseInfo {
+    #[schemars(length(min = 1))]
+    pub version: String,
+    pub layout: ReleaseLayout,
+}
+
+/// One tensor of a contract as the manifest states it: name, shape and
+/// dtype (roles are the plan's internal wiring, not part of the runtime's
+/// contract).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ContractTensor {
+    #[schemars(length(min = 1))]
+    pub name: String,
+    #[schemars(inner(range(min = 1)))]
+    pub shape: Vec<usize>,
+    pub dtype: Dtype,
+}
+
+/// One function of a package: decode (`main` or `decode_q1`), `verify_qK`, `prefill_bN`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ManifestFunction {
+    #[schemars(pattern("^(main|decode_q1|verify_qK|prefill_b[0-9]+)$"))]
+    pub name: String,
+    pub kind: FunctionKind,
+    #[schemars(range(min = 1))]
+    pub tokens: usize,
+    #[schemars(length(min = 1))]
+    pub inputs: Vec<ContractTensor>,
+    #[schemars(length(min = 1))]
+    pub outputs: Vec<ContractTensor>,
+    /// Prefill: the layer of each K{i}/V{i} output.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kv_layers: Vec<usize>,
+}
+
+/// One package of the release.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ManifestChunk {
+    #[schemars(pattern("^[A-Za-z0-9_.-]+$"))]
+    pub name: String,
+    #[schemars(pattern(r"^[A-Za-z0-9_.-]+\.mlpackage$"))]
+    pub file: String,
+    pub layout: LayoutKind,
+    #[schemars(length(min = 1))]
+    pub roles: Vec<PackageRole>,
+    pub first_layer: usize,
+    pub last_layer: usize,
+    /// Layers owning a sliding KV slot, in slot order.
+    pub sliding_slots: Vec<usize>,
+    /// Layers owning a full KV slot, in slot order.
+    pub full_slots: Vec<usize>,
+    pub emits: Vec<AliasUse>,
+    pub consumes: Vec<AliasUse>,
+    pub computes_per_layer_input: bool,
+    pub has_head: bool,
+    #[schemars(length(min = 1))]
+    pub inputs: Vec<ContractTensor>,
+    #[schemars(length(min = 1))]
+    pub outputs: Vec<ContractTensor>,
+    /// Every function of the package, the default first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub functions: Vec<ManifestFunction>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Sha256Hex")]
+    pub sha256_tree: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "u64")]
+    pub weight_bytes: Option<u64>,
+}
+
+impl ManifestChunk {
+    /// The package's layer count.
+    pub fn layers(&self) -> usize {
+        self.last_layer + 1 - self.first_layer
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct DecodeLayout {
+    pub kind: LayoutKind,
+    #[schemars(length(min = 1))]
+    pub chunks: Vec<String>,
+    pub kv_slot_map: Vec<SlotCopy>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct PrefillLayout {
+    pub layout: LayoutKind,
+    #[schemars(length(min = 1))]
+    pub chunks: Vec<String>,
+}
+
+/// Tool versions: chunkforge's that built and that packaged, and the Python side's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct Tools {
+    /// chunkforge version that built the packages.
+    pub chunkforge: String,
+    /// chunkforge version that made this release.
+    pub chunkforge_package: String,
+    pub python: Option<String>,
+    pub coremltools: Option<String>,
+    pub torch: Option<String>,
+    pub transformers: Option<String>,
+}
+
+/// One file of the release.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct FileEntry {
+    #[schemars(with = "RelPath")]
+    pub path: String,
+    pub size: u64,
+    #[schemars(with = "Sha256Hex")]
+    pub sha256: String,
+    /// What the runtime uses the file for: a package's roles, a side file's, tokenizer (hf_model/) or docs (for people).
+    #[schemars(length(min = 1))]
+    pub roles: Vec<FileRole>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "String", pattern("^https?://"))]
+    pub url: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct SharedBlob {
+    #[schemars(with = "Sha256Hex")]
+    pub sha256: String,
+    #[schemars(range(min = 1))]
+    pub size: u64,
+    #[schemars(with = "Vec<RelPath>", length(min = 2))]
+    pub paths: Vec<String>,
+}
+
+impl Manifest {
+    /// Everything but the file list (filled by [`Manifest::list_files`]).
+    pub fn build(inp: &ManifestInputs) -> Result<Manifest, ReleaseInputError> {
+        let b = &inp.build.record;
+        let chunks = inp.build.release_chunks(inp.layout)?;
+        let decode = inp.build.decode_layouts(inp.layout)?;
+        let names = |l: &Layout| l.chunks.iter().map(|c| c.name.clone()).collect::<Vec<_>>();
+        let chunks = chunks
+            .iter()
+            .map(|rc| {
+                let c = rc.plan;
+                let record = inp.build.chunk_record(rc.name());
+                ManifestChunk {
+                    name: c.name.clone(),
+                    file: format!("{}.mlpackage", c.name),
+                    layout: rc.layout,
+                    roles: rc.roles.clone(),
+                    first_layer: c.first_layer,
+                    last_layer: c.last_layer,
+                    sliding_slots: c.sliding_slots.clone(),
+                    full_slots: c.full_slots.clone(),
+                    emits: c.emits.clone(),
+                    consumes: c.consumes.clone(),
+                    computes_per_layer_input: c.computes_per_layer_input,
+                    has_head: c.has_head,
+                    inputs: contract(&c.inputs),
+                    outputs: contract(&c.outputs),
+                    functions: c.functions.iter().map(ManifestFunction::of).collect(),
+                    sha256_tree: record.map(|r| r.sha256_tree.clone()),
+                    weight_bytes: record.map(|r| r.weight_bytes),
+                }
+            })
+            .collect();
+        // Batched prefill packages when the build has them; otherwise the
+        // runtime prefills one token at a time through the reference.
+        let prefill = inp
+            .build
+            .layout(LayoutKind::Prefill)
+            .or(inp.build.layout(REFERENCE))
+            .ok_or_else(|| inp.build.err(format!("has no {REFERENCE} layout")))?;
+        Ok(Manifest {
+            format: FORMAT.into(),
+            model: ModelInfo {
+                id: inp.model_id.into(),
+                architecture: b.checkpoint.architecture.clone(),
+                config_sha256: b.checkpoint.config_sha256.clone(),
+            },
+            release: ReleaseInfo {
+                version: inp.version.into(),
+                layout: inp.layout,
+            },
+            dims: b.plan.dims.clone(),
+            chunks,
+            decode_layouts: decode
+                .iter()
+                .map(|l| DecodeLayout {
+                    kind: l.kind,
+                    chunks: names(l),
+                    kv_slot_map: l.kv_slot_map.clone(),
+                })
+                .collect(),
+            prefill: PrefillLayout {
+                layout: prefill.kind,
+                chunks: names(prefill),
+            },
+            settings: b.settings.clone(),
+            parity: inp.parity.clone(),
+            tools: Tools {
+                chunkforge: b.tool.chunkforge.clone(),
+                chunkforge_package: env!("CARGO_PKG_VERSION").into(),
+                python: b.tool.python("python").map(str::to_string),
+                coremltools: b.tool.python("coremltools").map(str::to_string),
+                torch: b.tool.python("torch").map(str::to_string),
+                transformers: b.tool.python("transformers").map(str::to_string),
+            },
+            compiled: inp.compiled.clone(),
+            files: Vec::new(),
+            shared_blobs: Vec::new(),
+        })
+    }
+
+    /// Lists `files` (every file of the release except the manifest and the
+    /// signature, sorted by path components) with their roles, and the
+    /// blobs they share.
+    pub fn list_files(&mut self, files: &[(String, FileDigest)], base_url: Option<&str>) {
+        let base = base_url.map(|u| u.trim_end_matches('/').to_string());
+        self.files = files
+            .iter()
+            .map(|(p, d)| FileEntry {
+                path: p.clone(),
+                size: d.size,
+                sha256: d.hex(),
+                roles: file_roles(p, &self.chunks),
+                url: base.as_ref().map(|b| format!("{b}/{}", url_path(p))),
+            })
+            .collect();
+        self.shared_blobs = shared_blobs(files);
+    }
+
+    /// Reads a release's `manifest.json` (duplicate keys refused).
+    pub fn load(path: &Path) -> Result<Manifest, String> {
+        let bytes = std::fs::read(path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                "missing".to_string()
+            } else {
+                format!("cannot read: {e}")
+            }
+        })?;
+        let v = strict_json::from_slice(&bytes).map_err(|e| format!("not valid JSON: {e}"))?;
+        serde_json::from_value(v).map_err(|e| format!("not a chunkforge manifest: {e}"))
+    }
+
+    /// The entry of package `name`.
+    pub fn chunk(&self, name: &str) -> Option<&ManifestChunk> {
+        self.chunks.iter().find(|c| c.name == name)
+    }
+}
+
+impl ManifestFunction {
+    fn of(f: &FunctionPlan) -> Self {
+        ManifestFunction {
+            name: f.name.clone(),
+            kind: f.kind,
+            tokens: f.tokens,
+            inputs: contract(&f.inputs),
+            outputs: contract(&f.outputs),
+            kv_layers: f.kv_layers.clone(),
+        }
+    }
+}
+
+/// A contract as the manifest states it.
+pub fn contract(specs: &[TensorSpec]) -> Vec<ContractTensor> {
     specs
         .iter()
-        .map(|t| json!({"name": t.name, "shape": t.shape, "dtype": t.dtype}))
+        .map(|t| ContractTensor {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            dtype: t.dtype,
+        })
         .collect()
+}
+
+/// What `verify` reads of a `manifest.json` it cannot trust yet: its format
+/// and each file entry on its own, so that every problem is collected.
+#[derive(Default, Deserialize)]
+pub struct LenientManifest {
+    #[serde(default)]
+    pub format: Value,
+    #[serde(default)]
+    files: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct LenientFile {
+    path: String,
+    size: u64,
+    sha256: String,
+}
+
+impl LenientManifest {
+    /// Anything but a JSON object reads as an empty manifest.
+    pub fn of(m: &Value) -> Self {
+        serde_json::from_value(m.clone()).unwrap_or_default()
+    }
 }
 
 /// The manifest's `files` as (path, size, sha256 hex), for verification.
@@ -658,17 +941,16 @@ pub fn contract(specs: &[TensorSpec]) -> Vec<Value> {
 pub fn manifest_files(m: &Value) -> (Vec<(String, u64, String)>, Vec<String>) {
     let mut out = Vec::new();
     let mut problems = Vec::new();
-    match m.get("files").and_then(Value::as_array) {
+    let files = LenientManifest::of(m)
+        .files
+        .and_then(|f| serde_json::from_value::<Vec<Value>>(f).ok());
+    match files {
         None => problems.push("manifest.json: has no `files` list".to_string()),
         Some(a) => {
-            for (i, f) in a.iter().enumerate() {
-                match (
-                    f.get("path").and_then(Value::as_str),
-                    f.get("size").and_then(Value::as_u64),
-                    f.get("sha256").and_then(Value::as_str),
-                ) {
-                    (Some(p), Some(s), Some(h)) => out.push((p.to_string(), s, h.to_string())),
-                    _ => problems.push(format!(
+            for (i, f) in a.into_iter().enumerate() {
+                match serde_json::from_value::<LenientFile>(f) {
+                    Ok(f) => out.push((f.path, f.size, f.sha256)),
+                    Err(_) => problems.push(format!(
                         "manifest.json: files[{i}] needs path, size and sha256"
                     )),
                 }

@@ -21,8 +21,9 @@ use sha2::{Digest, Sha256};
 
 use crate::archive;
 use crate::hashing::{self, FileDigest};
+pub use crate::manifest::Compiled;
 use crate::manifest::{
-    self, Build, ManifestInputs, PredicateSummary, ReleaseChunk, ReleaseInputError, ReleaseLayout,
+    self, Build, Manifest, ManifestInputs, PredicateSummary, ReleaseChunk, ReleaseInputError,
     MANIFEST_FILE,
 };
 use crate::publish::{OnLocked, OutputLock};
@@ -32,6 +33,7 @@ use crate::sign::{self, SIG_FILE};
 use crate::staging::Staging;
 use chunkforge_model::checkpoint::Checkpoint;
 use chunkforge_model::config::TextConfig;
+use chunkforge_model::layouts::{spec, ReleaseLayout};
 use chunkforge_model::plan::{LayoutKind, Role};
 use chunkforge_model::records::{rule_counts_text, AuditRecord, RuleCounts};
 
@@ -63,24 +65,6 @@ pub struct PackageRequest {
     /// The audit of the build's packages when its build.json has none (a
     /// build made before the audit existed; the caller runs it).
     pub audit: Option<AuditRecord>,
-}
-
-/// Whether the release's packages were compiled to `.mlmodelc`, as the
-/// manifest records it.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Compiled {
-    pub mlmodelc: bool,
-    pub note: String,
-}
-
-impl Compiled {
-    /// Not compiled: `why` says so in the manifest.
-    pub fn not(why: &str) -> Self {
-        Compiled {
-            mlmodelc: false,
-            note: why.into(),
-        }
-    }
 }
 
 /// What `package` did, for the summary line.
@@ -507,7 +491,10 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     if build.layout(LayoutKind::Prefill).is_none() {
         return Err(ReleaseInputError::Build {
             path: a.build_dir.join("build.json"),
-            message: "no prefill_chunk1..4: the runtime requires them in every model folder; build with --mode all (or --prefill-len)".into(),
+            message: format!(
+                "no {}: the runtime requires them in every model folder; build with --mode all (or --prefill-len)",
+                spec(LayoutKind::Prefill).range()
+            ),
         }
         .into());
     }
@@ -529,7 +516,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         .map(|p| manifest::parity_summary(p, &build, a.allow_failed_parity))
         .transpose()?;
     if let (Some(p), Some(s)) = (&a.parity_report, &parity) {
-        if !s.ok {
+        if !s.ok() {
             eprintln!(
                 "warning: {}: parity FAILED; embedded in the manifest as failed (summary.ok false)",
                 p.display()
@@ -664,9 +651,10 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         base_url: a.base_url.as_deref(),
         compiled: &a.compiled,
     };
-    files.push(write_runbook(&root, &inputs, &files)?);
+    let mut m = Manifest::build(&inputs)?;
+    files.push(write_runbook(&root, &m)?);
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
-    let m = manifest::build_manifest(&inputs, &files)?;
+    m.list_files(&files, inputs.base_url);
     let mut text = serde_json::to_string_pretty(&m)?;
     text.push('\n');
     fs::write(root.join(MANIFEST_FILE), &text)
@@ -711,18 +699,11 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     })
 }
 
-/// Writes `DEVICE_RUNBOOK.md` into `root`, rendered from the manifest of
-/// `files` (the run book reads no file list, so the final manifest, which
-/// lists it, says the same); returns its path in the release and digest.
-fn write_runbook(
-    root: &Path,
-    inputs: &ManifestInputs,
-    files: &[(String, FileDigest)],
-) -> Result<(String, FileDigest)> {
-    let draft = manifest::build_manifest(inputs, files)?;
-    let facts = RunbookFacts::from_manifest(&draft)
-        .map_err(|e| anyhow::anyhow!("{RUNBOOK_FILE}: cannot be written: {e}"))?;
-    let text = runbook::render(&facts);
+/// Writes `DEVICE_RUNBOOK.md` into `root`, rendered from the manifest (the
+/// run book reads no file list, so the manifest before its files are listed
+/// says the same); returns its path in the release and digest.
+fn write_runbook(root: &Path, m: &Manifest) -> Result<(String, FileDigest)> {
+    let text = runbook::render(&RunbookFacts::from_manifest(m));
     let path = root.join(RUNBOOK_FILE);
     fs::write(&path, &text).with_context(|| format!("{}: cannot write", path.display()))?;
     Ok((

@@ -7,8 +7,7 @@
 
 use std::fmt::Write;
 
-use serde_json::Value;
-
+use chunkforge_model::layouts::{spec, LoadLine, LAYOUTS, REFERENCE};
 use chunkforge_model::plan::{LayoutKind, ANE_STABLE_LAYERS};
 
 use crate::bench_targets::{
@@ -16,9 +15,10 @@ use crate::bench_targets::{
 };
 use crate::device_log::{
     show_template, ANE_COMPILE_FAILED, AUDIT_ALL, AUDIT_SOME, AUDIT_SUMMARY, KV_CONTEXT_LINE,
-    LAYOUT_LINE, MAIN_FOUR_LINE, MAIN_THREE_LINE, PROFILE_LINES,
+    LAYOUT_LINE, PROFILE_LINES,
 };
 use crate::device_report::bench_order;
+use crate::manifest::Manifest;
 use crate::runtime_layout::{move_aside, runtime_layout, Runtime, RuntimeLayout, RUNTIME_LAYOUTS};
 
 pub const RUNBOOK_FILE: &str = "DEVICE_RUNBOOK.md";
@@ -39,74 +39,30 @@ pub struct RunbookFacts {
     /// Every package: name, first and last layer (manifest order).
     pub packages: Vec<(String, usize, usize)>,
     /// `decode_layouts[].kind`, with their packages.
-    pub decode_layouts: Vec<(String, Vec<String>)>,
+    pub decode_layouts: Vec<(LayoutKind, Vec<String>)>,
 }
 
 impl RunbookFacts {
-    /// Reads the facts out of a manifest (`build_manifest`'s value or a
-    /// release's manifest.json); names the first field that is missing.
-    pub fn from_manifest(m: &Value) -> Result<Self, String> {
-        let text = |ptr: &str| -> Result<String, String> {
-            m.pointer(ptr)
-                .and_then(Value::as_str)
-                .map(str::to_string)
-                .ok_or_else(|| format!("manifest has no {ptr} string"))
-        };
-        let number = |v: &Value, ptr: &str| -> Result<usize, String> {
-            v.pointer(ptr)
-                .and_then(Value::as_u64)
-                .map(|n| n as usize)
-                .ok_or_else(|| format!("manifest has no {ptr} number"))
-        };
-        let array = |ptr: &str| -> Result<&Vec<Value>, String> {
-            m.pointer(ptr)
-                .and_then(Value::as_array)
-                .ok_or_else(|| format!("manifest has no {ptr} list"))
-        };
-        let mut packages = Vec::new();
-        for (i, c) in array("/chunks")?.iter().enumerate() {
-            let name = c
-                .get("name")
-                .and_then(Value::as_str)
-                .ok_or_else(|| format!("manifest chunks[{i}] has no name"))?;
-            let layer = |key: &str| {
-                number(c, &format!("/{key}"))
-                    .map_err(|_| format!("manifest chunks[{i}] ({name}) has no {key} number"))
-            };
-            packages.push((
-                name.to_string(),
-                layer("first_layer")?,
-                layer("last_layer")?,
-            ));
+    /// The facts of a manifest.
+    pub fn from_manifest(m: &Manifest) -> Self {
+        RunbookFacts {
+            model_id: m.model.id.clone(),
+            version: m.release.version.clone(),
+            release_layout: m.release.layout.to_string(),
+            context: m.settings.ctx,
+            compiled: m.compiled.mlmodelc,
+            parity_ok: m.parity.as_ref().map(|p| p.ok()),
+            packages: m
+                .chunks
+                .iter()
+                .map(|c| (c.name.clone(), c.first_layer, c.last_layer))
+                .collect(),
+            decode_layouts: m
+                .decode_layouts
+                .iter()
+                .map(|l| (l.kind, l.chunks.clone()))
+                .collect(),
         }
-        let mut decode_layouts = Vec::new();
-        for (i, l) in array("/decode_layouts")?.iter().enumerate() {
-            let kind = l
-                .get("kind")
-                .and_then(Value::as_str)
-                .ok_or_else(|| format!("manifest decode_layouts[{i}] has no kind"))?;
-            let chunks = l
-                .get("chunks")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(|c| c.as_str().map(str::to_string))
-                .collect();
-            decode_layouts.push((kind.to_string(), chunks));
-        }
-        Ok(RunbookFacts {
-            model_id: text("/model/id")?,
-            version: text("/release/version")?,
-            release_layout: text("/release/layout")?,
-            context: number(m, "/settings/ctx")?,
-            compiled: m
-                .pointer("/compiled/mlmodelc")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            parity_ok: m.pointer("/parity/ok").and_then(Value::as_bool),
-            packages,
-            decode_layouts,
-        })
     }
 
     fn has(&self, package: &str) -> bool {
@@ -125,7 +81,7 @@ impl RunbookFacts {
     pub fn runtimes(&self) -> Vec<Runtime> {
         let mut out: Vec<Runtime> = Vec::new();
         for l in self.layouts().iter().filter(|l| l.kind != CONTROL) {
-            for r in l.runtimes {
+            for r in &l.runtimes {
                 if !out.contains(r) {
                     out.push(*r);
                 }
@@ -145,26 +101,104 @@ impl RunbookFacts {
     }
 }
 
-fn code_list(names: &[&str]) -> String {
+fn code_list<S: AsRef<str>>(names: &[S]) -> String {
     names
         .iter()
-        .map(|n| format!("`{n}`"))
+        .map(|n| format!("`{}`", n.as_ref()))
         .collect::<Vec<_>>()
         .join(", ")
 }
 
-/// How the runtime's layout line reads for `kind` (both runtimes' forms).
-fn layout_lines(kind: LayoutKind) -> String {
-    let name = runtime_layout(kind).map_or("?", |l| l.name);
-    let merged = format!("`{}`", LAYOUT_LINE.replace("{}-chunk", name));
-    match kind {
-        LayoutKind::Three => format!("`{}`", show_template(MAIN_THREE_LINE)),
-        LayoutKind::Four => format!(
-            "{merged} (main runtime: `{}`)",
-            show_template(MAIN_FOUR_LINE)
-        ),
-        _ => merged,
+/// A runtime build's line for a layout it loads (`name`: the layout's runtime name).
+fn load_line(line: LoadLine, name: &str) -> String {
+    match line {
+        LoadLine::Merged => LAYOUT_LINE.replace("{}-chunk", name),
+        LoadLine::Main(t) => show_template(t),
     }
+}
+
+/// How the runtime's layout line reads for `kind` (each runtime build's form).
+fn layout_lines(kind: LayoutKind) -> String {
+    let Some(rt) = spec(kind).runtime else {
+        return "?".into();
+    };
+    let mut lines = rt.load_lines.iter();
+    let mut out = lines
+        .next()
+        .map(|l| format!("`{}`", load_line(*l, rt.name)))
+        .unwrap_or_default();
+    for l in lines {
+        out.push_str(&format!(
+            " ({} runtime: `{}`)",
+            l.runtime(),
+            load_line(*l, rt.name)
+        ));
+    }
+    out
+}
+
+/// `two- and one-chunk`: runtime names joined, a shared `-suffix` said once.
+fn join_names(names: &[&str]) -> String {
+    let suffix = names
+        .last()
+        .and_then(|n| n.rfind('-').map(|i| &n[i..]))
+        .filter(|s| names.iter().all(|n| n.ends_with(s)))
+        .unwrap_or("");
+    let mut parts: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    let last = parts.pop().unwrap_or_default();
+    if parts.is_empty() {
+        return last;
+    }
+    let parts: Vec<String> = parts
+        .iter()
+        .map(|p| format!("{}-", &p[..p.len() - suffix.len()]))
+        .collect();
+    format!("{} and {last}", parts.join(", "))
+}
+
+/// The run book's note on runtime build `runtime`: which layouts need it,
+/// and the layout line it prints.
+fn runtime_note(runtime: Runtime) -> String {
+    let needs: Vec<_> = LAYOUTS
+        .iter()
+        .filter(|l| l.kind != CONTROL)
+        .filter_map(|l| {
+            Some((
+                l.runtime?,
+                l.runtime?
+                    .load_lines
+                    .iter()
+                    .find(|x| x.runtime() == runtime)?,
+            ))
+        })
+        .collect();
+    let names: Vec<&str> = needs.iter().map(|(rt, _)| rt.name).collect();
+    let mut prints: Vec<String> = Vec::new();
+    for (_, line) in &needs {
+        let text = match line {
+            LoadLine::Merged => show_template(LAYOUT_LINE),
+            LoadLine::Main(t) => show_template(t),
+        };
+        if !prints.contains(&text) {
+            prints.push(text);
+        }
+    }
+    let control = spec(CONTROL).runtime.and_then(|rt| {
+        let line = rt.load_lines.iter().find(|x| x.runtime() == runtime)?;
+        match line {
+            LoadLine::Main(t) => Some(format!(" (and `{}` for {})", show_template(t), rt.name)),
+            LoadLine::Merged => None,
+        }
+    });
+    format!(
+        "- The {} layout{} {} {}; it prints {}{}.",
+        join_names(&names),
+        if names.len() > 1 { "s" } else { "" },
+        if names.len() > 1 { "need" } else { "needs" },
+        runtime.describe(),
+        code_list(&prints),
+        control.unwrap_or_default()
+    )
 }
 
 /// The names of the layouts (other than the control) `runtime` loads.
@@ -247,7 +281,7 @@ pub fn render(f: &RunbookFacts) -> String {
             "| {}{} | {} | {} | {when} |",
             l.name,
             if l.kind == CONTROL { " (control)" } else { "" },
-            code_list(l.decode),
+            code_list(&l.decode),
             layers.join(", ")
         );
     }
@@ -269,43 +303,54 @@ pub fn render(f: &RunbookFacts) -> String {
             big.join(", ")
         );
     }
-    let mut keep = vec!["`chunk1`..`chunk4`"];
-    if f.has("prefill_chunk1") {
-        keep.push("`prefill_chunk1`..`prefill_chunk4`");
+    let span = |kind: LayoutKind| {
+        let names = spec(kind).package_names();
+        match (names.first(), names.last()) {
+            (Some(a), Some(z)) => format!("`{a}`..`{z}`"),
+            _ => String::new(),
+        }
+    };
+    let mut keep = vec![span(REFERENCE)];
+    if spec(LayoutKind::Prefill)
+        .package_names()
+        .first()
+        .is_some_and(|p| f.has(p))
+    {
+        keep.push(span(LayoutKind::Prefill));
     }
     line!(
-        "- {} stay in the folder for every layout: the runtime prefills and verifies speculative drafts with them, and falls back to chunk1..4 for decode.",
-        keep.join(" and ")
+        "- {} stay in the folder for every layout: the runtime prefills and verifies speculative drafts with them, and falls back to {} for decode.",
+        keep.join(" and "),
+        spec(REFERENCE).range()
     );
-    if layouts.iter().any(|l| l.kind == LayoutKind::Three) && f.has("chunk1_3way") {
-        line!("- The three-chunk decode runs `chunk1` + `chunk2_3way` + `chunk3_3way`: `chunk1_3way` ships too (the same layers and contract as `chunk1`), but the runtime does not load it.");
+    for l in &layouts {
+        let own = spec(l.kind).package_names();
+        let borrowed = l.decode.first().filter(|p| own.first() != Some(p));
+        if let (Some(theirs), Some(mine)) = (borrowed, own.first().filter(|p| f.has(p))) {
+            line!(
+                "- The {} decode runs {}: `{mine}` ships too (the same layers and contract as `{theirs}`), but the runtime does not load it.",
+                l.name,
+                l.decode
+                    .iter()
+                    .map(|p| format!("`{p}`"))
+                    .collect::<Vec<_>>()
+                    .join(" + ")
+            );
+        }
     }
-    let merged = layouts
-        .iter()
-        .any(|l| matches!(l.kind, LayoutKind::Two | LayoutKind::One));
-    if merged {
-        line!(
-            "- The two- and one-chunk layouts need the merged-layout runtime (upstream branch `fix/2chunk-kv-prefill-transfer`); it prints `{}`.",
-            show_template(LAYOUT_LINE)
-        );
-    }
-    if layouts.iter().any(|l| l.kind == LayoutKind::Three) {
-        line!(
-            "- The three-chunk layout needs the upstream main branch runtime; it prints `{}` (and `{}` for four-chunk).",
-            show_template(MAIN_THREE_LINE),
-            show_template(MAIN_FOUR_LINE)
-        );
+    for runtime in Runtime::ALL {
+        let needed = layouts
+            .iter()
+            .any(|l| l.kind != CONTROL && l.runtimes.contains(runtime));
+        if needed {
+            line!("{}", runtime_note(*runtime));
+        }
     }
     for (kind, chunks) in &f.decode_layouts {
-        let loaded = kind
-            .parse::<LayoutKind>()
-            .ok()
-            .and_then(runtime_layout)
-            .is_some();
-        if !loaded {
+        if runtime_layout(*kind).is_none() {
             line!(
                 "- Decode layout `{kind}` ({}) is not one the runtime loads; this bench skips it.",
-                code_list(&chunks.iter().map(String::as_str).collect::<Vec<_>>())
+                code_list(chunks)
             );
         }
     }
@@ -430,7 +475,7 @@ pub fn render(f: &RunbookFacts) -> String {
         show_template(AUDIT_SUMMARY)
     );
     line!("- The decode timings, printed every 10 steps; the last line's tok/s (the running average) is the run's, and its tag must be its layout's:");
-    for (tag, template) in PROFILE_LINES {
+    for (tag, template) in PROFILE_LINES.iter() {
         let users: Vec<&str> = layouts
             .iter()
             .filter(|l| l.profile_tag == *tag)
@@ -521,18 +566,19 @@ pub fn render(f: &RunbookFacts) -> String {
 mod tests {
     use super::*;
 
-    fn example() -> Value {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../manifests/example.manifest.json"
-        );
-        serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    const EXAMPLE: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../manifests/example.manifest.json"
+    );
+
+    fn example() -> Manifest {
+        Manifest::load(std::path::Path::new(EXAMPLE)).unwrap()
     }
 
     #[test]
     fn the_example_release_gets_its_layouts_moves_and_targets() {
         let m = example();
-        let f = RunbookFacts::from_manifest(&m).unwrap();
+        let f = RunbookFacts::from_manifest(&m);
         let text = render(&f);
         assert_eq!(text, render(&f), "the same manifest gives the same bytes");
         // The example is a two-chunk release: four-chunk control and two-chunk.
@@ -561,19 +607,19 @@ mod tests {
     #[test]
     fn every_layout_and_compiled_packages() {
         let mut m = example();
-        let mut chunks = m["chunks"].as_array().unwrap().clone();
         for (name, a, b) in [
             ("chunk1_3way", 0, 7),
             ("chunk2_3way", 8, 24),
             ("chunk3_3way", 25, 34),
             ("merged_full", 0, 34),
         ] {
-            chunks.push(serde_json::json!({"name": name, "first_layer": a, "last_layer": b}));
+            let mut c = m.chunks[0].clone();
+            (c.name, c.first_layer, c.last_layer) = (name.into(), a, b);
+            m.chunks.push(c);
         }
-        m["chunks"] = Value::Array(chunks);
-        m["compiled"]["mlmodelc"] = Value::Bool(true);
-        m["settings"]["ctx"] = 8192.into();
-        let f = RunbookFacts::from_manifest(&m).unwrap();
+        m.compiled.mlmodelc = true;
+        m.settings.ctx = 8192;
+        let f = RunbookFacts::from_manifest(&m);
         let names: Vec<&str> = f.layouts().iter().map(|l| l.name).collect();
         assert_eq!(
             names,
@@ -602,11 +648,13 @@ mod tests {
 
     #[test]
     fn a_missing_field_is_named() {
-        let mut m = example();
+        let mut m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(EXAMPLE).unwrap()).unwrap();
         m["settings"].as_object_mut().unwrap().remove("ctx");
-        assert_eq!(
-            RunbookFacts::from_manifest(&m).unwrap_err(),
-            "manifest has no /settings/ctx number"
-        );
+        let path = std::env::temp_dir().join(format!("cf-runbook-{}.json", std::process::id()));
+        std::fs::write(&path, m.to_string()).unwrap();
+        let e = Manifest::load(&path).unwrap_err();
+        std::fs::remove_file(&path).unwrap();
+        assert!(e.contains("missing field `ctx`"), "{e}");
     }
 }

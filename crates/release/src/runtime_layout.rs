@@ -1,24 +1,17 @@
 //! What the app's runtime does with the decode layouts of a model folder
 //! (facts of the upstream Swift runtime, `ChunkedEngine.swift`): the packages
 //! each layout decodes with, which files make the runtime pick it, and how its
-//! log names it. `chunkforge run --layout auto`, the device run book and
-//! `chunkforge device-report` all read this one table.
+//! log names it, read from the layout table. `chunkforge run --layout auto`,
+//! the device run book and `chunkforge device-report` all read it.
 
+use std::sync::LazyLock;
+
+pub use chunkforge_model::layouts::Runtime;
+use chunkforge_model::layouts::{runtime_order, REFERENCE};
 use chunkforge_model::plan::LayoutKind;
 
-chunkforge_model::named! {
-    /// The upstream runtime builds: each loads some of the layouts.
-    pub enum Runtime {
-        /// Branch `fix/2chunk-kv-prefill-transfer`: four-, two- and one-chunk
-        /// decode; prints `[Load] Decode layout: NAME`.
-        Merged = "merged-layout",
-        /// The main branch: four- and three-chunk decode; prints
-        /// `[Load] Topology II …` or `[Load] 4-chunk decode …`.
-        Main = "main",
-    }
-}
-
-/// One decode layout as the runtime sees it.
+/// One decode layout as the runtime sees it: its row of the layout table
+/// (`chunkforge_model::layouts`) with the package names spelled out.
 #[derive(Debug)]
 pub struct RuntimeLayout {
     pub kind: LayoutKind,
@@ -28,15 +21,15 @@ pub struct RuntimeLayout {
     /// The packages the runtime decodes with, in call order. The three-chunk
     /// decode starts with four's `chunk1` (same layers and contract as
     /// `chunk1_3way`, which the runtime never loads).
-    pub decode: &'static [&'static str],
+    pub decode: Vec<String>,
     /// The packages whose presence (all of them) makes the runtime pick this
     /// layout; empty for the fallback.
-    pub selected_by: &'static [&'static str],
+    pub selected_by: Vec<String>,
     /// The tag of the `[Profile…]` line the runtime prints while decoding
     /// with this layout.
     pub profile_tag: &'static str,
     /// The runtime builds that load it.
-    pub runtimes: &'static [Runtime],
+    pub runtimes: Vec<Runtime>,
 }
 
 /// In the order the runtime tries them: the first whose `selected_by`
@@ -44,40 +37,27 @@ pub struct RuntimeLayout {
 /// `chunk3_3way` over chunk1..4; the merged-layout branch prefers
 /// `merged_full` over `merged_chunk1` + `merged_chunk2` over chunk1..4. Each
 /// ignores the other's files, so this order gives the same choice as either.
-pub const RUNTIME_LAYOUTS: &[RuntimeLayout] = &[
-    RuntimeLayout {
-        kind: LayoutKind::Three,
-        name: "three-chunk",
-        decode: &["chunk1", "chunk2_3way", "chunk3_3way"],
-        selected_by: &["chunk2_3way", "chunk3_3way"],
-        profile_tag: "[Profile]",
-        runtimes: &[Runtime::Main],
-    },
-    RuntimeLayout {
-        kind: LayoutKind::One,
-        name: "one-chunk",
-        decode: &["merged_full"],
-        selected_by: &["merged_full"],
-        profile_tag: "[Profile-1chunk]",
-        runtimes: &[Runtime::Merged],
-    },
-    RuntimeLayout {
-        kind: LayoutKind::Two,
-        name: "two-chunk",
-        decode: &["merged_chunk1", "merged_chunk2"],
-        selected_by: &["merged_chunk1", "merged_chunk2"],
-        profile_tag: "[Profile-2chunk]",
-        runtimes: &[Runtime::Merged],
-    },
-    RuntimeLayout {
-        kind: LayoutKind::Four,
-        name: "four-chunk",
-        decode: &["chunk1", "chunk2", "chunk3", "chunk4"],
-        selected_by: &[],
-        profile_tag: "[Profile]",
-        runtimes: &[Runtime::Merged, Runtime::Main],
-    },
-];
+pub static RUNTIME_LAYOUTS: LazyLock<Vec<RuntimeLayout>> = LazyLock::new(|| {
+    runtime_order()
+        .into_iter()
+        .filter_map(|l| {
+            let rt = l.runtime?;
+            Some(RuntimeLayout {
+                kind: l.kind,
+                name: rt.name,
+                decode: l.decode_packages(),
+                selected_by: l.selected_by(),
+                profile_tag: profile_tag(rt.profile_line),
+                runtimes: l.runtimes(),
+            })
+        })
+        .collect()
+});
+
+/// The tag of a `[Profile…]` line template: its text up to the first space.
+pub fn profile_tag(line: &'static str) -> &'static str {
+    line.split(' ').next().unwrap_or(line)
+}
 
 /// The runtime's view of decode layout `kind` (None: a layout the runtime
 /// does not load, e.g. a custom `--split`).
@@ -91,18 +71,18 @@ pub fn pick(has: impl Fn(&str) -> bool) -> LayoutKind {
     RUNTIME_LAYOUTS
         .iter()
         .find(|l| l.selected_by.iter().all(|p| has(p)))
-        .map_or(LayoutKind::Four, |l| l.kind)
+        .map_or(REFERENCE, |l| l.kind)
 }
 
 /// The packages to move out of a folder holding `has(package)` so that the
 /// runtime picks `kind`: every present package that selects a layout the
 /// runtime would try first. Empty when it already picks `kind`.
 pub fn move_aside(kind: LayoutKind, has: impl Fn(&str) -> bool) -> Vec<&'static str> {
-    let mut out = Vec::new();
+    let mut out: Vec<&'static str> = Vec::new();
     for l in RUNTIME_LAYOUTS.iter().take_while(|l| l.kind != kind) {
-        for p in l.selected_by {
-            if has(p) && !out.contains(p) {
-                out.push(*p);
+        for p in &l.selected_by {
+            if has(p) && !out.contains(&p.as_str()) {
+                out.push(p);
             }
         }
     }

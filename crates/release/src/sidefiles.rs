@@ -23,8 +23,8 @@ use chunkforge_model::config::{Attention, TextConfig};
 use chunkforge_model::plan;
 use half::f16;
 use rayon::prelude::*;
-use serde::Serialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 chunkforge_model::named! {
     /// What a side file holds.
@@ -38,7 +38,11 @@ chunkforge_model::named! {
     }
 }
 
-/// One file of the set, as the runtime names it.
+/// One file of the set, as the runtime names it: what it is for, whether
+/// the runtime needs it, how it is made and so how big it must be. A new side
+/// file is a row here (plus its [`MadeFrom`] writer if it is made a new way);
+/// `write_side_files` writes the rows in order, the manifest takes its role
+/// from it and `run` checks its size by it.
 #[derive(Clone, Copy, Debug)]
 pub struct SideFileSpec {
     pub name: &'static str,
@@ -50,13 +54,122 @@ pub struct SideFileSpec {
     /// them; the norm weight whenever the checkpoint has it, which every
     /// Gemma 4 checkpoint does).
     pub required: bool,
+    pub made_from: MadeFrom,
 }
 
-const fn spec(name: &'static str, role: Role, required: bool) -> SideFileSpec {
+/// How a side file is made.
+#[derive(Clone, Copy, Debug)]
+pub enum MadeFrom {
+    /// A checkpoint tensor (its name without the checkpoint's prefix),
+    /// converted row by row.
+    Tensor {
+        tensor: &'static str,
+        convert: Convert,
+        /// Absent from a checkpoint: skipped (the runtime loads without the file).
+        optional: bool,
+        /// The runtime looks rows up by token id, so it needs `vocab_size` of them.
+        by_token: bool,
+    },
+    /// The fp16 row scales of the INT8 table of this name (the row before).
+    ScalesOf(&'static str),
+    /// A RoPE table of one attention kind: (positions, head dim) fp16.
+    Rope(Attention, Wave),
+    /// `model_config.json` ([`ModelConfig`]).
+    ModelConfig,
+}
+
+/// The size a side file must have, from `config.json`'s dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expected {
+    Bytes(u64),
+    /// A `.npy` table of this head dim (its header gives the size).
+    Npy {
+        head_dim: usize,
+    },
+    /// Checked by its contents (`model_config.json`).
+    Contents,
+}
+
+impl SideFileSpec {
+    /// The size `cfg` implies for the file.
+    pub fn expected(&self, cfg: &TextConfig) -> Expected {
+        match self.made_from {
+            MadeFrom::Tensor {
+                tensor, convert, ..
+            } => {
+                let (rows, width) = tensor_rows(cfg, tensor);
+                Expected::Bytes((rows * width * convert.bytes_per_element()) as u64)
+            }
+            MadeFrom::ScalesOf(table) => {
+                let rows = SIDE_FILES
+                    .iter()
+                    .find_map(|s| match s.made_from {
+                        MadeFrom::Tensor { tensor, .. } if s.name == table => {
+                            Some(tensor_rows(cfg, tensor).0)
+                        }
+                        _ => None,
+                    })
+                    .unwrap_or(0);
+                Expected::Bytes(rows as u64 * 2)
+            }
+            MadeFrom::Rope(kind, _) => Expected::Npy {
+                head_dim: cfg.head_dim_of(kind),
+            },
+            MadeFrom::ModelConfig => Expected::Contents,
+        }
+    }
+}
+
+/// (rows, width) of decoder tensor `local` as config.json implies it (a
+/// 1-D tensor is one row).
+fn tensor_rows(cfg: &TextConfig, local: &str) -> (usize, usize) {
+    let shapes = checkpoint::expected_tensors(cfg);
+    match shapes
+        .iter()
+        .find(|(name, _)| name == local)
+        .map(|s| s.1.as_slice())
+    {
+        Some([w]) => (1, *w),
+        Some([r, w]) => (*r, *w),
+        _ => (0, 0),
+    }
+}
+
+const fn tensor(
+    name: &'static str,
+    tensor: &'static str,
+    convert: Convert,
+    optional: bool,
+    by_token: bool,
+) -> SideFileSpec {
     SideFileSpec {
         name,
-        role,
-        required,
+        role: Role::Embedding,
+        required: !optional,
+        made_from: MadeFrom::Tensor {
+            tensor,
+            convert,
+            optional,
+            by_token,
+        },
+    }
+}
+
+const fn scales(name: &'static str, of: &'static str) -> SideFileSpec {
+    SideFileSpec {
+        name,
+        role: Role::Embedding,
+        required: true,
+        made_from: MadeFrom::ScalesOf(of),
+    }
+}
+
+const fn rope(name: &'static str, kind: Attention, wave: Wave) -> SideFileSpec {
+    SideFileSpec {
+        name,
+        role: Role::Rope,
+        required: false,
+        made_from: MadeFrom::Rope(kind, wave),
     }
 }
 
@@ -74,17 +187,46 @@ pub const MODEL_CONFIG: &str = "model_config.json";
 
 /// Every side file, in the order they are written.
 pub const SIDE_FILES: &[SideFileSpec] = &[
-    spec(EMBED_Q8, Role::Embedding, true),
-    spec(EMBED_SCALES, Role::Embedding, true),
-    spec(PER_LAYER_Q8, Role::Embedding, true),
-    spec(PER_LAYER_SCALES, Role::Embedding, true),
-    spec(PER_LAYER_PROJECTION, Role::Embedding, true),
-    spec(PER_LAYER_NORM, Role::Embedding, false),
-    spec(COS_SLIDING, Role::Rope, false),
-    spec(SIN_SLIDING, Role::Rope, false),
-    spec(COS_FULL, Role::Rope, false),
-    spec(SIN_FULL, Role::Rope, false),
-    spec(MODEL_CONFIG, Role::Config, true),
+    tensor(
+        EMBED_Q8,
+        "embed_tokens.weight",
+        Convert::Int8PerRow,
+        false,
+        true,
+    ),
+    scales(EMBED_SCALES, EMBED_Q8),
+    tensor(
+        PER_LAYER_Q8,
+        "embed_tokens_per_layer.weight",
+        Convert::Int8PerRow,
+        false,
+        true,
+    ),
+    scales(PER_LAYER_SCALES, PER_LAYER_Q8),
+    tensor(
+        PER_LAYER_PROJECTION,
+        "per_layer_model_projection.weight",
+        Convert::Fp16,
+        false,
+        false,
+    ),
+    tensor(
+        PER_LAYER_NORM,
+        "per_layer_projection_norm.weight",
+        Convert::Fp16,
+        true,
+        false,
+    ),
+    rope(COS_SLIDING, Attention::Sliding, Wave::Cos),
+    rope(SIN_SLIDING, Attention::Sliding, Wave::Sin),
+    rope(COS_FULL, Attention::Full, Wave::Cos),
+    rope(SIN_FULL, Attention::Full, Wave::Sin),
+    SideFileSpec {
+        name: MODEL_CONFIG,
+        role: Role::Config,
+        required: true,
+        made_from: MadeFrom::ModelConfig,
+    },
 ];
 
 /// What to write, and where.
@@ -164,62 +306,43 @@ const BLOCK_BYTES: usize = 8 << 20;
 /// Blocks in flight per stage (being read, converted, written).
 const IN_FLIGHT: usize = 4;
 
-/// One checkpoint tensor (its name without the checkpoint's prefix) and
-/// the side file made from it.
-struct MadeFrom {
-    tensor: &'static str,
-    file: &'static str,
-    /// The file of its per-row scales (INT8 tables).
-    scales: Option<&'static str>,
-    convert: Convert,
-    /// Absent from a checkpoint: skipped (the runtime loads without the file).
-    optional: bool,
-    /// The runtime looks rows up by token id, so it needs `vocab_size` of them.
-    by_token: bool,
+/// The rows made from checkpoint tensors: (row, tensor, convert, optional, by_token).
+fn tensor_rows_of_table() -> impl Iterator<Item = (&'static SideFileSpec, TensorRow)> {
+    SIDE_FILES.iter().filter_map(|s| match s.made_from {
+        MadeFrom::Tensor {
+            tensor,
+            convert,
+            optional,
+            by_token,
+        } => Some((
+            s,
+            TensorRow {
+                tensor,
+                file: s.name,
+                convert,
+                optional,
+                by_token,
+            },
+        )),
+        _ => None,
+    })
 }
 
-/// The side files made from checkpoint tensors, in the order they are written.
-const MADE_FROM: &[MadeFrom] = &[
-    MadeFrom {
-        tensor: "embed_tokens.weight",
-        file: EMBED_Q8,
-        scales: Some(EMBED_SCALES),
-        convert: Convert::Int8PerRow,
-        optional: false,
-        by_token: true,
-    },
-    MadeFrom {
-        tensor: "embed_tokens_per_layer.weight",
-        file: PER_LAYER_Q8,
-        scales: Some(PER_LAYER_SCALES),
-        convert: Convert::Int8PerRow,
-        optional: false,
-        by_token: true,
-    },
-    MadeFrom {
-        tensor: "per_layer_model_projection.weight",
-        file: PER_LAYER_PROJECTION,
-        scales: None,
-        convert: Convert::Fp16,
-        optional: false,
-        by_token: false,
-    },
-    MadeFrom {
-        tensor: "per_layer_projection_norm.weight",
-        file: PER_LAYER_NORM,
-        scales: None,
-        convert: Convert::Fp16,
-        optional: true,
-        by_token: false,
-    },
-];
+/// A row made from a checkpoint tensor, unpacked.
+#[derive(Clone, Copy, Debug)]
+struct TensorRow {
+    tensor: &'static str,
+    file: &'static str,
+    convert: Convert,
+    optional: bool,
+    by_token: bool,
+}
 
 /// The checkpoint tensors [`write_side_files`] reads (for `bench side-files`
 /// to read the same bytes without converting them).
 pub fn source_tensors(ckpt: &Checkpoint) -> Vec<TensorInfo> {
-    MADE_FROM
-        .iter()
-        .filter_map(|m| ckpt.tensors.get(&format!("{}{}", ckpt.prefix, m.tensor)))
+    tensor_rows_of_table()
+        .filter_map(|(_, m)| ckpt.tensors.get(&format!("{}{}", ckpt.prefix, m.tensor)))
         .cloned()
         .collect()
 }
@@ -235,8 +358,8 @@ pub fn write_side_files(req: &SideFilesRequest) -> Result<SideFilesReport> {
     let cfg = req.cfg;
     // The shapes config.json implies, from the one table the checkpoint is validated with.
     let shapes = checkpoint::expected_tensors(cfg);
-    let mut sources = Vec::new();
-    for m in MADE_FROM {
+    let mut sources: Vec<(TensorRow, Source)> = Vec::new();
+    for (_, m) in tensor_rows_of_table() {
         let shape = shapes
             .iter()
             .find(|(name, _)| name == m.tensor)
@@ -245,7 +368,7 @@ pub fn write_side_files(req: &SideFilesRequest) -> Result<SideFilesReport> {
         match optional_source(req, m.tensor, shape, m.file)? {
             Some(src) => sources.push((m, src)),
             None if m.optional => {}
-            None => return Err(missing(req, m)),
+            None => return Err(missing(req, &m)),
         }
     }
     for (m, src) in &sources {
@@ -264,55 +387,50 @@ pub fn write_side_files(req: &SideFilesRequest) -> Result<SideFilesReport> {
         seconds: 0.0,
     };
     let mut buffers = Buffers::default();
-    for (m, src) in &sources {
+    // INT8 tables' row scales, by table, until their own row writes them.
+    let mut row_scales: Vec<(&str, Vec<f16>)> = Vec::new();
+    for spec in SIDE_FILES {
         let t = Instant::now();
-        let target = req.dest.join(m.file);
-        let (bytes, scales) =
-            stream_tensor(src, m.convert, src.block_rows(), &target, &mut buffers)?;
-        report.bytes_read += src.info.bytes;
-        report.add(m.file, bytes, t);
-        if let Some(name) = m.scales {
-            let t = Instant::now();
-            let bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
-            write_whole(&req.dest.join(name), &[&bytes])?;
-            report.add(name, bytes.len() as u64, t);
-        }
-    }
-    for (kind, cos, sin) in [
-        (Attention::Sliding, COS_SLIDING, SIN_SLIDING),
-        (Attention::Full, COS_FULL, SIN_FULL),
-    ] {
-        let table = RopeTable::of(cfg, kind);
-        for (name, wave) in [(cos, Wave::Cos), (sin, Wave::Sin)] {
-            let t = Instant::now();
-            let bytes = table.write(wave, req.rope_positions, &req.dest.join(name))?;
-            report.add(name, bytes, t);
-        }
-    }
-    let t = Instant::now();
-    let mut text = serde_json::to_vec_pretty(&config).expect("JSON values serialize");
-    text.push(b'\n');
-    write_whole(&req.dest.join(MODEL_CONFIG), &[&text])?;
-    report.add(MODEL_CONFIG, text.len() as u64, t);
-    report.seconds = started.elapsed().as_secs_f64();
-    Ok(report)
-}
-
-impl SideFilesReport {
-    /// Records the file `name` (one of [`SIDE_FILES`]), written since `since`.
-    fn add(&mut self, name: &str, bytes: u64, since: Instant) {
-        let role = SIDE_FILES
-            .iter()
-            .find(|s| s.name == name)
-            .map(|s| s.role)
-            .expect("every file written is listed in SIDE_FILES");
-        self.files.push(SideFile {
-            path: PathBuf::from(name),
+        let target = req.dest.join(spec.name);
+        let bytes = match spec.made_from {
+            MadeFrom::Tensor { .. } => {
+                let Some((m, src)) = sources.iter().find(|(m, _)| m.file == spec.name) else {
+                    continue; // an optional tensor the checkpoint lacks
+                };
+                let (bytes, scales) =
+                    stream_tensor(src, m.convert, src.block_rows(), &target, &mut buffers)?;
+                report.bytes_read += src.info.bytes;
+                row_scales.push((spec.name, scales));
+                bytes
+            }
+            MadeFrom::ScalesOf(table) => {
+                let Some(at) = row_scales.iter().position(|(n, _)| *n == table) else {
+                    continue; // its table was not written
+                };
+                let (_, scales) = row_scales.swap_remove(at);
+                let bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+                write_whole(&target, &[&bytes])?;
+                bytes.len() as u64
+            }
+            MadeFrom::Rope(kind, wave) => {
+                RopeTable::of(cfg, kind).write(wave, req.rope_positions, &target)?
+            }
+            MadeFrom::ModelConfig => {
+                let mut text = serde_json::to_vec_pretty(&config).expect("JSON values serialize");
+                text.push(b'\n');
+                write_whole(&target, &[&text])?;
+                text.len() as u64
+            }
+        };
+        report.files.push(SideFile {
+            path: PathBuf::from(spec.name),
             bytes,
-            role,
-            seconds: since.elapsed().as_secs_f64(),
+            role: spec.role,
+            seconds: t.elapsed().as_secs_f64(),
         });
     }
+    report.seconds = started.elapsed().as_secs_f64();
+    Ok(report)
 }
 
 fn check_request(req: &SideFilesRequest) -> Result<()> {
@@ -475,7 +593,7 @@ fn optional_source(
 
 /// The error for a required tensor the checkpoint lacks. It is in no file:
 /// the one file searched is named, or the folder of the shards.
-fn missing(req: &SideFilesRequest, m: &MadeFrom) -> SideFilesError {
+fn missing(req: &SideFilesRequest, m: &TensorRow) -> SideFilesError {
     let ck = req.checkpoint;
     let file = match ck.weight_files.as_slice() {
         [one] => one.clone(),
@@ -495,12 +613,22 @@ fn missing(req: &SideFilesRequest, m: &MadeFrom) -> SideFilesError {
 
 /// What one row becomes.
 #[derive(Clone, Copy, Debug)]
-enum Convert {
+pub enum Convert {
     /// Symmetric INT8 with one fp16 scale per row, as the runtime dequantizes
     /// it: `value = q * (scale / 127)`.
     Int8PerRow,
     /// The row in fp16 (round to nearest even).
     Fp16,
+}
+
+impl Convert {
+    /// Bytes per element of the file.
+    fn bytes_per_element(self) -> usize {
+        match self {
+            Convert::Int8PerRow => 1,
+            Convert::Fp16 => 2,
+        }
+    }
 }
 
 /// Why a row cannot be written.
@@ -922,7 +1050,7 @@ fn write_whole(target: &Path, parts: &[&[u8]]) -> Result<u64> {
 // ---- RoPE tables -------------------------------------------------------
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Wave {
+pub enum Wave {
     Cos,
     Sin,
 }
@@ -1082,46 +1210,114 @@ fn npy_header(shape: &[usize]) -> Vec<u8> {
 const DEFAULT_BOS: u64 = 2;
 const DEFAULT_EOS: u64 = 1;
 
-/// The keys the runtime's `ModelConfig` reads (with the names and meanings
-/// the upstream converter gives them), plus the structural fields it
-/// writes beside them. The scales are the ones transformers' Gemma 4 text
-/// model applies: √hidden_size on the token embedding, √P on the per-layer
-/// embedding, hidden_size^-½ on the per-layer projection and 2^-½ on the
-/// sum of the two per-layer inputs.
-fn model_config(req: &SideFilesRequest) -> Result<Value> {
-    let cfg = req.cfg;
-    let dims = plan::dims(cfg, req.context_length);
+/// `model_config.json`: the keys the runtime's `ModelConfig` reads (with the
+/// names and meanings the upstream converter gives them), plus the
+/// structural fields it writes beside them, in this order. The scales are
+/// the ones transformers' Gemma 4 text model applies: √hidden_size on the
+/// token embedding, √P on the per-layer embedding, hidden_size^-½ on the
+/// per-layer projection and 2^-½ on the sum of the two per-layer inputs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub model_name: String,
+    /// Always `gemma4`.
+    pub architecture: String,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub global_head_dim: usize,
+    pub vocab_size: usize,
+    /// The packages' full-attention context length.
+    pub context_length: usize,
+    pub sliding_window: usize,
+    pub per_layer_dim: usize,
+    pub num_layers: usize,
+    pub num_kv_shared_layers: usize,
+    /// `sliding_attention` / `full_attention` per layer.
+    pub layer_types: Vec<String>,
+    pub embed_scale: f64,
+    pub per_layer_embed_scale: f64,
+    pub per_layer_model_projection_scale: f64,
+    pub per_layer_input_scale: f64,
+    pub rms_norm_eps: f64,
+    pub final_logit_softcapping: Option<f64>,
+    pub bos_token_id: u64,
+    pub eos_token_id: TokenIds,
+}
+
+/// `eos_token_id`: chunkforge writes one id; other writers write a list.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TokenIds {
+    One(u64),
+    Many(Vec<u64>),
+}
+
+impl TokenIds {
+    pub fn ids(&self) -> Vec<i64> {
+        match self {
+            TokenIds::One(id) => vec![*id as i64],
+            TokenIds::Many(ids) => ids.iter().map(|id| *id as i64).collect(),
+        }
+    }
+}
+
+/// The architecture `model_config.json` names.
+pub const ARCHITECTURE: &str = "gemma4";
+
+impl ModelConfig {
+    /// What the runtime should read for the model `cfg` at `context_length`
+    /// (`model_name` and the token ids are the caller's).
+    pub fn of(
+        cfg: &TextConfig,
+        context_length: usize,
+        model_name: &str,
+        bos_token_id: u64,
+        eos_token_id: u64,
+    ) -> ModelConfig {
+        let dims = plan::dims(cfg, context_length);
+        ModelConfig {
+            model_name: model_name.into(),
+            architecture: ARCHITECTURE.into(),
+            hidden_size: cfg.hidden_size,
+            num_hidden_layers: cfg.num_hidden_layers,
+            num_attention_heads: cfg.num_attention_heads,
+            num_key_value_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            global_head_dim: cfg.global_head_dim,
+            vocab_size: cfg.vocab_size,
+            context_length,
+            sliding_window: cfg.sliding_window,
+            per_layer_dim: cfg.hidden_size_per_layer_input,
+            num_layers: cfg.num_hidden_layers,
+            num_kv_shared_layers: cfg.num_kv_shared_layers,
+            layer_types: cfg
+                .layer_types
+                .iter()
+                .map(|k| format!("{}_attention", k.as_str()))
+                .collect(),
+            embed_scale: dims.embed_scale,
+            per_layer_embed_scale: dims.per_layer_embed_scale,
+            per_layer_model_projection_scale: 1.0 / (cfg.hidden_size as f64).sqrt(),
+            per_layer_input_scale: 1.0 / 2f64.sqrt(),
+            rms_norm_eps: cfg.rms_norm_eps,
+            final_logit_softcapping: cfg.final_logit_softcapping,
+            bos_token_id,
+            eos_token_id: TokenIds::One(eos_token_id),
+        }
+    }
+}
+
+fn model_config(req: &SideFilesRequest) -> Result<ModelConfig> {
     let (bos, eos) = token_ids(req.hf_dir)?;
-    let layer_types: Vec<String> = cfg
-        .layer_types
-        .iter()
-        .map(|k| format!("{}_attention", k.as_str()))
-        .collect();
-    Ok(json!({
-        "model_name": req.model_name,
-        "architecture": "gemma4",
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "global_head_dim": cfg.global_head_dim,
-        "vocab_size": cfg.vocab_size,
-        "context_length": req.context_length,
-        "sliding_window": cfg.sliding_window,
-        "per_layer_dim": cfg.hidden_size_per_layer_input,
-        "num_layers": cfg.num_hidden_layers,
-        "num_kv_shared_layers": cfg.num_kv_shared_layers,
-        "layer_types": layer_types,
-        "embed_scale": dims.embed_scale,
-        "per_layer_embed_scale": dims.per_layer_embed_scale,
-        "per_layer_model_projection_scale": 1.0 / (cfg.hidden_size as f64).sqrt(),
-        "per_layer_input_scale": 1.0 / 2f64.sqrt(),
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "final_logit_softcapping": cfg.final_logit_softcapping,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-    }))
+    Ok(ModelConfig::of(
+        req.cfg,
+        req.context_length,
+        req.model_name,
+        bos,
+        eos,
+    ))
 }
 
 /// (bos, eos) token ids: from config.json's text config, else its top
@@ -1196,6 +1392,7 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
 mod tests {
     use super::*;
     use chunkforge_model::checkpoint::read_header;
+    use serde_json::json;
 
     fn temp_dir(tag: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!(

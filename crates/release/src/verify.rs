@@ -244,10 +244,10 @@ pub fn check_manifest(
             return;
         }
     };
-    if m["format"].as_str() != Some(manifest::FORMAT) {
+    let format = manifest::LenientManifest::of(&m).format;
+    if format != manifest::FORMAT {
         p.push(format!(
-            "{MANIFEST_FILE}: format is {}, expected \"{}\"",
-            m["format"],
+            "{MANIFEST_FILE}: format is {format}, expected \"{}\"",
             manifest::FORMAT
         ));
     }

@@ -1,0 +1,82 @@
+//! The JSON schemas of the records chunkforge writes, generated from their
+//! types: `manifests/manifest.schema.json` from [`Manifest`] and
+//! `parity/report.schema.json` from [`ParityReport`]. The checked-in files
+//! are these bytes; a test fails when they drift (and says how to write them
+//! again).
+
+use schemars::generate::SchemaSettings;
+use schemars::JsonSchema;
+use serde_json::Value;
+
+use chunkforge_model::records::ParityReport;
+
+use crate::manifest::Manifest;
+
+/// Where each schema is checked in (relative to the repository) and its `$id`.
+pub const MANIFEST_SCHEMA: &str = "manifests/manifest.schema.json";
+pub const PARITY_REPORT_SCHEMA: &str = "parity/report.schema.json";
+
+/// The schema of `T` (JSON Schema 2020-12), as checked in at `path`.
+fn schema_of<T: JsonSchema>(path: &str) -> Value {
+    let generator = SchemaSettings::draft2020_12().into_generator();
+    let mut schema = generator.into_root_schema_for::<T>().to_value();
+    if let Value::Object(m) = &mut schema {
+        m.insert(
+            "$id".into(),
+            Value::String(format!("https://chunkforge.invalid/{path}")),
+        );
+        // What the schema is first, then its members.
+        let mut rest = std::mem::take(m);
+        for key in ["$schema", "$id", "title", "description"] {
+            if let Some(v) = rest.remove(key) {
+                m.insert(key.into(), v);
+            }
+        }
+        m.append(&mut rest);
+    }
+    schema
+}
+
+/// Every generated schema: (path in the repository, its text).
+pub fn schemas() -> Vec<(&'static str, String)> {
+    [
+        (MANIFEST_SCHEMA, schema_of::<Manifest>(MANIFEST_SCHEMA)),
+        (
+            PARITY_REPORT_SCHEMA,
+            schema_of::<ParityReport>(PARITY_REPORT_SCHEMA),
+        ),
+    ]
+    .into_iter()
+    .map(|(path, schema)| {
+        let mut text = serde_json::to_string_pretty(&schema).expect("JSON values serialize");
+        text.push('\n');
+        (path, text)
+    })
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checked-in schemas are the types' own. With
+    /// `CHUNKFORGE_WRITE_SCHEMAS=1` the test writes them instead.
+    #[test]
+    fn checked_in_schemas_are_generated_from_the_types() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let write = std::env::var_os("CHUNKFORGE_WRITE_SCHEMAS").is_some();
+        for (path, text) in schemas() {
+            let file = root.join(path);
+            if write {
+                std::fs::write(&file, &text).unwrap();
+                continue;
+            }
+            let on_disk = std::fs::read_to_string(&file).unwrap_or_default();
+            assert!(
+                on_disk == text,
+                "{path} is not the schema of its type; regenerate it with \
+                 `CHUNKFORGE_WRITE_SCHEMAS=1 cargo test --release -p chunkforge-release --lib schemas`"
+            );
+        }
+    }
+}
