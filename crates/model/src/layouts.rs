@@ -72,12 +72,11 @@ pub type Group = (usize, usize);
 /// How a layout's chunk spans follow from the config.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum SpansRule {
-    /// The KV-owning layers and the KV-shared layers each in halves (E2B
-    /// 0-7 / 8-14 / 15-24 / 25-34); quarters when either part has fewer
-    /// than two layers.
-    OwnersSharersHalved,
-    /// KV owners / KV sharers (halves without KV sharing).
-    OwnersSharers,
+    /// The KV-owning layers in `owners` parts, then the KV-sharing layers in
+    /// `sharers` parts, earlier parts taking the odd layer (2 + 2: E2B 0-7 /
+    /// 8-14 / 15-24 / 25-34); with too few of either, every layer in
+    /// `owners + sharers` parts of ⌈n / parts⌉ layers.
+    OwnersSharers { owners: usize, sharers: usize },
     /// Every layer in one chunk.
     Whole,
     /// Groups of the reference's chunks, so that its packages' weights
@@ -91,8 +90,7 @@ impl SpansRule {
     /// Chunks of the layout; None when `--split` decides.
     pub fn count(self) -> Option<usize> {
         match self {
-            SpansRule::OwnersSharersHalved => Some(4),
-            SpansRule::OwnersSharers => Some(2),
+            SpansRule::OwnersSharers { owners, sharers } => Some(owners + sharers),
             SpansRule::Whole => Some(1),
             SpansRule::Groups(g) => Some(g.len()),
             SpansRule::Given => None,
@@ -208,7 +206,10 @@ const PROFILE_MAIN: &str = "[Profile] emb={n}ms mask={n}ms | c1={n} c2={n} c3={n
 const FOUR: LayoutSpec = LayoutSpec {
     kind: LayoutKind::Four,
     purpose: Purpose::Decode,
-    spans: SpansRule::OwnersSharersHalved,
+    spans: SpansRule::OwnersSharers {
+        owners: 2,
+        sharers: 2,
+    },
     names: NameRule::Numbered {
         prefix: "chunk",
         suffix: "",
@@ -253,7 +254,10 @@ const THREE: LayoutSpec = LayoutSpec {
 const TWO: LayoutSpec = LayoutSpec {
     kind: LayoutKind::Two,
     purpose: Purpose::Decode,
-    spans: SpansRule::OwnersSharers,
+    spans: SpansRule::OwnersSharers {
+        owners: 1,
+        sharers: 1,
+    },
     names: NameRule::Numbered {
         prefix: "merged_chunk",
         suffix: "",

@@ -486,10 +486,17 @@ pub fn parse_split(text: &str, n: usize) -> Result<Vec<Span>, InputError> {
     Ok(spans)
 }
 
-/// Two halves of `a..b`, the first taking the odd layer.
-fn halves(a: usize, b: usize) -> [Span; 2] {
-    let mid = a + (b - a).div_ceil(2);
-    [(a, mid - 1), (mid, b - 1)]
+/// `a..b` in `count` contiguous parts, the earlier ones taking the odd layers.
+fn parts(a: usize, b: usize, count: usize) -> Vec<Span> {
+    let (base, extra) = ((b - a) / count, (b - a) % count);
+    let mut out = Vec::with_capacity(count);
+    let mut first = a;
+    for i in 0..count {
+        let len = base + usize::from(i < extra);
+        out.push((first, first + len - 1));
+        first += len;
+    }
+    out
 }
 
 /// Chunk spans of a built-in layout, derived from the config by its row's
@@ -502,15 +509,13 @@ pub fn layout_spans(cfg: &TextConfig, kind: LayoutKind) -> Option<Vec<Span>> {
     let k = cfg.kv_start();
     Some(match spec(kind).spans {
         SpansRule::Whole => vec![(0, n - 1)],
-        SpansRule::OwnersSharers if k > 0 && k < n => vec![(0, k - 1), (k, n - 1)],
-        SpansRule::OwnersSharers => halves(0, n).to_vec(),
-        SpansRule::OwnersSharersHalved if k >= 2 && n - k >= 2 => {
-            let [a, b] = halves(0, k);
-            let [c, d] = halves(k, n);
-            vec![a, b, c, d]
+        SpansRule::OwnersSharers { owners, sharers } if k >= owners && n - k >= sharers => {
+            let mut spans = parts(0, k, owners);
+            spans.extend(parts(k, n, sharers));
+            spans
         }
-        SpansRule::OwnersSharersHalved => {
-            let q = n.div_ceil(4);
+        SpansRule::OwnersSharers { owners, sharers } => {
+            let q = n.div_ceil(owners + sharers);
             (0..n).step_by(q).map(|s| (s, (s + q).min(n) - 1)).collect()
         }
         SpansRule::Groups(groups) => {
@@ -1259,6 +1264,19 @@ mod tests {
                 assert_eq!(f, want, "{}", c.name);
             }
         }
+    }
+
+    #[test]
+    fn without_kv_sharing_layouts_split_every_layer_evenly() {
+        let cfg = config(30, 5, 0, 1);
+        let spans = |k| layout_spans(&cfg, k).unwrap();
+        assert_eq!(
+            spans(LayoutKind::Four),
+            [(0, 7), (8, 15), (16, 23), (24, 29)]
+        );
+        assert_eq!(spans(LayoutKind::Two), [(0, 14), (15, 29)]);
+        assert_eq!(spans(LayoutKind::Three), [(0, 7), (8, 23), (24, 29)]);
+        assert_eq!(layout_spans(&cfg, LayoutKind::Split), None);
     }
 
     #[test]

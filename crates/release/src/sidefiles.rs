@@ -1876,6 +1876,51 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Each row's size rule is what its writer writes (so `run`'s size
+    /// check follows from the row), and each row made from a tensor names
+    /// one the checkpoint is validated to have.
+    #[test]
+    fn every_row_expects_the_size_its_writer_writes() {
+        let dir = temp_dir("expected");
+        let cfg = tiny_config(&dir);
+        let ck = tiny_checkpoint(&dir, &TABLES);
+        let dest = dir.join("out");
+        fs::create_dir(&dest).unwrap();
+        let report = write_side_files(&request(&dir, &cfg, &ck, &dest)).unwrap();
+        let decoder = checkpoint::expected_tensors(&cfg);
+        for spec in SIDE_FILES {
+            let f = report.files.iter().find(|f| f.path == Path::new(spec.name));
+            let written = f.map(|f| f.bytes).unwrap();
+            match spec.expected(&cfg) {
+                Expected::Bytes(n) => assert_eq!(written, n, "{}", spec.name),
+                Expected::Npy { head_dim } => {
+                    let rows = (written - npy_header(&[20, head_dim]).len() as u64) / 2;
+                    assert_eq!(rows, 20 * head_dim as u64, "{}", spec.name);
+                }
+                Expected::Contents => assert_eq!(spec.name, MODEL_CONFIG),
+            }
+            match spec.made_from {
+                MadeFrom::Tensor { tensor, .. } => {
+                    assert!(decoder.iter().any(|(n, _)| n == tensor), "{tensor}")
+                }
+                MadeFrom::ScalesOf(table) => assert!(
+                    SIDE_FILES.iter().any(|t| t.name == table
+                        && matches!(
+                            t.made_from,
+                            MadeFrom::Tensor {
+                                convert: Convert::Int8PerRow,
+                                ..
+                            }
+                        )),
+                    "{}: {table} is not an INT8 table",
+                    spec.name
+                ),
+                MadeFrom::Rope(..) | MadeFrom::ModelConfig => {}
+            }
+        }
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn the_norm_weight_is_optional_and_the_tables_are_not() {
         let dir = temp_dir("optional");
