@@ -503,11 +503,7 @@ macro_rules! selector {
             }
         }
 
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
+        crate::by_name!($name);
 
         impl FromStr for $name {
             type Err = String;
@@ -526,19 +522,6 @@ macro_rules! selector {
                         )),
                     },
                 }
-            }
-        }
-
-        impl serde::Serialize for $name {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.serialize_str(self.as_str())
-            }
-        }
-
-        impl<'de> serde::Deserialize<'de> for $name {
-            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
-                s.parse().map_err(serde::de::Error::custom)
             }
         }
 

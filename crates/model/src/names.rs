@@ -41,11 +41,7 @@ macro_rules! named {
             }
         }
 
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
+        $crate::by_name!($name);
 
         impl std::str::FromStr for $name {
             type Err = String;
@@ -60,6 +56,30 @@ macro_rules! named {
             }
         }
 
+        impl $crate::schemars::JsonSchema for $name {
+            fn schema_name() -> std::borrow::Cow<'static, str> {
+                stringify!($name).into()
+            }
+
+            fn json_schema(_: &mut $crate::schemars::SchemaGenerator) -> $crate::schemars::Schema {
+                $crate::schemars::json_schema!({ "type": "string", "enum": $name::NAMES })
+            }
+        }
+    };
+}
+
+/// `Display`, `Serialize` and `Deserialize` of a type written as its name:
+/// `as_str` one way, `FromStr` (with `String` errors) the other.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! by_name {
+    ($name:ident) => {
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
         impl serde::Serialize for $name {
             fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
                 s.serialize_str(self.as_str())
@@ -70,16 +90,6 @@ macro_rules! named {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
                 let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
                 s.parse().map_err(serde::de::Error::custom)
-            }
-        }
-
-        impl $crate::schemars::JsonSchema for $name {
-            fn schema_name() -> std::borrow::Cow<'static, str> {
-                stringify!($name).into()
-            }
-
-            fn json_schema(_: &mut $crate::schemars::SchemaGenerator) -> $crate::schemars::Schema {
-                $crate::schemars::json_schema!({ "type": "string", "enum": $name::NAMES })
             }
         }
     };

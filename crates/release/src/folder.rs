@@ -502,53 +502,23 @@ fn check_model_config(config: &ModelConfig, path: &Path, cfg: &TextConfig) -> Re
         config.bos_token_id,
         0,
     );
-    let exact = [
-        (
-            "architecture",
-            json(&config.architecture),
-            json(&want.architecture),
-        ),
-        (
-            "hidden_size",
-            json(&config.hidden_size),
-            json(&want.hidden_size),
-        ),
-        (
-            "vocab_size",
-            json(&config.vocab_size),
-            json(&want.vocab_size),
-        ),
-        (
-            "num_hidden_layers",
-            json(&config.num_hidden_layers),
-            json(&want.num_hidden_layers),
-        ),
-        (
-            "num_layers",
-            json(&config.num_layers),
-            json(&want.num_layers),
-        ),
-        (
-            "per_layer_dim",
-            json(&config.per_layer_dim),
-            json(&want.per_layer_dim),
-        ),
-        (
-            "sliding_window",
-            json(&config.sliding_window),
-            json(&want.sliding_window),
-        ),
-        (
-            "num_kv_shared_layers",
-            json(&config.num_kv_shared_layers),
-            json(&want.num_kv_shared_layers),
-        ),
-        (
-            "layer_types",
-            json(&config.layer_types),
-            json(&want.layer_types),
-        ),
-    ];
+    // (key, got, want) of each field.
+    macro_rules! pairs {
+        ($show:expr; $($key:ident),+) => {
+            [$((stringify!($key), $show(&config.$key), $show(&want.$key))),+]
+        };
+    }
+    let exact = pairs!(json;
+        architecture,
+        hidden_size,
+        vocab_size,
+        num_hidden_layers,
+        num_layers,
+        per_layer_dim,
+        sliding_window,
+        num_kv_shared_layers,
+        layer_types
+    );
     for (key, got, want) in exact {
         if got != want {
             return Err(err(
@@ -559,24 +529,12 @@ fn check_model_config(config: &ModelConfig, path: &Path, cfg: &TextConfig) -> Re
             ));
         }
     }
-    let scales = [
-        ("embed_scale", config.embed_scale, want.embed_scale),
-        (
-            "per_layer_embed_scale",
-            config.per_layer_embed_scale,
-            want.per_layer_embed_scale,
-        ),
-        (
-            "per_layer_model_projection_scale",
-            config.per_layer_model_projection_scale,
-            want.per_layer_model_projection_scale,
-        ),
-        (
-            "per_layer_input_scale",
-            config.per_layer_input_scale,
-            want.per_layer_input_scale,
-        ),
-    ];
+    let scales = pairs!(f64::clone;
+        embed_scale,
+        per_layer_embed_scale,
+        per_layer_model_projection_scale,
+        per_layer_input_scale
+    );
     for (key, got, want) in scales {
         if (got - want).abs() > 1e-9 * want.abs() || got.is_nan() {
             return Err(err(

@@ -1816,14 +1816,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn writes_every_side_file_of_a_checkpoint() {
-        let dir = temp_dir("all");
+    /// Every side file of the tiny checkpoint, written into `tag`'s folder:
+    /// (the folder, its config, the output folder, the report).
+    fn write_all(tag: &str) -> (PathBuf, TextConfig, PathBuf, SideFilesReport) {
+        let dir = temp_dir(tag);
         let cfg = tiny_config(&dir);
         let ck = tiny_checkpoint(&dir, &TABLES);
         let dest = dir.join("out");
         fs::create_dir(&dest).unwrap();
         let report = write_side_files(&request(&dir, &cfg, &ck, &dest)).unwrap();
+        (dir, cfg, dest, report)
+    }
+
+    #[test]
+    fn writes_every_side_file_of_a_checkpoint() {
+        let (dir, _, dest, report) = write_all("all");
         let names: Vec<&str> = report
             .files
             .iter()
@@ -1881,12 +1888,7 @@ mod tests {
     /// one the checkpoint is validated to have.
     #[test]
     fn every_row_expects_the_size_its_writer_writes() {
-        let dir = temp_dir("expected");
-        let cfg = tiny_config(&dir);
-        let ck = tiny_checkpoint(&dir, &TABLES);
-        let dest = dir.join("out");
-        fs::create_dir(&dest).unwrap();
-        let report = write_side_files(&request(&dir, &cfg, &ck, &dest)).unwrap();
+        let (dir, cfg, _, report) = write_all("expected");
         let decoder = checkpoint::expected_tensors(&cfg);
         for spec in SIDE_FILES {
             let f = report.files.iter().find(|f| f.path == Path::new(spec.name));
