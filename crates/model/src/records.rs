@@ -351,7 +351,7 @@ pub const AUDIT_FORMAT: &str = "chunkforge-audit/2";
 
 /// What a finding of an audit rule weighs for a release (the rules and theirs:
 /// python/chunkforge_py/audit.py `SEVERITY`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Severity {
     /// A pattern that keeps an op off the Neural Engine or a function from
