@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
+use indexmap::IndexMap;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::config::Attention;
@@ -19,7 +21,7 @@ use crate::records::{
 };
 
 /// One package to audit.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, JsonSchema)]
 pub struct AuditPackage {
     pub path: String,
     /// The package's folder name (`chunk1.mlpackage`): what findings carry.
@@ -164,14 +166,14 @@ fn read_record(build_json: &Path) -> Result<BuildRecord> {
     })
 }
 
-#[derive(Serialize)]
-struct AuditArgs<'a> {
+#[derive(Serialize, JsonSchema)]
+pub struct AuditArgs<'a> {
     packages: &'a [AuditPackage],
     compute_plan: bool,
 }
 
 /// One function of an audited package.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct FunctionAudit {
     pub name: String,
     /// Ops run per call (const and constexpr_* ops excluded).
@@ -182,7 +184,7 @@ pub struct FunctionAudit {
 }
 
 /// One audited package.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct PackageAudit {
     pub package: String,
     pub path: String,
@@ -190,14 +192,14 @@ pub struct PackageAudit {
     pub findings: RuleCounts,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct OpTable {
     pub path: String,
     pub sha256: String,
 }
 
 /// The rules' thresholds.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct Limits {
     pub max_rank: u64,
     pub max_dim: u64,
@@ -205,7 +207,7 @@ pub struct Limits {
 }
 
 /// `audit.audit`'s report (what `chunkforge audit --json` prints).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct AuditReport {
     pub format: String,
     pub op_table: OpTable,
@@ -252,9 +254,7 @@ impl AuditReport {
 
 /// The audit of `packages` (with the compute plan on macOS).
 pub fn run(packages: &[AuditPackage], verbose: bool) -> Result<AuditReport> {
-    let report: AuditReport = calls::call(
-        "audit",
-        "audit",
+    let report: AuditReport = calls::call::<calls::Audit>(
         &AuditArgs {
             packages,
             compute_plan: true,
@@ -270,11 +270,17 @@ pub fn run(packages: &[AuditPackage], verbose: bool) -> Result<AuditReport> {
     Ok(report)
 }
 
+/// `audit.op_types`' reply: the op types per layer kind found in the
+/// packages, in ane_op_types.json's shape (to regenerate and diff the table).
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+pub struct OpTypes {
+    pub layer_kinds: IndexMap<String, Vec<String>>,
+    pub output_dtypes: IndexMap<String, Vec<String>>,
+}
+
 /// The op types per layer kind of `packages`, in ane_op_types.json's shape.
-pub fn op_types(packages: &[AuditPackage], verbose: bool) -> Result<serde_json::Value> {
-    calls::call(
-        "audit",
-        "op_types",
+pub fn op_types(packages: &[AuditPackage], verbose: bool) -> Result<OpTypes> {
+    calls::call::<calls::OpTypes>(
         &AuditArgs {
             packages,
             compute_plan: false,

@@ -2,8 +2,8 @@
 //! Rust kernel and coremltools on the same matrices) and prints the table.
 
 use anyhow::Result;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 
 use crate::py::calls;
 use crate::py::env as pyenv;
@@ -25,10 +25,12 @@ pub fn run(json_out: bool, quick: bool, seed: u64, verbose: bool) -> Result<()> 
         if quick { "quick" } else { "E2B-width" },
         rayon::current_num_threads()
     );
-    let report: BenchReport = calls::call(
-        "bench_palettize",
-        "run",
-        &json!({"quick": quick, "seed": seed, "progress": true}),
+    let report = calls::call::<calls::BenchPalettize>(
+        &BenchArgs {
+            quick,
+            seed,
+            progress: true,
+        },
         verbose,
     )?;
     if json_out {
@@ -39,8 +41,18 @@ pub fn run(json_out: bool, quick: bool, seed: u64, verbose: bool) -> Result<()> 
     Ok(())
 }
 
+/// `bench_palettize.run`'s request.
+#[derive(Serialize, JsonSchema)]
+pub struct BenchArgs {
+    /// Small matrices only.
+    pub quick: bool,
+    pub seed: u64,
+    /// One stderr line per run.
+    pub progress: bool,
+}
+
 /// One implementation on one matrix.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct BenchResult {
     pub shape: Vec<usize>,
     #[serde(rename = "impl")]
@@ -51,7 +63,7 @@ pub struct BenchResult {
 }
 
 /// `bench_palettize.run`'s report (`--json` prints it).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct BenchReport {
     pub results: Vec<BenchResult>,
     pub group_size: usize,

@@ -5,9 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Context, Result};
-use serde::Deserialize;
-use serde_json::Value;
+use anyhow::{anyhow, Context, Result};
 
 use crate::audit;
 use crate::checkpoint::Checkpoint;
@@ -16,30 +14,16 @@ use crate::hashing;
 use crate::layouts::{spec, Purpose, REFERENCE};
 use crate::plan::{ChunkPlan, FunctionKind, Functions, LayoutKind, Mode, Plan};
 use crate::progress::{self, BuildProgress};
-use crate::publish::{OnLocked, OutputLock};
-use crate::py::calls::{self, CheckpointFiles, ChunkJob, WeightCache};
+use crate::publish::OutputLock;
+use crate::py::calls::{self, CheckpointFiles, ChunkJob, ComposeJob, WeightCache};
 use crate::py::env as pyenv;
 use crate::py::worker::{self, BundleRequest, Stage, Task, TaskReply, Worker};
 use crate::records::{
     BuildRecord, BuildRequest, BuildSeconds, CacheTotals, CheckpointRecord, ChunkRecord,
-    ChunkStats, ConversionSettings, FunctionRecord, Palettizer, PassPipeline, Seconds,
-    ToolVersions, BUILD_FORMAT,
+    ChunkStats, ConversionSettings, FunctionRecord, Seconds, ToolVersions, BUILD_FORMAT,
 };
+use crate::settings::BuildSettings;
 use crate::staging::{self, Staging};
-
-/// How to build: the conversion settings handed to Python, and the run's own options.
-#[derive(Clone, Debug)]
-pub struct Settings {
-    pub conversion: ConversionSettings,
-    /// Time every coremltools graph pass into each function's record.
-    pub profile: bool,
-    /// Processes converting at once (`--jobs`).
-    pub jobs: Jobs,
-    pub verbose: bool,
-    /// When another run holds the output folder's lock; None: the output is
-    /// a fresh temporary folder of this run (`--check`, `bench build`), unlocked.
-    pub lock: Option<OnLocked>,
-}
 
 /// The phase the bundle of a multifunction package is timed under.
 const BUNDLE: &str = "bundle";
@@ -138,11 +122,12 @@ impl Pool {
     /// conversions at once keep within `MEMORY_TARGET` and the memory
     /// available, and no more than there are tasks.
     fn start(
-        settings: &Settings,
+        settings: &BuildSettings,
         plan: &Plan,
         ckpt: &Checkpoint,
         tasks: usize,
         uses: usize,
+        verbose: bool,
     ) -> Result<Pool> {
         let (n, reason) = match settings.jobs {
             Jobs::N(n) => (n, "--jobs".to_string()),
@@ -173,7 +158,7 @@ impl Pool {
             }
         };
         let workers = (1..n.min(tasks.max(1)))
-            .map(|_| Worker::spawn(uses, settings.verbose))
+            .map(|_| Worker::spawn(uses, verbose))
             .collect::<Result<Vec<_>>>()?;
         Ok(Pool { workers, reason })
     }
@@ -259,25 +244,25 @@ struct Done<'p> {
     from: Option<Vec<String>>,
 }
 
-/// `chunk`'s conversion job as JSON: each function to its path.
+/// `chunk`'s conversion job: each function to its path.
 fn chunk_job(
     plan: &Plan,
     chunk: &ChunkPlan,
     checkpoint: &CheckpointFiles,
-    settings: &Settings,
+    settings: &BuildSettings,
     paths: &[PathBuf],
-) -> Result<Value> {
-    Ok(serde_json::to_value(ChunkJob {
-        dims: &plan.dims,
-        chunk,
-        checkpoint,
-        settings: &settings.conversion,
+) -> ChunkJob {
+    ChunkJob {
+        dims: plan.dims.clone(),
+        chunk: chunk.clone(),
+        checkpoint: checkpoint.clone(),
+        settings: settings.conversion.clone(),
         paths: paths
             .iter()
             .map(|p| p.to_string_lossy().into_owned())
             .collect(),
         profile: settings.profile,
-    })?)
+    }
 }
 
 /// The record of converted function `f` (`c`: its reply), under `name`.
@@ -322,17 +307,19 @@ fn function_records(
     )
 }
 
+/// Builds `plan` of the checkpoint in `hf_dir` into `out` as `settings` say:
+/// every package and build.json appear there together, once all are complete.
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     hf_dir: &Path,
     cfg: &TextConfig,
     ckpt: &Checkpoint,
     plan: &Plan,
-    request: BuildRequest,
     out: &Path,
-    settings: &Settings,
+    settings: &BuildSettings,
+    verbose: bool,
 ) -> Result<BuildRecord> {
     let started = Instant::now();
-    let joint = settings.conversion.joint;
     staging::output_folder(out)?;
     let _lock = settings
         .lock
@@ -345,19 +332,46 @@ pub fn run(
     for w in &plan.warnings {
         progress.println(format!("warning: {w}"));
     }
-    let checkpoint = CheckpointFiles::of(ckpt);
-    let verbose = settings.verbose;
     // Decode packages the four-chunk layout tiles are composed from its
     // programs (see `Composer`), not converted.
     let mut composer = Composer::new(cfg, plan, &settings.conversion, &staging.dir)?;
-    // Each function of each converted layout holds every weight of its layers
-    // once (the composer's own sources: one more), so the build's
-    // palettization cache keeps a result until that many conversions have
-    // used it. The cache lives as long as this run.
-    // Converted together (`joint`), a unit's functions are one conversion.
+    let uses = cache_uses(plan, &composer, settings.conversion.joint);
+    let cache = WeightCache::new(uses)
+        .map_err(|e| anyhow!("palettization cache: {}", pyenv::render_error(e, verbose)))?;
+    let step = Step {
+        plan,
+        ckpt,
+        settings,
+        staging: &staging.dir,
+        cache: &cache,
+        progress: &progress,
+        verbose,
+    };
+    let mut planned = step.plan_units(&units, &mut composer)?;
+    let mut pool = Pool::start(settings, plan, ckpt, planned.tasks.len(), uses, verbose)?;
+    let converted = step.run_pool(&mut pool, &mut planned)?;
+    let done = step.collect(&units, &planned, converted, &mut composer)?;
+    let records = step.compose(&units, done, &mut composer, &mut pool)?;
+    let processes = pool.processes();
+    let worker_peak = pool.finish()?;
+    progress.bar.finish_and_clear();
+    let mut record = step.record(hf_dir, cfg, records, &mut composer, started)?;
+    record.processes = processes;
+    // Each worker's own peak: the sum bounds the build's.
+    record.peak_rss_bytes = progress::peak_rss_bytes() + worker_peak;
+    record.audit = Some(step.audit(&record)?);
+    publish(staging, &record)?;
+    Ok(record)
+}
+
+/// Each function of each converted layout holds every weight of its layers
+/// once (the composer's own sources: one more), so the build's
+/// palettization cache keeps a result until that many conversions have used
+/// it. The cache lives as long as the run. Converted together (`joint`), a
+/// unit's functions are one conversion.
+fn cache_uses(plan: &Plan, composer: &Composer, joint: bool) -> usize {
     let has_four = plan.layouts.iter().any(|l| l.kind == REFERENCE);
-    let uses: usize = plan
-        .layouts
+    plan.layouts
         .iter()
         .filter(|l| !l.chunks.iter().all(|c| composer.composes(l.kind, c)))
         .map(|l| match l.chunks.first() {
@@ -368,321 +382,383 @@ pub fn run(
             None => 0,
         })
         .sum::<usize>()
-        + usize::from(composer.converts_sources(plan));
-    let cache = WeightCache::new(uses)
-        .map_err(|e| anyhow!("palettization cache: {}", pyenv::render_error(e, verbose)))?;
+        + usize::from(composer.converts_sources(plan))
+}
 
-    // Every conversion (with its bundle) and composition is a task
-    // (py/worker.rs), run on this process and its conversion workers at
-    // once: the conversions first, then the compositions, which read the
-    // four-chunk decode programs. The packages are recorded in plan order.
-    let mut tasks: Vec<(Task, String, u64)> = Vec::new();
-    let cost = |chunk: &ChunkPlan| {
-        chunk_weight_bytes(ckpt, chunk.first_layer, chunk.last_layer) * chunk.functions.len() as u64
-    };
-    let mut work: Vec<Work> = Vec::new();
-    for unit in &units {
-        if let [(layout, chunk)] = unit[..] {
-            if composer.composes(layout, chunk) {
-                work.push(Work::Composed);
-                continue;
-            }
-        }
-        // One program per function; a unit of several functions is bundled
-        // from single-function parts (see `convert.combine`).
-        let bundled = unit.len() > 1 || unit[0].1.functions.len() > 1;
-        let part_path = |pkg: &str, f: &str| staging.dir.join(format!(".part-{pkg}-{f}.mlpackage"));
-        let mut jobs = Vec::new();
-        let mut parts = Vec::new();
-        for (layout, chunk) in unit {
-            let paths: Vec<PathBuf> = chunk
-                .functions
-                .iter()
-                .map(|f| {
-                    if bundled {
-                        part_path(&chunk.name, &f.name)
-                    } else {
-                        staging.dir.join(format!("{}.mlpackage", chunk.name))
-                    }
-                })
-                .collect();
-            jobs.push(chunk_job(plan, chunk, &checkpoint, settings, &paths)?);
-            for (f, path) in chunk.functions.iter().zip(&paths) {
-                parts.push((path.to_string_lossy().into_owned(), f.name.clone()));
-            }
-            if *layout == REFERENCE {
-                composer.converted(chunk, &paths);
-            }
-        }
-        let names: Vec<&str> = unit.iter().map(|(_, c)| c.name.as_str()).collect();
-        let bundle = bundled.then(|| BundleRequest {
-            label: names.join(" + "),
-            parts: parts.clone(),
-            targets: unit
-                .iter()
-                .map(|(_, c)| {
-                    (
-                        staging
-                            .dir
-                            .join(format!("{}.mlpackage", c.name))
-                            .to_string_lossy()
-                            .into_owned(),
-                        c.functions.iter().map(|f| f.name.clone()).collect(),
-                    )
-                })
-                .collect(),
-        });
-        work.push(Work::Converted {
-            task: tasks.len(),
-            parts,
-        });
-        // Conversions keep plan order (cost 0): a bad weight in the first
-        // layers is reported first, as in one process.
-        let task = Task::Convert {
-            jobs,
-            bundle,
-            joint: joint && bundled,
-            threads: 1,
-        };
-        tasks.push((task, names.join(" + "), 0));
-    }
-    // The four-chunk decode programs the compositions need and the build
-    // does not make itself.
-    let composed: Vec<&ChunkPlan> = units
-        .iter()
-        .zip(&work)
-        .filter(|(_, w)| matches!(w, Work::Composed))
-        .map(|(u, _)| u[0].1)
-        .collect();
-    let sources = composer.missing_sources(&composed);
-    let first_source = tasks.len();
-    for (_, source, path) in &sources {
-        let job = chunk_job(
-            plan,
-            source,
-            &checkpoint,
-            settings,
-            std::slice::from_ref(path),
-        )?;
-        let task = Task::Convert {
-            jobs: vec![job],
-            bundle: None,
-            joint: false,
-            threads: 1,
-        };
-        tasks.push((
-            task,
-            format!("{} (a source of a composed package)", source.name),
-            0,
-        ));
+/// What every step of a build reads.
+struct Step<'a> {
+    plan: &'a Plan,
+    ckpt: &'a Checkpoint,
+    settings: &'a BuildSettings,
+    staging: &'a Path,
+    cache: &'a WeightCache,
+    progress: &'a BuildProgress,
+    verbose: bool,
+}
+
+/// The conversion tasks of a build: one per converted unit (in unit
+/// order), then one per composition source the build does not make itself.
+struct Planned {
+    /// Each task, what its errors name, and its cost.
+    tasks: Vec<(Task, String, u64)>,
+    /// What the build does for each unit.
+    work: Vec<Work>,
+    /// (four-chunk index, chunk, staged path) of each source task, from `first_source` on.
+    sources: Vec<(usize, ChunkPlan, PathBuf)>,
+    first_source: usize,
+}
+
+impl Step<'_> {
+    /// The task's cost: the fp16 weight bytes `chunk` converts or composes, times its functions.
+    fn cost(&self, chunk: &ChunkPlan) -> u64 {
+        chunk_weight_bytes(self.ckpt, chunk.first_layer, chunk.last_layer)
+            * chunk.functions.len() as u64
     }
 
-    let mut pool = Pool::start(settings, plan, ckpt, tasks.len(), uses)?;
-    // A process converting alone gets every core for torch's arithmetic
-    // (loading, and the trace's one run of the module: at full width a
-    // 512-token prefill); processes side by side take one each.
-    let threads = pool.threads();
-    for (task, _, _) in &mut tasks {
-        if let Task::Convert { threads: t, .. } = task {
-            *t = threads;
-        }
-    }
-    progress
-        .bar
-        .set_message(format!("converting on {}", pool.describe()));
-    let mut results = pool.run(&tasks, &cache, &progress, verbose)?;
-
-    for (k, (i, source, _)) in sources.iter().enumerate() {
-        let reply = results[first_source + k].take().expect("every task ran");
-        let converted = reply
-            .converted
-            .into_iter()
-            .next()
-            .ok_or_else(|| anyhow!("building {}: no reply", source.name))?;
-        let converted = calls::converted_chunk(source, converted)
-            .map_err(|e| anyhow!("building {}: {e}", source.name))?;
-        composer.sourced(*i, converted);
-    }
-    // The converted units' records; their parts no longer needed go.
-    let mut done: Vec<Option<Vec<Done>>> = Vec::new();
-    for (unit, w) in units.iter().zip(&work) {
-        let Work::Converted { task, parts } = w else {
-            done.push(None);
-            continue;
-        };
-        let reply = results[*task].take().expect("every task ran");
-        let mut out = Vec::new();
-        for ((layout, chunk), converted) in unit.iter().zip(reply.converted) {
-            let converted = calls::converted_chunk(chunk, converted)
-                .map_err(|e| anyhow!("building {}: {e}", chunk.name))?;
-            let (functions, mut seconds, mut stats) = function_records(chunk, converted);
-            if let Some(b) = &reply.bundle {
-                stats.weight_bytes = b.weight_bytes;
-                // The bundle's seconds are shared by its packages.
-                seconds.insert(BUNDLE.to_string(), reply.bundle_seconds / unit.len() as f64);
-            }
-            out.push(Done {
-                layout: *layout,
-                chunk,
-                functions,
-                seconds,
-                stats,
-                from: None,
-            });
-        }
-        if reply.bundle.is_some() {
-            for (path, _) in parts {
-                // A four-chunk decode program the composer reads stays until the build ends.
-                if !composer.keeps(Path::new(path)) {
-                    std::fs::remove_dir_all(path)
-                        .with_context(|| format!("{path}: cannot remove"))?;
+    /// Every conversion (with its bundle) is a task (py/worker.rs), run on
+    /// this process and its conversion workers at once; the compositions
+    /// come after (`compose`), as they read the four-chunk decode programs.
+    fn plan_units(
+        &self,
+        units: &[Vec<(LayoutKind, &ChunkPlan)>],
+        composer: &mut Composer,
+    ) -> Result<Planned> {
+        let checkpoint = CheckpointFiles::of(self.ckpt);
+        let joint = self.settings.conversion.joint;
+        let mut tasks: Vec<(Task, String, u64)> = Vec::new();
+        let mut work: Vec<Work> = Vec::new();
+        for unit in units {
+            if let [(layout, chunk)] = unit[..] {
+                if composer.composes(layout, chunk) {
+                    work.push(Work::Composed);
+                    continue;
                 }
             }
+            // One program per function; a unit of several functions is bundled
+            // from single-function parts (see `convert.combine`).
+            let bundled = unit.len() > 1 || unit[0].1.functions.len() > 1;
+            let package = |name: &str| self.staging.join(format!("{name}.mlpackage"));
+            let part_path =
+                |pkg: &str, f: &str| self.staging.join(format!(".part-{pkg}-{f}.mlpackage"));
+            let mut jobs = Vec::new();
+            let mut parts = Vec::new();
+            for (layout, chunk) in unit {
+                let paths: Vec<PathBuf> = chunk
+                    .functions
+                    .iter()
+                    .map(|f| {
+                        if bundled {
+                            part_path(&chunk.name, &f.name)
+                        } else {
+                            package(&chunk.name)
+                        }
+                    })
+                    .collect();
+                jobs.push(chunk_job(
+                    self.plan,
+                    chunk,
+                    &checkpoint,
+                    self.settings,
+                    &paths,
+                ));
+                for (f, path) in chunk.functions.iter().zip(&paths) {
+                    parts.push((path.to_string_lossy().into_owned(), f.name.clone()));
+                }
+                if *layout == REFERENCE {
+                    composer.converted(chunk, &paths);
+                }
+            }
+            let names: Vec<&str> = unit.iter().map(|(_, c)| c.name.as_str()).collect();
+            let bundle = bundled.then(|| BundleRequest {
+                label: names.join(" + "),
+                parts: parts.clone(),
+                targets: unit
+                    .iter()
+                    .map(|(_, c)| {
+                        let functions = c.functions.iter().map(|f| f.name.clone()).collect();
+                        (package(&c.name).to_string_lossy().into_owned(), functions)
+                    })
+                    .collect(),
+                writer: self.settings.conversion.writer,
+            });
+            work.push(Work::Converted {
+                task: tasks.len(),
+                parts,
+            });
+            // Conversions keep plan order (cost 0): a bad weight in the first
+            // layers is reported first, as in one process.
+            let task = Task::Convert {
+                jobs,
+                bundle,
+                joint: joint && bundled,
+                threads: 1,
+            };
+            tasks.push((task, names.join(" + "), 0));
         }
-        done.push(Some(out));
+        // The four-chunk decode programs the compositions need and the build
+        // does not make itself.
+        let composed: Vec<&ChunkPlan> = units
+            .iter()
+            .zip(&work)
+            .filter(|(_, w)| matches!(w, Work::Composed))
+            .map(|(u, _)| u[0].1)
+            .collect();
+        let sources = composer.missing_sources(&composed);
+        let first_source = tasks.len();
+        for (_, source, path) in &sources {
+            let job = chunk_job(
+                self.plan,
+                source,
+                &checkpoint,
+                self.settings,
+                std::slice::from_ref(path),
+            );
+            let task = Task::Convert {
+                jobs: vec![job],
+                bundle: None,
+                joint: false,
+                threads: 1,
+            };
+            let label = format!("{} (a source of a composed package)", source.name);
+            tasks.push((task, label, 0));
+        }
+        Ok(Planned {
+            tasks,
+            work,
+            sources,
+            first_source,
+        })
     }
 
-    let mut compose_tasks = Vec::new();
-    for chunk in &composed {
-        let (task, label) = composer.compose_task(chunk, &staging.dir, &settings.conversion)?;
-        compose_tasks.push((task, label, cost(chunk)));
+    /// Runs the conversions on `pool`; each task's reply.
+    fn run_pool(&self, pool: &mut Pool, planned: &mut Planned) -> Result<Vec<Option<TaskReply>>> {
+        // A process converting alone gets every core for torch's arithmetic
+        // (loading, and the trace's one run of the module: at full width a
+        // 512-token prefill); processes side by side take one each.
+        let threads = pool.threads();
+        for (task, _, _) in &mut planned.tasks {
+            if let Task::Convert { threads: t, .. } = task {
+                *t = threads;
+            }
+        }
+        self.progress
+            .bar
+            .set_message(format!("converting on {}", pool.describe()));
+        pool.run(&planned.tasks, self.cache, self.progress, self.verbose)
     }
-    let mut composed_results = pool.run(&compose_tasks, &cache, &progress, verbose)?;
-    let processes = pool.processes();
-    let worker_peak = pool.finish()?;
-    let mut next_composed = 0;
-    let mut records: Vec<ChunkRecord> = Vec::new();
-    for (unit, d) in units.iter().zip(done) {
-        let out = match d {
-            Some(out) => out,
-            None => {
-                let (layout, chunk) = unit[0];
-                let reply = composed_results[next_composed]
-                    .take()
-                    .expect("every task ran");
-                next_composed += 1;
-                let value = reply
-                    .composed
-                    .ok_or_else(|| anyhow!("composing {}: no reply", chunk.name))?;
-                let (functions, seconds, stats, from) = composer.composed(chunk, value)?;
-                vec![Done {
-                    layout,
+
+    /// The converted units' record parts (None for a composed unit), in
+    /// unit order, and the composer's sources; the parts no longer needed go.
+    fn collect<'p>(
+        &self,
+        units: &[Vec<(LayoutKind, &'p ChunkPlan)>],
+        planned: &Planned,
+        mut results: Vec<Option<TaskReply>>,
+        composer: &mut Composer,
+    ) -> Result<Vec<Option<Vec<Done<'p>>>>> {
+        for (k, (i, source, _)) in planned.sources.iter().enumerate() {
+            let reply = results[planned.first_source + k]
+                .take()
+                .expect("every task ran");
+            let converted = reply
+                .converted
+                .into_iter()
+                .next()
+                .ok_or_else(|| anyhow!("building {}: no reply", source.name))?;
+            let converted = calls::converted_chunk(source, converted)
+                .map_err(|e| anyhow!("building {}: {e}", source.name))?;
+            composer.sourced(*i, converted);
+        }
+        let mut done: Vec<Option<Vec<Done>>> = Vec::new();
+        for (unit, w) in units.iter().zip(&planned.work) {
+            let Work::Converted { task, parts } = w else {
+                done.push(None);
+                continue;
+            };
+            let reply = results[*task].take().expect("every task ran");
+            let mut out = Vec::new();
+            for ((layout, chunk), converted) in unit.iter().zip(reply.converted) {
+                let converted = calls::converted_chunk(chunk, converted)
+                    .map_err(|e| anyhow!("building {}: {e}", chunk.name))?;
+                let (functions, mut seconds, mut stats) = function_records(chunk, converted);
+                if let Some(b) = &reply.bundle {
+                    stats.weight_bytes = b.weight_bytes;
+                    // The bundle's seconds are shared by its packages.
+                    seconds.insert(BUNDLE.to_string(), reply.bundle_seconds / unit.len() as f64);
+                }
+                out.push(Done {
+                    layout: *layout,
                     chunk,
                     functions,
                     seconds,
                     stats,
-                    from: Some(from),
-                }]
+                    from: None,
+                });
             }
-        };
-        for d in out {
-            records.push(record(
-                &staging.dir,
-                d.layout,
-                d.chunk,
-                d.functions,
-                d.seconds,
-                d.stats,
-                d.from,
-                &progress,
-            )?);
+            if reply.bundle.is_some() {
+                for (path, _) in parts {
+                    // A four-chunk decode program the composer reads stays until the build ends.
+                    if !composer.keeps(Path::new(path)) {
+                        std::fs::remove_dir_all(path)
+                            .with_context(|| format!("{path}: cannot remove"))?;
+                    }
+                }
+            }
+            done.push(Some(out));
         }
+        Ok(done)
     }
-    progress.bar.finish_and_clear();
 
-    let versions = calls::versions(verbose)?;
-    let config_sha = hashing::sha256_file(&hf_dir.join("config.json"))?;
-    // Absolute, so `build --check` finds the same checkpoint from any folder.
-    let recorded_dir = std::path::absolute(hf_dir)
-        .with_context(|| format!("{}: cannot make the path absolute", hf_dir.display()))?;
-    let mut phases = Seconds::new();
-    for r in &records {
-        for (k, v) in &r.seconds {
-            *phases.entry(k.clone()).or_default() += v;
+    /// Composes the composed units on `pool`; every package's record, in
+    /// plan order (each line printed as it is recorded).
+    fn compose(
+        &self,
+        units: &[Vec<(LayoutKind, &ChunkPlan)>],
+        done: Vec<Option<Vec<Done>>>,
+        composer: &mut Composer,
+        pool: &mut Pool,
+    ) -> Result<Vec<ChunkRecord>> {
+        let mut tasks = Vec::new();
+        for (unit, d) in units.iter().zip(&done) {
+            if d.is_none() {
+                let chunk = unit[0].1;
+                let (task, label) = composer.compose_task(chunk, &self.settings.conversion);
+                tasks.push((task, label, self.cost(chunk)));
+            }
         }
+        let mut results = pool.run(&tasks, self.cache, self.progress, self.verbose)?;
+        let mut next = 0;
+        let mut records: Vec<ChunkRecord> = Vec::new();
+        for (unit, d) in units.iter().zip(done) {
+            let out = match d {
+                Some(out) => out,
+                None => {
+                    let (layout, chunk) = unit[0];
+                    let reply = results[next].take().expect("every task ran");
+                    next += 1;
+                    let composed = reply
+                        .composed
+                        .ok_or_else(|| anyhow!("composing {}: no reply", chunk.name))?;
+                    let (functions, seconds, stats, from) = composer.composed(chunk, composed);
+                    vec![Done {
+                        layout,
+                        chunk,
+                        functions,
+                        seconds,
+                        stats,
+                        from: Some(from),
+                    }]
+                }
+            };
+            for d in out {
+                records.push(record(self.staging, d, self.progress)?);
+            }
+        }
+        Ok(records)
     }
-    if composer.sources_seconds > 0.0 {
-        phases.insert(SOURCES.to_string(), composer.sources_seconds);
-    }
-    let mut record = BuildRecord {
-        format: BUILD_FORMAT.into(),
-        tree_sha256: hashing::lines_digest(
-            records
-                .iter()
-                .map(|r| (r.package.as_str(), r.sha256_tree.clone())),
-        ),
-        tool: ToolVersions {
-            chunkforge: env!("CARGO_PKG_VERSION").into(),
-            python: versions,
-        },
-        checkpoint: CheckpointRecord {
-            dir: recorded_dir.to_string_lossy().into_owned(),
-            architecture: cfg.architecture.clone(),
-            multimodal: cfg.multimodal,
-            config_sha256: config_sha,
-            tensor_prefix: Some(ckpt.prefix.clone()),
-            skipped_tensors: Some(ckpt.skipped),
-        },
-        request,
-        settings: settings.conversion.clone(),
-        plan: plan.clone(),
+
+    /// build.json's record of `records`; the processes, their peak memory
+    /// and the audit are the caller's to fill in.
+    fn record(
+        &self,
+        hf_dir: &Path,
+        cfg: &TextConfig,
+        records: Vec<ChunkRecord>,
+        composer: &mut Composer,
+        started: Instant,
+    ) -> Result<BuildRecord> {
+        let versions = calls::versions(self.verbose)?;
+        let config_sha = hashing::sha256_file(&hf_dir.join("config.json"))?;
+        // Absolute, so `build --check` finds the same checkpoint from any folder.
+        let recorded_dir = std::path::absolute(hf_dir)
+            .with_context(|| format!("{}: cannot make the path absolute", hf_dir.display()))?;
+        let mut phases = Seconds::new();
+        for r in &records {
+            for (k, v) in &r.seconds {
+                *phases.entry(k.clone()).or_default() += v;
+            }
+        }
+        if composer.sources_seconds > 0.0 {
+            phases.insert(SOURCES.to_string(), composer.sources_seconds);
+        }
         // The composer's own sources palettize too.
-        palettize_cache: CacheTotals {
-            hits: records
-                .iter()
-                .filter_map(|r| r.palettize_cache_hits)
-                .sum::<u64>()
-                + composer.cache.hits,
-            misses: records
-                .iter()
-                .filter_map(|r| r.palettize_cache_misses)
-                .sum::<u64>()
-                + composer.cache.misses,
-        },
-        chunks: records,
-        sources: std::mem::take(&mut composer.sources),
-        seconds: BuildSeconds {
-            total: started.elapsed().as_secs_f64(),
-            phases,
-        },
-        peak_rss_bytes: progress::peak_rss_bytes() + worker_peak,
-        processes,
-        audit: None,
-    };
-    // The static ANE audit of the staged packages goes into build.json, so
-    // `package` can refuse findings without reading the programs again.
-    let packages = audit::build_packages(&staging.dir, &record, false);
-    let spinner = progress::spinner(format!("audit {} packages", packages.len()));
-    let report = audit::run(&packages, verbose);
-    spinner.finish_and_clear();
-    let audited = report.context("auditing the built packages")?.record();
-    eprintln!("{}", audit::summary_line(&audited, packages.len()));
-    record.audit = Some(audited);
-    // All packages, then build.json last, as one publish: a reader that sees
-    // the new build.json sees every package it lists, and a run killed
-    // before the end has them all put back by the next run.
-    let bytes = serde_json::to_vec_pretty(&record)?;
+        let cache_total =
+            |of: fn(&ChunkRecord) -> Option<u64>| -> u64 { records.iter().filter_map(of).sum() };
+        let palettize_cache = CacheTotals {
+            hits: cache_total(|r| r.palettize_cache_hits) + composer.cache.hits,
+            misses: cache_total(|r| r.palettize_cache_misses) + composer.cache.misses,
+        };
+        Ok(BuildRecord {
+            format: BUILD_FORMAT.into(),
+            tree_sha256: hashing::lines_digest(
+                records
+                    .iter()
+                    .map(|r| (r.package.as_str(), r.sha256_tree.clone())),
+            ),
+            tool: ToolVersions {
+                chunkforge: env!("CARGO_PKG_VERSION").into(),
+                python: versions,
+            },
+            checkpoint: CheckpointRecord {
+                dir: recorded_dir.to_string_lossy().into_owned(),
+                architecture: cfg.architecture.clone(),
+                multimodal: cfg.multimodal,
+                config_sha256: config_sha,
+                tensor_prefix: Some(self.ckpt.prefix.clone()),
+                skipped_tensors: Some(self.ckpt.skipped),
+            },
+            request: self.settings.layout.record(),
+            settings: self.settings.conversion.clone(),
+            plan: self.plan.clone(),
+            palettize_cache,
+            chunks: records,
+            sources: std::mem::take(&mut composer.sources),
+            seconds: BuildSeconds {
+                total: started.elapsed().as_secs_f64(),
+                phases,
+            },
+            peak_rss_bytes: 0,
+            processes: 1,
+            audit: None,
+        })
+    }
+
+    /// The static ANE audit of the staged packages, for build.json: `package`
+    /// can then refuse findings without reading the programs again.
+    fn audit(&self, record: &BuildRecord) -> Result<crate::records::AuditRecord> {
+        let packages = audit::build_packages(self.staging, record, false);
+        let spinner = progress::spinner(format!("audit {} packages", packages.len()));
+        let report = audit::run(&packages, self.verbose);
+        spinner.finish_and_clear();
+        let audited = report.context("auditing the built packages")?.record();
+        eprintln!("{}", audit::summary_line(&audited, packages.len()));
+        Ok(audited)
+    }
+}
+
+/// All packages, then build.json last, as one publish: a reader that sees
+/// the new build.json sees every package it lists, and a run killed before
+/// the end has them all put back by the next run.
+fn publish(staging: Staging, record: &BuildRecord) -> Result<()> {
+    let bytes = serde_json::to_vec_pretty(record)?;
     staging::write_atomic(&staging.dir.join("build.json"), &bytes)?;
     let mut names: Vec<&str> = record.chunks.iter().map(|r| r.package.as_str()).collect();
     names.push("build.json");
     staging.publish_names(&names)?;
-    staging.finish()?;
-    Ok(record)
+    staging.finish()
 }
 
-/// Writes a package's line and returns its record; `composed_from`: the
-/// four-chunk packages it was composed from (None: converted).
-#[allow(clippy::too_many_arguments)]
-fn record(
-    staging: &Path,
-    layout: LayoutKind,
-    chunk: &ChunkPlan,
-    functions: Vec<FunctionRecord>,
-    seconds: Seconds,
-    stats: ChunkStats,
-    composed_from: Option<Vec<String>>,
-    progress: &BuildProgress,
-) -> Result<ChunkRecord> {
+/// Writes a package's line and returns its record (`done.from`: the
+/// four-chunk packages it was composed from; None: converted).
+fn record(staging: &Path, done: Done, progress: &BuildProgress) -> Result<ChunkRecord> {
+    let Done {
+        layout,
+        chunk,
+        functions,
+        seconds,
+        stats,
+        from: composed_from,
+    } = done;
     let pkg = format!("{}.mlpackage", chunk.name);
     let digest = hashing::tree_digest(&staging.join(&pkg))?;
     let total: f64 = seconds.values().sum();
@@ -886,12 +962,7 @@ impl Composer {
     }
 
     /// The task composing `chunk` into staging, and what its errors say it was.
-    fn compose_task(
-        &self,
-        chunk: &ChunkPlan,
-        staging: &Path,
-        conversion: &ConversionSettings,
-    ) -> Result<(Task, String)> {
+    fn compose_task(&self, chunk: &ChunkPlan, conversion: &ConversionSettings) -> (Task, String) {
         let range = self.tiling(chunk).expect("composes() checked the tiling");
         let from = self.from(chunk).join(" + ");
         let sources = range
@@ -901,32 +972,30 @@ impl Composer {
                     .expect("missing_sources() gave every source a path")
                     .to_string_lossy()
                     .into_owned(),
-                chunk: &self.four[i],
+                chunk: self.four[i].clone(),
             })
             .collect();
-        let path = staging.join(format!("{}.mlpackage", chunk.name));
-        let job = serde_json::to_value(calls::ComposeJob {
-            target: chunk,
+        let path = self.staging.join(format!("{}.mlpackage", chunk.name));
+        let job = ComposeJob {
+            target: chunk.clone(),
             sources,
             path: path.to_string_lossy().into_owned(),
-            settings: conversion,
-        })?;
+            settings: conversion.clone(),
+        };
         let task = Task::Compose {
-            job,
+            job: Box::new(job),
             label: chunk.name.clone(),
             what: format!("compose {from} (MIL, no conversion)"),
         };
-        Ok((task, format!("{} from {from}", chunk.name)))
+        (task, format!("{} from {from}", chunk.name))
     }
 
     /// `chunk`'s record parts from its composition's reply.
     fn composed(
         &self,
         chunk: &ChunkPlan,
-        reply: Value,
-    ) -> Result<(Vec<FunctionRecord>, Seconds, ChunkStats, Vec<String>)> {
-        let composed: calls::Composed = serde_json::from_value(reply)
-            .map_err(|e| anyhow!("composing {}: bad reply: {e}", chunk.name))?;
+        composed: calls::Composed,
+    ) -> (Vec<FunctionRecord>, Seconds, ChunkStats, Vec<String>) {
         let f = &chunk.functions[0];
         let functions = vec![FunctionRecord {
             name: f.name.clone(),
@@ -937,27 +1006,12 @@ impl Composer {
             seconds: composed.seconds.clone(),
             passes: None,
         }];
-        Ok((
+        (
             functions,
             composed.seconds,
             composed.stats,
             self.from(chunk),
-        ))
-    }
-}
-
-/// Whether a unit's functions are converted together (`joint.convert_jobs`):
-/// `CHUNKFORGE_JOINT` `on` (the default) or `off` (one conversion per
-/// function, the reference: `bench build --joint-baseline`).
-pub const JOINT_ENV: &str = "CHUNKFORGE_JOINT";
-
-/// What `CHUNKFORGE_JOINT` asks for (unset or empty: on); any other value is
-/// an error, before anything is written.
-pub fn joint_conversions() -> Result<bool> {
-    match std::env::var(JOINT_ENV).as_deref() {
-        Err(_) | Ok("") | Ok("on") => Ok(true),
-        Ok("off") => Ok(false),
-        Ok(other) => bail!("{JOINT_ENV}={other:?}: expected on or off"),
+        )
     }
 }
 
@@ -1018,118 +1072,6 @@ impl Layout {
     }
 }
 
-/// What `build --check` replays of an earlier build: its checkpoint, layout
-/// request and quantization.
-#[derive(Debug)]
-pub struct Rebuild {
-    pub hf_dir: Option<PathBuf>,
-    pub layout: Layout,
-    pub quantize: bool,
-    pub palettizer: Palettizer,
-    pub pass_pipeline: PassPipeline,
-    pub compose: bool,
-    pub joint: bool,
-}
-
-/// The parts of build.json `--check` reads (older records have only these).
-#[derive(Deserialize)]
-struct Replayed {
-    request: BuildRequest,
-    settings: ReplayedSettings,
-    checkpoint: ReplayedCheckpoint,
-}
-
-#[derive(Deserialize)]
-struct ReplayedSettings {
-    quantize: bool,
-    #[serde(default)]
-    palettization: Option<ReplayedPalettization>,
-    /// Absent in records from before the field: coremltools' default ran.
-    #[serde(default = "crate::records::default_pass_pipeline")]
-    pass_pipeline: PassPipeline,
-    /// Absent in records from before the field: every layout was converted.
-    #[serde(default)]
-    compose: bool,
-    /// Absent in records from before the field: one conversion per function.
-    #[serde(default)]
-    joint: bool,
-}
-
-#[derive(Deserialize)]
-struct ReplayedPalettization {
-    palettizer: Option<Palettizer>,
-}
-
-#[derive(Deserialize)]
-struct ReplayedCheckpoint {
-    dir: PathBuf,
-}
-
-/// The request of the build whose record is `build_json` (`hf_override`:
-/// the checkpoint's folder now, instead of the recorded one).
-pub fn request_of(build_json: &Path, hf_override: &Option<PathBuf>) -> Result<Rebuild> {
-    let text = std::fs::read(build_json)
-        .with_context(|| format!("{}: cannot read", build_json.display()))?;
-    let v: Value = serde_json::from_slice(&text)
-        .with_context(|| format!("{}: not valid JSON", build_json.display()))?;
-    let r: Replayed = serde_json::from_value(v).map_err(|e| {
-        anyhow!(
-            "{}: {e}: missing or invalid (not a chunkforge build.json?)",
-            build_json.display()
-        )
-    })?;
-    let (Some(mode), Some(ctx)) = (r.request.mode, r.request.ctx) else {
-        bail!(
-            "{}: request.mode and request.ctx missing or invalid (not a chunkforge build.json?)",
-            build_json.display()
-        );
-    };
-    let ctx = usize::try_from(ctx)
-        .map_err(|_| format!("{ctx} is out of range"))
-        .and_then(crate::args::check_ctx)
-        .map_err(|e| anyhow!("{}: request.ctx {e}", build_json.display()))?;
-    let hf_dir = match hf_override {
-        Some(p) => Some(p.clone()),
-        None => {
-            let recorded = &r.checkpoint.dir;
-            // Builds record an absolute path; a relative one (hand-written, or
-            // from an older chunkforge) is taken relative to build.json, never
-            // to the folder `--check` happens to run in.
-            let base = build_json.parent().unwrap_or(Path::new(""));
-            let dir = base.join(recorded);
-            if !dir.is_dir() {
-                bail!(
-                    "{}: checkpoint.dir `{}` ({}) is not a folder; pass --hf-dir to say where the checkpoint is now",
-                    build_json.display(),
-                    recorded.display(),
-                    dir.display()
-                );
-            }
-            Some(dir)
-        }
-    };
-    let palettizer = r
-        .settings
-        .palettization
-        .and_then(|p| p.palettizer)
-        .unwrap_or(Palettizer::Chunkforge);
-    Ok(Rebuild {
-        hf_dir,
-        layout: Layout {
-            mode,
-            split: r.request.split,
-            ctx,
-            verify_k: r.request.verify_k,
-            prefill_len: r.request.prefill_len,
-        },
-        quantize: r.settings.quantize,
-        palettizer,
-        pass_pipeline: r.settings.pass_pipeline,
-        compose: r.settings.compose,
-        joint: r.settings.joint,
-    })
-}
-
 /// Compares the packages of `old` with a fresh build in `fresh_dir`, printing
 /// every package and, for a differing one, every differing file.
 pub fn compare(old: &Path, fresh_dir: &Path, fresh: &BuildRecord) -> Result<bool> {
@@ -1169,7 +1111,6 @@ pub fn compare(old: &Path, fresh_dir: &Path, fresh: &BuildRecord) -> Result<bool
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
 
     #[test]
     fn auto_jobs_runs_two_tiny_conversions_at_once_but_one_full_width() {
@@ -1205,52 +1146,5 @@ mod tests {
             .unwrap_err()
             .contains("auto or a number"));
         assert!("two".parse::<Jobs>().is_err());
-    }
-
-    #[test]
-    fn a_relative_checkpoint_dir_is_taken_relative_to_build_json() {
-        let root = std::env::temp_dir().join(format!("cf-request-of-{}", std::process::id()));
-        let out = root.join("out");
-        std::fs::create_dir_all(root.join("ck")).unwrap();
-        std::fs::create_dir_all(&out).unwrap();
-        let write_ctx = |dir: &str, ctx: u64| {
-            let v = json!({
-                "request": {"mode": "one", "split": null, "ctx": ctx},
-                "settings": {"quantize": false},
-                "checkpoint": {"dir": dir},
-            });
-            std::fs::write(out.join("build.json"), v.to_string()).unwrap();
-        };
-        let write = |dir: &str| write_ctx(dir, 64);
-        write("../ck");
-        let old = request_of(&out.join("build.json"), &None).unwrap();
-        assert_eq!(old.hf_dir.unwrap(), out.join("../ck"));
-        // A record from before joint conversions: each function was converted alone.
-        assert!(!old.joint);
-        let v = json!({
-            "request": {"mode": "all", "split": null, "ctx": 64},
-            "settings": {"quantize": true, "joint": true},
-            "checkpoint": {"dir": "../ck"},
-        });
-        std::fs::write(out.join("build.json"), v.to_string()).unwrap();
-        assert!(request_of(&out.join("build.json"), &None).unwrap().joint);
-        write("../gone");
-        let e = request_of(&out.join("build.json"), &None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("checkpoint.dir `../gone`") && e.contains("pass --hf-dir"),
-            "{e}"
-        );
-        // A context no build could have had (--ctx refuses it) is refused here too.
-        write_ctx("../ck", 1 << 40);
-        let e = request_of(&out.join("build.json"), &None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("request.ctx 1099511627776 is out of range"),
-            "{e}"
-        );
-        std::fs::remove_dir_all(&root).unwrap();
     }
 }

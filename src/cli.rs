@@ -10,7 +10,7 @@ use crate::args;
 use crate::fixture::{AttentionSharpness, Shape};
 use crate::layouts::{Choice, Mode, ReleaseLayout, RunLayout};
 use crate::names::Named;
-use crate::parity::CorruptFunction;
+use crate::parity;
 use crate::records::{Palettizer, PassPipeline};
 
 /// A value parser whose possible values (listed in `--help`, checked while
@@ -199,7 +199,7 @@ pub enum BenchCmd {
         model: ModelArgs,
         #[arg(long, default_value = "all", value_parser = choice::<Mode>())]
         mode: Mode,
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
         steps: usize,
     },
     /// Time `build` (wall time per phase, peak RSS) into a temporary folder.
@@ -281,10 +281,10 @@ pub struct ParityCmd {
     #[arg(long)]
     pub split: Option<String>,
     /// Decode steps (step t feeds prompt token t).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
     pub steps: usize,
     /// Minimum cosine of the final normed hidden state per step.
-    #[arg(long, default_value_t = 0.9999, value_parser = args::cosine)]
+    #[arg(long, default_value_t = parity::DEFAULT_TOL_COS, value_parser = args::cosine)]
     pub tol_cos: f64,
     /// Full-attention context length used for the caches, at most 131072
     /// [default: 512; with --artifacts, the build's (build.json)].
@@ -302,13 +302,13 @@ pub struct ParityCmd {
     #[arg(long)]
     pub artifacts: Option<PathBuf>,
     /// Minimum cosine per step for the INT4 artifacts.
-    #[arg(long, default_value_t = 0.85, value_parser = args::cosine)]
+    #[arg(long, default_value_t = parity::DEFAULT_TOL_COS_INT4, value_parser = args::cosine)]
     pub tol_cos_int4: f64,
     /// Minimum fraction of steps whose INT4 token equals the reference's.
-    #[arg(long, default_value_t = 0.75, value_parser = args::fraction)]
+    #[arg(long, default_value_t = parity::DEFAULT_MIN_TOP1_INT4, value_parser = args::fraction)]
     pub min_top1_int4: f64,
     /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
-    #[arg(long, default_value_t = 0.03, value_parser = args::non_negative)]
+    #[arg(long, default_value_t = parity::DEFAULT_MAX_WEIGHT_REL_MSE, value_parser = args::non_negative)]
     pub max_weight_rel_mse: f64,
     /// Write the JSON report (schema: parity/report.schema.json) here.
     #[arg(long)]
@@ -319,12 +319,9 @@ pub struct ParityCmd {
     /// Testing aid: skip the prefill KV copy (shows the seed's integration bug).
     #[arg(long, hide = true)]
     pub skip_prefill_copy: bool,
-    /// Testing aid: corrupt one weight of this layer in the compared layouts.
-    #[arg(long, hide = true)]
-    pub corrupt_layer: Option<usize>,
-    /// Testing aid: with --corrupt-layer, corrupt the verify or prefill modules instead.
-    #[arg(long, hide = true, value_parser = named::<CorruptFunction>(), requires = "corrupt_layer")]
-    pub corrupt_function: Option<CorruptFunction>,
+    #[cfg(feature = "test-hooks")]
+    #[command(flatten)]
+    pub sabotage: crate::test_hooks::SabotageArgs,
 }
 
 #[derive(Args, Clone)]
@@ -553,7 +550,7 @@ pub struct ReleaseCmd {
     #[arg(long)]
     pub no_quantize: bool,
     /// Parity decode steps.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
     pub steps: usize,
     /// Also compile each package to .mlmodelc (`xcrun coremlcompiler compile`; macOS only,
     /// reported as skipped elsewhere).
@@ -563,9 +560,9 @@ pub struct ReleaseCmd {
     /// with these settings (anything else there is an error).
     #[arg(long)]
     pub reuse_build: bool,
-    /// Testing aid: corrupt one weight of this layer in parity's compared layouts.
-    #[arg(long, hide = true)]
-    pub corrupt_layer: Option<usize>,
+    #[cfg(feature = "test-hooks")]
+    #[command(flatten)]
+    pub sabotage: crate::test_hooks::SabotageArgs,
 }
 
 /// `chunkforge run`.

@@ -25,3 +25,6 @@ pub mod parity;
 pub mod progress;
 pub mod py;
 pub mod run;
+pub mod settings;
+#[cfg(feature = "test-hooks")]
+pub mod test_hooks;

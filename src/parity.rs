@@ -3,10 +3,11 @@
 //! artifacts. The numbers and each check's verdict come from Python (torch,
 //! fp32 CPU) as a typed `ParityReport`; printing and the report file are here.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use indexmap::IndexMap;
+use schemars::JsonSchema;
 use serde::Serialize;
 
 use crate::checkpoint::Checkpoint;
@@ -14,48 +15,32 @@ use crate::config::TextConfig;
 use crate::hashing;
 use crate::layouts::{spec, Purpose, REFERENCE};
 use crate::manifest::Build;
-use crate::plan::{self, LayoutKind, Mode, Plan};
+use crate::plan::{self, LayoutKind, Plan};
 use crate::progress;
 use crate::py::calls::{self, CheckpointFiles};
 use crate::records::{ParityCheckpoint, ParityReport, ToolVersions, PARITY_FORMAT};
 use crate::staging;
 
-/// Options of one parity run.
-pub struct ParityOptions {
-    pub mode: Mode,
-    /// verify_qK and prefill functions to check (`--mode all` asks for both).
-    pub functions: plan::Functions,
-    pub split: Option<String>,
-    pub steps: usize,
-    pub tol_cos: f64,
-    pub ctx: usize,
-    pub prompt_ids: Option<Vec<i64>>,
-    pub prefill: usize,
-    pub skip_prefill_copy: bool,
-    pub artifacts: Option<PathBuf>,
-    pub tol_cos_int4: f64,
-    pub min_top1_int4: f64,
-    pub max_weight_rel_mse: f64,
-    pub report: Option<PathBuf>,
-    pub oracle: bool,
-    pub corrupt_layer: Option<usize>,
-    pub corrupt_function: Option<CorruptFunction>,
-    pub verbose: bool,
-}
+pub use crate::settings::ParitySettings;
+#[cfg(feature = "test-hooks")]
+pub use crate::test_hooks::Sabotage;
 
-chunkforge_model::named! {
-    /// `--corrupt-function` (testing aid): which modules `--corrupt-layer` corrupts.
-    pub enum CorruptFunction {
-        Verify = "verify",
-        Prefill = "prefill",
-    }
-}
+/// `--steps`.
+pub const DEFAULT_STEPS: usize = 16;
+/// `--tol-cos`: the minimum cosine of the final normed hidden state per step.
+pub const DEFAULT_TOL_COS: f64 = 0.9999;
+/// `--tol-cos-int4`.
+pub const DEFAULT_TOL_COS_INT4: f64 = 0.85;
+/// `--min-top1-int4`.
+pub const DEFAULT_MIN_TOP1_INT4: f64 = 0.75;
+/// `--max-weight-rel-mse`.
+pub const DEFAULT_MAX_WEIGHT_REL_MSE: f64 = 0.03;
 
 /// The default prompt shipped in `parity/default_prompt.json`.
 pub const DEFAULT_PROMPT: &str = include_str!("../parity/default_prompt.json");
 
 fn default_prompt() -> Result<Vec<i64>> {
-    #[derive(serde::Deserialize)]
+    #[derive(serde::Deserialize, JsonSchema)]
     struct Prompt {
         prompt_ids: Vec<i64>,
     }
@@ -75,8 +60,8 @@ pub fn parse_prompt(text: &str) -> Result<Vec<i64>> {
 }
 
 /// A layout as parity compares it: named by its kind.
-#[derive(Serialize)]
-struct ParityLayout<'a> {
+#[derive(Serialize, JsonSchema)]
+pub struct ParityLayout<'a> {
     name: LayoutKind,
     chunks: &'a [plan::ChunkPlan],
     kv_slot_map: &'a [plan::SlotCopy],
@@ -92,14 +77,14 @@ impl<'a> From<&'a plan::Layout> for ParityLayout<'a> {
     }
 }
 
-#[derive(Serialize)]
-struct DimsOnly<'a> {
+#[derive(Serialize, JsonSchema)]
+pub struct DimsOnly<'a> {
     dims: &'a plan::Dims,
 }
 
 /// What `parity.run` is asked to check (contract.py `ParityRequest`).
-#[derive(Serialize)]
-struct ParityRequest<'a> {
+#[derive(Serialize, JsonSchema)]
+pub struct ParityRequest<'a> {
     plan: DimsOnly<'a>,
     /// The layout every other one is compared against.
     reference: LayoutKind,
@@ -113,8 +98,10 @@ struct ParityRequest<'a> {
     prefill_layout: Option<ParityLayout<'a>>,
     skip_prefill_copy: bool,
     oracle: bool,
-    corrupt_layer: Option<usize>,
-    corrupt_function: Option<CorruptFunction>,
+    /// A weight broken on purpose (test builds only).
+    #[cfg(feature = "test-hooks")]
+    #[serde(flatten)]
+    sabotage: Option<Sabotage>,
     artifacts: Option<String>,
     /// `INT4` for a palettized build, `FP16` for a `--no-quantize` one.
     artifacts_precision: Option<&'static str>,
@@ -130,7 +117,8 @@ pub fn run(
     hf_dir: &Path,
     cfg: &TextConfig,
     ckpt: &Checkpoint,
-    opts: &ParityOptions,
+    opts: &ParitySettings,
+    verbose: bool,
 ) -> Result<ParityReport> {
     if opts.steps == 0 {
         bail!("--steps must be at least 1");
@@ -188,8 +176,8 @@ pub fn run(
         prefill_layout,
         skip_prefill_copy: opts.skip_prefill_copy,
         oracle: opts.oracle,
-        corrupt_layer: opts.corrupt_layer,
-        corrupt_function: opts.corrupt_function,
+        #[cfg(feature = "test-hooks")]
+        sabotage: opts.sabotage.clone(),
         artifacts: opts
             .artifacts
             .as_ref()
@@ -227,7 +215,7 @@ pub fn run(
             ""
         }
     ));
-    let result: Result<ParityReport> = calls::call("parity", "run", &req, opts.verbose);
+    let result = calls::call::<calls::Parity>(&req, verbose);
     sp.finish_and_clear();
     let mut report = result?;
     report.format = PARITY_FORMAT.into();
@@ -238,7 +226,7 @@ pub fn run(
     report.prompt_ids = prompt.iter().take(opts.steps).copied().collect();
     report.tool = ToolVersions {
         chunkforge: env!("CARGO_PKG_VERSION").into(),
-        python: calls::versions(opts.verbose)?,
+        python: calls::versions(verbose)?,
     };
     if let Some(path) = &opts.report {
         staging::write_atomic(path, &serde_json::to_vec_pretty(&report)?)

@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use anyhow::{bail, Result};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub use crate::folder::RunLayout;
@@ -32,8 +33,8 @@ pub enum Prompt {
 }
 
 /// Paths of the side files the emulation reads (contract.py `RunFiles`).
-#[derive(Serialize)]
-struct RunFiles {
+#[derive(Serialize, JsonSchema)]
+pub struct RunFiles {
     embed_tokens_q8: String,
     embed_tokens_scales: String,
     embed_tokens_per_layer_q8: String,
@@ -46,8 +47,8 @@ struct RunFiles {
 }
 
 /// contract.py `RunRequest`.
-#[derive(Serialize)]
-struct RunRequest<'a> {
+#[derive(Serialize, JsonSchema)]
+pub struct RunRequest<'a> {
     release: String,
     dims: plan::Dims,
     decode: &'a Layout,
@@ -65,7 +66,7 @@ struct RunRequest<'a> {
 }
 
 /// contract.py `Speculation`.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct Speculation {
     pub k: usize,
     pub calls: usize,
@@ -74,7 +75,7 @@ pub struct Speculation {
 }
 
 /// contract.py `RunResult`, plus what Rust adds.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct RunResult {
     pub layout: LayoutKind,
     pub chunks: Vec<String>,
@@ -192,7 +193,7 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
         eos_token_ids: &folder.eos_token_ids,
         fp16: o.fp16,
     };
-    let mut result: RunResult = calls::call("emulate", "run", &req, o.verbose)?;
+    let mut result: RunResult = calls::call::<calls::Emulate>(&req, o.verbose)?;
     result.picked_by = if o.speculate.is_some() && o.layout == RunLayout::Auto {
         format!("--speculate (verify_qK lives in {})", reference.range())
     } else {

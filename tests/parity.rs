@@ -410,8 +410,8 @@ fn every_function_passes_past_the_window_and_on_e4b() {
 }
 
 /// A copy of the shared `--mode all` build with one package's program edited
-/// by `chunkforge_py.mil_sabotage.<edit>(src, dst, *args)` (Python, in the
-/// pinned environment); every other package is copied as it is.
+/// by `mil_sabotage.<edit>(src, dst, *args)` (python/tests/mil_sabotage.py,
+/// test-only; in the pinned environment); every other package is copied as it is.
 fn sabotaged_build(label: &str, package: &str, edit: &str, args: &[&str]) -> PathBuf {
     let build = built_all();
     let dir = tempdir(&format!("sabotage-{label}"));
@@ -426,13 +426,11 @@ fn sabotaged_build(label: &str, package: &str, edit: &str, args: &[&str]) -> Pat
     }
     let src = build.join(format!("{package}.mlpackage"));
     let dst = dir.join(format!("{package}.mlpackage"));
-    let call =
-        format!("import sys; from chunkforge_py import mil_sabotage as s; s.{edit}(*sys.argv[1:])");
+    let call = format!("import sys; import mil_sabotage as s; s.{edit}(*sys.argv[1:])");
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let path = std::env::join_paths([python.clone(), python.join("tests")]).unwrap();
     let o = std::process::Command::new(venv_python())
-        .env(
-            "PYTHONPATH",
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
-        )
+        .env("PYTHONPATH", path)
         .args(["-c", &call, src.to_str().unwrap(), dst.to_str().unwrap()])
         .args(args)
         .output()

@@ -85,6 +85,7 @@ from .contract import (
     ComposeJob,
     ConversionSettings,
     FunctionPlan,
+    PackageWriter,
     TensorSpec,
 )
 from .inspect_pkg import PROJECTION_OPS
@@ -958,7 +959,7 @@ def compose(
     target: ChunkPlan,
     path: str,
     settings: ConversionSettings | None = None,
-    writer: str | None = None,
+    writer: PackageWriter | None = None,
 ) -> ComposeResult:
     """Write the package of ``target``'s default function composed from
     ``sources`` (in layer order: ``(package, plan)`` or ``(package, plan,
@@ -966,7 +967,7 @@ def compose(
     ``settings``: the build's (its deployment target must be the sources';
     default iOS18, CPU_AND_NE). ``writer``: ``chunkforge`` (`mil_write`) or
     ``coremltools`` (its MIL loader and ``ct.convert``, the reference);
-    default `runtime.package_writer`. Raises `ChunkforgeError` when the
+    default: ``settings``' (`runtime.package_writer`). Raises `ChunkforgeError` when the
     sources do not tile the target or a tensor cannot be wired."""
     import coremltools as ct
 
@@ -1005,7 +1006,7 @@ def compose(
             weights[WEIGHTS_PREFIX + link] = os.path.abspath(os.path.join(folder, base))
     seconds["wire"] = time.perf_counter() - started
     composed = Composed(model, tf, target["name"], weights, metadata, path, settings)
-    if (writer or package_writer()) == "coremltools":
+    if (writer or package_writer(settings)) == "coremltools":
         stats = write_with_coremltools(composed, seconds)
     else:
         stats = write(composed, seconds)

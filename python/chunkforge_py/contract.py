@@ -5,7 +5,10 @@ settings, parity and fixture requests) and every dict Python hands back (a
 package's stats, the parity report, a package description) is one of these
 TypedDicts. They describe plain JSON-like data and cost nothing at run time:
 the values are ordinary dicts. The Rust side of each is named in its docstring
-(serde field names are the keys).
+(serde field names are the keys). Every entry point Rust calls is declared in
+src/py/calls.rs with its Rust request and reply types; python/tests/test_seam.py
+holds these TypedDicts to those types' JSON schemas (python/tests/seam.json),
+so a field renamed on one side only fails a test.
 """
 
 from __future__ import annotations
@@ -229,9 +232,15 @@ class Palettization(TypedDict):
     granularity: str
     group_size: int
     palettizer: Literal["chunkforge", "coremltools"]
-    mode: str
+    # coremltools' palettization mode (`--palettizer coremltools`); Rust
+    # leaves an empty one out (records from before it were replayed with it).
+    mode: NotRequired[str]
     # coremltools' k-means worker processes (`--palettizer coremltools`).
     kmeans_workers: int
+
+
+# records.rs `PackageWriter`.
+PackageWriter = Literal["chunkforge", "coremltools"]
 
 
 class ConversionSettings(TypedDict):
@@ -253,6 +262,12 @@ class ConversionSettings(TypedDict):
     compose: bool
     # Convert a unit's functions together (joint.py); absent in older records.
     joint: NotRequired[bool]
+    # Who writes bundled and composed packages (runtime.package_writer);
+    # sent only when not "chunkforge".
+    writer: NotRequired[PackageWriter]
+    # Take the shortcuts through coremltools' own code (runtime.mil_shortcuts);
+    # sent only when off.
+    mil_shortcuts: NotRequired[bool]
 
 
 class ChunkJob(TypedDict):

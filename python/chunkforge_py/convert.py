@@ -34,6 +34,7 @@ from .contract import (
     Dims,
     FunctionPlan,
     MilStats,
+    PackageWriter,
     Palettization,
     PalettizeStats,
 )
@@ -43,7 +44,6 @@ from .palettize import WeightCache, conversion_pipeline, whole_weight_compressio
 from .runtime import (
     ChunkforgeError,
     mil_shortcuts,
-    package_writer,
     release_memory,
     temporaries_beside,
     torch_threads,
@@ -144,7 +144,7 @@ def convert(
     cut = settings["pass_pipeline"] == "chunkforge"
     if cut:
         passes.release_torch_weights(pipeline, traced)
-    shortcuts = cut and mil_shortcuts()
+    shortcuts = cut and mil_shortcuts(settings)
     with passes.shortcuts(shortcuts), whole_weight_compression(dispatcher if shortcuts else None):
         mlmodel = ct.convert(
             traced,
@@ -298,13 +298,13 @@ def save(mlmodel: Any, path: str) -> ChunkStats:
 
 
 def combine(
-    parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]], writer: str | None = None
+    parts: list[tuple[str, str]], targets: list[tuple[str, list[str]]], writer: PackageWriter = "chunkforge"
 ) -> BundleStats:
     """Bundle single-function packages ``(package path, function name)`` into the
     packages ``targets`` (``(path, [function, ...])``, each target's first
     function its default). ``writer``: ``chunkforge`` (`mil_write`, below) or
     ``coremltools`` (`combine_with_coremltools`, the reference it matches
-    byte for byte); default `runtime.package_writer`.
+    byte for byte; the build's `ConversionSettings` ``writer``).
 
     All parts go into one multifunction program first, at the protobuf level
     (`mil_write`): every part is a finished program, so its function is
@@ -321,7 +321,7 @@ def combine(
 
     from coremltools.proto import Model_pb2
 
-    if (writer or package_writer()) == "coremltools":
+    if writer == "coremltools":
         return combine_with_coremltools(parts, targets)
     whole = Model_pb2.Model()
     sources: dict[str, str] = {}

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from .contract import PlatformLimits
+from .contract import ConversionSettings, PackageWriter, PlatformLimits
 
 
 class ChunkforgeError(Exception):
@@ -119,37 +119,24 @@ def lean_coremltools_import() -> None:
         sys.meta_path.insert(0, _LeanCoremltools())
 
 
-WRITER_ENV = "CHUNKFORGE_WRITER"
-
-
-def package_writer() -> str:
+def package_writer(settings: ConversionSettings | None) -> PackageWriter:
     """Who writes bundled and composed packages: ``chunkforge`` (the default:
     `mil_write`, at the protobuf level) or ``coremltools`` (its MIL loader and
     serialiser: ``save_multifunction``, ``ct.convert`` of the loaded program),
     the reference the first must match byte for byte (`bench build
-    --writer-baseline`, python/tests/test_compose.py)."""
-    return env_choice(WRITER_ENV, ("chunkforge", "coremltools"))
+    --writer-baseline`, python/tests/test_compose.py). The build's settings
+    say (Rust reads ``CHUNKFORGE_WRITER``; the default is not recorded)."""
+    return settings.get("writer", "chunkforge") if settings else "chunkforge"
 
 
-def env_choice(name: str, choices: tuple[str, str]) -> str:
-    """The value of the environment switch `name`: one of `choices`, the
-    first when unset or empty; any other value is an error naming both."""
-    value = os.environ.get(name, "") or choices[0]
-    if value not in choices:
-        raise ChunkforgeError(f"{name}={value!r}: expected {' or '.join(choices)}")
-    return value
-
-
-SHORTCUTS_ENV = "CHUNKFORGE_MIL_SHORTCUTS"
-
-
-def mil_shortcuts() -> bool:
+def mil_shortcuts(settings: ConversionSettings) -> bool:
     """Whether a conversion with chunkforge's pass pipeline takes the
-    shortcuts through coremltools' own code (`passes.shortcuts`: ``on``, the
-    default) or runs coremltools' code for every step (``off``, the
-    reference the first must match byte for byte: `bench build
-    --shortcuts-baseline`, tests/build.rs)."""
-    return env_choice(SHORTCUTS_ENV, ("on", "off")) == "on"
+    shortcuts through coremltools' own code (`passes.shortcuts`: on, the
+    default) or runs coremltools' code for every step (off, the reference the
+    first must match byte for byte: `bench build --shortcuts-baseline`,
+    tests/build.rs). The build's settings say (Rust reads
+    ``CHUNKFORGE_MIL_SHORTCUTS``; the default is not recorded)."""
+    return settings.get("mil_shortcuts", True)
 
 
 def heap_kept() -> bool:

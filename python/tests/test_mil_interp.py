@@ -907,7 +907,7 @@ def test_sabotage_changes_what_the_package_computes_not_what_read_back_sees(
     """Each edit of chunk1's decode program changes the interpreter's outputs;
     the weights today's read-back parity loads by const name stay the same
     for all but the blob-offset swap."""
-    from chunkforge_py import mil_sabotage as sab
+    import mil_sabotage as sab
 
     chunk = layout(build, "four")["chunks"][0]
     function = next(f for f in chunk["functions"] if f["kind"] == "decode")

@@ -221,16 +221,13 @@ def test_a_first_group_matching_no_module_tensor_is_palettized_alone():
 
 
 @pytest.mark.parametrize("shortcuts", ["off", "on"])
-def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path, monkeypatch, shortcuts):
+def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path, shortcuts):
     # Group by group (shortcuts off), b's first group matches a: a's result
     # serves it, then b's own groups go alone. Whole weights at once (on,
     # `whole_weight_compression`): each weight is found by its memory, so no
     # group goes alone; the packages are the same.
     import torch
     from chunkforge_py import convert
-    from chunkforge_py.runtime import SHORTCUTS_ENV
-
-    monkeypatch.setenv(SHORTCUTS_ENV, shortcuts)
 
     a, b, c = weight(64, 48, seed=31), weight(96, 48, seed=32), weight(32, 48, seed=33)
     b[:32] = a[:32]  # b's first group matches a: a's result serves it, then b's own groups go alone
@@ -252,7 +249,9 @@ def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path,
         "outputs": [{"name": f"y{i}", "dtype": "fp16"} for i in range(3)],
     }
     cache = palettize.WeightCache()
-    ml = convert.convert(traced, cast(FunctionPlan, function), "t", shipped_settings(quantize=True), cache)
+    settings = shipped_settings(quantize=True)
+    settings["mil_shortcuts"] = shortcuts == "on"
+    ml = convert.convert(traced, cast(FunctionPlan, function), "t", settings, cache)
     stats = ml._chunkforge_palettize_stats
     # The indices each op holds: the kernel's (a copy of them with shortcuts off).
     made = [op.indices.val for op in ml._mil_program.functions["main"].find_ops(op_type="constexpr_lut_to_dense")]

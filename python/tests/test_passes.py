@@ -241,20 +241,6 @@ def test_a_conversion_with_shortcuts_is_the_conversion_without() -> None:
     assert convert(True) == convert(False)
 
 
-def test_the_environment_turns_the_shortcuts_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from chunkforge_py.runtime import SHORTCUTS_ENV, ChunkforgeError, mil_shortcuts
-
-    monkeypatch.delenv(SHORTCUTS_ENV, raising=False)
-    assert mil_shortcuts()
-    monkeypatch.setenv(SHORTCUTS_ENV, "off")
-    assert not mil_shortcuts()
-    monkeypatch.setenv(SHORTCUTS_ENV, "on")
-    assert mil_shortcuts()
-    monkeypatch.setenv(SHORTCUTS_ENV, "fast")
-    with pytest.raises(ChunkforgeError, match="CHUNKFORGE_MIL_SHORTCUTS='fast': expected on or off"):
-        mil_shortcuts()
-
-
 class _Counting(np.ndarray):
     """An array that counts its `flatten` calls and elementwise `!=`."""
 

@@ -64,21 +64,6 @@ def test_coremltools_imports_without_its_optional_converters_dependencies() -> N
     assert isinstance(lean["frozen"], int) and lean["frozen"] > 100_000
 
 
-def test_the_package_writer_switch(monkeypatch: Any) -> None:
-    import pytest
-    from chunkforge_py.runtime import WRITER_ENV, ChunkforgeError, package_writer
-
-    monkeypatch.delenv(WRITER_ENV, raising=False)
-    assert package_writer() == "chunkforge"
-    monkeypatch.setenv(WRITER_ENV, "")
-    assert package_writer() == "chunkforge"
-    monkeypatch.setenv(WRITER_ENV, "coremltools")
-    assert package_writer() == "coremltools"
-    monkeypatch.setenv(WRITER_ENV, "protobuf")
-    with pytest.raises(ChunkforgeError, match=f"{WRITER_ENV}='protobuf': expected chunkforge or coremltools"):
-        package_writer()
-
-
 def test_a_full_disk_under_the_temporaries_is_named(tmp_path: Path) -> None:
     """coremltools' C++ copy says "Input/output error" when the disk is full:
     temporaries_beside names the cause when a file already written there could

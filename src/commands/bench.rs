@@ -12,14 +12,18 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
-use super::build::{summary, BuildJob};
+use super::build::summary;
 use super::side_files::{rate, rope_positions, Outcome, MIB};
-use super::{resolve_checkpoint, ExitStatus, Layout};
+use super::{resolve_checkpoint, ExitStatus};
 use crate::checkpoint::{Checkpoint, TensorInfo};
-use crate::cli::{BenchBuildCmd, BenchCmd, BenchSideFilesCmd, ParityCmd};
+use crate::cli::{BenchBuildCmd, BenchCmd, BenchSideFilesCmd};
 use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
 use crate::records::{BuildRecord, FunctionRecord, PassStat, Seconds};
+use crate::settings::{
+    BuildCommand, BuildSettings, Env, ParityCommand, ParitySettings, JOINT_ENV, SHORTCUTS_ENV,
+    WRITER_ENV,
+};
 use crate::{bench_palettize, hashbench, heap, sidefiles};
 
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
@@ -28,13 +32,8 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
         BenchCmd::Parity { model, mode, steps } => {
             let started = std::time::Instant::now();
             // Every other option at `parity`'s own defaults.
-            let args = ParityCmd {
-                model,
-                mode,
-                steps,
-                ..super::parity::defaults()?
-            };
-            let ok = super::parity::check(args, verbose)?;
+            let settings = ParitySettings::resolve(ParityCommand::Bench { mode, steps }, None)?;
+            let ok = super::parity::check(model.hf_dir.as_deref(), &settings, verbose)?;
             println!(
                 "bench parity --mode {mode} --steps {steps}: wall {:.1}s (including interpreter start and imports), peak RSS {:.0} MiB, {}",
                 started.elapsed().as_secs_f64(),
@@ -68,20 +67,8 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
         return bench_build_joint_baseline();
     }
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
-    let result = BuildJob {
-        hf_dir: args.model.hf_dir.as_deref(),
-        layout: Layout::of(&args.layout),
-        quantize: true,
-        kmeans_workers: args.kmeans_workers,
-        palettizer: args.palettizer,
-        pass_pipeline: args.pass_pipeline,
-        compose: !args.no_compose,
-        joint: None,
-        profile: args.profile,
-        jobs: args.jobs,
-        lock: None,
-    }
-    .run(&tmp, verbose);
+    let settings = BuildSettings::resolve(BuildCommand::Bench(&args), &Env::process())?;
+    let result = super::build::build(&settings, &tmp, verbose);
     // The side files a release of this build carries, written where the
     // packages are (what `package` adds to the build).
     let side = result
@@ -324,11 +311,6 @@ fn bench_build_heap_baseline() -> Result<()> {
     Ok(())
 }
 
-/// Who writes bundled and composed packages (python/chunkforge_py/runtime.py
-/// `package_writer`): `chunkforge` (protobuf level, the default) or
-/// `coremltools` (its MIL loader and serialiser, the reference).
-const WRITER_ENV: &str = "CHUNKFORGE_WRITER";
-
 /// `bench build --writer-baseline`: the same build with bundles and
 /// compositions written by coremltools (save_multifunction, ct.convert of
 /// the loaded program) and by chunkforge's protobuf-level writer, side by
@@ -351,12 +333,6 @@ fn bench_build_writer_baseline() -> Result<()> {
     );
     Ok(())
 }
-
-/// Whether conversions take chunkforge's shortcuts through coremltools' own
-/// code (python/chunkforge_py/passes.py `shortcuts`; runtime.py
-/// `mil_shortcuts`): `on` (the default) or `off` (coremltools' code for
-/// every step, the reference).
-const SHORTCUTS_ENV: &str = "CHUNKFORGE_MIL_SHORTCUTS";
 
 /// `bench build --shortcuts-baseline`: the same build with coremltools' own
 /// code for every step of each conversion and with chunkforge's shortcuts
@@ -390,16 +366,8 @@ fn bench_build_joint_baseline() -> Result<()> {
     let runs = bench_children(
         "--joint-baseline",
         &[
-            (
-                "one conversion per function",
-                &[],
-                &[(crate::build::JOINT_ENV, "off")],
-            ),
-            (
-                "functions together (default)",
-                &[],
-                &[(crate::build::JOINT_ENV, "on")],
-            ),
+            ("one conversion per function", &[], &[(JOINT_ENV, "off")]),
+            ("functions together (default)", &[], &[(JOINT_ENV, "on")]),
         ],
     )?;
     print_children(&runs);

@@ -1,32 +1,21 @@
 //! `chunkforge parity`: merged layouts vs the four-chunk reference, the
 //! reference vs transformers; exit 1 when a check fails.
 
+use std::path::Path;
+
 use anyhow::Result;
-use clap::{Args, FromArgMatches};
 
 use super::{resolve_checkpoint, verdict, ExitStatus};
 use crate::checkpoint::Checkpoint;
 use crate::cli::ParityCmd;
 use crate::config::TextConfig;
-use crate::parity::{self, ParityOptions};
-use crate::plan::Functions;
+use crate::parity;
 use crate::py::env as pyenv;
-use crate::records::{ArtifactSummary, ParityReport, ParitySummary};
+use crate::records::{ArtifactSummary, BuildRecord, ParityReport, ParitySummary};
+use crate::settings::{ParityCommand, ParitySettings};
 
-/// `chunkforge parity`'s options at their defaults (`bench parity` runs
-/// with them, `release`'s gate uses its tolerances).
-pub(super) fn defaults() -> Result<ParityCmd> {
-    let matches =
-        ParityCmd::augment_args(clap::Command::new("parity")).try_get_matches_from(["parity"])?;
-    Ok(ParityCmd::from_arg_matches(&matches)?)
-}
-
-/// `parity --ctx` without artifacts: short caches keep the torch steps fast.
-pub(super) const DEFAULT_PARITY_CTX: usize = 512;
-
-/// The context length a build was made for (its packages' cache shapes), from
-/// its `build.json`.
-fn build_ctx(build_dir: &std::path::Path) -> Result<usize> {
+/// The build a `--artifacts` folder holds (its `build.json`).
+fn artifacts_build(build_dir: &Path) -> Result<BuildRecord> {
     let path = build_dir.join("build.json");
     let text = std::fs::read_to_string(&path).map_err(|e| {
         anyhow::anyhow!(
@@ -34,58 +23,40 @@ fn build_ctx(build_dir: &std::path::Path) -> Result<usize> {
             path.display()
         )
     })?;
-    let record: crate::records::BuildRecord = serde_json::from_str(&text)
-        .map_err(|e| anyhow::anyhow!("{}: not a build record: {e}", path.display()))?;
-    Ok(record.settings.ctx)
+    serde_json::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{}: not a build record: {e}", path.display()))
 }
 
-/// Runs parity as `args` asks; returns whether every check passed.
-pub(super) fn check(args: ParityCmd, verbose: bool) -> Result<bool> {
-    let dir = resolve_checkpoint(args.model.hf_dir.as_deref(), verbose)?;
+/// Runs parity on the checkpoint in `hf_dir` (None: the built-in one) as
+/// `settings` say, printing every check and the verdict; returns whether
+/// every check passed.
+pub(super) fn check(
+    hf_dir: Option<&Path>,
+    settings: &ParitySettings,
+    verbose: bool,
+) -> Result<bool> {
+    let dir = resolve_checkpoint(hf_dir, verbose)?;
     let cfg = TextConfig::load(&dir)?;
     let ckpt = Checkpoint::open(&dir, &cfg)?;
     pyenv::activate(verbose)?;
-    let functions = &args.functions;
-    let opts = ParityOptions {
-        mode: args.mode,
-        functions: Functions::resolve(
-            args.mode,
-            functions.verify_k,
-            functions.prefill_len.as_deref(),
-        ),
-        split: args.split,
-        steps: args.steps,
-        tol_cos: args.tol_cos,
-        ctx: match (args.ctx, &args.artifacts) {
-            (Some(ctx), _) => ctx,
-            (None, Some(build_dir)) => build_ctx(build_dir)?,
-            (None, None) => DEFAULT_PARITY_CTX,
-        },
-        prompt_ids: args
-            .prompt_ids
-            .as_deref()
-            .map(parity::parse_prompt)
-            .transpose()?,
-        prefill: args.prefill,
-        skip_prefill_copy: args.skip_prefill_copy,
-        artifacts: args.artifacts,
-        tol_cos_int4: args.tol_cos_int4,
-        min_top1_int4: args.min_top1_int4,
-        max_weight_rel_mse: args.max_weight_rel_mse,
-        report: args.report,
-        oracle: !args.no_oracle,
-        corrupt_layer: args.corrupt_layer,
-        corrupt_function: args.corrupt_function,
-        verbose,
-    };
-    let report = parity::run(&dir, &cfg, &ckpt, &opts)?;
+    let report = parity::run(&dir, &cfg, &ckpt, settings, verbose)?;
     print_checks(&report);
-    print_verdict(&report.summary, &opts);
+    print_verdict(&report.summary, settings);
     Ok(report.summary.ok)
 }
 
 pub fn run(args: ParityCmd, verbose: bool) -> Result<ExitStatus> {
-    Ok(verdict(check(args, verbose)?))
+    // The build's context length is the default with --artifacts.
+    let build = match (args.ctx, &args.artifacts) {
+        (None, Some(dir)) => Some(artifacts_build(dir)?),
+        _ => None,
+    };
+    let settings = ParitySettings::resolve(ParityCommand::Parity(&args), build.as_ref())?;
+    Ok(verdict(check(
+        args.model.hf_dir.as_deref(),
+        &settings,
+        verbose,
+    )?))
 }
 
 /// One line per step, oracle step and INT4 artifact check.
@@ -176,7 +147,7 @@ fn print_programs(summary: &ParitySummary) {
 }
 
 /// The verdict, and for a failure where it starts.
-pub(super) fn print_verdict(summary: &ParitySummary, opts: &ParityOptions) {
+pub(super) fn print_verdict(summary: &ParitySummary, opts: &ParitySettings) {
     let tol = opts.tol_cos;
     if summary.ok {
         println!("PARITY OK across {} steps (cos >= {tol}).", opts.steps);

@@ -1,9 +1,13 @@
-//! Typed calls into `chunkforge_py`: each request is a Rust type serialized
-//! to JSON, each reply is read back into a Rust type (the Python side's
-//! `contract.py` mirrors these).
+//! The seam: every entry point of `chunkforge_py` that Rust calls is declared
+//! once here (`entry_points!`), with the Rust types of its request and reply.
+//! A request is serialized to JSON and handed over as plain Python values;
+//! a reply is read back into its Rust type. `contract.py` mirrors these types
+//! as TypedDicts; python/tests/test_seam.py imports every declared entry point
+//! and holds contract.py to the types' JSON schemas (`python/tests/seam.json`,
+//! kept current by this module's tests), so a renamed function or field fails
+//! a test instead of a run.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, Result};
@@ -11,6 +15,7 @@ use indicatif::ProgressBar;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyTuple};
+use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -19,39 +24,216 @@ use super::error::PythonError;
 use crate::checkpoint::Checkpoint;
 use crate::plan::{ChunkPlan, Dims};
 use crate::progress::BuildProgress;
-use crate::records::{ChunkStats, ConversionSettings, PassStat, Seconds, Versions};
+use crate::records::{
+    ChunkStats, ConversionSettings, PackageWriter, ParityReport, PassStat, Seconds, Versions,
+};
 
-/// `chunkforge_py.<module>.<func>(request)` (no argument when `request` is
-/// `()`), its reply read as `T`.
-pub fn call<R: Serialize, T: DeserializeOwned>(
-    module: &str,
-    func: &str,
-    request: &R,
-    verbose: bool,
-) -> Result<T> {
-    let args = serde_json::to_value(request)?;
+/// How an entry point takes its request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Pass {
+    /// No argument (the request is `()`).
+    Nothing,
+    /// One positional argument: the request as a dict.
+    Dict,
+    /// The request's fields as keyword arguments.
+    Keywords,
+}
+
+/// One Python entry point: `chunkforge_py.<MODULE>.<FUNCTION>(request)`,
+/// answering a `Reply`. Declared with [`entry_points!`] only.
+pub trait EntryPoint {
+    const MODULE: &'static str;
+    const FUNCTION: &'static str;
+    const PASS: Pass;
+    /// Python objects the caller adds as keyword arguments besides the
+    /// request (the build's palettization cache, a progress callback).
+    const OBJECTS: &'static [&'static str];
+    type Request<'a>: Serialize + JsonSchema;
+    type Reply: DeserializeOwned + JsonSchema;
+}
+
+/// Declares each entry point: `Name = "module"."function"(Pass Request) -> Reply;`,
+/// optionally `, with [objects]` (keyword arguments that are Python objects).
+macro_rules! entry_points {
+    ($($(#[doc = $doc:literal])* $name:ident = $module:literal . $function:literal
+        ($pass:ident $req:ty) -> $rep:ty $(, with [$($object:literal),*])?;)+) => {
+        $(
+            $(#[doc = $doc])*
+            pub struct $name;
+
+            impl EntryPoint for $name {
+                const MODULE: &'static str = $module;
+                const FUNCTION: &'static str = $function;
+                const PASS: Pass = Pass::$pass;
+                const OBJECTS: &'static [&'static str] = &[$($($object),*)?];
+                type Request<'a> = $req;
+                type Reply = $rep;
+            }
+        )+
+
+        /// Every declared entry point, with its request's and reply's JSON schemas.
+        pub fn declared() -> Vec<Declared> {
+            vec![$(Declared::of::<$name>()),+]
+        }
+    };
+}
+
+entry_points! {
+    /// Quiets coremltools and torch unless `verbose` (`env::activate`).
+    Configure = "runtime"."configure"(Keywords ConfigureArgs) -> ();
+    /// Versions of the Python-side tools, by package, `python` first.
+    VersionsOf = "runtime"."versions"(Nothing ()) -> Versions;
+    /// What coremltools can and cannot do on this platform.
+    Platform = "runtime"."platform_limits"(Nothing ()) -> PlatformLimits;
+    /// A package as read from disk (`chunkforge inspect`).
+    Describe = "inspect_pkg"."describe"(Dict PathArg<'a>) -> PackageDescription;
+    /// One function of a package on the arrays of an .npz (`chunkforge exec`).
+    ExecFunction = "mil_interp"."exec_function"(Dict ExecRequest<'a>) -> ExecResult;
+    /// A random-weight checkpoint (`chunkforge fixture`).
+    WriteFixture = "fixture"."write_fixture_json"(Dict crate::fixture::FixtureRequest<'a>)
+        -> crate::fixture::FixtureInfo;
+    /// The tensors of a published-size checkpoint (`fixture --full-size`).
+    FullSizeLayoutOf = "fixture"."full_size_layout_json"(Dict crate::fixture::FullSizeRequest<'a>)
+        -> crate::fixture::FullSizeLayout;
+    /// The static ANE audit of packages (and the compute plan on macOS).
+    Audit = "audit"."audit"(Dict crate::audit::AuditArgs<'a>) -> crate::audit::AuditReport;
+    /// The op types per layer kind of packages (`audit --print-op-types`).
+    OpTypes = "audit"."op_types"(Dict crate::audit::AuditArgs<'a>) -> crate::audit::OpTypes;
+    /// The INT4 kernel against coremltools (`bench palettize`).
+    BenchPalettize = "bench_palettize"."run"(Dict crate::bench_palettize::BenchArgs)
+        -> crate::bench_palettize::BenchReport;
+    /// Text from a release folder alone (`chunkforge run`).
+    Emulate = "emulate"."run"(Dict crate::run::RunRequest<'a>) -> crate::run::RunResult;
+    /// The parity checks (`chunkforge parity`).
+    Parity = "parity"."run"(Dict crate::parity::ParityRequest<'a>) -> ParityReport;
+    /// The build's palettization cache (`WeightCache::new`).
+    NewWeightCache = "palettize"."WeightCache"(Keywords WeightCacheArgs) -> PyObjectReply;
+    /// A task's conversions, together with `joint` (`convert_jobs`).
+    ConvertJobs = "joint"."convert_jobs"(Keywords ConvertJobsArgs<'a>) -> Vec<ConvertedChunk>,
+        with ["cache", "progress"];
+    /// Single-function packages bundled into multifunction ones (`combine`).
+    Combine = "convert"."combine"(Keywords BundleArgs<'a>) -> Bundle;
+    /// A decode package composed from four-chunk programs (`compose`).
+    Compose = "compose"."compose_job"(Dict ComposeJob) -> Composed;
+}
+
+/// One declared entry point as the seam test reads it (`python/tests/seam.json`).
+#[derive(Serialize, JsonSchema)]
+pub struct Declared {
+    pub module: &'static str,
+    pub function: &'static str,
+    pub pass: Pass,
+    pub objects: &'static [&'static str],
+    /// What Rust sends (serialized).
+    pub request: schemars::Schema,
+    /// What Rust accepts back (deserialized).
+    pub reply: schemars::Schema,
+}
+
+impl Declared {
+    fn of<E: EntryPoint>() -> Declared {
+        use schemars::generate::SchemaSettings;
+        // The shapes only: doc comments are not the contract.
+        let settings = |s: SchemaSettings| s.with_transform(WithoutDocs);
+        Declared {
+            module: E::MODULE,
+            function: E::FUNCTION,
+            pass: E::PASS,
+            objects: E::OBJECTS,
+            request: settings(SchemaSettings::draft2020_12().for_serialize())
+                .into_generator()
+                .into_root_schema_for::<E::Request<'static>>(),
+            reply: settings(SchemaSettings::draft2020_12().for_deserialize())
+                .into_generator()
+                .into_root_schema_for::<E::Reply>(),
+        }
+    }
+}
+
+/// Drops every schema's `title` and `description`.
+#[derive(Clone)]
+struct WithoutDocs;
+
+impl schemars::transform::Transform for WithoutDocs {
+    fn transform(&mut self, schema: &mut schemars::Schema) {
+        if let Some(object) = schema.as_object_mut() {
+            object.remove("title");
+            object.remove("description");
+        }
+        schemars::transform::transform_subschemas(self, schema);
+    }
+}
+
+/// A Python object a call makes and Rust keeps (not JSON).
+pub struct PyObjectReply;
+
+impl JsonSchema for PyObjectReply {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "PyObject".into()
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({"description": "a Python object, kept by Rust"})
+    }
+}
+
+impl<'de> Deserialize<'de> for PyObjectReply {
+    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
+        Err(serde::de::Error::custom(
+            "a Python object is not read as JSON",
+        ))
+    }
+}
+
+/// `E(request)` in the embedded interpreter, its reply read as `E::Reply`.
+pub fn call<E: EntryPoint>(request: &E::Request<'_>, verbose: bool) -> Result<E::Reply> {
     let reply = Python::attach(|py| {
-        let m = py.import(format!("chunkforge_py.{module}"))?;
-        let result = if args.is_null() {
-            m.call_method0(func)?
-        } else {
-            m.call_method1(func, (to_py(py, &args)?,))?
-        };
+        let result = invoke::<E>(py, request, &[])?;
         dumps(&result)
     })
     .map_err(|e| PythonError {
         message: render_error(e, verbose),
     })?;
-    serde_json::from_str(&reply).map_err(|e| anyhow!("bad reply from {module}.{func}: {e}"))
+    serde_json::from_str(&reply)
+        .map_err(|e| anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION))
+}
+
+/// `E(request)` with `objects` (its `OBJECTS`, in order) as keyword
+/// arguments besides; the result as a Python object.
+fn invoke<'py, E: EntryPoint>(
+    py: Python<'py>,
+    request: &E::Request<'_>,
+    objects: &[Bound<'py, PyAny>],
+) -> PyResult<Bound<'py, PyAny>> {
+    let f = py
+        .import(format!("chunkforge_py.{}", E::MODULE))?
+        .getattr(E::FUNCTION)?;
+    match E::PASS {
+        Pass::Nothing => f.call0(),
+        Pass::Dict => f.call1((to_py(py, request)?,)),
+        Pass::Keywords => {
+            let kwargs = to_py(py, request)?.cast_into::<PyDict>()?;
+            for (name, object) in E::OBJECTS.iter().zip(objects) {
+                kwargs.set_item(name, object)?;
+            }
+            f.call((), Some(&kwargs))
+        }
+    }
+}
+
+/// `runtime.configure`'s request.
+#[derive(Serialize, JsonSchema)]
+pub struct ConfigureArgs {
+    pub verbose: bool,
 }
 
 /// Versions of the Python-side tools, by package, `python` first.
 pub fn versions(verbose: bool) -> Result<Versions> {
-    call("runtime", "versions", &(), verbose)
+    call::<VersionsOf>(&(), verbose)
 }
 
 /// What coremltools can and cannot do on this platform.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, JsonSchema)]
 pub struct PlatformLimits {
     pub system: String,
     pub machine: String,
@@ -61,11 +243,11 @@ pub struct PlatformLimits {
 }
 
 pub fn platform_limits(verbose: bool) -> Result<PlatformLimits> {
-    call("runtime", "platform_limits", &(), verbose)
+    call::<Platform>(&(), verbose)
 }
 
 /// One input or output of a package's function.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct Feature {
     pub name: String,
     pub shape: Vec<i64>,
@@ -73,7 +255,7 @@ pub struct Feature {
 }
 
 /// One function of a package.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct FunctionDescription {
     pub name: String,
     pub inputs: Vec<Feature>,
@@ -87,7 +269,7 @@ pub struct FunctionDescription {
 }
 
 /// One palettized weight.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct Lut {
     pub name: String,
     pub weight_shape: Vec<i64>,
@@ -96,7 +278,7 @@ pub struct Lut {
 }
 
 /// One projection op (1x1 `conv`, or `linear` in older builds) and where its weight comes from.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct ProjectionOp {
     pub op: String,
     pub weight: String,
@@ -104,7 +286,7 @@ pub struct ProjectionOp {
 }
 
 /// `inspect_pkg.describe`: a package as read from disk.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct PackageDescription {
     pub path: String,
     pub specification_version: u64,
@@ -125,19 +307,20 @@ pub struct PackageDescription {
     pub layers: Vec<u64>,
 }
 
-#[derive(Serialize)]
-struct PathArg<'a> {
+/// `inspect_pkg.describe`'s request.
+#[derive(Serialize, JsonSchema)]
+pub struct PathArg<'a> {
     path: &'a str,
 }
 
-pub fn describe(package: &Path, verbose: bool) -> Result<PackageDescription> {
+pub fn describe(package: &std::path::Path, verbose: bool) -> Result<PackageDescription> {
     let path = package.to_string_lossy();
-    call("inspect_pkg", "describe", &PathArg { path: &path }, verbose)
+    call::<Describe>(&PathArg { path: &path }, verbose)
 }
 
 /// `mil_interp.exec_function`'s request: one function of a package on the
 /// arrays of an .npz.
-#[derive(Serialize)]
+#[derive(Serialize, JsonSchema)]
 pub struct ExecRequest<'a> {
     pub package: &'a str,
     pub function: Option<&'a str>,
@@ -147,7 +330,7 @@ pub struct ExecRequest<'a> {
 }
 
 /// A tensor `exec` read or wrote.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct ExecTensor {
     pub name: String,
     pub shape: Vec<i64>,
@@ -155,7 +338,7 @@ pub struct ExecTensor {
 }
 
 /// `mil_interp.exec_function`'s reply.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
 pub struct ExecResult {
     pub package: String,
     pub function: String,
@@ -169,12 +352,12 @@ pub struct ExecResult {
 }
 
 pub fn exec_function(request: &ExecRequest, verbose: bool) -> Result<ExecResult> {
-    call("mil_interp", "exec_function", request, verbose)
+    call::<ExecFunction>(request, verbose)
 }
 
 /// The checkpoint as Python opens it: the tensor-name prefix and each
 /// (prefixed) tensor name's safetensors file.
-#[derive(Serialize)]
+#[derive(Clone, Serialize, Deserialize, JsonSchema)]
 pub struct CheckpointFiles {
     pub prefix: String,
     pub files: BTreeMap<String, String>,
@@ -195,12 +378,12 @@ impl CheckpointFiles {
 
 /// One package to convert: its plan (every function), the model's dims, the
 /// checkpoint, the settings, and where each function's package goes.
-#[derive(Serialize)]
-pub struct ChunkJob<'a> {
-    pub dims: &'a Dims,
-    pub chunk: &'a ChunkPlan,
-    pub checkpoint: &'a CheckpointFiles,
-    pub settings: &'a ConversionSettings,
+#[derive(Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ChunkJob {
+    pub dims: Dims,
+    pub chunk: ChunkPlan,
+    pub checkpoint: CheckpointFiles,
+    pub settings: ConversionSettings,
     /// In the chunk's function order.
     pub paths: Vec<String>,
     /// Time (and probe) every coremltools graph pass.
@@ -208,7 +391,7 @@ pub struct ChunkJob<'a> {
 }
 
 /// One converted function: its counts and seconds per phase.
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize, JsonSchema)]
 pub struct ConvertedFunction {
     pub name: String,
     pub stats: ChunkStats,
@@ -217,9 +400,16 @@ pub struct ConvertedFunction {
 }
 
 /// `convert.convert_chunk`'s reply.
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize, JsonSchema)]
 pub struct ConvertedChunk {
     pub functions: Vec<ConvertedFunction>,
+}
+
+/// `palettize.WeightCache`'s arguments.
+#[derive(Serialize, JsonSchema)]
+pub struct WeightCacheArgs {
+    /// Conversions that hold each weight (an entry is dropped after its last).
+    pub uses: usize,
 }
 
 /// The build's palettization cache, a `palettize.WeightCache`: made once per
@@ -231,10 +421,7 @@ impl WeightCache {
     /// `uses`: conversions that hold each weight (an entry is dropped after its last).
     pub fn new(uses: usize) -> PyResult<Self> {
         Python::attach(|py| {
-            let cache = py
-                .import("chunkforge_py.palettize")?
-                .getattr("WeightCache")?
-                .call1((uses,))?;
+            let cache = invoke::<NewWeightCache>(py, &WeightCacheArgs { uses }, &[])?;
             Ok(WeightCache(cache.unbind()))
         })
     }
@@ -254,10 +441,11 @@ fn dumps(obj: &Bound<'_, PyAny>) -> PyResult<String> {
         .extract()
 }
 
-/// A Python reply read as `T` (through JSON).
-fn from_py<T: DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
-    serde_json::from_str(&dumps(obj)?)
-        .map_err(|e| PyValueError::new_err(format!("bad reply from {what}: {e}")))
+/// `E(request)`'s reply read as `E::Reply` (through JSON).
+fn reply_of<E: EntryPoint>(obj: &Bound<'_, PyAny>) -> PyResult<E::Reply> {
+    serde_json::from_str(&dumps(obj)?).map_err(|e| {
+        PyValueError::new_err(format!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION))
+    })
 }
 
 /// A failed `convert_chunk`: the function it was converting (`chunk` or
@@ -270,45 +458,24 @@ pub struct ChunkError {
 /// Shows each phase of a conversion as it starts: `(function, phase)`.
 pub type OnPhase = Arc<dyn Fn(&str, &str) + Send + Sync>;
 
-/// `joint.convert_jobs(jobs, joint, threads, cache, progress)`: every job of
-/// a task, converted together with `joint` (the jobs are of the same layers),
-/// loading and tracing on `threads` torch threads; one `convert_chunk` reply
-/// per job, as JSON.
-pub fn convert_jobs_value(
-    jobs: &[serde_json::Value],
-    joint: bool,
-    threads: usize,
-    cache: &WeightCache,
-    on_phase: OnPhase,
-) -> Result<Vec<serde_json::Value>, ChunkError> {
-    let reply = call_with_progress("joint", "convert_jobs", on_phase, |py, report| {
-        (
-            to_py(py, &jobs)?,
-            joint,
-            threads,
-            cache.0.bind(py).clone(),
-            report,
-        )
-            .into_pyobject(py)
-    })?;
-    serde_json::from_value(reply).map_err(|e| ChunkError {
-        function: None,
-        error: PyValueError::new_err(format!("bad reply from joint.convert_jobs: {e}")),
-    })
+/// `joint.convert_jobs`'s request: every job of a task, converted together
+/// with `joint` (the jobs are of the same layers), loading and tracing on
+/// `threads` torch threads.
+#[derive(Serialize, JsonSchema)]
+pub struct ConvertJobsArgs<'a> {
+    pub jobs: &'a [ChunkJob],
+    pub joint: bool,
+    pub threads: usize,
 }
 
-/// `chunkforge_py.{module}.{method}(*args)`, the last argument a
-/// `progress(function, phase)` callback telling `on_phase` each phase as it
-/// starts; the reply as JSON, or the error with the function it was in.
-fn call_with_progress<F>(
-    module: &str,
-    method: &str,
+/// `joint.convert_jobs` with the build's `cache` and a `progress(function,
+/// phase)` callback telling `on_phase` each phase as it starts; one
+/// `convert_chunk` reply per job, or the error with the function it was in.
+pub fn convert_jobs(
+    args: &ConvertJobsArgs,
+    cache: &WeightCache,
     on_phase: OnPhase,
-    args: F,
-) -> Result<serde_json::Value, ChunkError>
-where
-    F: for<'py> FnOnce(Python<'py>, Bound<'py, PyCFunction>) -> PyResult<Bound<'py, PyTuple>>,
-{
+) -> Result<Vec<ConvertedChunk>, ChunkError> {
     let current: Arc<Mutex<Option<String>>> = Arc::default();
     let result = Python::attach(|py| {
         let slot = Arc::clone(&current);
@@ -324,23 +491,20 @@ where
                 Ok(())
             },
         )?;
-        let reply = py
-            .import(format!("chunkforge_py.{module}"))?
-            .call_method1(method, args(py, report)?)?;
-        from_py::<serde_json::Value>(&reply, &format!("{module}.{method}"))
+        let objects = [cache.0.bind(py).clone(), report.into_any()];
+        let reply = invoke::<ConvertJobs>(py, args, &objects)?;
+        reply_of::<ConvertJobs>(&reply)
     });
     let function = current.lock().unwrap_or_else(|e| e.into_inner()).take();
     result.map_err(|error| ChunkError { function, error })
 }
 
-/// A `convert_chunk` reply (one per job of `convert_jobs_value`) for `chunk` read back, checking that
-/// every function was converted, in order.
+/// A `convert_chunk` reply (one per job of `convert_jobs`) for `chunk`
+/// checked: every function was converted, in order.
 pub fn converted_chunk(
     chunk: &ChunkPlan,
-    reply: serde_json::Value,
+    converted: ConvertedChunk,
 ) -> std::result::Result<ConvertedChunk, String> {
-    let converted: ConvertedChunk = serde_json::from_value(reply)
-        .map_err(|e| format!("bad reply from the conversion of {}: {e}", chunk.name))?;
     let sent: Vec<&str> = chunk.functions.iter().map(|f| f.name.as_str()).collect();
     let got: Vec<&str> = converted
         .functions
@@ -384,54 +548,86 @@ impl Drop for PhaseGuard {
 }
 
 /// `convert.combine`'s reply: the bundle's weight blob size.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, JsonSchema)]
 pub struct Bundle {
     pub weight_bytes: u64,
 }
 
-/// `convert.combine(parts, targets)`: single-function packages bundled into
-/// multifunction ones sharing one weight blob.
-pub fn combine(parts: &[(String, String)], targets: &[(String, Vec<String>)]) -> PyResult<Bundle> {
-    Python::attach(|py| {
-        let reply = py
-            .import("chunkforge_py.convert")?
-            .call_method1("combine", (parts.to_vec(), targets.to_vec()))?;
-        from_py(&reply, "convert.combine")
-    })
+/// `convert.combine`'s request: single-function packages `(path, function)`
+/// bundled into multifunction ones `(path, [function, ...])` sharing one
+/// weight blob, written by `writer`.
+#[derive(Serialize, JsonSchema)]
+pub struct BundleArgs<'a> {
+    pub parts: &'a [(String, String)],
+    pub targets: &'a [(String, Vec<String>)],
+    pub writer: PackageWriter,
+}
+
+pub fn combine(args: &BundleArgs) -> PyResult<Bundle> {
+    Python::attach(|py| reply_of::<Combine>(&invoke::<Combine>(py, args, &[])?))
 }
 
 /// One source of a composed package: a single-function four-chunk decode
 /// package and its chunk plan (that one function).
-#[derive(Serialize)]
-pub struct ComposeSource<'a> {
+#[derive(Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ComposeSource {
     pub path: String,
-    pub chunk: &'a ChunkPlan,
+    pub chunk: ChunkPlan,
 }
 
 /// `compose.compose_job`'s job: the target chunk (one decode function) from
 /// its sources, in layer order, written to `path`.
-#[derive(Serialize)]
-pub struct ComposeJob<'a> {
-    pub target: &'a ChunkPlan,
-    pub sources: Vec<ComposeSource<'a>>,
+#[derive(Clone, Serialize, Deserialize, JsonSchema)]
+pub struct ComposeJob {
+    pub target: ChunkPlan,
+    pub sources: Vec<ComposeSource>,
     pub path: String,
     /// The build's: deployment target and compute units of the package.
-    pub settings: &'a ConversionSettings,
+    pub settings: ConversionSettings,
 }
 
 /// `compose.compose_job`'s reply.
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize, JsonSchema)]
 pub struct Composed {
     pub stats: ChunkStats,
     pub seconds: Seconds,
 }
 
-/// `compose.compose_job(job)` with `job` and the reply as JSON.
-pub fn compose_value(job: &serde_json::Value) -> PyResult<serde_json::Value> {
-    Python::attach(|py| {
-        let reply = py
-            .import("chunkforge_py.compose")?
-            .call_method1("compose_job", (to_py(py, job)?,))?;
-        from_py(&reply, "compose.compose_job")
-    })
+pub fn compose(job: &ComposeJob) -> PyResult<Composed> {
+    Python::attach(|py| reply_of::<Compose>(&invoke::<Compose>(py, job, &[])?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// python/tests/seam.json: every declared entry point with its
+    /// request's and reply's schemas, as test_seam.py reads them.
+    const SEAM_JSON: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/python/tests/seam.json");
+
+    #[test]
+    fn seam_json_is_current() {
+        let mut text = serde_json::to_string_pretty(&declared()).unwrap();
+        text.push('\n');
+        if std::env::var_os("CHUNKFORGE_BLESS").is_some() {
+            std::fs::write(SEAM_JSON, &text).unwrap();
+        }
+        let on_disk = std::fs::read_to_string(SEAM_JSON).unwrap_or_default();
+        assert!(
+            on_disk == text,
+            "{SEAM_JSON} is not what src/py/calls.rs declares: a request or reply type of an \
+             entry point changed. Regenerate it (CHUNKFORGE_BLESS=1 cargo test --release --lib \
+             seam_json), then make python/chunkforge_py/contract.py agree \
+             (python/tests/test_seam.py says where it does not)"
+        );
+    }
+
+    #[test]
+    fn every_entry_point_is_declared_once() {
+        let all = declared();
+        let mut names: Vec<(&str, &str)> = all.iter().map(|d| (d.module, d.function)).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+    }
 }

@@ -182,11 +182,10 @@ pub fn activate(verbose: bool) -> Result<()> {
             "CHUNKFORGE_VENV_PYTHON",
             python.to_string_lossy().to_string(),
         )?;
-        py.import("chunkforge_py.runtime")?
-            .call_method1("configure", (verbose,))?;
         Ok(())
     })
-    .map_err(|e| anyhow::anyhow!(render_error(e, verbose)))
+    .map_err(|e| anyhow::anyhow!(render_error(e, verbose)))?;
+    super::calls::call::<super::calls::Configure>(&super::calls::ConfigureArgs { verbose }, verbose)
 }
 
 /// Renders a Python exception for the user: the message, plus the traceback with `--verbose`.

@@ -20,11 +20,14 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
-use super::calls::{self, OnPhase, WeightCache};
+use super::calls::{
+    self, Bundle, BundleArgs, ChunkJob, ComposeJob, Composed, ConvertJobsArgs, ConvertedChunk,
+    OnPhase, WeightCache,
+};
 use super::env as pyenv;
 use crate::progress::{self, BuildProgress};
+use crate::records::PackageWriter;
 use crate::staging;
 
 /// A bundle of single-function parts into multifunction packages (`convert.combine`).
@@ -34,16 +37,17 @@ pub struct BundleRequest {
     pub label: String,
     pub parts: Vec<(String, String)>,
     pub targets: Vec<(String, Vec<String>)>,
+    pub writer: PackageWriter,
 }
 
-/// One task, as JSON the worker can run as well as the build.
+/// One task, which the worker runs as well as the build (sent as a JSON line).
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Task {
-    /// The jobs (`calls::ChunkJob` as JSON) converted, together with `joint`
-    /// (`joint.convert_jobs`), then the bundle.
+    /// The jobs converted, together with `joint` (`joint.convert_jobs`),
+    /// then the bundle.
     Convert {
-        jobs: Vec<Value>,
+        jobs: Vec<ChunkJob>,
         bundle: Option<BundleRequest>,
         #[serde(default)]
         joint: bool,
@@ -51,9 +55,9 @@ pub enum Task {
         #[serde(default = "one")]
         threads: usize,
     },
-    /// `compose.compose_job` (`calls::ComposeJob` as JSON), shown as `label: what`.
+    /// `compose.compose_job`, shown as `label: what`.
     Compose {
-        job: Value,
+        job: Box<ComposeJob>,
         label: String,
         what: String,
     },
@@ -64,11 +68,11 @@ pub enum Task {
 pub struct TaskReply {
     /// Each job's `convert_chunk` reply, in order.
     #[serde(default)]
-    pub converted: Vec<Value>,
-    pub bundle: Option<calls::Bundle>,
+    pub converted: Vec<ConvertedChunk>,
+    pub bundle: Option<Bundle>,
     #[serde(default)]
     pub bundle_seconds: f64,
-    pub composed: Option<Value>,
+    pub composed: Option<Composed>,
 }
 
 /// Where a task failed, and Python's error as the user reads it.
@@ -107,17 +111,26 @@ pub fn execute(
             joint,
             threads,
         } => {
+            let args = ConvertJobsArgs {
+                jobs,
+                joint: *joint,
+                threads: *threads,
+            };
             let converted =
-                calls::convert_jobs_value(jobs, *joint, *threads, cache, Arc::clone(on_phase))
-                    .map_err(|e| TaskError {
-                        stage: Stage::Convert(e.function),
-                        message: pyenv::render_error(e.error, verbose),
-                    })?;
+                calls::convert_jobs(&args, cache, Arc::clone(on_phase)).map_err(|e| TaskError {
+                    stage: Stage::Convert(e.function),
+                    message: pyenv::render_error(e.error, verbose),
+                })?;
             let (mut done, mut seconds) = (None, 0.0);
             if let Some(b) = bundle {
                 on_phase(&b.label, &format!("bundle {} functions", b.parts.len()));
                 let t = Instant::now();
-                done = Some(calls::combine(&b.parts, &b.targets).map_err(|e| TaskError {
+                let args = BundleArgs {
+                    parts: &b.parts,
+                    targets: &b.targets,
+                    writer: b.writer,
+                };
+                done = Some(calls::combine(&args).map_err(|e| TaskError {
                     stage: Stage::Bundle,
                     message: pyenv::render_error(e, verbose),
                 })?);
@@ -132,7 +145,7 @@ pub fn execute(
         }
         Task::Compose { job, label, what } => {
             on_phase(label, what);
-            let composed = calls::compose_value(job).map_err(|e| TaskError {
+            let composed = calls::compose(job).map_err(|e| TaskError {
                 stage: Stage::Compose,
                 message: pyenv::render_error(e, verbose),
             })?;

@@ -2,6 +2,7 @@
 //! contracts are decided. Torch modules, conversion, parity and manifests all
 //! read this plain data; none of them re-derives a boundary.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Attention, TextConfig};
@@ -147,7 +148,7 @@ pub struct Dims {
 }
 
 /// Where a layer's K/V come from.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum KvSource {
     /// Computes its own K/V into `slot` of the chunk's cache of its kind; a
@@ -158,7 +159,7 @@ pub enum KvSource {
     Shared { alias: Alias, producer: usize },
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct LayerPlan {
     pub index: usize,
     pub attention: Attention,
@@ -173,7 +174,7 @@ pub struct AliasUse {
     pub attention: Attention,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(try_from = "RecordedSpec")]
 pub struct TensorSpec {
     /// The runtime's name of the tensor.
@@ -227,7 +228,7 @@ impl TensorSpec {
 
 /// A [`TensorSpec`] as recorded: plans written before roles existed name
 /// their tensors only, and read back with the role the name has always meant.
-#[derive(Deserialize)]
+#[derive(Deserialize, JsonSchema)]
 struct RecordedSpec {
     name: String,
     shape: Vec<usize>,
@@ -322,7 +323,7 @@ pub enum FunctionKind {
 
 /// One function of a package: its name in the package, what it computes for
 /// how many tokens, and its input/output contract.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct FunctionPlan {
     /// `main` for single-function packages; `decode_q1`, `verify_qK` (K draft tokens),
     /// `prefill_b512` in multifunction ones.
@@ -349,7 +350,7 @@ pub const DEFAULT_VERIFY_K: usize = 3;
 /// Batched prefill tokens per call (the merged-runtime branch's N).
 pub const DEFAULT_PREFILL_LEN: usize = 512;
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct ChunkPlan {
     /// Package stem, e.g. `merged_chunk1` (written as `<name>.mlpackage`).
     pub name: String,
@@ -408,7 +409,7 @@ pub struct SlotCopy {
     pub to_slot: usize,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct Layout {
     pub kind: LayoutKind,
     pub chunks: Vec<ChunkPlan>,
@@ -416,7 +417,7 @@ pub struct Layout {
     pub kv_slot_map: Vec<SlotCopy>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct Plan {
     pub dims: Dims,
     pub layouts: Vec<Layout>,

@@ -40,6 +40,27 @@ crate::named! {
     }
 }
 
+crate::named! {
+    /// Who writes bundled and composed packages: `chunkforge` (protobuf
+    /// level, weights copied, not loaded; the default) or `coremltools` (its
+    /// MIL loader and serialiser: `save_multifunction`, `ct.convert` of the
+    /// loaded program), the reference the first matches byte for byte
+    /// (`CHUNKFORGE_WRITER`, `bench build --writer-baseline`).
+    pub enum PackageWriter {
+        Chunkforge = "chunkforge",
+        Coremltools = "coremltools",
+    }
+}
+
+crate::named! {
+    /// A two-way switch of the environment (`CHUNKFORGE_JOINT`,
+    /// `CHUNKFORGE_MIL_SHORTCUTS`): `on`, the default, or `off`.
+    pub enum Switch {
+        On = "on",
+        Off = "off",
+    }
+}
+
 pub fn default_pass_pipeline() -> PassPipeline {
     // build.json files written before the field existed ran coremltools' default.
     PassPipeline::Coremltools
@@ -69,16 +90,25 @@ fn one() -> usize {
 
 /// What `ct.convert` is called with, defined here once and handed to Python
 /// as it is (recorded in build.json and the manifest).
+///
+/// Every field but `quantize` reads with a default (the value builds had
+/// before it was recorded), so `build --check` replays a record of any age.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ConversionSettings {
+    /// Absent in hand-made records: `request.ctx` says it.
+    #[serde(default)]
     pub ctx: usize,
     /// `ct.target` member.
+    #[serde(default = "shipped_target")]
     pub minimum_deployment_target: String,
     /// `ct.precision` member.
+    #[serde(default = "shipped_precision")]
     pub compute_precision: String,
     /// `ct.ComputeUnit` member.
+    #[serde(default = "shipped_units")]
     pub compute_units: String,
     pub quantize: bool,
+    #[serde(default)]
     pub palettization: Option<Palettization>,
     #[serde(default = "default_pass_pipeline")]
     pub pass_pipeline: PassPipeline,
@@ -92,6 +122,44 @@ pub struct ConversionSettings {
     /// records: one conversion per function. The packages differ in op names.
     #[serde(default)]
     pub joint: bool,
+    /// Who writes bundled and composed packages (the packages are the same
+    /// bytes either way). Recorded only when not the default, so records
+    /// and manifests of default builds read as before the field.
+    #[serde(default = "default_writer", skip_serializing_if = "is_default_writer")]
+    pub writer: PackageWriter,
+    /// Conversions take chunkforge's shortcuts through coremltools' own code
+    /// (python/chunkforge_py/passes.py `shortcuts`; the same bytes either
+    /// way). Recorded only when off.
+    #[serde(default = "on", skip_serializing_if = "is_on")]
+    pub mil_shortcuts: bool,
+}
+
+fn default_writer() -> PackageWriter {
+    PackageWriter::Chunkforge
+}
+
+fn is_default_writer(w: &PackageWriter) -> bool {
+    *w == default_writer()
+}
+
+fn on() -> bool {
+    true
+}
+
+fn is_on(b: &bool) -> bool {
+    *b
+}
+
+fn shipped_target() -> String {
+    "iOS18".into()
+}
+
+fn shipped_precision() -> String {
+    "FLOAT16".into()
+}
+
+fn shipped_units() -> String {
+    "CPU_AND_NE".into()
 }
 
 impl ConversionSettings {
@@ -105,9 +173,9 @@ impl ConversionSettings {
     ) -> Self {
         ConversionSettings {
             ctx,
-            minimum_deployment_target: "iOS18".into(),
-            compute_precision: "FLOAT16".into(),
-            compute_units: "CPU_AND_NE".into(),
+            minimum_deployment_target: shipped_target(),
+            compute_precision: shipped_precision(),
+            compute_units: shipped_units(),
             quantize,
             palettization: quantize.then(|| Palettization {
                 nbits: NBITS,
@@ -123,6 +191,8 @@ impl ConversionSettings {
             pass_pipeline: PassPipeline::Chunkforge,
             compose: true,
             joint: true,
+            writer: default_writer(),
+            mil_shortcuts: true,
         }
     }
 
@@ -302,7 +372,7 @@ pub struct CacheTotals {
 }
 
 /// `build.json`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
 pub struct BuildRecord {
     pub format: String,
     #[serde(default)]

@@ -470,8 +470,32 @@ fn predicate_summary(
     }
 }
 
-pub fn package(a: &PackageRequest) -> Result<PackageReport> {
-    let build = Build::load(&a.build_dir)?;
+/// What the checks before any copy establish: the release's packages, its
+/// context length and RoPE rows, the audit findings it ships with, the
+/// signing key, the parity summary, its version and model id, the
+/// checkpoint, and where it goes.
+struct Checked<'b> {
+    chunks: Vec<ReleaseChunk<'b>>,
+    context_length: usize,
+    rope_positions: usize,
+    /// The audit's errors and warnings in the shipped packages, by rule.
+    audit_errors: RuleCounts,
+    audit_warnings: RuleCounts,
+    key: p256::ecdsa::SigningKey,
+    parity: Option<manifest::EmbeddedParity>,
+    version: String,
+    model_id: String,
+    hf_dir: PathBuf,
+    cfg: TextConfig,
+    ckpt: Checkpoint,
+    hf_sources: Sources,
+    /// The folder `--output` goes into, and its name there.
+    parent: PathBuf,
+    name: String,
+}
+
+/// Every cheap check of `a` against `build`, before gigabytes are copied.
+fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
     let chunks = build.release_chunks(a.layout)?;
     // Fail on every cheap check before copying gigabytes.
     for c in &chunks {
@@ -500,7 +524,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     }
     let context_length = build.record.settings.ctx;
     check_context_length(&chunks, context_length)?;
-    let (audit_errors, audit_warnings) = check_audit(&build, &chunks, a)?;
+    let (audit_errors, audit_warnings) = check_audit(build, &chunks, a)?;
     let rope_positions = a.rope_positions.unwrap_or(context_length);
     if rope_positions < context_length {
         return Err(ReleaseInputError::Option {
@@ -513,7 +537,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     let parity = a
         .parity_report
         .as_deref()
-        .map(|p| manifest::parity_summary(p, &build, a.allow_failed_parity))
+        .map(|p| manifest::parity_summary(p, build, a.allow_failed_parity))
         .transpose()?;
     if let (Some(p), Some(s)) = (&a.parity_report, &parity) {
         if !s.ok() {
@@ -561,7 +585,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
             })?
         }
     };
-    let (hf_dir, cfg, ckpt) = build_checkpoint(&build, a.hf_dir.as_deref())?;
+    let (hf_dir, cfg, ckpt) = build_checkpoint(build, a.hf_dir.as_deref())?;
     let hf_sources = hf_model_sources(&hf_dir, a.no_tokenizer)?;
     check_output(&a.output)?;
     let (parent, name) = split_output(&a.output)?;
@@ -580,16 +604,40 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         check_zip(z, &a.output, &a.build_dir)?;
     }
 
-    let _lock = OutputLock::take(&a.output, a.on_locked)?;
-    let staging = Staging::new(&parent)?;
-    let root = staging.dir.join(&name);
-    fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
+    Ok(Checked {
+        chunks,
+        context_length,
+        rope_positions,
+        audit_errors,
+        audit_warnings,
+        key,
+        parity,
+        version,
+        model_id,
+        hf_dir,
+        cfg,
+        ckpt,
+        hf_sources,
+        parent,
+        name,
+    })
+}
 
-    let mut sources = hf_sources.clone();
+/// Copies the packages (hashing them in the same read) and `hf_model/` into
+/// `root`, writes the side files there, and checks each package against
+/// build.json; every file of the release so far with its digest, and the
+/// side files' report.
+fn stage_files(
+    a: &PackageRequest,
+    build: &Build,
+    c: &Checked,
+    root: &Path,
+) -> Result<(Vec<(String, FileDigest)>, SideFilesReport)> {
+    let mut sources = c.hf_sources.clone();
     let mut dirs = vec![HF_MODEL_DIR.to_string()];
     let mut pkgs = Vec::new();
-    for c in &chunks {
-        let n = c.name();
+    for chunk in &c.chunks {
+        let n = chunk.name();
         let pkg = format!("{n}.mlpackage");
         let (f, d) = package_files(&a.build_dir.join(&pkg), &pkg)?;
         dirs.push(pkg.clone());
@@ -611,15 +659,15 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
             a.build_dir.display()
         );
     }
-    let mut files = copy_tree(&root, &sources, &dirs)?;
+    let mut files = copy_tree(root, &sources, &dirs)?;
     let side_files = sidefiles::write_side_files(&SideFilesRequest {
-        hf_dir: &hf_dir,
-        cfg: &cfg,
-        checkpoint: &ckpt,
-        context_length,
-        rope_positions,
-        model_name: &model_id,
-        dest: &root,
+        hf_dir: &c.hf_dir,
+        cfg: &c.cfg,
+        checkpoint: &c.ckpt,
+        context_length: c.context_length,
+        rope_positions: c.rope_positions,
+        model_name: &c.model_id,
+        dest: root,
     })?;
     let side_digests: Vec<(String, FileDigest)> = side_files
         .files
@@ -641,6 +689,29 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
             );
         }
     }
+    Ok((files, side_files))
+}
+
+pub fn package(a: &PackageRequest) -> Result<PackageReport> {
+    let build = Build::load(&a.build_dir)?;
+    let c = check(a, &build)?;
+    let _lock = OutputLock::take(&a.output, a.on_locked)?;
+    let staging = Staging::new(&c.parent)?;
+    let root = staging.dir.join(&c.name);
+    fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
+    let (mut files, side_files) = stage_files(a, &build, &c, &root)?;
+    let Checked {
+        chunks,
+        audit_errors,
+        audit_warnings,
+        key,
+        parity,
+        version,
+        model_id,
+        hf_sources,
+        name,
+        ..
+    } = c;
 
     let inputs = ManifestInputs {
         build: &build,

@@ -14,8 +14,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
 use sha2::Digest;
@@ -35,49 +34,76 @@ fn durable() -> bool {
     DURABLE.load(Ordering::Relaxed)
 }
 
-/// Test hooks, read once from the environment; unset, they do nothing.
-/// `CHUNKFORGE_TEST_KILL_AT_STEP=N` makes the process SIGKILL itself right
-/// before the Nth step of its publishes (each rename or exchange, and the
-/// journal removal that commits), so the tests can cut a publish at every
-/// point. `CHUNKFORGE_TEST_FAIL_AT_STEP=N` makes that step fail with an I/O
-/// error instead. `CHUNKFORGE_TEST_NO_EXCHANGE=1` takes the three-rename path
-/// used on file systems without an atomic exchange.
-struct Hooks {
-    kill_at: Option<usize>,
-    fail_at: Option<usize>,
-    no_exchange: bool,
+/// Test hooks (built with the `test-hooks` feature only, which the tests'
+/// binary has and a release build has not), read once from the environment;
+/// unset, they do nothing. `CHUNKFORGE_TEST_KILL_AT_STEP=N` makes the process
+/// SIGKILL itself right before the Nth step of its publishes (each rename or
+/// exchange, and the journal removal that commits), so the tests can cut a
+/// publish at every point. `CHUNKFORGE_TEST_FAIL_AT_STEP=N` makes that step
+/// fail with an I/O error instead. `CHUNKFORGE_TEST_NO_EXCHANGE=1` takes the
+/// three-rename path used on file systems without an atomic exchange.
+#[cfg(feature = "test-hooks")]
+mod hooks {
+    use std::io;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::OnceLock;
+
+    struct Hooks {
+        kill_at: Option<usize>,
+        fail_at: Option<usize>,
+        no_exchange: bool,
+    }
+
+    fn hooks() -> &'static Hooks {
+        static HOOKS: OnceLock<Hooks> = OnceLock::new();
+        HOOKS.get_or_init(|| Hooks {
+            kill_at: step_var("CHUNKFORGE_TEST_KILL_AT_STEP"),
+            fail_at: step_var("CHUNKFORGE_TEST_FAIL_AT_STEP"),
+            no_exchange: std::env::var_os("CHUNKFORGE_TEST_NO_EXCHANGE").is_some(),
+        })
+    }
+
+    fn step_var(name: &str) -> Option<usize> {
+        std::env::var(name).ok().and_then(|v| v.parse().ok())
+    }
+
+    /// Marks the next step of a publish.
+    pub fn step() -> io::Result<()> {
+        static STEPS: AtomicUsize = AtomicUsize::new(0);
+        let h = hooks();
+        if h.kill_at.is_none() && h.fail_at.is_none() {
+            return Ok(());
+        }
+        let n = Some(STEPS.fetch_add(1, Ordering::SeqCst) + 1);
+        if n == h.kill_at {
+            // SAFETY: kill only sends a signal, here to this process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        if n == h.fail_at {
+            return Err(io::Error::other("CHUNKFORGE_TEST_FAIL_AT_STEP"));
+        }
+        Ok(())
+    }
+
+    /// Whether to take the three-rename path instead of an atomic exchange.
+    pub fn no_exchange() -> bool {
+        hooks().no_exchange
+    }
 }
 
-fn hooks() -> &'static Hooks {
-    static HOOKS: OnceLock<Hooks> = OnceLock::new();
-    HOOKS.get_or_init(|| Hooks {
-        kill_at: step_var("CHUNKFORGE_TEST_KILL_AT_STEP"),
-        fail_at: step_var("CHUNKFORGE_TEST_FAIL_AT_STEP"),
-        no_exchange: std::env::var_os("CHUNKFORGE_TEST_NO_EXCHANGE").is_some(),
-    })
+/// Without the `test-hooks` feature: no hooks.
+#[cfg(not(feature = "test-hooks"))]
+mod hooks {
+    pub fn step() -> std::io::Result<()> {
+        Ok(())
+    }
+
+    pub fn no_exchange() -> bool {
+        false
+    }
 }
 
-fn step_var(name: &str) -> Option<usize> {
-    std::env::var(name).ok().and_then(|v| v.parse().ok())
-}
-
-/// Marks the next step of a publish (see [`Hooks`]).
-fn step() -> io::Result<()> {
-    static STEPS: AtomicUsize = AtomicUsize::new(0);
-    let h = hooks();
-    if h.kill_at.is_none() && h.fail_at.is_none() {
-        return Ok(());
-    }
-    let n = Some(STEPS.fetch_add(1, Ordering::SeqCst) + 1);
-    if n == h.kill_at {
-        // SAFETY: kill only sends a signal, here to this process.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    }
-    if n == h.fail_at {
-        return Err(io::Error::other("CHUNKFORGE_TEST_FAIL_AT_STEP"));
-    }
-    Ok(())
-}
+use hooks::step;
 
 fn c_path(p: &Path) -> io::Result<CString> {
     CString::new(p.as_os_str().as_bytes())
@@ -87,7 +113,7 @@ fn c_path(p: &Path) -> io::Result<CString> {
 /// Swaps two existing names in one step. `Ok(false)`: the OS or the file
 /// system has no such operation (nothing was changed).
 fn exchange(a: &Path, b: &Path) -> io::Result<bool> {
-    if hooks().no_exchange {
+    if hooks::no_exchange() {
         return Ok(false);
     }
     let (ca, cb) = (c_path(a)?, c_path(b)?);

@@ -650,11 +650,11 @@ mod tests {
     fn a_missing_field_is_named() {
         let mut m: serde_json::Value =
             serde_json::from_slice(&std::fs::read(EXAMPLE).unwrap()).unwrap();
-        m["settings"].as_object_mut().unwrap().remove("ctx");
+        m["settings"].as_object_mut().unwrap().remove("quantize");
         let path = std::env::temp_dir().join(format!("cf-runbook-{}.json", std::process::id()));
         std::fs::write(&path, m.to_string()).unwrap();
         let e = Manifest::load(&path).unwrap_err();
         std::fs::remove_file(&path).unwrap();
-        assert!(e.contains("missing field `ctx`"), "{e}");
+        assert!(e.contains("missing field `quantize`"), "{e}");
     }
 }

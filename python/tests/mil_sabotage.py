@@ -1,7 +1,8 @@
-"""Break a package's program on purpose (tests): each helper copies a package
-to a new folder and edits one function's protobuf in the copy, never the
-original, to prove that interpreter parity sees what weight read-back parity
-cannot.
+"""Break a package's program on purpose (tests only: not part of the
+`chunkforge_py` package; tests/parity.rs puts this folder on PYTHONPATH):
+each helper copies a package to a new folder and edits one function's
+protobuf in the copy, never the original, to prove that interpreter parity
+sees what weight read-back parity cannot.
 
 Weight read-back (``emulate.Package.weights``, ``parity.artifact_weights``)
 finds each weight by its const's NAME and runs it through the torch module the
@@ -27,9 +28,8 @@ import shutil
 from typing import Any
 
 import numpy as np
-
-from .mil_program import MLPackage, tensor_type
-from .runtime import ChunkforgeError
+from chunkforge_py.mil_program import MLPackage, tensor_type
+from chunkforge_py.runtime import ChunkforgeError
 
 
 def copy_package(src: str, dst: str) -> MLPackage:
