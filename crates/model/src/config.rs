@@ -244,10 +244,17 @@ impl TextConfig {
             action: "read the model config",
             source: e,
         })?;
-        let root: Value = serde_json::from_slice(&bytes).map_err(|e| InputError::Config {
-            path: path.clone(),
-            message: format!("not valid JSON: {e}"),
-        })?;
+        // A key given twice would let chunkforge and transformers (or two
+        // versions of either) read different models from one file.
+        let root: Value =
+            crate::strict_json::from_slice(&bytes).map_err(|e| InputError::Config {
+                path: path.clone(),
+                message: match e.classify() {
+                    // The duplicate key, named with where it is.
+                    serde_json::error::Category::Data => e.to_string(),
+                    _ => format!("not valid JSON: {e}"),
+                },
+            })?;
         Self::from_json(&root, &path)
     }
 
@@ -423,26 +430,15 @@ impl TextConfig {
             path: self.path.clone(),
             message,
         };
-        for (name, v) in [
-            ("hidden_size", self.hidden_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-            ("head_dim", self.head_dim),
-            ("sliding_window", self.sliding_window),
-            (
-                "hidden_size_per_layer_input",
-                self.hidden_size_per_layer_input,
-            ),
-            ("vocab_size", self.vocab_size),
-            (
-                "vocab_size_per_layer_input",
-                self.vocab_size_per_layer_input,
-            ),
-            ("intermediate_size", self.intermediate_size),
-            ("global_head_dim", self.global_head_dim),
-        ] {
+        for (name, v, max, published) in self.sizes() {
             if v == 0 {
                 return Err(bad(format!("{name} is 0")));
+            }
+            if v > max {
+                return Err(bad(format!(
+                    "{name}={v} is out of range: chunkforge accepts 1..={max} ({published}); \
+                     a larger value is a typo or not a Gemma 4 model"
+                )));
             }
         }
         // RoPE rotates the two halves of each head against each other.
@@ -491,6 +487,78 @@ impl TextConfig {
             }
         }
         Ok(())
+    }
+
+    /// Every size that becomes a tensor dimension, with its upper bound and
+    /// why: `(field, value, max, reason)`, checked before anything is
+    /// planned, allocated or created. Each bound is a generous multiple of
+    /// the largest value a published Gemma 4 uses (transformers 5.5's
+    /// `convert_gemma4_weights.py`: E2B, E4B, 26B-A4B, 31B), so real
+    /// checkpoints and their fine-tunes fit while a typo or a hostile file is
+    /// refused by `plan` and `build` alike instead of by an allocator (a
+    /// `sliding_window` of 10^12 asked torch for 4 TB). How large the tensors
+    /// they multiply into may grow is the plan's check
+    /// ([`crate::plan::MAX_TENSOR_BYTES`]).
+    pub fn sizes(&self) -> [(&'static str, usize, usize, &'static str); 11] {
+        [
+            (
+                "num_hidden_layers",
+                self.num_hidden_layers,
+                512,
+                "Gemma 4 31B has 60",
+            ),
+            (
+                "hidden_size",
+                self.hidden_size,
+                65_536,
+                "Gemma 4 31B has 5376",
+            ),
+            (
+                "intermediate_size",
+                self.intermediate_size,
+                262_144,
+                "Gemma 4 31B has 21504",
+            ),
+            (
+                "num_attention_heads",
+                self.num_attention_heads,
+                256,
+                "Gemma 4 31B has 32",
+            ),
+            (
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                256,
+                "Gemma 4 31B has 16",
+            ),
+            ("head_dim", self.head_dim, 4096, "Gemma 4 has 256"),
+            (
+                "global_head_dim",
+                self.global_head_dim,
+                4096,
+                "Gemma 4 has 512",
+            ),
+            ("vocab_size", self.vocab_size, 1 << 21, "Gemma 4 has 262144"),
+            (
+                "vocab_size_per_layer_input",
+                self.vocab_size_per_layer_input,
+                1 << 21,
+                "Gemma 4 has 262144",
+            ),
+            (
+                "hidden_size_per_layer_input",
+                self.hidden_size_per_layer_input,
+                4096,
+                "Gemma 4 E2B and E4B have 256",
+            ),
+            (
+                "sliding_window",
+                self.sliding_window,
+                crate::args::MAX_CTX,
+                "a window longer than the longest context (--ctx <= 131072) never fills; \
+                 Gemma 4 uses 512 and 1024",
+            ),
+        ]
     }
 
     /// First layer that reads shared KV instead of computing its own.
@@ -738,5 +806,75 @@ pub(crate) mod tests {
             |v| v["layer_types"][34] = json!("sliding_attention"),
             &["layer_types[34] (the last layer)"],
         );
+    }
+
+    /// Every size that becomes a tensor dimension has an upper bound,
+    /// checked with the config (so `plan` refuses what `build` would), and
+    /// the error names the field, the value and the bound.
+    #[test]
+    fn sizes_past_their_bound_are_refused_naming_field_and_bound() {
+        refused(
+            |v| v["sliding_window"] = json!(1_000_000_000_000u64),
+            &["sliding_window=1000000000000 is out of range", "1..=131072"],
+        );
+        refused(
+            |v| v["hidden_size"] = json!(u64::MAX),
+            &[
+                "hidden_size=18446744073709551615 is out of range",
+                "1..=65536",
+            ],
+        );
+        let c = load(&e2b()).unwrap();
+        for (name, _, max, _) in c.sizes() {
+            let too_big = max as u64 + 1;
+            refused(
+                |v| {
+                    v[name] = json!(too_big);
+                    if name == "num_hidden_layers" {
+                        v["layer_types"] = json!(layer_types(too_big as usize, 1));
+                    }
+                },
+                &[&format!(
+                    "{name}={too_big} is out of range: chunkforge accepts 1..={max} ("
+                )],
+            );
+        }
+        // At the bound: accepted by this check (the plan bounds the products).
+        let mut v = e2b();
+        v["sliding_window"] = json!(crate::args::MAX_CTX);
+        assert_eq!(load(&v).unwrap().sliding_window, 131_072);
+    }
+
+    /// A key given twice in config.json is refused naming it and its object,
+    /// as the manifest reader does: transformers and chunkforge could
+    /// otherwise read different models from one file.
+    #[test]
+    fn duplicate_keys_in_config_json_are_refused_naming_the_key() {
+        let dir = std::env::temp_dir().join(format!("cf-config-dup-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = serde_json::to_string(&e2b()).unwrap();
+        for (from, to, want) in [
+            (
+                "\"sliding_window\":512",
+                "\"sliding_window\":512,\"sliding_window\":4096",
+                "duplicate key `sliding_window` in the top-level object",
+            ),
+            (
+                "\"rope_theta\":10000.0",
+                "\"rope_theta\":10000.0,\"rope_theta\":1.0",
+                "duplicate key `rope_theta` in `rope_parameters.sliding_attention`",
+            ),
+        ] {
+            assert!(text.contains(from), "{from}");
+            std::fs::write(dir.join("config.json"), text.replacen(from, to, 1)).unwrap();
+            let err = TextConfig::load(&dir).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("{}: {want}", dir.join("config.json").display())),
+                "{err}"
+            );
+        }
+        std::fs::write(dir.join("config.json"), &text).unwrap();
+        assert!(TextConfig::load(&dir).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -12,6 +12,7 @@ pub mod layouts;
 pub mod names;
 pub mod plan;
 pub mod records;
+pub mod strict_json;
 
 /// For [`named!`]'s JSON schema in the crates that invoke it.
 pub use schemars;

@@ -15,6 +15,15 @@ pub use crate::layouts::{LayoutKind, Mode};
 /// 15 and 20 compiled; ~15 is the historic stable ceiling).
 pub const ANE_STABLE_LAYERS: usize = 15;
 
+/// The most bytes one input or output tensor of a planned function may hold:
+/// four times the largest a supported published Gemma 4 needs (E4B's
+/// `merged_full` full-attention cache at `--ctx 131072`: 4 slots x 2 KV heads
+/// x 131072 x 512 x fp16 = 1 GiB). Each config size has its own bound
+/// ([`TextConfig::sizes`]); this one bounds what they multiply into, so a
+/// plan that a build could only end in an allocation failure is refused by
+/// `plan` itself.
+pub const MAX_TENSOR_BYTES: u64 = 4 << 30;
+
 /// Runtime alias of the producer KV for shared sliding / full layers.
 pub fn alias_of(kind: Attention) -> Alias {
     match kind {
@@ -1132,6 +1141,7 @@ pub fn plan(
     for l in &mut layouts {
         attach_functions(cfg, ctx, l, functions);
     }
+    check_tensor_sizes(cfg, ctx, &layouts)?;
     let mut warnings = Vec::new();
     for l in &layouts {
         for c in &l.chunks {
@@ -1153,6 +1163,49 @@ pub fn plan(
         layouts,
         warnings,
     })
+}
+
+/// Refuses a plan with a tensor larger than [`MAX_TENSOR_BYTES`], naming it,
+/// its shape and the config sizes it comes from.
+fn check_tensor_sizes(cfg: &TextConfig, ctx: usize, layouts: &[Layout]) -> Result<(), InputError> {
+    let functions = layouts
+        .iter()
+        .flat_map(|l| &l.chunks)
+        .flat_map(|c| c.functions.iter().map(move |f| (c, f)));
+    for (c, f) in functions {
+        for t in f.inputs.iter().chain(&f.outputs) {
+            let size = match t.dtype {
+                Dtype::Fp16 => 2,
+                Dtype::Fp32 | Dtype::Int32 => 4,
+            };
+            let bytes = t
+                .shape
+                .iter()
+                .try_fold(size, |acc: u64, &d| acc.checked_mul(d as u64));
+            if bytes.is_none_or(|b| b > MAX_TENSOR_BYTES) {
+                return Err(InputError::Config {
+                    path: cfg.path.clone(),
+                    message: format!(
+                        "{} {}: tensor {} would be {:?} {} ({}), more than the {} GiB chunkforge allows for one \
+                         tensor (from hidden_size={}, sliding_window={}, head dims {}/{}, KV heads {} and --ctx {ctx})",
+                        c.name,
+                        f.name,
+                        t.name,
+                        t.shape,
+                        t.dtype.as_str(),
+                        bytes.map_or("more than 2^64 bytes".into(), |b| format!("{b} bytes")),
+                        MAX_TENSOR_BYTES >> 30,
+                        cfg.hidden_size,
+                        cfg.sliding_window,
+                        cfg.head_dim,
+                        cfg.global_head_dim,
+                        cfg.num_key_value_heads,
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What the app's runtime feeds, in the plan so that nobody has to guess which
@@ -1550,5 +1603,56 @@ mod tests {
             serde_json::from_str(r#"{"name": "K_full_in", "shape": [1], "dtype": "fp16"}"#)
                 .unwrap();
         assert_eq!(old.role, Role::KFull);
+    }
+
+    /// The per-tensor bound leaves the largest supported published Gemma 4
+    /// room at the longest context, and refuses sizes that multiply past it
+    /// in `plan`, naming the tensor, before a build could allocate it.
+    #[test]
+    fn tensors_past_the_size_bound_are_refused_by_the_plan() {
+        let types = crate::config::tests::layer_types(42, 6);
+        let e4b = json!({
+            "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2560, "intermediate_size": 10240,
+            "num_hidden_layers": 42, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 256, "global_head_dim": 512, "sliding_window": 512, "hidden_size_per_layer_input": 256,
+            "num_kv_shared_layers": 18, "final_logit_softcapping": 30.0, "layer_types": types,
+        });
+        let e4b = TextConfig::from_json(&e4b, Path::new("config.json")).unwrap();
+        let all = Functions::resolve(Mode::All, None, None);
+        let ctx = crate::args::MAX_CTX;
+        let p = plan(&e4b, ctx, Mode::All, None, &all).unwrap();
+        let largest = p
+            .layouts
+            .iter()
+            .flat_map(|l| &l.chunks)
+            .flat_map(|c| &c.functions)
+            .flat_map(|f| f.inputs.iter().chain(&f.outputs))
+            .map(|t| t.shape.iter().product::<usize>() as u64 * 2)
+            .max()
+            .unwrap();
+        assert_eq!(largest, 1 << 30, "E4B's largest tensor at --ctx {ctx}");
+        assert!(largest * 4 == MAX_TENSOR_BYTES);
+
+        // Each size within its own bound, their product far past it.
+        let mut wide = e2b();
+        wide.num_attention_heads = 256;
+        wide.num_key_value_heads = 256;
+        wide.num_global_key_value_heads = 256;
+        wide.sliding_window = ctx;
+        let err = plan(
+            &wide,
+            2048,
+            Mode::Only(LayoutKind::Two),
+            None,
+            &Functions::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("config.json: merged_chunk1 main: tensor K_sliding_in would be [")
+                && err.contains("more than the 4 GiB chunkforge allows for one tensor")
+                && err.contains("sliding_window=131072"),
+            "{err}"
+        );
     }
 }

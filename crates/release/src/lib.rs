@@ -21,6 +21,8 @@ pub mod schemas;
 pub mod sidefiles;
 pub mod sign;
 pub mod staging;
-pub mod strict_json;
 pub mod verify;
 pub mod zipwalk;
+
+/// Duplicate-key-refusing JSON, shared with the model half (config.json).
+pub use chunkforge_model::strict_json;

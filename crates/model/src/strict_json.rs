@@ -3,9 +3,10 @@
 //! serde_json keeps the last of two equal keys; other parsers (and so other
 //! verifiers and the app's downloader) may keep the first. A signed document
 //! with a duplicate key therefore says different things to different readers,
-//! so `manifest.json`, the Sigstore bundle (with its DSSE envelope) and the
-//! signed in-toto statement are parsed here: any duplicate is an error naming
-//! the key and where it is.
+//! so `manifest.json`, the Sigstore bundle (with its DSSE envelope), the
+//! signed in-toto statement and a checkpoint's `config.json` (read by
+//! chunkforge here and by transformers in Python) are parsed here: any
+//! duplicate is an error naming the key and where it is.
 
 use std::fmt;
 
