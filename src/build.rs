@@ -320,11 +320,14 @@ pub fn run(
     verbose: bool,
 ) -> Result<BuildRecord> {
     let started = Instant::now();
-    staging::output_folder(out)?;
+    // The lock first: it notes whether this run creates the output folder,
+    // and removes it again (with the lock file) if the run ends without a
+    // result.
     let _lock = settings
         .lock
         .map(|on_locked| OutputLock::take(out, on_locked))
         .transpose()?;
+    staging::output_folder(out)?;
     let staging = Staging::new(out)?;
     let units = units(plan);
     let packages: usize = units.iter().map(Vec::len).sum();

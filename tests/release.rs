@@ -13,7 +13,8 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
 use std::sync::OnceLock;
 
 use common::{copy_tree, fails, killed, ok, run, run_env, stderr, stdout, tempdir};
@@ -2276,8 +2277,9 @@ fn package_fsyncs_files_before_publishing_and_the_folder_after() {
     fs::remove_dir_all(&w).unwrap();
 }
 
-/// Ctrl-C during `package` exits 130 and leaves its lock released and
-/// empty: the next run does not report it as left by a killed run.
+/// Ctrl-C during `package` exits 130 and leaves its lock released: the
+/// lock file goes with the release this run never made (it did not exist
+/// before), and the next run does not report it as left by a killed run.
 #[test]
 fn ctrl_c_during_package_releases_the_lock_cleanly() {
     let (w, build, private, _) = scratch("lock-int", 64);
@@ -2287,7 +2289,11 @@ fn ctrl_c_during_package_releases_the_lock_cleanly() {
     wait_for_lock(&lock, &child);
     signal("-INT", child.id());
     assert_eq!(child.wait().unwrap().code(), Some(130));
-    assert_eq!(fs::read_to_string(&lock).unwrap(), "", "lock not emptied");
+    assert_eq!(
+        names_in(&w.join("out")),
+        Vec::<String>::new(),
+        "lock or release left"
+    );
     let o = run(&strs(&package_owned(&build, "all", &private, &out, "2")));
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(
@@ -2295,6 +2301,132 @@ fn ctrl_c_during_package_releases_the_lock_cleanly() {
         "{}",
         stderr(&o)
     );
+    fs::remove_dir_all(&w).unwrap();
+}
+
+/// Spawns chunkforge with `args` and `env`; returns the child and its stderr
+/// lines as they come.
+fn spawn_lines(args: &[String], env: &[(&str, &str)]) -> (Child, mpsc::Receiver<String>) {
+    let mut child = Command::new(common::bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(err).map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// The lines of `rx` up to and including the first containing `cue`.
+fn lines_until(rx: &mpsc::Receiver<String>, cue: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    loop {
+        match rx.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(line) => {
+                let done = line.contains(cue);
+                seen.push(line);
+                if done {
+                    return seen;
+                }
+            }
+            Err(e) => panic!("no `{cue}` on stderr ({e}); saw:\n{}", seen.join("\n")),
+        }
+    }
+}
+
+/// The runs after a `package` SIGKILLed right after its exchange (its new
+/// release in place, uncommitted; the previous one in its staging folder)
+/// say what they found and did, checked against the folder each time:
+/// - a run interrupted before it undid that publish says the killed run's
+///   release is still in place and where the previous one waits (it said
+///   "any publish it left half done is undone" and "the output folder holds
+///   the previous result"), and it releases its lock, so the run after it
+///   does not call it killed (it did when the interrupt came right after the
+///   lock was taken);
+/// - a run interrupted after it undid it says it put the previous release
+///   back (it said nothing).
+#[test]
+fn the_runs_after_a_kill_say_what_they_found_and_did() {
+    let (w, build, private, public) = scratch("after-kill", 0);
+    let parent = w.join("out");
+    let out = parent.join("rel");
+    let lock = parent.join(".rel.chunkforge-lock");
+    let args = |v: &str| package_owned(&build, "two", &private, &out, v);
+    let version = || published(&out, &parent.join("none.zip"), &public).0;
+    ok(&strs(&args("previous")));
+    let rel = out.display().to_string();
+    for (pause, undone_first) in [("lock", false), ("recovery", true)] {
+        // Steps of a one-entry publish: 1 the exchange, 2 the commit.
+        let o = run_env(
+            &strs(&args("killed")),
+            &[("CHUNKFORGE_TEST_KILL_AT_STEP", "2")],
+        );
+        assert!(killed(&o), "{}", stderr(&o));
+        assert_eq!(
+            version().as_deref(),
+            Some("killed"),
+            "uncommitted, in place"
+        );
+
+        let (mut child, rx) = spawn_lines(
+            &args("interrupted"),
+            &[("CHUNKFORGE_TEST_PAUSE_AFTER", pause)],
+        );
+        let before = lines_until(&rx, &format!("paused after {pause}")).join("\n");
+        assert!(before.contains("ended without releasing it"), "{before}");
+        assert!(
+            !before.contains("undone"),
+            "a promise, not a fact: {before}"
+        );
+        let restored = format!("restored the previous {rel}: the run with pid");
+        assert_eq!(before.contains(&restored), undone_first, "{before}");
+        let expect = if undone_first { "previous" } else { "killed" };
+        assert_eq!(version().as_deref(), Some(expect), "{pause}: {before}");
+        signal("-INT", child.id());
+        assert_eq!(child.wait().unwrap().code(), Some(130));
+        let after: Vec<String> = rx.into_iter().collect();
+        let after = after.join("\n");
+        assert!(
+            after.contains("interrupted: this run's unfinished work is removed"),
+            "{after}"
+        );
+        assert!(after.contains("this run published nothing"), "{after}");
+        assert!(!after.contains("holds the previous result"), "{after}");
+        let pending = format!("{rel}: holds the uncommitted new version from the run with pid");
+        assert_eq!(after.contains(&pending), !undone_first, "{pause}: {after}");
+        assert_eq!(
+            after.contains(&format!("before that, this run {restored}")),
+            undone_first,
+            "{pause}: {after}"
+        );
+        assert_eq!(version().as_deref(), Some(expect), "{pause}: {after}");
+        assert_eq!(
+            fs::read_to_string(&lock).unwrap(),
+            "",
+            "{pause}: lock not emptied"
+        );
+
+        // The next run (killed before its own first rename) does not call
+        // the interrupted run killed, and undoes only what is left.
+        let o = run_env(
+            &strs(&args("next")),
+            &[("CHUNKFORGE_TEST_KILL_AT_STEP", "1")],
+        );
+        let e = stderr(&o);
+        assert!(killed(&o), "{e}");
+        assert!(!e.contains("ended without releasing"), "{pause}: {e}");
+        assert_eq!(e.contains(&restored), !undone_first, "{pause}: {e}");
+        assert_eq!(version().as_deref(), Some("previous"), "{pause}: {e}");
+    }
     fs::remove_dir_all(&w).unwrap();
 }
 

@@ -351,6 +351,80 @@ fn unimplemented_config_values_are_refused() {
     }
 }
 
+/// Sizes past their bounds are refused by `plan` and `build` alike, naming
+/// config.json, the field and the bound (a `sliding_window` of 10^12 passed
+/// `plan`, and `build` asked torch for 4 TB, leaving an empty output folder
+/// and its lock file; `plan` accepted a `hidden_size` of 2^64-1), as is a key
+/// given twice. A refused build leaves nothing behind, not even when only
+/// the weights' check during conversion refuses it.
+#[test]
+fn oversized_configs_are_refused_by_plan_and_build_leaving_nothing() {
+    let inf_weight = |ck: &Path| {
+        let p = ck.join("model.safetensors");
+        let (h, mut data) = read_safetensors(&p);
+        let b = h["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0]
+            .as_u64()
+            .unwrap() as usize;
+        data[b..b + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+        write_safetensors(&p, &h, &data);
+    };
+    /// (tag, edit of the checkpoint, error fragment, whether `plan` refuses it too)
+    type Case<'a> = (&'a str, Box<dyn Fn(&Path)>, &'a str, bool);
+    let cases: [Case; 4] = [
+        (
+            "window-1e12",
+            Box::new(|ck| edit_config(ck, |c| c["sliding_window"] = json!(10u64.pow(12)))),
+            "config.json: sliding_window=1000000000000 is out of range: chunkforge accepts 1..=131072",
+            true,
+        ),
+        (
+            "hidden-2-64",
+            Box::new(|ck| edit_config(ck, |c| c["hidden_size"] = json!(u64::MAX))),
+            "config.json: hidden_size=18446744073709551615 is out of range: chunkforge accepts 1..=65536",
+            true,
+        ),
+        (
+            "duplicate-key",
+            Box::new(|ck| {
+                let p = ck.join("config.json");
+                let text = fs::read_to_string(&p).unwrap();
+                let dup = text.replacen("\"sliding_window\"", "\"sliding_window\": 4096, \"sliding_window\"", 1);
+                assert_ne!(dup, text);
+                fs::write(&p, dup).unwrap();
+            }),
+            "config.json: duplicate key `sliding_window` in the top-level object",
+            true,
+        ),
+        (
+            "inf-weight-fresh",
+            Box::new(inf_weight),
+            "weight model.layers.0.self_attn.q_proj.weight has 1 NaN/Inf values",
+            false,
+        ),
+    ];
+    for (tag, edit, says, plan_refuses) in cases {
+        let ck = copy_checkpoint(&fixture("e2b", &[]), tag);
+        edit(&ck);
+        let o = run(&["plan", "--hf-dir", ck.to_str().unwrap()]);
+        assert_eq!(o.status.success(), !plan_refuses, "{tag}: {}", stderr(&o));
+        if plan_refuses {
+            assert_eq!(o.status.code(), Some(2));
+            assert!(stderr(&o).contains(says), "{tag}: plan: {}", stderr(&o));
+        }
+        let parent = tempdir(&format!("{tag}-fresh"));
+        let out = parent.join("out");
+        let o = run(&build_two(&ck, &out));
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{tag}: {err}");
+        assert!(err.contains(says), "{tag}: build: {err}");
+        let left: Vec<_> = fs::read_dir(&parent)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "{tag}: the refused build left {left:?}");
+    }
+}
+
 #[test]
 fn hostile_checkpoint_corpus() {
     corpus_case(
@@ -990,6 +1064,9 @@ fn out_of_range_options_are_refused_while_parsing_naming_the_option() {
 /// one killed itself before its first rename, reports the stale lock and puts
 /// the previous result back exactly, taking away a new package that had no
 /// previous version; the run that is not killed publishes the whole build.
+/// Each name the next run reports is one the killed run had moved: a
+/// previous version put back is "restored", a new package without one
+/// "removed" (it was called restored).
 #[test]
 fn sigkill_at_every_publish_step_of_a_build_is_undone_by_the_next_run() {
     let ck = fixture("e2b", &[]);
@@ -1008,7 +1085,28 @@ fn sigkill_at_every_publish_step_of_a_build_is_undone_by_the_next_run() {
         let e = stderr(&o);
         assert!(killed(&o), "step {n}, next run: {e}");
         assert!(e.contains("ended without releasing it"), "{e}");
-        assert_eq!(e.contains("restored the previous"), n > 1, "step {n}: {e}");
+        let said =
+            |what: &str, name: &str| e.contains(&format!("{what} {}", out.join(name).display()));
+        // Moved before step n: merged_chunk1 (1), merged_chunk2 (2, new), build.json (3).
+        assert_eq!(
+            said("restored the previous", "merged_chunk1.mlpackage"),
+            n > 1,
+            "step {n}: {e}"
+        );
+        assert_eq!(
+            said("removed", "merged_chunk2.mlpackage"),
+            n > 2,
+            "step {n}: {e}"
+        );
+        assert!(
+            !said("restored the previous", "merged_chunk2.mlpackage"),
+            "step {n}: {e}"
+        );
+        assert_eq!(
+            said("restored the previous", "build.json"),
+            n > 3,
+            "step {n}: {e}"
+        );
         assert_previous(&out);
         n += 1;
     }

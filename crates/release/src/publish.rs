@@ -42,6 +42,10 @@ fn durable() -> bool {
 /// publish at every point. `CHUNKFORGE_TEST_FAIL_AT_STEP=N` makes that step
 /// fail with an I/O error instead. `CHUNKFORGE_TEST_NO_EXCHANGE=1` takes the
 /// three-rename path used on file systems without an atomic exchange.
+/// `CHUNKFORGE_TEST_PAUSE_AFTER=lock|recovery` makes the run stop (say so on
+/// stderr, then sleep) once it has taken its output's lock, or once it has
+/// undone what killed runs left ([`test_pause`]), so a test can interrupt it
+/// exactly there.
 #[cfg(feature = "test-hooks")]
 mod hooks {
     use std::io;
@@ -52,6 +56,7 @@ mod hooks {
         kill_at: Option<usize>,
         fail_at: Option<usize>,
         no_exchange: bool,
+        pause_after: Option<String>,
     }
 
     fn hooks() -> &'static Hooks {
@@ -60,7 +65,16 @@ mod hooks {
             kill_at: step_var("CHUNKFORGE_TEST_KILL_AT_STEP"),
             fail_at: step_var("CHUNKFORGE_TEST_FAIL_AT_STEP"),
             no_exchange: std::env::var_os("CHUNKFORGE_TEST_NO_EXCHANGE").is_some(),
+            pause_after: std::env::var("CHUNKFORGE_TEST_PAUSE_AFTER").ok(),
         })
+    }
+
+    /// The `CHUNKFORGE_TEST_PAUSE_AFTER` hook at `point`.
+    pub fn test_pause(point: &str) {
+        if hooks().pause_after.as_deref() == Some(point) {
+            eprintln!("test hook: paused after {point}");
+            std::thread::sleep(std::time::Duration::from_secs(600));
+        }
     }
 
     fn step_var(name: &str) -> Option<usize> {
@@ -101,9 +115,12 @@ mod hooks {
     pub fn no_exchange() -> bool {
         false
     }
+
+    pub fn test_pause(_point: &str) {}
 }
 
 use hooks::step;
+pub use hooks::test_pause;
 
 fn c_path(p: &Path) -> io::Result<CString> {
     CString::new(p.as_os_str().as_bytes())
@@ -204,27 +221,43 @@ fn swap_in(e: &Entry) -> io::Result<()> {
     fs::rename(&parked, &e.from)
 }
 
+/// What undoing one entry of an uncommitted publish did to its name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Undone {
+    /// The previous entry is back at this name.
+    PutBack(PathBuf),
+    /// The name had no previous entry: the new one was taken away.
+    TookAway(PathBuf),
+}
+
+/// The previous entry of `e`, wherever a publish or a roll-back left it.
+fn previous_of(e: &Entry) -> Option<PathBuf> {
+    [e.from.clone(), aside(&e.from), discard(&e.from)]
+        .into_iter()
+        .find(|p| id_of(p).is_some_and(|id| id != e.id))
+}
+
 /// Puts the previous entry back at `e.to` (or, if there was none, takes the
 /// new one away), from whatever state a kill left. Reads every name from the
 /// file system, so a roll-back cut short is finished by the next one.
-/// Returns whether anything moved.
-fn roll_back(e: &Entry) -> io::Result<bool> {
+/// Returns what it did (None: the name already held its previous entry).
+fn roll_back(e: &Entry) -> io::Result<Option<Undone>> {
     let to_is_new = id_of(&e.to) == Some(e.id);
-    let previous = [e.from.clone(), aside(&e.from), discard(&e.from)]
-        .into_iter()
-        .find(|p| id_of(p).is_some_and(|id| id != e.id));
-    match (to_is_new, previous) {
+    match (to_is_new, previous_of(e)) {
         (true, Some(prev)) => {
             if !exchange(&e.to, &prev)? {
                 fs::rename(&e.to, discard(&e.from))?;
                 fs::rename(&prev, &e.to)?;
             }
         }
-        (true, None) => fs::rename(&e.to, discard(&e.from))?,
+        (true, None) => {
+            fs::rename(&e.to, discard(&e.from))?;
+            return Ok(Some(Undone::TookAway(e.to.clone())));
+        }
         (false, Some(prev)) if id_of(&e.to).is_none() => fs::rename(&prev, &e.to)?,
-        _ => return Ok(false),
+        _ => return Ok(None),
     }
-    Ok(true)
+    Ok(Some(Undone::PutBack(e.to.clone())))
 }
 
 fn remove_any(p: &Path) {
@@ -410,36 +443,62 @@ pub fn has_journal(staging: &Path) -> bool {
     staging.join(JOURNAL).symlink_metadata().is_ok()
 }
 
-/// Undoes the publish a killed run left in its staging folder `staging`, if
-/// any: every previous entry goes back in place, the new ones are deleted.
-/// Returns the names put back. Nothing is deleted before its previous entry
-/// is back, and an unreadable journal is left alone for a person to look at.
-pub fn recover(staging: &Path) -> Result<Vec<PathBuf>> {
+/// The entries of the journal in `staging`: None without a journal, an
+/// error when it cannot be read or is not one.
+fn journal_entries(staging: &Path) -> Result<Option<Vec<Entry>>> {
     let journal = staging.join(JOURNAL);
     let bytes = match fs::read(&journal) {
         Ok(b) => b,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => bail!("{}: cannot read: {e}", journal.display()),
     };
-    let Some(entries) = decode(&bytes) else {
-        bail!(
+    match decode(&bytes) {
+        Some(entries) => Ok(Some(entries)),
+        None => bail!(
             "{}: not a chunkforge publish journal; left in place with its folder (remove it once \
              the outputs it names are checked)",
             journal.display()
-        );
+        ),
+    }
+}
+
+/// The names a publish left uncommitted in `staging` still holds wrongly:
+/// each holds the new entry, or nothing where its previous entry waits in
+/// the staging folder. Empty without a journal, or when nothing had moved.
+pub fn uncommitted(staging: &Path) -> Vec<PathBuf> {
+    let Ok(Some(entries)) = journal_entries(staging) else {
+        return Vec::new();
+    };
+    entries
+        .iter()
+        .filter(|e| match id_of(&e.to) {
+            Some(id) => id == e.id,
+            None => previous_of(e).is_some(),
+        })
+        .map(|e| e.to.clone())
+        .collect()
+}
+
+/// Undoes the publish a killed run left in its staging folder `staging`, if
+/// any: every previous entry goes back in place, the new ones are deleted.
+/// Returns what was undone, name by name. Nothing is deleted before its
+/// previous entry is back, and an unreadable journal is left alone for a
+/// person to look at.
+pub fn recover(staging: &Path) -> Result<Vec<Undone>> {
+    let journal = staging.join(JOURNAL);
+    let Some(entries) = journal_entries(staging)? else {
+        return Ok(Vec::new());
     };
     let mut restored = Vec::new();
     for e in entries.iter().rev() {
-        let moved = roll_back(e).with_context(|| {
+        let undone = roll_back(e).with_context(|| {
             format!(
                 "putting the previous {} back (journal {})",
                 e.to.display(),
                 journal.display()
             )
         })?;
-        if moved {
-            restored.push(e.to.clone());
-        }
+        restored.extend(undone);
     }
     sync_parents(&entries).context("fsync after the roll-back failed")?;
     remove_new(&entries);
@@ -500,63 +559,41 @@ impl OnLocked {
 /// `.NAME.chunkforge-lock` beside it (inside a build folder whose parent is
 /// not writable: `.chunkforge-lock`), holding the pid and command line of the
 /// run that holds it (emptied on release, so a non-empty file found free was
-/// left by a run that was killed).
+/// left by a run that was killed). A run that created its output and ends
+/// without a result (refused, failed, interrupted) removes the empty output
+/// folder and the lock file with it, so it leaves nothing behind.
 pub struct OutputLock {
     lock: FileLock,
     path: PathBuf,
+    /// The output, when this run created it.
+    created: Option<PathBuf>,
+}
+
+/// Whether `f` is the file at `path` (not one removed from it meanwhile).
+fn is_at(f: &File, path: &Path) -> bool {
+    let id = |m: &fs::Metadata| (m.dev(), m.ino());
+    matches!((f.metadata(), fs::metadata(path)), (Ok(a), Ok(b)) if id(&a) == id(&b))
 }
 
 impl OutputLock {
     /// Takes the lock of `output`, waiting for the run holding it or
     /// refusing. Creates the folder `output` is in.
     pub fn take(output: &Path, on_locked: OnLocked) -> Result<OutputLock> {
-        let mut path = lock_path(output)?;
-        let mut first = FileLock::try_take(&path);
-        if first.as_ref().is_err_and(|e| {
-            matches!(
-                e.kind(),
-                io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem
-            )
-        }) && output.is_dir()
-        {
-            // A folder we may not write into holds a build folder we may:
-            // the lock goes inside it instead.
-            path = output.join(".chunkforge-lock");
-            first = FileLock::try_take(&path);
-        }
-        let cannot = || format!("{}: cannot create or lock", path.display());
-        let lock = match first.with_context(cannot)? {
-            Some(l) => l,
-            None => {
-                let holder = holder(&path);
-                if on_locked == OnLocked::Refuse {
-                    bail!(
-                        "{}: another chunkforge run is writing it ({holder}; lock {}); \
-                         not waiting (--no-wait): run again when it has finished",
-                        output.display(),
-                        path.display()
-                    );
-                }
-                eprintln!(
-                    "waiting: {} is being written by another chunkforge run ({holder}); \
-                     this run continues when it finishes (Ctrl-C to stop, --no-wait to refuse)",
-                    output.display()
-                );
-                let f = OpenOptions::new().read(true).write(true).open(&path);
-                let f = f.with_context(cannot)?;
-                flock(&f, libc::LOCK_EX).with_context(cannot)?;
-                FileLock(f)
+        crate::staging::note_output(output);
+        let created = output.symlink_metadata().is_err();
+        let (lock, path) = loop {
+            let (lock, path) = acquire(output, on_locked)?;
+            // A run that removed the lock file (see `release`) leaves its
+            // waiters a lock on a file nobody else sees: take the new one.
+            if is_at(&lock.0, &path) {
+                break (lock, path);
             }
         };
+        // Our line is written and the lock registered for the interrupt
+        // handler in one step under HELD: an interrupted run never leaves its
+        // line behind (which the next run would report as killed).
+        let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
         let left = holder_text(&lock.0);
-        if !left.is_empty() {
-            eprintln!(
-                "note: {}: the run that held it ({}) ended without releasing it (killed?); \
-                 the system released it, and any publish it left half done is undone",
-                path.display(),
-                describe(&left)
-            );
-        }
         let mut me = &lock.0;
         let args: Vec<String> = std::env::args_os()
             .map(|a| a.to_string_lossy().into_owned())
@@ -568,34 +605,119 @@ impl OutputLock {
             .and_then(|()| me.rewind())
             .and_then(|()| writeln!(me, "{}\t{since}\t{}", std::process::id(), args.join(" ")))
             .with_context(|| format!("{}: cannot write", path.display()))?;
-        if let (Ok(mut held), Ok(f)) = (HELD.lock(), lock.0.try_clone()) {
-            held.push((path.clone(), f));
+        let created = created.then(|| output.to_path_buf());
+        held.push(Held {
+            path: path.clone(),
+            file: lock.0.try_clone().ok(),
+            created: created.clone(),
+        });
+        drop(held);
+        if !left.is_empty() {
+            eprintln!(
+                "note: {}: the run that held it ({}) ended without releasing it (killed or crashed)",
+                path.display(),
+                describe(&left)
+            );
         }
-        Ok(OutputLock { lock, path })
+        test_pause("lock");
+        Ok(OutputLock {
+            lock,
+            path,
+            created,
+        })
     }
 }
 
-/// The lock files of the [`OutputLock`]s this process holds, by path.
-static HELD: std::sync::Mutex<Vec<(PathBuf, File)>> = std::sync::Mutex::new(Vec::new());
+/// Takes the lock file of `output` (see [`OutputLock::take`]); returns it and its path.
+fn acquire(output: &Path, on_locked: OnLocked) -> Result<(FileLock, PathBuf)> {
+    let mut path = lock_path(output)?;
+    let mut first = FileLock::try_take(&path);
+    if first.as_ref().is_err_and(|e| {
+        matches!(
+            e.kind(),
+            io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem
+        )
+    }) && output.is_dir()
+    {
+        // A folder we may not write into holds a build folder we may:
+        // the lock goes inside it instead.
+        path = output.join(".chunkforge-lock");
+        first = FileLock::try_take(&path);
+    }
+    let cannot = || format!("{}: cannot create or lock", path.display());
+    let lock = match first.with_context(cannot)? {
+        Some(l) => l,
+        None => {
+            let holder = holder(&path);
+            if on_locked == OnLocked::Refuse {
+                bail!(
+                    "{}: another chunkforge run is writing it ({holder}; lock {}); \
+                     not waiting (--no-wait): run again when it has finished",
+                    output.display(),
+                    path.display()
+                );
+            }
+            eprintln!(
+                "waiting: {} is being written by another chunkforge run ({holder}); \
+                 this run continues when it finishes (Ctrl-C to stop, --no-wait to refuse)",
+                output.display()
+            );
+            let f = OpenOptions::new().read(true).write(true).open(&path);
+            let f = f.with_context(cannot)?;
+            flock(&f, libc::LOCK_EX).with_context(cannot)?;
+            FileLock(f)
+        }
+    };
+    Ok((lock, path))
+}
 
-/// Empties the lock files this process holds, as releasing them does: for
-/// the interrupt handler, which exits without running destructors (the
-/// locks themselves go with the process).
-pub fn clear_held_locks() {
-    if let Ok(held) = HELD.lock() {
-        for (_, f) in held.iter() {
-            let _ = f.set_len(0);
+/// An [`OutputLock`] this process holds, for the interrupt handler.
+struct Held {
+    path: PathBuf,
+    file: Option<File>,
+    created: Option<PathBuf>,
+}
+
+/// The [`OutputLock`]s this process holds.
+static HELD: std::sync::Mutex<Vec<Held>> = std::sync::Mutex::new(Vec::new());
+
+/// Releases a lock as its run ends: empties its file, or removes it together
+/// with the output this run created when that output is an empty folder or
+/// was never made (the run ends without a result). Called with the lock held,
+/// so a run waiting for it sees the file go and takes the next one.
+fn release(path: &Path, file: Option<&File>, created: Option<&Path>) {
+    if let Some(out) = created {
+        if fs::remove_dir(out).is_ok() || out.symlink_metadata().is_err() {
+            let _ = fs::remove_file(path);
+            return;
         }
     }
+    // Emptied before the unlock: a released lock names nobody.
+    if let Some(f) = file {
+        let _ = f.set_len(0);
+    }
+}
+
+/// Releases the locks this process holds, as dropping them does: for the
+/// interrupt handler, which exits without running destructors (the locks
+/// themselves go with the process). Call it after the run's staging folders
+/// are removed. No lock is taken after this: a run that takes one at this
+/// moment waits until the process exits rather than write its line into a
+/// lock the process is about to leave.
+pub fn release_held_locks() {
+    let held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    for h in held.iter() {
+        release(&h.path, h.file.as_ref(), h.created.as_deref());
+    }
+    std::mem::forget(held);
 }
 
 impl Drop for OutputLock {
     fn drop(&mut self) {
-        // Emptied before the unlock: a released lock names nobody.
-        let _ = self.lock.0.set_len(0);
         if let Ok(mut held) = HELD.lock() {
-            held.retain(|(p, _)| p != &self.path);
+            held.retain(|h| h.path != self.path);
         }
+        release(&self.path, Some(&self.lock.0), self.created.as_deref());
     }
 }
 
@@ -699,7 +821,7 @@ mod tests {
         let bytes = encode(&entries);
         fs::write(suffixed(&journal, ".partial"), &bytes[..bytes.len() / 2]).unwrap();
         assert!(!has_journal(&dir));
-        assert_eq!(recover(&dir).unwrap(), Vec::<PathBuf>::new());
+        assert_eq!(recover(&dir).unwrap(), Vec::<Undone>::new());
         write_journal(&journal, &entries).unwrap();
         assert!(!suffixed(&journal, ".partial").exists());
         assert_eq!(decode(&fs::read(&journal).unwrap()).unwrap().len(), 1);

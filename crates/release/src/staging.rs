@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use crate::publish::{self, FileLock};
+use crate::publish::{self, FileLock, Undone};
 
 const STAGING_PREFIX: &str = ".chunkforge-staging-";
 
@@ -33,13 +33,53 @@ pub fn forget_child(pid: u32) {
     }
 }
 
-/// Held while a run moves its finished outputs into place; the interrupt
-/// handler waits for it, so Ctrl-C never splits a set of packages.
+/// Held while a run moves its finished outputs into place, or undoes what a
+/// killed run left half published; the interrupt handler waits for it, so
+/// Ctrl-C never splits a set of packages, and its message describes a folder
+/// no move is under way in.
 pub static PUBLISH_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Installs the Ctrl-C / SIGTERM handler: wait for any publish in progress,
-/// remove this run's staging folders, say so, exit with `exit_code` (the
-/// binary's `ExitStatus::Interrupted`, 130).
+/// What this run has done to the folders it writes, for the interrupt
+/// handler's message: it says what happened, never what usually happens.
+#[derive(Default)]
+struct RunLog {
+    /// Folders this run writes into, and the folders holding them: where a
+    /// killed run's unfinished publish would be waiting.
+    homes: Vec<PathBuf>,
+    /// What this run undid of publishes that killed runs left uncommitted.
+    undone: Vec<String>,
+    /// Names this run's own publishes committed.
+    published: Vec<PathBuf>,
+}
+
+static RUN_LOG: std::sync::Mutex<RunLog> = std::sync::Mutex::new(RunLog {
+    homes: Vec::new(),
+    undone: Vec::new(),
+    published: Vec::new(),
+});
+
+fn run_log() -> std::sync::MutexGuard<'static, RunLog> {
+    RUN_LOG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// This run writes `output` (a build or release folder): a Ctrl-C message
+/// then says whether a killed run's publish into it is still waiting to be
+/// undone.
+pub fn note_output(output: &Path) {
+    let abs = std::path::absolute(output).unwrap_or_else(|_| output.to_path_buf());
+    let parent = abs.parent().map(Path::to_path_buf);
+    let mut log = run_log();
+    for dir in std::iter::once(abs).chain(parent) {
+        if !log.homes.contains(&dir) {
+            log.homes.push(dir);
+        }
+    }
+}
+
+/// Installs the Ctrl-C / SIGTERM handler: wait for any publish (or undo) in
+/// progress, remove this run's staging folders, say what this run did and
+/// what state it leaves, exit with `exit_code` (the binary's
+/// `ExitStatus::Interrupted`, 130).
 pub fn install_interrupt_handler(exit_code: i32) {
     let _ = ctrlc::set_handler(move || {
         let _publishing = PUBLISH_LOCK.lock();
@@ -63,16 +103,104 @@ pub fn install_interrupt_handler(exit_code: i32) {
                 }
             }
         }
-        publish::clear_held_locks();
-        eprintln!(
-            "\ninterrupted: unfinished work removed; the output folder holds the previous result \
-             (or the complete new one if it was already published)"
-        );
+        publish::release_held_locks();
+        eprintln!("\n{}", interrupt_report(&dirs));
         // _exit, not exit: no atexit handlers, so the embedded interpreter (busy
         // on the main thread) is not finalised under its own feet.
         // SAFETY: _exit only terminates the process.
         unsafe { libc::_exit(exit_code) }
     });
+}
+
+/// The interrupt handler's message: what this run had put back, whether it
+/// had published, and what is left for the next run (`own`: this run's
+/// staging folders; those holding a journal are kept for the next run).
+fn interrupt_report(own: &[PathBuf]) -> String {
+    let log = run_log();
+    if log.homes.is_empty() && own.is_empty() {
+        return "interrupted".into();
+    }
+    let mut lines = vec!["interrupted: this run's unfinished work is removed".to_string()];
+    for u in &log.undone {
+        lines.push(format!("  before that, this run {u}"));
+    }
+    if log.published.is_empty() {
+        lines.push("  this run published nothing".into());
+    } else {
+        let names: Vec<String> = log
+            .published
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        lines.push(format!(
+            "  this run had already published, whole: {}",
+            names.join(", ")
+        ));
+    }
+    for d in own.iter().filter(|d| publish::has_journal(d)) {
+        lines.push(format!(
+            "  {}: this run's publish failed and could not put everything back; \
+             the next run writing into {} does",
+            d.display(),
+            parent_of(d).display()
+        ));
+    }
+    let mut seen = Vec::new();
+    for home in &log.homes {
+        for (dir, pid) in staging_folders(home) {
+            if own.contains(&dir) || seen.contains(&dir) || !publish::has_journal(&dir) {
+                continue;
+            }
+            seen.push(dir.clone());
+            if stale(&dir, pid).is_none() {
+                continue; // a live run's publish, under way
+            }
+            let names = publish::uncommitted(&dir);
+            let run = pid.map_or("a run".to_string(), |p| format!("the run with pid {p}"));
+            if names.is_empty() {
+                lines.push(format!(
+                    "  {}: {run} ended before committing a publish, having moved nothing into place; \
+                     the next run writing into {home} removes it",
+                    dir.display(),
+                    home = home.display()
+                ));
+            }
+            for name in names {
+                lines.push(format!(
+                    "  {}: holds the uncommitted new version from {run}, which ended before committing; \
+                     the previous version waits in {}, and the next run writing into {} puts it back",
+                    name.display(),
+                    dir.display(),
+                    home.display()
+                ));
+            }
+        }
+    }
+    lines.join("\n")
+}
+
+fn parent_of(p: &Path) -> &Path {
+    p.parent().unwrap_or(Path::new("/"))
+}
+
+/// The staging folders in `dir` (not the legacy `-old-` entries), with the
+/// pid of the run that made each.
+fn staging_folders(dir: &Path) -> Vec<(PathBuf, Option<u32>)> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().to_string();
+            let rest = name.strip_prefix(STAGING_PREFIX)?;
+            if rest.contains("-old-") {
+                return None;
+            }
+            let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
+            Some((e.path(), pid))
+        })
+        .collect()
 }
 
 /// Creates the output folder `out` if missing (refusing a file of that name).
@@ -104,7 +232,9 @@ fn pid_alive(pid: u32) -> bool {
 impl Staging {
     pub fn new(out: &Path) -> Result<Self> {
         output_folder(out)?;
+        note_output(out);
         clean_stale(out)?;
+        publish::test_pause("recovery");
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
@@ -140,7 +270,11 @@ impl Staging {
     /// [`publish::publish`]); Ctrl-C waits until it is done.
     pub fn publish(&self, pairs: &[(PathBuf, PathBuf)]) -> Result<()> {
         let _publishing = PUBLISH_LOCK.lock();
-        publish::publish(&self.dir, pairs)
+        publish::publish(&self.dir, pairs)?;
+        run_log()
+            .published
+            .extend(pairs.iter().map(|(_, to)| to.clone()));
+        Ok(())
     }
 
     /// Publishes the staged entries `names` into `out` under the same names.
@@ -185,8 +319,10 @@ fn stale(dir: &Path, pid: Option<u32>) -> Option<Option<FileLock>> {
 }
 
 /// Cleans up after runs that were killed: a publish cut short is undone (the
-/// previous entries put back), then their staging folders are removed.
+/// previous entries put back), then their staging folders are removed. Runs
+/// under [`PUBLISH_LOCK`], so Ctrl-C waits for it and then says what it did.
 pub fn clean_stale(out: &Path) -> Result<()> {
+    let _undoing = PUBLISH_LOCK.lock();
     let Ok(entries) = fs::read_dir(out) else {
         return Ok(());
     };
@@ -208,7 +344,10 @@ pub fn clean_stale(out: &Path) -> Result<()> {
                             e.path().display()
                         )
                     })?;
-                    eprintln!("restored {} (left aside by a killed run)", target.display());
+                    say_undone(format!(
+                        "restored {} (left aside by a killed run)",
+                        target.display()
+                    ));
                 } else if e.path().is_dir() {
                     let _ = fs::remove_dir_all(e.path());
                 } else {
@@ -220,15 +359,29 @@ pub fn clean_stale(out: &Path) -> Result<()> {
         let Some(_owner) = stale(&e.path(), pid) else {
             continue;
         };
-        for restored in publish::recover(&e.path())? {
-            eprintln!(
-                "restored the previous {} (a killed run had begun replacing it)",
-                restored.display()
-            );
+        let run = pid.map_or("a run".to_string(), |p| format!("the run with pid {p}"));
+        for undone in publish::recover(&e.path())? {
+            say_undone(match undone {
+                Undone::PutBack(name) => format!(
+                    "restored the previous {}: {run} had begun replacing it and ended before committing",
+                    name.display()
+                ),
+                Undone::TookAway(name) => format!(
+                    "removed {}: {run} had published it and ended before committing; there was no \
+                     previous version to put back",
+                    name.display()
+                ),
+            });
         }
         let _ = fs::remove_dir_all(e.path());
     }
     Ok(())
+}
+
+/// Says (and logs for a Ctrl-C message) what undoing a killed run's publish did.
+fn say_undone(what: String) {
+    eprintln!("{what}");
+    run_log().undone.push(what);
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same folder.
