@@ -536,6 +536,15 @@ fn hostile_checkpoint_corpus() {
         "config.json: not valid JSON",
     );
     corpus_case(
+        "symlink-loop",
+        |ck| {
+            fs::remove_file(ck.join("model.safetensors")).unwrap();
+            std::os::unix::fs::symlink("model.safetensors.b", ck.join("model.safetensors")).unwrap();
+            std::os::unix::fs::symlink("model.safetensors", ck.join("model.safetensors.b")).unwrap();
+        },
+        "model.safetensors: is a symlink loop (model.safetensors -> model.safetensors.b -> model.safetensors): it never reaches a file",
+    );
+    corpus_case(
         "dangling-symlink",
         |ck| {
             fs::remove_file(ck.join("model.safetensors")).unwrap();

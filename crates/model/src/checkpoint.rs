@@ -414,6 +414,47 @@ impl<'de> Deserialize<'de> for Entry {
     }
 }
 
+/// Why the symlink `p` leads to no file, if it is one that does not: it
+/// dangles (naming its target) or it loops (naming the chain, which the OS
+/// reports only as "too many levels of symbolic links" and `exists()` as
+/// missing). None for a symlink that reaches a file, or a plain name.
+pub fn broken_link(p: &Path) -> Option<String> {
+    if !p.is_symlink() || p.exists() {
+        return None;
+    }
+    let start = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    let mut seen = vec![start.clone()];
+    // Each link's target, as written.
+    let mut chain: Vec<String> = Vec::new();
+    let mut at = start;
+    while let Ok(target) = std::fs::read_link(&at) {
+        chain.push(target.display().to_string());
+        let next = at.parent().unwrap_or(Path::new("/")).join(&target);
+        if seen.contains(&next) {
+            let name = p
+                .file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into_owned());
+            return Some(format!(
+                "is a symlink loop ({name} -> {}): it never reaches a file",
+                chain.join(" -> ")
+            ));
+        }
+        // The OS gives up after 40 links on Linux (32 on macOS).
+        if seen.len() > 40 {
+            return Some(format!(
+                "is a chain of more than 40 symlinks ({} -> ...): the system follows no more",
+                chain[0]
+            ));
+        }
+        seen.push(next.clone());
+        at = next;
+    }
+    Some(format!(
+        "is a symlink to {}, which does not exist",
+        chain.join(" -> ")
+    ))
+}
+
 /// Every tensor the text decoder needs (without prefix), with its expected shape.
 pub fn expected_tensors(cfg: &TextConfig) -> Vec<(String, Vec<usize>)> {
     let h = cfg.hidden_size;
@@ -507,15 +548,9 @@ impl Checkpoint {
         let single = dir.join("model.safetensors");
         for p in [&index, &single] {
             // Hugging Face cache snapshots are symlinks into blobs/: follow them,
-            // but name a dangling one instead of calling the file missing.
-            if p.is_symlink() && !p.exists() {
-                let target = std::fs::read_link(p)
-                    .map(|t| t.display().to_string())
-                    .unwrap_or_default();
-                return Err(ck(
-                    p,
-                    format!("is a symlink to {target}, which does not exist"),
-                ));
+            // but name a dangling one or a loop instead of calling the file missing.
+            if let Some(why) = broken_link(p) {
+                return Err(ck(p, why));
             }
         }
         let weight_files: Vec<PathBuf> = if index.exists() {
@@ -556,6 +591,12 @@ impl Checkpoint {
         let mut all = BTreeMap::new();
         let mut layouts = Vec::new();
         for f in &weight_files {
+            if let Some(why) = broken_link(f) {
+                return Err(ck(
+                    f,
+                    format!("shard listed in model.safetensors.index.json {why}"),
+                ));
+            }
             if !f.exists() {
                 return Err(ck(
                     f,
@@ -633,5 +674,45 @@ impl Checkpoint {
             tensors,
             weight_files,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    /// A loop is named as one with its chain (the OS says "too many levels
+    /// of symbolic links", `exists()` says missing); a dangling chain names
+    /// where it ends; a good link or a plain file is not broken.
+    #[test]
+    fn broken_links_say_whether_they_dangle_or_loop() {
+        let d = std::env::temp_dir().join(format!("cf-links-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        symlink("b", d.join("a")).unwrap();
+        symlink("a", d.join("b")).unwrap();
+        symlink("self", d.join("self")).unwrap();
+        symlink("c", d.join("to-c")).unwrap();
+        symlink("/nonexistent/blob", d.join("c")).unwrap();
+        std::fs::write(d.join("file"), b"x").unwrap();
+        symlink("file", d.join("good")).unwrap();
+        let why = |n: &str| broken_link(&d.join(n));
+        assert_eq!(
+            why("a").unwrap(),
+            "is a symlink loop (a -> b -> a): it never reaches a file"
+        );
+        assert_eq!(
+            why("self").unwrap(),
+            "is a symlink loop (self -> self): it never reaches a file"
+        );
+        assert_eq!(
+            why("to-c").unwrap(),
+            "is a symlink to c -> /nonexistent/blob, which does not exist"
+        );
+        assert_eq!(why("good"), None);
+        assert_eq!(why("file"), None);
+        assert_eq!(why("missing"), None);
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }
