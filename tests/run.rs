@@ -374,6 +374,45 @@ fn damaged_side_files_fail_run_and_verify_by_name() {
     }
 }
 
+/// A side file that is a symlink out of the release folder (same contents)
+/// fails `run` naming it, as `verify` refuses the folder: `run` promises to
+/// read the release folder alone (it followed the link and exited 0).
+#[test]
+fn run_refuses_symlinks_as_verify_does() {
+    let release = fp16_release();
+    let w = tempdir("run-symlink");
+    for name in [
+        "embed_tokens_scales.bin",
+        "hf_model/config.json",
+        "manifest.json",
+    ] {
+        let copy = w.join(name.replace('/', "-"));
+        copy_dir(&release, &copy);
+        let outside = w.join(format!("outside-{}", name.replace('/', "-")));
+        fs::copy(copy.join(name), &outside).unwrap();
+        fs::remove_file(copy.join(name)).unwrap();
+        std::os::unix::fs::symlink(&outside, copy.join(name)).unwrap();
+        let o = run(&["run", s(&copy), "--prompt", SENTENCE, "--max-tokens", "2"]);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{name}: {e}");
+        assert!(
+            e.contains(&format!(
+                "{}: is a symlink (releases must not contain symlinks",
+                copy.join(name).display()
+            )),
+            "{name}: {e}"
+        );
+        let o = run(&["verify", s(&copy), "--public-key", s(&keys().1)]);
+        let out = format!("{}{}", stdout(&o), stderr(&o));
+        assert_eq!(o.status.code(), Some(1), "{name}: {out}");
+        assert!(
+            out.contains(&format!("{name}: is a symlink")),
+            "{name}: {out}"
+        );
+    }
+    fs::remove_dir_all(&w).unwrap();
+}
+
 /// A copy of `from` made of hard links.
 /// `model_config.json` is what the app reads its dimensions and scales from:
 /// a value that disagrees with the packages fails `run` naming the key, even

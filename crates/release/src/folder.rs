@@ -66,11 +66,32 @@ pub struct RunPlan {
     pub picked_by: &'static str,
 }
 
+/// `verify`'s rule, applied before anything is read: a release holds no
+/// symlinks (one could lead out of the folder, and `run` reads the folder
+/// alone, as the app does) and nothing but files and folders (a FIFO would
+/// block the read).
+fn refuse_links(dir: &Path) -> Result<()> {
+    let tree = hashing::walk(dir, &|_| false)
+        .map_err(|e| err(&e.path, format!("cannot list: {}", e.source)))?;
+    if let Some(l) = tree.symlinks.first() {
+        return Err(err(
+            &dir.join(l),
+            "is a symlink (releases must not contain symlinks; run reads the release folder alone, \
+             and verify refuses the folder too)",
+        ));
+    }
+    if let Some(s) = tree.special.first() {
+        return Err(err(&dir.join(s), "is not a regular file"));
+    }
+    Ok(())
+}
+
 impl ReleaseFolder {
     pub fn open(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
             return Err(err(dir, "not a release folder"));
         }
+        refuse_links(dir)?;
         let manifest_path = dir.join(MANIFEST_FILE);
         let manifest = Manifest::load(&manifest_path).map_err(|e| err(&manifest_path, e))?;
         let config_path = dir.join(sidefiles::MODEL_CONFIG);
