@@ -150,6 +150,49 @@ fn audit_refuses_what_is_neither_a_build_nor_a_package() {
     );
 }
 
+/// A truncated or empty `model.mlmodel` is named by `audit`, `inspect` and
+/// `exec`, package and file, with what is wrong with it: protobuf's
+/// "DecodeError: ... Wire format was corrupt" named neither (on a build of 14
+/// packages nothing said which was broken), and an empty file was "not an ML
+/// program (model type None)".
+#[test]
+fn a_truncated_or_empty_model_spec_is_named_by_audit_inspect_and_exec() {
+    let good = bad_package();
+    let d = tempdir("spec-cut");
+    let spec = "Data/com.apple.CoreML/model.mlmodel";
+    for (tag, says) in [
+        (
+            "half",
+            "bytes) is truncated or corrupt, not a Core ML model spec (",
+        ),
+        ("empty", "is empty (0 bytes): the package has no model spec"),
+    ] {
+        let pkg = d.join(format!("{tag}.mlpackage"));
+        common::copy_tree(&good, &pkg);
+        let f = pkg.join(spec);
+        let bytes = fs::read(&f).unwrap();
+        let keep = if tag == "half" { bytes.len() / 2 } else { 0 };
+        fs::remove_file(&f).unwrap();
+        fs::write(&f, &bytes[..keep]).unwrap();
+        let want = format!("{}: {spec} ", pkg.display());
+        let out = d.join("out.npz");
+        for args in [
+            vec!["audit", s(&pkg)],
+            vec!["inspect", s(&pkg)],
+            vec!["exec", s(&pkg), "--inputs", s(&f), "--output", s(&out)],
+        ] {
+            let o = run(&args);
+            let e = stderr(&o);
+            assert_eq!(o.status.code(), Some(2), "{args:?}: {e}");
+            assert!(e.contains(&want) && e.contains(says), "{args:?}: {e}");
+            assert!(
+                !e.contains("DecodeError: ") && !e.contains("Traceback"),
+                "{e}"
+            );
+        }
+    }
+}
+
 /// A build folder: the packages build.json lists, each layer's kind from its
 /// plan; `--print-op-types` lists the op types per layer kind.
 #[test]

@@ -3,7 +3,6 @@ spec version, I/O, palettized weights and the decoder layers its weights belong 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
@@ -16,7 +15,7 @@ from .contract import (
     PalettizedConst,
     ProjectionWeight,
 )
-from .runtime import ChunkforgeError
+from .mil_program import read_model_spec
 
 # ArrayFeatureType.ArrayDataType values in the Core ML spec.
 ARRAY_DTYPES = {65552: "fp16", 65568: "fp32", 131104: "int32"}
@@ -48,26 +47,14 @@ def read_package(path: str, program: bool = True) -> tuple[Any, Any, str]:
     loading the model (works on Linux). Every function of a chunkforge
     multifunction package holds the same weights."""
     from coremltools.converters.mil.frontend.milproto.load import load as mil_load
-    from coremltools.proto import Model_pb2
 
-    if not os.path.isdir(path):
-        raise ChunkforgeError(f"{path}: not an .mlpackage folder")
     # The spec is read straight from the package's files: coremltools'
     # MLModel(path) rewrites Manifest.json, and a release must stay untouched
     # (and readable from a read-only mount).
-    data = os.path.join(path, "Data")
-    try:
-        with open(os.path.join(path, "Manifest.json")) as f:
-            manifest = json.load(f)
-        root = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"]
-        spec = Model_pb2.Model()
-        with open(os.path.join(data, root), "rb") as f:
-            spec.ParseFromString(f.read())
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
+    spec, model_file = read_model_spec(path)
     prog = None
     if program and spec.WhichOneof("Type") == "mlProgram":
-        weights = os.path.join(os.path.dirname(os.path.join(data, root)), "weights")
+        weights = os.path.join(os.path.dirname(model_file), "weights")
         prog = mil_load(spec, specification_version=spec.specificationVersion, file_weights_dir=weights)
     return spec, prog, spec.description.defaultFunctionName or "main"
 

@@ -196,28 +196,52 @@ class BlobFile:
         return bf16_to_fp32(array) if t.dtype == "bf16" else array
 
 
+def parse_spec(package: str, rel: str, raw: bytes) -> Any:
+    """The Core ML spec in the bytes ``raw`` of ``package``'s file ``rel``.
+    protobuf's own error names neither the package nor the file, and an
+    empty file parses as a model of no type: both are said here."""
+    from coremltools.proto import Model_pb2
+    from google.protobuf.message import DecodeError
+
+    if not raw:
+        raise ChunkforgeError(f"{package}: {rel} is empty (0 bytes): the package has no model spec")
+    spec = Model_pb2.Model()
+    try:
+        spec.ParseFromString(raw)
+    except DecodeError as e:
+        raise ChunkforgeError(
+            f"{package}: {rel} ({len(raw)} bytes) is truncated or corrupt, not a Core ML model spec ({e})"
+        ) from e
+    return spec
+
+
+def read_model_spec(path: str) -> tuple[Any, str]:
+    """The spec of the package ``path`` and the file it came from (the root
+    item its Manifest.json names), read without loading the model (works on
+    Linux; coremltools' MLModel(path) would also rewrite Manifest.json, and a
+    release must stay untouched). Every error names the package, and the
+    file when the file is at fault."""
+    if not os.path.isdir(path):
+        raise ChunkforgeError(f"{path}: not an .mlpackage folder")
+    try:
+        with open(os.path.join(path, "Manifest.json")) as f:
+            manifest = json.load(f)
+        rel = os.path.join("Data", manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"])
+        with open(os.path.join(path, rel), "rb") as f:
+            raw = f.read()
+    except (OSError, KeyError, ValueError, TypeError) as e:
+        raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
+    return parse_spec(path, rel, raw), os.path.join(path, rel)
+
+
 class MLPackage:
     """A saved .mlpackage: its spec, its ML program and its weight files,
     read without loading the model. Every function of a chunkforge
     multifunction package reads the same weight blob."""
 
     def __init__(self, path: str):
-        from coremltools.proto import Model_pb2
-
-        if not os.path.isdir(path):
-            raise ChunkforgeError(f"{path}: not an .mlpackage folder")
         self.path = path
-        data = os.path.join(path, "Data")
-        try:
-            with open(os.path.join(path, "Manifest.json")) as f:
-                manifest = json.load(f)
-            root = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"]
-            model_file = os.path.join(data, root)
-            self.spec = Model_pb2.Model()
-            with open(model_file, "rb") as f:
-                self.spec.ParseFromString(f.read())
-        except (OSError, KeyError, ValueError, TypeError) as e:
-            raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
+        self.spec, model_file = read_model_spec(path)
         self.model_file = model_file
         if self.spec.WhichOneof("Type") != "mlProgram":
             raise ChunkforgeError(f"{path}: a {self.spec.WhichOneof('Type')} model, not an ML program")

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .mil_program import BLOB_HEADER, BLOB_METADATA, BLOB_SENTINEL
+from .mil_program import BLOB_HEADER, BLOB_METADATA, BLOB_SENTINEL, parse_spec
 from .runtime import ChunkforgeError
 
 SPEC_REL = os.path.join("Data", "com.apple.CoreML", "model.mlmodel")
@@ -58,14 +58,12 @@ def manifest_id(item_path: str) -> str:
 
 def read_spec(path: str) -> Any:
     """The protobuf spec of the ML program package ``path``."""
-    from coremltools.proto import Model_pb2
-
-    spec = Model_pb2.Model()
     try:
         with open(os.path.join(path, SPEC_REL), "rb") as f:
-            spec.ParseFromString(f.read())
-    except (OSError, ValueError) as e:
+            raw = f.read()
+    except OSError as e:
         raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
+    spec = parse_spec(path, SPEC_REL, raw)
     if spec.WhichOneof("Type") != "mlProgram":
         raise ChunkforgeError(f"{path}: not an ML program")
     return spec
