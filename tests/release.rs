@@ -477,6 +477,158 @@ fn chunkforge_verifies_model_signing_signatures() {
     assert!(stdout(&o).contains("no manifest.json"), "{}", stdout(&o));
 }
 
+/// model_signing 1.1.1 parses `model.sig` strictly (unknown fields, wrong
+/// types, a missing publicKey are malformed); chunkforge's verify refuses the
+/// same bundles, naming the field, and accepts what model_signing accepts
+/// (it accepted a bundle without its publicKey, or with an unknown field in
+/// dsseEnvelope). None of these fields is signed: two verifiers must simply
+/// not disagree on one folder.
+#[test]
+fn verify_refuses_the_bundles_model_signing_refuses() {
+    let r = release("bundle-shape");
+    let sig: Value = serde_json::from_slice(&fs::read(r.dir.join("model.sig")).unwrap()).unwrap();
+    type Edit = fn(&mut Value);
+    let cases: [(&str, Edit, Option<&str>); 16] = [
+        (
+            "no publicKey",
+            |b| {
+                drop(
+                    b["verificationMaterial"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("publicKey"),
+                )
+            },
+            Some("verificationMaterial has no publicKey"),
+        ),
+        (
+            "field in dsseEnvelope",
+            |b| b["dsseEnvelope"]["x"] = json!(1),
+            Some("dsseEnvelope has an unexpected field 'x'"),
+        ),
+        (
+            "field in publicKey",
+            |b| b["verificationMaterial"]["publicKey"]["x"] = json!(1),
+            Some("verificationMaterial.publicKey has an unexpected field 'x'"),
+        ),
+        (
+            "field in verificationMaterial",
+            |b| b["verificationMaterial"]["x"] = json!(1),
+            Some("verificationMaterial has an unexpected field 'x'"),
+        ),
+        (
+            "field in a signature",
+            |b| b["dsseEnvelope"]["signatures"][0]["x"] = json!(1),
+            Some("dsseEnvelope.signatures[] has an unexpected field 'x'"),
+        ),
+        (
+            "no verificationMaterial",
+            |b| drop(b.as_object_mut().unwrap().remove("verificationMaterial")),
+            Some("no verificationMaterial"),
+        ),
+        (
+            "hint a number",
+            |b| b["verificationMaterial"]["publicKey"]["hint"] = json!(5),
+            Some("verificationMaterial.publicKey.hint is a number, expected a string"),
+        ),
+        (
+            "certificate beside publicKey",
+            |b| b["verificationMaterial"]["certificate"] = json!({"rawBytes": "AA=="}),
+            Some("holds a publicKey and a certificate"),
+        ),
+        (
+            "tlogEntries null",
+            |b| b["verificationMaterial"]["tlogEntries"] = Value::Null,
+            Some("verificationMaterial.tlogEntries is null, expected a list"),
+        ),
+        (
+            "signatures empty",
+            |b| b["dsseEnvelope"]["signatures"] = json!([]),
+            Some("dsseEnvelope.signatures is empty"),
+        ),
+        // Accepted by both.
+        (
+            "no hint",
+            |b| {
+                drop(
+                    b["verificationMaterial"]["publicKey"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("hint"),
+                )
+            },
+            None,
+        ),
+        (
+            "publicKey rawBytes",
+            |b| b["verificationMaterial"]["publicKey"]["rawBytes"] = json!("AA=="),
+            None,
+        ),
+        (
+            "no tlogEntries",
+            |b| {
+                drop(
+                    b["verificationMaterial"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("tlogEntries"),
+                )
+            },
+            None,
+        ),
+        (
+            "empty timestampVerificationData",
+            |b| b["verificationMaterial"]["timestampVerificationData"] = json!({}),
+            None,
+        ),
+        (
+            "keyid null",
+            |b| b["dsseEnvelope"]["signatures"][0]["keyid"] = Value::Null,
+            None,
+        ),
+        (
+            "two signatures",
+            |b| {
+                let first = b["dsseEnvelope"]["signatures"][0].clone();
+                b["dsseEnvelope"]["signatures"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(first);
+            },
+            None,
+        ),
+    ];
+    for (i, (what, edit, refused)) in cases.into_iter().enumerate() {
+        let d = r.work.join(format!("shape-{i}"));
+        copy_tree(&r.dir, &d);
+        let mut b = sig.clone();
+        edit(&mut b);
+        fs::remove_file(d.join("model.sig")).unwrap();
+        fs::write(d.join("model.sig"), serde_json::to_vec(&b).unwrap()).unwrap();
+        let ms = ms_verify(&d, &r.public);
+        let cf = cf_verify(&d, &r.public);
+        let said = format!("{}{}", stdout(&cf), stderr(&cf));
+        assert_eq!(
+            ms.status.success(),
+            refused.is_none(),
+            "{what}: model_signing: {}",
+            stderr(&ms)
+        );
+        assert_eq!(
+            cf.status.success(),
+            refused.is_none(),
+            "{what}: chunkforge: {said}"
+        );
+        if let Some(fragment) = refused {
+            assert!(
+                said.contains("model.sig: ") && said.contains(fragment),
+                "{what}: {said}"
+            );
+        }
+        fs::remove_dir_all(&d).unwrap();
+    }
+}
+
 /// A signature must cover manifest.json and may leave nothing else unsigned:
 /// model_signing itself signs a folder with `--ignore-paths manifest.json`,
 /// after which an edited manifest (new version, new URLs) used to "agree".

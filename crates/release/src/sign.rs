@@ -347,6 +347,193 @@ pub struct Verified {
     pub predicate: Map<String, Value>,
 }
 
+/// The fields each object of a key-signed bundle may hold: model_signing
+/// 1.1.1 reads `model.sig` with sigstore_models (pydantic, `extra="forbid"`,
+/// strict types), which rejects any other, and so does chunkforge, so the two
+/// verifiers never disagree on one folder (`publicKey`'s `rawBytes` and
+/// `keyDetails` are the ones model_signing drops unread before parsing).
+/// Where the two still differ, chunkforge is the stricter: it reads only the
+/// camelCase names model_signing writes (pydantic also takes `dsse_envelope`,
+/// and a bundle holding both spellings would say two things), and refuses
+/// transparency-log entries and RFC 3161 timestamps, which a key-signed
+/// release never carries and chunkforge does not check.
+const BUNDLE_FIELDS: &[(&str, &[&str])] = &[
+    (
+        "the bundle",
+        &["mediaType", "verificationMaterial", "dsseEnvelope"],
+    ),
+    (
+        "verificationMaterial",
+        &[
+            "publicKey",
+            "x509CertificateChain",
+            "certificate",
+            "tlogEntries",
+            "timestampVerificationData",
+        ],
+    ),
+    (
+        "verificationMaterial.publicKey",
+        &["hint", "rawBytes", "keyDetails"],
+    ),
+    (
+        "verificationMaterial.timestampVerificationData",
+        &["rfc3161Timestamps"],
+    ),
+    ("dsseEnvelope", &["payload", "payloadType", "signatures"]),
+    ("dsseEnvelope.signatures[]", &["sig", "keyid"]),
+];
+
+/// The object at `at` of a bundle, refused with any field [`BUNDLE_FIELDS`]
+/// does not list there.
+fn fields_of<'a>(v: &'a Value, at: &str) -> Result<&'a Map<String, Value>, String> {
+    let obj = v
+        .as_object()
+        .ok_or_else(|| format!("{at} is {}, expected an object", kind_of(v)))?;
+    only_fields(obj, at)
+}
+
+fn only_fields<'a>(
+    obj: &'a Map<String, Value>,
+    at: &str,
+) -> Result<&'a Map<String, Value>, String> {
+    let allowed = BUNDLE_FIELDS
+        .iter()
+        .find(|(a, _)| *a == at)
+        .map_or(&[][..], |(_, f)| f);
+    match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(k) => Err(format!(
+            "{at} has an unexpected field '{k}' (model_signing rejects such a bundle as malformed; \
+             {at} holds only {})",
+            allowed.join(", ")
+        )),
+        None => Ok(obj),
+    }
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The bundle's structure as model_signing requires it of a key-signed
+/// bundle (see [`BUNDLE_FIELDS`]); the values themselves are checked after.
+fn check_bundle_shape(top: &Map<String, Value>) -> Result<(), String> {
+    only_fields(top, "the bundle")?;
+    let vm = top
+        .get("verificationMaterial")
+        .ok_or("no verificationMaterial (model_signing requires one, with the publicKey hint)")?;
+    let vm = fields_of(vm, "verificationMaterial")?;
+    let set = |k: &str| vm.get(k).is_some_and(|v| !v.is_null());
+    match vm.get("publicKey").filter(|v| !v.is_null()) {
+        None if set("certificate") || set("x509CertificateChain") => {
+            return Err(
+                "signed with a certificate, not a key: chunkforge verifies key-signed \
+                        releases only (model_signing verify key refuses it too)"
+                    .into(),
+            )
+        }
+        None => {
+            return Err(
+                "verificationMaterial has no publicKey (model_signing requires exactly one \
+                        of publicKey, x509CertificateChain and certificate)"
+                    .into(),
+            )
+        }
+        Some(_) if set("certificate") || set("x509CertificateChain") => {
+            return Err(
+                "verificationMaterial holds a publicKey and a certificate (model_signing \
+                        requires exactly one)"
+                    .into(),
+            )
+        }
+        Some(pk) => {
+            let pk = fields_of(pk, "verificationMaterial.publicKey")?;
+            if let Some(h) = pk.get("hint").filter(|h| !h.is_null() && !h.is_string()) {
+                return Err(format!(
+                    "verificationMaterial.publicKey.hint is {}, expected a string",
+                    kind_of(h)
+                ));
+            }
+        }
+    }
+    match vm.get("tlogEntries") {
+        None => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(Value::Array(_)) => {
+            return Err(
+                "verificationMaterial.tlogEntries is not empty: a key-signed release has no \
+                        transparency-log entries, and chunkforge does not check them"
+                    .into(),
+            )
+        }
+        Some(v) => {
+            return Err(format!(
+                "verificationMaterial.tlogEntries is {}, expected a list",
+                kind_of(v)
+            ))
+        }
+    }
+    if let Some(t) = vm.get("timestampVerificationData").filter(|t| !t.is_null()) {
+        let t = fields_of(t, "verificationMaterial.timestampVerificationData")?;
+        if t.get("rfc3161Timestamps")
+            .is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty()))
+        {
+            return Err(
+                "verificationMaterial.timestampVerificationData holds timestamps: a \
+                        key-signed release has none, and chunkforge does not check them"
+                    .into(),
+            );
+        }
+    }
+    let Some(env) = top.get("dsseEnvelope").filter(|v| !v.is_null()) else {
+        return Err("no dsseEnvelope (only key-signed DSSE bundles are supported)".into());
+    };
+    let env = fields_of(env, "dsseEnvelope")?;
+    for k in ["payload", "payloadType"] {
+        match env.get(k) {
+            Some(Value::String(_)) => {}
+            Some(v) => {
+                return Err(format!(
+                    "dsseEnvelope.{k} is {}, expected a string",
+                    kind_of(v)
+                ))
+            }
+            None => return Err(format!("dsseEnvelope has no {k}")),
+        }
+    }
+    let sigs = match env.get("signatures") {
+        Some(Value::Array(a)) if !a.is_empty() => a,
+        Some(Value::Array(_)) => return Err("dsseEnvelope.signatures is empty".into()),
+        Some(v) => {
+            return Err(format!(
+                "dsseEnvelope.signatures is {}, expected a list",
+                kind_of(v)
+            ))
+        }
+        None => return Err("dsseEnvelope has no signatures".into()),
+    };
+    for s in sigs {
+        let s = fields_of(s, "dsseEnvelope.signatures[]")?;
+        if !s.get("sig").is_some_and(Value::is_string) {
+            return Err("dsseEnvelope.signatures[]: a signature without its sig string".into());
+        }
+        if let Some(k) = s.get("keyid").filter(|k| !k.is_null() && !k.is_string()) {
+            return Err(format!(
+                "dsseEnvelope.signatures[].keyid is {}, expected a string",
+                kind_of(k)
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Reads `sig_path`, checks the bundle's structure, the key hint and the ECDSA
 /// signature, then the statement (types, subject digest, resource list).
 /// Resource names are returned as recorded; the caller judges them as paths.
@@ -360,12 +547,7 @@ pub fn verify_bundle(sig_path: &Path, key: &VerifyingKey) -> Result<Verified, Si
     let top = bundle
         .as_object()
         .ok_or_else(|| fmt("expected a JSON object".into()))?;
-    // model_signing parses the bundle strictly: unknown top-level fields are an error.
-    for k in top.keys() {
-        if !["mediaType", "verificationMaterial", "dsseEnvelope"].contains(&k.as_str()) {
-            return Err(fmt(format!("unexpected top-level field '{k}'")));
-        }
-    }
+    check_bundle_shape(top).map_err(fmt)?;
     let media = top.get("mediaType").and_then(Value::as_str).unwrap_or("");
     if media != BUNDLE_MEDIA_TYPE {
         return Err(fmt(format!(
