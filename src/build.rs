@@ -709,6 +709,7 @@ impl Step<'_> {
                 config_sha256: config_sha,
                 tensor_prefix: Some(self.ckpt.prefix.clone()),
                 skipped_tensors: Some(self.ckpt.skipped),
+                weights: Some(hashing::weights_digest(self.ckpt)?),
             },
             request: self.settings.layout.record(),
             settings: self.settings.conversion.clone(),

@@ -219,9 +219,15 @@ pub fn run(
     sp.finish_and_clear();
     let mut report = result?;
     report.format = PARITY_FORMAT.into();
+    // Absolute, as build.json records it; the weights, so that `package`
+    // can tell a report about another seed or a fine-tune with the same
+    // config.json.
+    let dir = std::path::absolute(hf_dir)
+        .with_context(|| format!("{}: cannot make the path absolute", hf_dir.display()))?;
     report.checkpoint = ParityCheckpoint {
-        dir: hf_dir.to_string_lossy().into_owned(),
+        dir: dir.to_string_lossy().into_owned(),
         config_sha256: hashing::sha256_file(&hf_dir.join("config.json"))?,
+        weights: Some(hashing::weights_digest(ckpt)?),
     };
     report.prompt_ids = prompt.iter().take(opts.steps).copied().collect();
     report.tool = ToolVersions {

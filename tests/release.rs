@@ -137,6 +137,20 @@ fn config_sha256() -> String {
     )
 }
 
+/// build.json's and a parity report's `checkpoint.weights` of the single-file
+/// checkpoint `dir`, computed here from the format's definition.
+fn weights_of(dir: &Path) -> Value {
+    let file = format!(
+        "{:x}",
+        Sha256::digest(fs::read(dir.join("model.safetensors")).unwrap())
+    );
+    let line = format!("model.safetensors\0{file}\n");
+    json!({
+        "sha256": format!("{:x}", Sha256::digest(line.as_bytes())),
+        "files": {"model.safetensors": file},
+    })
+}
+
 /// Same digest as build.json's `sha256_tree`.
 fn tree_digest(dir: &Path) -> String {
     let mut lines = Vec::new();
@@ -211,7 +225,7 @@ fn synthetic_build(dir: &Path, skip: &[&str], big_mib: usize) -> PathBuf {
         "format": "chunkforge-build/1",
         "tool": {"chunkforge": "0.1.0", "python": {"python": "3.11", "torch": "2.11.0", "coremltools": "9.0", "transformers": "5.5.0"}},
         "checkpoint": {"dir": s(&checkpoint_dir()), "architecture": "Gemma4ForCausalLM", "multimodal": false,
-                       "config_sha256": config_sha256()},
+                       "config_sha256": config_sha256(), "weights": weights_of(&checkpoint_dir())},
         "request": {"mode": "all"},
         "settings": {"ctx": 2048, "minimum_deployment_target": "iOS18", "compute_precision": "FLOAT16",
                      "compute_units": "CPU_AND_NE", "quantize": true,
@@ -1662,7 +1676,8 @@ fn package_args<'a>(
 fn parity_report(step_ok: bool, summary: Value) -> Value {
     json!({
         "format": "chunkforge-parity/1",
-        "checkpoint": {"dir": s(&checkpoint_dir()), "config_sha256": config_sha256()},
+        "checkpoint": {"dir": s(&checkpoint_dir()), "config_sha256": config_sha256(),
+                       "weights": weights_of(&checkpoint_dir())},
         "prompt_ids": [2],
         "steps": [{"layout": "two", "step": 0, "cos": 1.0, "ref_token": 5, "token": if step_ok { 5 } else { 6 }, "margin": 1.0, "ok": step_ok}],
         "oracle": [], "artifacts": [],
@@ -1727,6 +1742,91 @@ fn package_refuses_failed_and_foreign_parity_reports() {
     assert!(stderr(&o).contains("parity FAILED"), "{}", stderr(&o));
     assert_eq!(manifest(&out)["parity"]["ok"], json!(false));
     assert!(cf_verify(&out, &public).status.success());
+}
+
+/// A parity report made on a checkpoint with the same config.json but other
+/// weights (another seed) is refused by `package`, naming the report and the
+/// file that differs (only config_sha256 was compared, and
+/// `"parity": {"ok": true}` was signed into the manifest); a report made on
+/// the build's own checkpoint is accepted. The report identifies its weights
+/// and records its folder absolute, as the schema says.
+#[test]
+fn package_refuses_a_parity_report_about_other_weights() {
+    let w = tempdir("parity-weights");
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    let (private, _) = keys(&w, "k");
+    let seed7 = common::fixture("e2b-seed7", &["--seed", "7"]);
+    let ours = checkpoint_dir();
+    assert_eq!(
+        fs::read(seed7.join("config.json")).unwrap(),
+        fs::read(ours.join("config.json")).unwrap(),
+        "the other seed must have the same config.json"
+    );
+    let parity = |dir: &Path, report: &Path| {
+        // A relative --hf-dir: the report records it absolute.
+        let o = Command::new(common::bin())
+            .current_dir(dir.parent().unwrap())
+            .args(["parity", "--hf-dir"])
+            .arg(dir.file_name().unwrap())
+            .args([
+                "--mode",
+                "two",
+                "--steps",
+                "2",
+                "--no-oracle",
+                "--report",
+                s(report),
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: Value = serde_json::from_slice(&fs::read(report).unwrap()).unwrap();
+        assert_eq!(
+            v["checkpoint"]["dir"],
+            json!(s(&std::path::absolute(dir).unwrap()))
+        );
+        assert_eq!(v["checkpoint"]["weights"], weights_of(dir));
+        let o = validate_with("parity/report.schema.json", report);
+        assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    };
+    let (theirs, good) = (w.join("seed7.json"), w.join("seed0.json"));
+    parity(&seed7, &theirs);
+    parity(&ours, &good);
+    let out = w.join("rel");
+    let o = run(&package_args(
+        &build,
+        "two",
+        &private,
+        &out,
+        &["--parity-report", s(&theirs)],
+    ));
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains(&format!(
+            "{}: is about other weights than the build's (same config.json): model.safetensors has sha256 {} in the report, {} in build.json",
+            theirs.display(),
+            weights_of(&seed7)["files"]["model.safetensors"].as_str().unwrap(),
+            weights_of(&ours)["files"]["model.safetensors"].as_str().unwrap(),
+        )),
+        "{e}"
+    );
+    assert!(!out.exists());
+    let o = run(&package_args(
+        &build,
+        "two",
+        &private,
+        &out,
+        &["--parity-report", s(&good)],
+    ));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(manifest(&out)["parity"]["ok"], json!(true));
+    // The manifest names the weights the signed parity verdict is about.
+    assert_eq!(
+        manifest(&out)["model"]["weights_sha256"],
+        weights_of(&ours)["sha256"]
+    );
+    fs::remove_dir_all(&w).unwrap();
 }
 
 /// SIGKILL at many points of `package`: the output is always the previous
@@ -1846,7 +1946,12 @@ fn real_build() -> PathBuf {
 }
 
 fn validate_schema(manifest: &Path) -> Output {
-    let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/manifest.schema.json");
+    validate_with("manifests/manifest.schema.json", manifest)
+}
+
+/// Validates the JSON file `doc` against the repository's schema `schema`.
+fn validate_with(schema: &str, doc: &Path) -> Output {
+    let schema = Path::new(env!("CARGO_MANIFEST_DIR")).join(schema);
     Command::new(signing_bin().join("python"))
         .args([
             "-c",
@@ -1856,7 +1961,7 @@ fn validate_schema(manifest: &Path) -> Output {
              [print(e.json_path, e.message) for e in errs]\n\
              sys.exit(1 if errs else 0)",
             s(&schema),
-            s(manifest),
+            s(doc),
         ])
         .output()
         .unwrap()

@@ -8,7 +8,9 @@ use anyhow::{bail, Context, Result};
 
 use super::package::{release_request, summary as package_summary};
 use super::{resolve_checkpoint, ExitStatus};
+use crate::checkpoint::Checkpoint;
 use crate::cli::ReleaseCmd;
+use crate::config::TextConfig;
 use crate::hashing;
 use crate::package::{package, Compiled};
 use crate::records::BuildRecord;
@@ -103,6 +105,22 @@ fn reusable(dir: &Path, hf_dir: &Path, settings: &BuildSettings) -> Result<Build
             "checkpoint ({} has another config.json)",
             hf_dir.display()
         ));
+    } else {
+        // The parity report names the weights it ran on, and `package`
+        // refuses one that are not the build's: say so before parity runs.
+        let ckpt = Checkpoint::open(hf_dir, &TextConfig::load(hf_dir)?)?;
+        let weights = hashing::weights_digest(&ckpt)?;
+        match &record.checkpoint.weights {
+            Some(w) if *w == weights => {}
+            Some(_) => differs.push(format!(
+                "checkpoint weights ({} holds other weights with the same config.json)",
+                hf_dir.display()
+            )),
+            None => differs.push(
+                "checkpoint weights (this build.json, from an older chunkforge, does not record them)"
+                    .into(),
+            ),
+        }
     }
     if !differs.is_empty() {
         bail!(

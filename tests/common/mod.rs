@@ -68,9 +68,11 @@ pub fn fails(args: &[&str]) -> String {
 
 static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
 
-/// Bumped with the fixture generator (python/chunkforge_py/fixture.py) so cached
-/// test fixtures and builds are made again.
-const FIXTURE_GENERATION: &str = "gen4";
+/// Bumped with the fixture generator (python/chunkforge_py/fixture.py), or
+/// with what build.json must hold, so cached test fixtures and builds are
+/// made again (gen5: build.json records the checkpoint's weights, which
+/// `release --reuse-build` and `package --parity-report` require).
+const FIXTURE_GENERATION: &str = "gen5";
 
 /// A cached fixture checkpoint under target/test-fixtures/<name>, made once
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.

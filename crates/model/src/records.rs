@@ -248,6 +248,44 @@ pub struct CheckpointRecord {
     pub tensor_prefix: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skipped_tensors: Option<usize>,
+    /// The weights read (absent in build.json files of older chunkforges).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<WeightsDigest>,
+}
+
+/// What identifies the weights a build or a parity run read: the SHA-256 of
+/// every file they come from (each safetensors file, and the shard index
+/// when there is one) by file name, and one digest over that list. Two
+/// checkpoints with one `config.json` (another seed, a fine-tune) differ
+/// here, so `package` can tell a parity report about other weights.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct WeightsDigest {
+    /// SHA-256 over a `name\0sha256\n` line per file, in name order.
+    #[schemars(pattern("^[0-9a-f]{64}$"))]
+    pub sha256: String,
+    /// File name (in the checkpoint folder) -> SHA-256.
+    #[schemars(extend("minProperties" = 1, "additionalProperties" = {"type": "string", "pattern": "^[0-9a-f]{64}$"}))]
+    pub files: BTreeMap<String, String>,
+}
+
+impl WeightsDigest {
+    /// Each file that differs between `self` (called `mine`) and `other`
+    /// (called `theirs`), said in a few words.
+    pub fn differences(&self, other: &WeightsDigest, mine: &str, theirs: &str) -> Vec<String> {
+        let names: std::collections::BTreeSet<&String> =
+            self.files.keys().chain(other.files.keys()).collect();
+        names
+            .into_iter()
+            .filter_map(|n| match (self.files.get(n), other.files.get(n)) {
+                (Some(a), Some(b)) if a == b => None,
+                (Some(a), Some(b)) => {
+                    Some(format!("{n} has sha256 {b} in {theirs}, {a} in {mine}"))
+                }
+                (Some(_), None) => Some(format!("{n} is in {mine} only")),
+                (None, _) => Some(format!("{n} is in {theirs} only")),
+            })
+            .collect()
+    }
 }
 
 /// Python's counts for one converted function (`convert.save`).
@@ -761,11 +799,18 @@ pub struct ParitySummary {
 /// The checkpoint a parity run read.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ParityCheckpoint {
+    /// The checkpoint folder, absolute, as build.json records it (a relative
+    /// one, from an older chunkforge, named nothing).
     #[serde(default)]
+    #[schemars(pattern("^/"))]
     pub dir: String,
     #[serde(default)]
     #[schemars(pattern("^[0-9a-f]{64}$"))]
     pub config_sha256: String,
+    /// The weights parity ran on (absent in reports of older chunkforges,
+    /// which `package` refuses).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<WeightsDigest>,
 }
 
 /// The parity report (`parity --report`; schema: parity/report.schema.json).

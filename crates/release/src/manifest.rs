@@ -371,6 +371,35 @@ pub fn parity_summary(
             build.record.checkpoint.dir,
         )));
     }
+    let Some(ours) = &build.record.checkpoint.weights else {
+        return Err(build.err(
+            "records no digest of the checkpoint's weights (built by an older chunkforge), so no parity \
+             report can be matched to the weights it was built from; build it again, or package it \
+             without --parity-report"
+                .into(),
+        ));
+    };
+    let Some(theirs) = &checkpoint.weights else {
+        return Err(bad(
+            "does not say which weights it was run on (written by an older chunkforge, or by hand); \
+             run chunkforge parity --report on the checkpoint that was built"
+                .into(),
+        ));
+    };
+    if theirs.sha256 != ours.sha256 {
+        let differ = ours.differences(theirs, "build.json", "the report");
+        return Err(bad(format!(
+            "is about other weights than the build's (same config.json): {}; the report's checkpoint is {}, \
+             the build's {}; run parity on the checkpoint that was built",
+            if differ.is_empty() {
+                format!("weights digest {} vs {}", theirs.sha256, ours.sha256)
+            } else {
+                differ.join("; ")
+            },
+            if checkpoint.dir.is_empty() { "?" } else { &checkpoint.dir },
+            build.record.checkpoint.dir,
+        )));
+    }
     let verdict: Verdict = serde_json::from_value(summary.clone())
         .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
     let ok = match verdict.ok {
@@ -626,6 +655,12 @@ pub struct ModelInfo {
     pub architecture: String,
     #[schemars(with = "Sha256Hex")]
     pub config_sha256: String,
+    /// The digest of the weights the packages were built from (build.json's
+    /// `checkpoint.weights.sha256`); a parity report embedded in `parity` was
+    /// run on these weights.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Sha256Hex>")]
+    pub weights_sha256: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -815,6 +850,7 @@ impl Manifest {
                 id: inp.model_id.into(),
                 architecture: b.checkpoint.architecture.clone(),
                 config_sha256: b.checkpoint.config_sha256.clone(),
+                weights_sha256: b.checkpoint.weights.as_ref().map(|w| w.sha256.clone()),
             },
             release: ReleaseInfo {
                 version: inp.version.into(),
