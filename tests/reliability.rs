@@ -351,6 +351,17 @@ fn unimplemented_config_values_are_refused() {
     }
 }
 
+/// Puts an infinity into layer 0's q_proj weight of checkpoint `ck`.
+fn inf_weight_in_layer_0(ck: &Path) {
+    let p = ck.join("model.safetensors");
+    let (h, mut data) = read_safetensors(&p);
+    let b = h["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0]
+        .as_u64()
+        .unwrap() as usize;
+    data[b..b + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    write_safetensors(&p, &h, &data);
+}
+
 /// Sizes past their bounds are refused by `plan` and `build` alike, naming
 /// config.json, the field and the bound (a `sliding_window` of 10^12 passed
 /// `plan`, and `build` asked torch for 4 TB, leaving an empty output folder
@@ -359,15 +370,6 @@ fn unimplemented_config_values_are_refused() {
 /// the weights' check during conversion refuses it.
 #[test]
 fn oversized_configs_are_refused_by_plan_and_build_leaving_nothing() {
-    let inf_weight = |ck: &Path| {
-        let p = ck.join("model.safetensors");
-        let (h, mut data) = read_safetensors(&p);
-        let b = h["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0]
-            .as_u64()
-            .unwrap() as usize;
-        data[b..b + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
-        write_safetensors(&p, &h, &data);
-    };
     /// (tag, edit of the checkpoint, error fragment, whether `plan` refuses it too)
     type Case<'a> = (&'a str, Box<dyn Fn(&Path)>, &'a str, bool);
     let cases: [Case; 4] = [
@@ -397,7 +399,7 @@ fn oversized_configs_are_refused_by_plan_and_build_leaving_nothing() {
         ),
         (
             "inf-weight-fresh",
-            Box::new(inf_weight),
+            Box::new(inf_weight_in_layer_0),
             "weight model.layers.0.self_attn.q_proj.weight has 1 NaN/Inf values",
             false,
         ),
@@ -487,15 +489,7 @@ fn hostile_checkpoint_corpus() {
     );
     corpus_case(
         "inf-weight",
-        |ck| {
-            let p = ck.join("model.safetensors");
-            let (h, mut data) = read_safetensors(&p);
-            let b = h["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0]
-                .as_u64()
-                .unwrap() as usize;
-            data[b..b + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
-            write_safetensors(&p, &h, &data);
-        },
+        inf_weight_in_layer_0,
         "weight model.layers.0.self_attn.q_proj.weight has 1 NaN/Inf values",
     );
     corpus_case(

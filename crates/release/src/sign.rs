@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
+use chunkforge_model::checkpoint::json_kind;
 use p256::ecdsa::signature::{Signer as _, Verifier as _};
 use p256::ecdsa::{DerSignature, Signature, SigningKey, VerifyingKey};
 use p256::pkcs8::{
@@ -389,7 +390,7 @@ const BUNDLE_FIELDS: &[(&str, &[&str])] = &[
 fn fields_of<'a>(v: &'a Value, at: &str) -> Result<&'a Map<String, Value>, String> {
     let obj = v
         .as_object()
-        .ok_or_else(|| format!("{at} is {}, expected an object", kind_of(v)))?;
+        .ok_or_else(|| format!("{at} is {}, expected an object", json_kind(v)))?;
     only_fields(obj, at)
 }
 
@@ -408,17 +409,6 @@ fn only_fields<'a>(
             allowed.join(", ")
         )),
         None => Ok(obj),
-    }
-}
-
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }
 
@@ -458,7 +448,7 @@ fn check_bundle_shape(top: &Map<String, Value>) -> Result<(), String> {
             if let Some(h) = pk.get("hint").filter(|h| !h.is_null() && !h.is_string()) {
                 return Err(format!(
                     "verificationMaterial.publicKey.hint is {}, expected a string",
-                    kind_of(h)
+                    json_kind(h)
                 ));
             }
         }
@@ -476,7 +466,7 @@ fn check_bundle_shape(top: &Map<String, Value>) -> Result<(), String> {
         Some(v) => {
             return Err(format!(
                 "verificationMaterial.tlogEntries is {}, expected a list",
-                kind_of(v)
+                json_kind(v)
             ))
         }
     }
@@ -502,7 +492,7 @@ fn check_bundle_shape(top: &Map<String, Value>) -> Result<(), String> {
             Some(v) => {
                 return Err(format!(
                     "dsseEnvelope.{k} is {}, expected a string",
-                    kind_of(v)
+                    json_kind(v)
                 ))
             }
             None => return Err(format!("dsseEnvelope has no {k}")),
@@ -514,7 +504,7 @@ fn check_bundle_shape(top: &Map<String, Value>) -> Result<(), String> {
         Some(v) => {
             return Err(format!(
                 "dsseEnvelope.signatures is {}, expected a list",
-                kind_of(v)
+                json_kind(v)
             ))
         }
         None => return Err("dsseEnvelope has no signatures".into()),
@@ -527,7 +517,7 @@ fn check_bundle_shape(top: &Map<String, Value>) -> Result<(), String> {
         if let Some(k) = s.get("keyid").filter(|k| !k.is_null() && !k.is_string()) {
             return Err(format!(
                 "dsseEnvelope.signatures[].keyid is {}, expected a string",
-                kind_of(k)
+                json_kind(k)
             ));
         }
     }
