@@ -422,6 +422,48 @@ fn composed_build_converts_only_the_four_chunk_programs() {
 }
 
 #[test]
+fn a_package_is_the_same_whichever_mode_builds_it() {
+    // `--mode all` composes merged_chunk1/2 and merged_full from the decode
+    // functions of joint conversions (chunkN with verify_qK and prefill);
+    // `--mode both` from four-chunk decode programs each converted alone,
+    // staged and never published. A package depends on the checkpoint, its
+    // layout and the settings only (python/chunkforge_py/mil_names.py): the
+    // same bytes, so the same digest and signature.
+    let all = built_all();
+    let hf = json_file(&all.join("build.json"))["checkpoint"]["dir"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let both = shared_build("default-both", Path::new(&hf), &["--mode", "both"]);
+    let trees = |dir: &Path| -> std::collections::BTreeMap<String, String> {
+        package_trees(&json_file(&dir.join("build.json")))
+            .into_iter()
+            .collect()
+    };
+    let (in_all, in_both) = (trees(&all), trees(&both));
+    let names: Vec<&String> = in_both.keys().collect();
+    assert_eq!(
+        names,
+        [
+            "merged_chunk1.mlpackage",
+            "merged_chunk2.mlpackage",
+            "merged_full.mlpackage"
+        ]
+    );
+    for (name, tree) in &in_both {
+        for file in [
+            "Data/com.apple.CoreML/model.mlmodel",
+            "Data/com.apple.CoreML/weights/weight.bin",
+            "Manifest.json",
+        ] {
+            let read = |dir: &Path| std::fs::read(dir.join(name).join(file)).unwrap();
+            assert!(read(&all) == read(&both), "{name}: {file} differs");
+        }
+        assert_eq!(Some(tree), in_all.get(name), "{name}");
+    }
+}
+
+#[test]
 fn default_build_is_the_device_proven_formulation_without_audit_findings() {
     let out = built_all();
     let build = json_file(&out.join("build.json"));

@@ -61,8 +61,11 @@ by name.
 Names: the target's input and output names are reserved; any other variable
 or op name of a source that is taken (by the target or an earlier source) gets
 the source's suffix ``_s{k}`` (weights keep their names: they hold the layer
-index). Weights: each source's ``blobFileValue`` references are pointed at its
-own file (``@model_path/weights/source{k}.bin``, standing for its
+index). The written program's names are then made canonical (`mil_names`),
+so they follow from its ops alone, not from its sources' names.
+
+Weights: each source's ``blobFileValue`` references are pointed at its own
+file (``@model_path/weights/source{k}.bin``, standing for its
 ``weight.bin``); `mil_write.write_package` copies each blob the composed
 program reads into one fresh ``weight.bin``.
 """
@@ -76,7 +79,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from . import mil_write
+from . import mil_names, mil_write
 from .contract import (
     Attention,
     ChunkPlan,
@@ -89,6 +92,7 @@ from .contract import (
     TensorSpec,
 )
 from .inspect_pkg import PROJECTION_OPS
+from .mil_names import defined_names, rename_definitions, rename_names
 from .roles import CACHE, NEW_ROWS, Key, key_of
 from .runtime import ChunkforgeError, package_writer, release_memory, temporaries_beside
 
@@ -524,40 +528,6 @@ def rename_bindings(op: Any, rename: dict[str, str], blob: dict[str, str]) -> No
                 raise ChunkforgeError(f"weight file {v.blobFileValue.fileName!r} is not in the package's weights/")
             v.blobFileValue.fileName = WEIGHTS_PREFIX + blob[base]
     rename_names(op, rename)
-
-
-def rename_names(op: Any, rename: dict[str, str]) -> None:
-    """Point ``op``'s (and its nested blocks') variable references at their new names."""
-    for arg in op.inputs.values():
-        for b in arg.arguments:
-            if b.WhichOneof("binding") == "name":
-                b.name = rename.get(b.name, b.name)
-    for block in op.blocks:
-        for inner in block.operations:
-            rename_names(inner, rename)
-        outs = [rename.get(n, n) for n in block.outputs]
-        del block.outputs[:]
-        block.outputs.extend(outs)
-
-
-def defined_names(op: Any) -> Iterable[str]:
-    for o in op.outputs:
-        yield o.name
-    for block in op.blocks:
-        for i in block.inputs:
-            yield i.name
-        for inner in block.operations:
-            yield from defined_names(inner)
-
-
-def rename_definitions(op: Any, rename: dict[str, str]) -> None:
-    for o in op.outputs:
-        o.name = rename.get(o.name, o.name)
-    for block in op.blocks:
-        for i in block.inputs:
-            i.name = rename.get(i.name, i.name)
-        for inner in block.operations:
-            rename_definitions(inner, rename)
 
 
 def consumers(block: Any) -> dict[str, int]:
@@ -1044,6 +1014,9 @@ def write(c: Composed, seconds: dict[str, float]) -> ChunkStats:
     # go: the sources are optimised already.
     eliminate_dead_code(block)
     consume_unused_inputs(main, block)
+    # The names of the composed program, not the sources' with their
+    # suffixes: coremltools' writer gets them from `convert.save`.
+    mil_names.canonicalize(model)
     check_contract(model, function, name)
     describe(model, function)
     # What coremltools records for a MIL program it serialises: the composed

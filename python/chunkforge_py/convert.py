@@ -20,7 +20,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import mil_write, passes
+from . import mil_names, mil_write, passes
 from .checkpoint import Checkpoint
 from .contract import (
     BundleStats,
@@ -253,16 +253,19 @@ def normalize_manifest(path: str) -> None:
         f.write("\n")
 
 
-def serialize_spec_deterministically(path: str) -> None:
+def serialize_spec_deterministically(path: str, canonical: bool = True) -> None:
     """Rewrite the package's model.mlmodel with protobuf's deterministic
     serialization: the default one writes map entries (metadata, op attributes)
-    in an order that can change between processes."""
+    in an order that can change between processes. ``canonical``: with the
+    program's canonical names (`mil_names`), not the trace's."""
     from coremltools.proto import Model_pb2
 
     spec_path = os.path.join(path, "Data", "com.apple.CoreML", "model.mlmodel")
     spec = Model_pb2.Model()
     with open(spec_path, "rb") as f:
         spec.ParseFromString(f.read())
+    if canonical:
+        mil_names.canonicalize(spec)
     with open(spec_path, "wb") as f:
         f.write(spec.SerializeToString(deterministic=True))
 
@@ -272,15 +275,17 @@ def weight_bytes(path: str) -> int:
     return os.path.getsize(weights) if os.path.exists(weights) else 0
 
 
-def save(mlmodel: Any, path: str) -> ChunkStats:
-    """Write the package to ``path`` (a temporary name chosen by Rust) and return its stats."""
+def save(mlmodel: Any, path: str, canonical: bool = True) -> ChunkStats:
+    """Write the package to ``path`` (a temporary name chosen by Rust) and
+    return its stats. ``canonical``: its program's names made canonical
+    (`mil_names`; the joint program, which is split first, keeps the trace's)."""
     mil = mil_stats(mlmodel)
     # The conversion date would make two builds of the same model differ.
     metadata = mlmodel.user_defined_metadata
     if "com.github.apple.coremltools.conversion_date" in metadata:
         del metadata["com.github.apple.coremltools.conversion_date"]
     mlmodel.save(path)
-    serialize_spec_deterministically(path)
+    serialize_spec_deterministically(path, canonical)
     normalize_manifest(path)
     # Weight-cache counts of the Rust palettizer (None when it did not run).
     pal = cast(PalettizeStats, getattr(mlmodel, "_chunkforge_palettize_stats", None) or {})

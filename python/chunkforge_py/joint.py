@@ -15,30 +15,28 @@ width, most of a conversion's time and most of the gigabytes it writes.
    program, cast and palettized once;
 3. the program is saved once, and `split` cuts it into one single-function
    package per function, at the protobuf level: the function's own inputs and
-   outputs, the ops they need (the others' are dead there), the ``f{k}__``
-   prefix taken off every name (``f0__hidden_states_to_fp16`` becomes
-   ``hidden_states_to_fp16``, as a conversion of the function alone names
-   it), and a hard link of the one weight file.
+   outputs, the ops they need (the others' are dead there), every other name
+   made canonical (`mil_names`: the trace numbers its names over every
+   function), the ``f{k}__`` prefix taken off the inputs and outputs, and a
+   hard link of the one weight file.
 
 Each function's program is op for op the program its own conversion gives,
-with the same values; the names of ops the trace numbers (``var_1234``)
-differ, and the constants sit where the first function read them
-(python/tests/test_joint.py runs both through the MIL interpreter). The parts
-are bundled as before (`convert.combine`), which keeps only the blobs each
-package reads.
+with the same values and, being canonical, the same names; the constants sit
+where the first function read them (python/tests/test_joint.py runs both
+through the MIL interpreter). The parts are bundled as before
+(`convert.combine`), which keeps only the blobs each package reads.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from . import compose, mil_write
+from . import compose, mil_names, mil_write
 from .checkpoint import Checkpoint
 from .contract import ChunkJob, ChunkStats, ConvertedChunk, ConvertedFunction, FunctionPlan
 from .convert import _Phases, check_finite, kernel_apart, load_and_convert, save
@@ -116,7 +114,7 @@ def convert_joint(
     whole = os.path.join(os.path.dirname(paths[0]), ".joint-" + os.path.basename(paths[0]))
     try:
         with phases("save", f"save, split into {len(pairs)} functions"):
-            stats = save(ml, whole)
+            stats = save(ml, whole, canonical=False)
             del ml
             release_memory()
             parts = split(whole, functions, paths)
@@ -168,7 +166,6 @@ def split(whole: str, functions: list[FunctionPlan], paths: list[str]) -> list[C
         fn = part.mlProgram.functions["main"]
         block = fn.block_specializations[fn.opset]
         cut(fn, block, prefix(k), f)
-        compose.consume_unused_inputs(fn, block)
         for features in (part.description.input, part.description.output):
             own = [x for x in features if x.name.startswith(prefix(k))]
             kept = [type(x)() for x in own]
@@ -188,7 +185,10 @@ def split(whole: str, functions: list[FunctionPlan], paths: list[str]) -> list[C
 
 def cut(fn: Any, block: Any, pre: str, f: FunctionPlan) -> None:
     """Keep function ``fn``'s inputs and outputs named ``pre...`` and the ops
-    they need, and take ``pre`` off every name that has it."""
+    they need, give every other name its canonical name (`mil_names`; the
+    ops of the other functions are gone, so the names are those of a
+    conversion of this function alone), and take ``pre`` off the inputs and
+    outputs (and the ops named after them)."""
     own = [i for i in fn.inputs if i.name.startswith(pre)]
     kept = [type(i)() for i in own]
     for new, i in zip(kept, own, strict=True):
@@ -202,8 +202,14 @@ def cut(fn: Any, block: Any, pre: str, f: FunctionPlan) -> None:
     del block.outputs[:]
     block.outputs.extend(outputs)
     compose.eliminate_dead_code(block)
-    defined = {i.name for i in fn.inputs} | {n for op in block.operations for n in compose.defined_names(op)}
-    rename = unprefixed(defined)
+    compose.consume_unused_inputs(fn, block)
+    mil_names.canonicalize_block(fn, block)
+    rename = {pre + s["name"]: s["name"] for s in [*f["inputs"], *f["outputs"]]}
+    defined = {n for op in block.operations for n in compose.defined_names(op)} - set(rename)
+    if defined & set(rename.values()):
+        raise ChunkforgeError(
+            f"{f['name']}: the split program already defines {sorted(defined & set(rename.values()))}"
+        )
     for i in fn.inputs:
         i.name = rename.get(i.name, i.name)
     for op in block.operations:
@@ -215,30 +221,10 @@ def cut(fn: Any, block: Any, pre: str, f: FunctionPlan) -> None:
     inputs = [i.name for i in fn.inputs]
     if renamed != [s["name"] for s in f["outputs"]] or inputs != [s["name"] for s in f["inputs"]]:
         raise ChunkforgeError(f"{f['name']}: the split program takes {inputs} and gives {renamed}, not its plan's")
-    # Op names too (an op's name is its first output's, or its own).
-    names = [op.attributes["name"].immediateValue.tensor.strings.values for op in all_ops(block)]
-    op_rename = unprefixed({n[0] for n in names if len(n) == 1})
-    for n in names:
-        if len(n) == 1 and n[0] in op_rename:
-            n[0] = op_rename[n[0]]
-
-
-# What a name of the joint program starts with when it comes from a function's
-# input or output (`prefix`); a constant two functions share keeps the name
-# the first gave it.
-PREFIXED = re.compile(r"f\d+__")
-
-
-def unprefixed(names: set[str]) -> dict[str, str]:
-    """Each of ``names`` that starts with a function's `prefix`, to itself
-    without it, unless that name is taken (by another of ``names``, or by two
-    of them): such a name keeps its prefix, which only the name shows."""
-    rename = {n: n[m.end() :] for n in names if (m := PREFIXED.match(n))}
-    counts: dict[str, int] = {}
-    for new in rename.values():
-        counts[new] = counts.get(new, 0) + 1
-    kept = names - set(rename)
-    return {old: new for old, new in rename.items() if counts[new] == 1 and new not in kept}
+    for op in all_ops(block):
+        names = op.attributes["name"].immediateValue.tensor.strings.values
+        if len(names) == 1 and names[0] in rename:
+            names[0] = rename[names[0]]
 
 
 def all_ops(block: Any) -> Iterator[Any]:

@@ -21,17 +21,21 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from chunkforge_py import mil_write
+from chunkforge_py import mil_names, mil_write
 from chunkforge_py.contract import ChunkJob, ChunkPlan
 from chunkforge_py.mil_interp import Interpreter
 from chunkforge_py.runtime import ChunkforgeError
 from test_mil_interp import one_thread, random_inputs, shared_build  # noqa: F401 (one_thread: autouse)
+
+# What a name of the joint program starts with when it comes from a function's input or output.
+PREFIXED = re.compile(r"f\d+__")
 
 native = pytest.importorskip("chunkforge_native", reason="the Rust kernel exists inside the chunkforge binary only")
 
@@ -147,11 +151,17 @@ def test_each_function_holds_the_ops_and_interface_of_its_own_conversion(convert
             o.name for op in bb.operations for o in op.outputs if o.name.endswith("_tmp")
         ), name
         # No name keeps a function's prefix.
-        from chunkforge_py.joint import PREFIXED, all_ops
+        from chunkforge_py.joint import all_ops
 
         names = [o.name for op in ba.operations for o in op.outputs] + [i.name for i in fa.inputs]
         names += [op.attributes["name"].immediateValue.tensor.strings.values[0] for op in all_ops(ba)]
         assert not [n for n in names if PREFIXED.match(n)], name
+        # Its names are canonical, as those of its own conversion.
+        for spec in (sa, sb):
+            again = type(spec)()
+            again.CopyFrom(spec)
+            mil_names.canonicalize(again)
+            assert again.SerializeToString(deterministic=True) == spec.SerializeToString(deterministic=True), name
     # Not the same bytes: the joint program's op names differ (the trace
     # numbers them over every function).
     name, joint, alone = functions(converted)[1]
@@ -206,10 +216,3 @@ def test_chunks_of_different_layers_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ChunkforgeError, match="hold different layers"):
         convert_jobs([a, b], True, 1, None, lambda *_: None)  # type: ignore[arg-type]
     assert not list(tmp_path.iterdir())
-
-
-def test_a_prefix_comes_off_unless_the_name_would_be_taken() -> None:
-    from chunkforge_py.joint import unprefixed
-
-    names = {"f0__a", "f1__b", "c", "f0__c", "f1__d", "f2__d", "f10__e", "xf0__g"}
-    assert unprefixed(names) == {"f0__a": "a", "f1__b": "b", "f10__e": "e"}
