@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite. On a fresh machine this also creates the cached Python
-# environment (first run: a few minutes, ~5 GB for torch) and the test fixtures.
+# environment (first run: a few minutes, 4 GB; README: Fresh machine) and the test fixtures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,7 +12,8 @@ cargo build --release --all-targets
 VENV_PY="$(./target/release/chunkforge doctor --venv-python)"
 # The test tools (pytest, ruff, mypy) live in a folder of their own next to the
 # pinned environment ($CACHE/venv/bin/python), named after the SHA-256 of
-# their requirements: the pinned environment holds exactly requirements.txt.
+# their requirements: the pinned environment holds exactly requirements-torch.txt
+# and requirements.txt.
 CACHE="$(dirname "$(dirname "$(dirname "$VENV_PY")")")"
 TOOLS="$CACHE/test-tools-$(sha256sum python/requirements-test.txt | cut -c1-16)"
 if [ ! -d "$TOOLS" ]; then

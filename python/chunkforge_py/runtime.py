@@ -244,12 +244,13 @@ def release_memory() -> None:
             trim(0)
 
 
-def versions() -> dict[str, str]:
-    """Versions of the Python-side tools, for build.json and `doctor`."""
+def versions(packages: list[str]) -> dict[str, str]:
+    """Versions of the Python-side tools, for build.json and `doctor`: the
+    interpreter's, then those of `packages` (the pinned ones, from Rust)."""
     import importlib.metadata as md
 
     out = {"python": sys.version.split()[0]}
-    for pkg in ("torch", "coremltools", "transformers", "numpy", "safetensors", "scikit-learn"):
+    for pkg in packages:
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

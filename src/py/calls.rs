@@ -82,8 +82,9 @@ macro_rules! entry_points {
 entry_points! {
     /// Quiets coremltools and torch unless `verbose` (`env::activate`).
     Configure = "runtime"."configure"(Keywords ConfigureArgs) -> ();
-    /// Versions of the Python-side tools, by package, `python` first.
-    VersionsOf = "runtime"."versions"(Nothing ()) -> Versions;
+    /// Versions of the Python-side tools, by package, `python` first, then
+    /// those of the packages asked for.
+    VersionsOf = "runtime"."versions"(Keywords VersionsArgs) -> Versions;
     /// What coremltools can and cannot do on this platform.
     Platform = "runtime"."platform_limits"(Nothing ()) -> PlatformLimits;
     /// A package as read from disk (`chunkforge inspect`).
@@ -227,9 +228,20 @@ pub struct ConfigureArgs {
     pub verbose: bool,
 }
 
-/// Versions of the Python-side tools, by package, `python` first.
+/// `runtime.versions`' request: the packages whose versions are asked for.
+#[derive(Serialize, JsonSchema)]
+pub struct VersionsArgs {
+    pub packages: Vec<String>,
+}
+
+/// Versions of the Python-side tools, by package: `python` first, then every
+/// pinned package ([`super::env::pinned_packages`]) as installed.
 pub fn versions(verbose: bool) -> Result<Versions> {
-    call::<VersionsOf>(&(), verbose)
+    let packages = super::env::pinned_packages()
+        .into_iter()
+        .map(|(name, _)| name.to_string())
+        .collect();
+    call::<VersionsOf>(&VersionsArgs { packages }, verbose)
 }
 
 /// What coremltools can and cannot do on this platform.

@@ -5,8 +5,11 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use indicatif::ProgressBar;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 use sha2::{Digest, Sha256};
@@ -15,8 +18,25 @@ use crate::cache_dir::cache_dir;
 use crate::hashing::hex;
 use crate::progress;
 
-/// The pinned Python requirements, compiled in so the stamp always matches the binary.
+/// The pinned Python requirements, compiled in so the stamp always matches the
+/// binary: torch and the CUDA libraries it links, installed without dependency
+/// resolution (so its GPU-only requirements stay out), then the rest.
+pub const TORCH_REQUIREMENTS: &str = include_str!("../../python/requirements-torch.txt");
 pub const REQUIREMENTS: &str = include_str!("../../python/requirements.txt");
+
+/// The packages pinned to one version on every platform (`name==version`
+/// without an environment marker) in the two requirement files, in file order:
+/// what `doctor` and build.json report.
+pub fn pinned_packages() -> Vec<(&'static str, &'static str)> {
+    [TORCH_REQUIREMENTS, REQUIREMENTS]
+        .iter()
+        .flat_map(|text| text.lines())
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.contains(';'))
+        .filter_map(|l| l.split_once("=="))
+        .map(|(name, version)| (name.trim(), version.trim()))
+        .collect()
+}
 
 /// The pinned environment, `venv/` in the cache folder (see [`crate::cache_dir`]).
 pub fn venv_dir() -> Result<PathBuf> {
@@ -32,7 +52,12 @@ pub fn python_dir() -> PathBuf {
 }
 
 fn requirements_digest() -> String {
-    hex(&Sha256::digest(REQUIREMENTS.as_bytes()))
+    let mut h = Sha256::new();
+    for text in [TORCH_REQUIREMENTS, REQUIREMENTS] {
+        h.update(text.as_bytes());
+        h.update([0]);
+    }
+    hex(&h.finalize())
 }
 
 fn stamp_path(venv: &Path) -> PathBuf {
@@ -68,10 +93,14 @@ pub fn ensure_env(verbose: bool) -> Result<()> {
     }
     let (base, version) = embedded_interpreter()?;
     let python = base.join("bin").join(format!("python{version}"));
-    let spinner = progress::spinner(format!(
+    let what = format!(
         "setting up Python {version} environment in {}",
         venv.display()
-    ));
+    );
+    let spinner = progress::spinner(what.clone());
+    if spinner.is_hidden() {
+        eprintln!("{what} (first time: 2.3 GB to download, a few minutes)");
+    }
     if !venv.join("bin").join("python").exists() {
         let status = Command::new(&python)
             .args(["-m", "venv"])
@@ -86,19 +115,54 @@ pub fn ensure_env(verbose: bool) -> Result<()> {
             );
         }
     }
+    // torch first, without its dependencies (python/requirements-torch.txt),
+    // then everything else with them.
+    let torch_req = cache.join("requirements-torch.txt");
     let req = cache.join("requirements.txt");
-    std::fs::write(&req, REQUIREMENTS).with_context(|| format!("writing {}", req.display()))?;
-    let mut child = Command::new(venv.join("bin").join("python"))
-        .args([
+    for (path, text) in [(&torch_req, TORCH_REQUIREMENTS), (&req, REQUIREMENTS)] {
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let started = Instant::now();
+    let python = venv.join("bin").join("python");
+    for (extra, path) in [(Some("--no-deps"), &torch_req), (None, &req)] {
+        let mut cmd = Command::new(&python);
+        cmd.args([
             "-m",
             "pip",
             "install",
             "--disable-pip-version-check",
             "--progress-bar",
             "off",
-            "-r",
         ])
-        .arg(&req)
+        .args(extra)
+        .arg("-r")
+        .arg(path);
+        pip(cmd, &spinner, started, verbose).with_context(|| {
+            format!(
+                "installing the pinned Python packages of {} into {} failed",
+                path.display(),
+                venv.display()
+            )
+        })?;
+    }
+    spinner.finish_and_clear();
+    std::fs::write(stamp_path(&venv), requirements_digest())
+        .context("writing the environment stamp")?;
+    eprintln!("Python environment ready: {}", venv.display());
+    Ok(())
+}
+
+/// Seconds without a new line from pip after which a log (stderr not a
+/// terminal) gets a line saying pip is still at work.
+const QUIET_SECONDS: u64 = 30;
+
+/// Runs one pip install. On a terminal its latest line shows in the spinner;
+/// elsewhere (CI logs, `2>file`) every package it collects, downloads and
+/// installs is a plain line with the seconds since the install started, and
+/// a quiet spell of [`QUIET_SECONDS`] gets a line too, so a log never
+/// stops for minutes. With `verbose`, every line of pip's output.
+fn pip(mut cmd: Command, spinner: &ProgressBar, started: Instant, verbose: bool) -> Result<()> {
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -112,35 +176,79 @@ pub fn ensure_env(verbose: bool) -> Result<()> {
         }
         text
     });
-    let mut log = String::new();
-    for line in BufReader::new(child.stdout.take().expect("piped"))
-        .lines()
-        .map_while(|l| l.ok())
-    {
-        if verbose {
-            eprintln!("{line}");
+    let (tx, lines) = mpsc::channel::<String>();
+    let stdout = child.stdout.take().expect("piped");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+            if tx.send(line).is_err() {
+                break;
+            }
         }
-        let short: String = line.chars().take(100).collect();
-        spinner.set_message(format!("pip: {short}"));
-        log.push_str(&line);
-        log.push('\n');
+    });
+    let plain = spinner.is_hidden();
+    let stamp = || format!("[{:>4}s]", started.elapsed().as_secs());
+    let mut log = String::new();
+    let mut last = String::new();
+    loop {
+        match lines.recv_timeout(Duration::from_secs(QUIET_SECONDS)) {
+            Ok(line) => {
+                if verbose {
+                    eprintln!("{line}");
+                } else if plain && is_progress(&line) {
+                    eprintln!("{} pip: {}", stamp(), shorten(line.trim(), 160));
+                }
+                spinner.set_message(format!("pip: {}", shorten(line.trim(), 100)));
+                last = line.trim().to_string();
+                log.push_str(&line);
+                log.push('\n');
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if plain && !verbose {
+                    eprintln!(
+                        "{} pip: still working (last: {})",
+                        stamp(),
+                        shorten(&last, 100)
+                    );
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
     }
     let status = child.wait().context("waiting for pip")?;
     let err = err_thread.join().unwrap_or_default();
-    spinner.finish_and_clear();
     if !status.success() {
         let tail: Vec<&str> = log.lines().chain(err.lines()).rev().take(15).collect();
         let tail: Vec<&str> = tail.into_iter().rev().collect();
         bail!(
-            "installing the pinned Python packages into {} failed ({status}); last lines of pip's output:\n{}",
-            venv.display(),
+            "pip exited with {status}; last lines of its output:\n{}",
             tail.join("\n")
         );
     }
-    std::fs::write(stamp_path(&venv), requirements_digest())
-        .context("writing the environment stamp")?;
-    eprintln!("Python environment ready: {}", venv.display());
     Ok(())
+}
+
+/// pip's lines that mark progress: a package collected, downloaded, the
+/// install step, the result.
+fn is_progress(line: &str) -> bool {
+    let l = line.trim_start();
+    [
+        "Collecting ",
+        "Downloading ",
+        "Installing ",
+        "Successfully ",
+    ]
+    .iter()
+    .any(|p| l.starts_with(p))
+}
+
+/// At most `n` characters of `s`, with `...` when cut.
+fn shorten(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(n).collect();
+    out.push_str("...");
+    out
 }
 
 static ACTIVE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
