@@ -2178,9 +2178,11 @@ fn keys_of_other_kinds_are_named_with_their_own_oid_and_an_empty_key_as_empty() 
         ("empty", "the key file is empty (0 bytes)"),
     ];
     let out = w.join("rel");
-    // verify looks at the folder before the key: any folder will do.
+    // verify reads the key before the signature: any folder with a model.sig
+    // will do (one without is not a release, refused before the key).
     let folder = w.join("folder");
     fs::create_dir(&folder).unwrap();
+    fs::write(folder.join("model.sig"), "").unwrap();
     for (name, says) in cases {
         let (private, public) = (w.join(format!("{name}.pem")), w.join(format!("{name}.pub")));
         let e = fails(&package_args(&build, "two", &private, &out, &[]));
@@ -2210,17 +2212,100 @@ fn keys_of_other_kinds_are_named_with_their_own_oid_and_an_empty_key_as_empty() 
 #[test]
 fn keygen_errors_name_the_users_file_and_the_os_error_once() {
     let w = tempdir("keygen-errors");
-    let prefix = w.join("missing-folder/k");
+    // A "folder" on the way that is a file.
+    fs::write(w.join("file"), "x").unwrap();
+    let prefix = w.join("file/k");
     let e = fails(&["keygen", "--out", s(&prefix)]);
     assert!(
         e.contains(&format!(
             "{}: could not create",
-            w.join("missing-folder/k.pub").display()
+            w.join("file/k.pub").display()
         )),
         "{e}"
     );
     assert!(!e.contains(".tmp-"), "names the temporary file: {e}");
-    assert_eq!(e.matches("os error 2").count(), 1, "OS error repeated: {e}");
+    assert_eq!(
+        e.matches("os error 20").count(),
+        1,
+        "OS error repeated: {e}"
+    );
+}
+
+/// The README's `keygen --out keys/release` in a fresh clone: the missing
+/// folders are made, private to their owner like the key.
+#[test]
+fn keygen_makes_the_missing_key_folder() {
+    let w = tempdir("keygen-folder");
+    let o = run(&["keygen", "--out", s(&w.join("keys/nested/release"))]);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(
+        e.contains(&format!(
+            "created folder {} (mode 0700)",
+            w.join("keys/nested").display()
+        )),
+        "{e}"
+    );
+    for d in ["keys", "keys/nested"] {
+        assert_eq!(
+            fs::metadata(w.join(d)).unwrap().permissions().mode() & 0o777,
+            0o700,
+            "{d}"
+        );
+    }
+    assert!(
+        w.join("keys/nested/release.pem").is_file() && w.join("keys/nested/release.pub").is_file()
+    );
+    // An existing folder is used as it is, and not reported as made.
+    let e = stderr(&run(&["keygen", "--out", s(&w.join("keys/other"))]));
+    assert!(!e.contains("created folder"), "{e}");
+    assert!(w.join("keys/other.pem").is_file());
+}
+
+/// `release` checks every input the build does not decide (the key above
+/// all) before it starts the build: a missing key file costs seconds, not a
+/// whole build, and leaves no build folder behind.
+#[test]
+fn release_checks_its_inputs_before_building() {
+    let w = tempdir("release-inputs");
+    let hf = common::fixture("e2b", &[]);
+    let (private, _) = keys(&w, "k");
+    let (out, build) = (w.join("rel"), w.join("rel.build"));
+    let release = |extra: &[&str]| {
+        let mut a = vec![
+            "release",
+            "--hf-dir",
+            s(&hf),
+            "--layout",
+            "two",
+            "--output",
+            s(&out),
+        ];
+        a.extend_from_slice(extra);
+        let o = run_env(
+            &a,
+            &[("CHUNKFORGE_PYTHON_DIR", "/nonexistent/no-python-here")],
+        );
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(!build.exists(), "the build started: {}", stderr(&o));
+        stderr(&o)
+    };
+    let missing = w.join("no-such.pem");
+    let e = release(&["--key", s(&missing)]);
+    assert!(e.contains(&missing.display().to_string()), "{e}");
+    assert!(!e.contains("release 1/3") && !out.exists(), "{e}");
+    let e = release(&["--key", s(&private), "--base-url", "ftp://example.com"]);
+    assert!(
+        e.contains("--base-url") && e.contains("not an http(s) URL"),
+        "{e}"
+    );
+    fs::create_dir_all(out.join("something")).unwrap();
+    let e = release(&["--key", s(&private)]);
+    assert!(
+        e.contains("not a previous release; refusing to replace it"),
+        "{e}"
+    );
+    fs::remove_dir_all(&out).unwrap();
 }
 
 #[test]

@@ -12,7 +12,7 @@ use crate::checkpoint::Checkpoint;
 use crate::cli::ReleaseCmd;
 use crate::config::TextConfig;
 use crate::hashing;
-use crate::package::{package, Compiled};
+use crate::package::{check_inputs, package, Compiled};
 use crate::records::BuildRecord;
 use crate::settings::{BuildCommand, BuildSettings, Env, ParityCommand, ParitySettings};
 
@@ -25,6 +25,19 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
     });
     let hf_dir = resolve_checkpoint(args.model.hf_dir.as_deref(), verbose)?;
     let settings = BuildSettings::resolve(BuildCommand::Release(&args, &hf_dir), &Env::process())?;
+    // Every input the build does not decide (key, options, tokenizer, output
+    // and zip paths) is checked before the build starts.
+    let request = release_request(
+        build_dir.clone(),
+        args.release.clone(),
+        Some(hf_dir.clone()),
+        None,
+        false,
+        Compiled::not(""),
+    );
+    let recorded_dir = std::path::absolute(&hf_dir)
+        .with_context(|| format!("{}: cannot make the path absolute", hf_dir.display()))?;
+    check_inputs(&request, settings.layout.ctx, &recorded_dir, &hf_dir)?;
 
     let record = if args.reuse_build && build_dir.join("build.json").is_file() {
         let record = reusable(&build_dir, &hf_dir, &settings)?;

@@ -376,7 +376,7 @@ fn check_zip(z: &Path, output: &Path, build_dir: &Path) -> Result<()> {
 /// Files of one package folder as (source, path inside the release), plus its
 /// sub-folders. Symlinks and special files in a build folder are errors.
 /// Files to copy: (source path, path inside the release).
-type Sources = Vec<(PathBuf, String)>;
+pub type Sources = Vec<(PathBuf, String)>;
 
 fn package_files(src: &Path, pkg: &str) -> Result<(Sources, Vec<String>)> {
     let tree = hashing::walk(src, &|_| false)?;
@@ -477,21 +477,139 @@ fn predicate_summary(
 struct Checked<'b> {
     chunks: Vec<ReleaseChunk<'b>>,
     context_length: usize,
-    rope_positions: usize,
     /// The audit's errors and warnings in the shipped packages, by rule.
     audit_errors: RuleCounts,
     audit_warnings: RuleCounts,
-    key: p256::ecdsa::SigningKey,
     parity: Option<manifest::EmbeddedParity>,
     version: String,
-    model_id: String,
     hf_dir: PathBuf,
     cfg: TextConfig,
     ckpt: Checkpoint,
-    hf_sources: Sources,
+    inputs: Inputs,
+}
+
+/// The inputs of a release that its build does not decide: the options, the
+/// signing key, the checkpoint's `hf_model/` files and where the release
+/// goes ([`check_inputs`]).
+pub struct Inputs {
+    pub rope_positions: usize,
+    pub key: p256::ecdsa::SigningKey,
+    pub model_id: String,
+    /// The `hf_model/` files: (source, path in the release).
+    pub hf_sources: Sources,
     /// The folder `--output` goes into, and its name there.
-    parent: PathBuf,
-    name: String,
+    pub parent: PathBuf,
+    pub name: String,
+}
+
+/// Checks the inputs of `a` that its build does not decide (`--rope-positions`
+/// against `context_length`, the key, `--base-url`, `--version`, `--model-id`
+/// or its default from `checkpoint_dir`, the name build.json records, the
+/// tokenizer in `hf_dir`, the output and zip paths). `package` checks them
+/// before it copies anything (in two steps, [`check_options`] and
+/// [`check_paths`], the checkpoint between them); `release` before it starts
+/// the build, so that a missing key file does not cost a build.
+pub fn check_inputs(
+    a: &PackageRequest,
+    context_length: usize,
+    checkpoint_dir: &Path,
+    hf_dir: &Path,
+) -> Result<Inputs> {
+    let options = check_options(a, context_length, checkpoint_dir)?;
+    Ok(Inputs::of(options, check_paths(a, hf_dir)?))
+}
+
+/// What [`check_options`] returns.
+type Options = (usize, p256::ecdsa::SigningKey, String);
+/// What [`check_paths`] returns.
+type Paths = (Sources, PathBuf, String);
+
+impl Inputs {
+    fn of((rope_positions, key, model_id): Options, (hf_sources, parent, name): Paths) -> Self {
+        Inputs {
+            rope_positions,
+            key,
+            model_id,
+            hf_sources,
+            parent,
+            name,
+        }
+    }
+}
+
+/// The options and the key of [`check_inputs`]: the RoPE rows, the signing
+/// key and the model id.
+fn check_options(
+    a: &PackageRequest,
+    context_length: usize,
+    checkpoint_dir: &Path,
+) -> Result<Options> {
+    let rope_positions = a.rope_positions.unwrap_or(context_length);
+    if rope_positions < context_length {
+        return Err(ReleaseInputError::Option {
+            option: "--rope-positions",
+            message: format!("{rope_positions} is below the context length {context_length}: the runtime would read rows of zeros past the table's end"),
+        }
+        .into());
+    }
+    let key = sign::load_private_key(&a.key)?;
+    if let Some(u) = &a.base_url {
+        if !(u.starts_with("https://") || u.starts_with("http://"))
+            || u.contains(char::is_whitespace)
+        {
+            return Err(ReleaseInputError::Option {
+                option: "--base-url",
+                message: format!("{u:?} is not an http(s) URL"),
+            }
+            .into());
+        }
+    }
+    if a.version.as_ref().is_some_and(|v| v.trim().is_empty()) {
+        return Err(ReleaseInputError::Option {
+            option: "--version",
+            message: "must not be empty".into(),
+        }
+        .into());
+    }
+    let model_id = match &a.model_id {
+        Some(id) => id.clone(),
+        None => {
+            let name = checkpoint_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "unknown".into());
+            chunkforge_model::args::model_id(&name).map_err(|e| ReleaseInputError::Option {
+                option: "--model-id",
+                message: format!(
+                    "not given, and the default (the checkpoint folder's name from build.json) {e}; pass --model-id"
+                ),
+            })?
+        }
+    };
+    Ok((rope_positions, key, model_id))
+}
+
+/// The paths of [`check_inputs`]: the `hf_model/` files, and the folder
+/// `--output` goes into with its name there.
+fn check_paths(a: &PackageRequest, hf_dir: &Path) -> Result<Paths> {
+    let hf_sources = hf_model_sources(hf_dir, a.no_tokenizer)?;
+    check_output(&a.output)?;
+    let (parent, name) = split_output(&a.output)?;
+    // The staging folder goes into `parent`; inside a package it would be
+    // copied into the release along with the package.
+    if let (Ok(b), Ok(p)) = (a.build_dir.canonicalize(), parent.canonicalize()) {
+        if p.starts_with(&b) && p != b {
+            bail!(
+                "{}: --output must not be inside a package of the build folder {}",
+                a.output.display(),
+                a.build_dir.display()
+            );
+        }
+    }
+    if let Some(z) = &a.zip {
+        check_zip(z, &a.output, &a.build_dir)?;
+    }
+    Ok((hf_sources, parent, name))
 }
 
 /// Every cheap check of `a` against `build`, before gigabytes are copied.
@@ -525,15 +643,7 @@ fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
     let context_length = build.record.settings.ctx;
     check_context_length(&chunks, context_length)?;
     let (audit_errors, audit_warnings) = check_audit(build, &chunks, a)?;
-    let rope_positions = a.rope_positions.unwrap_or(context_length);
-    if rope_positions < context_length {
-        return Err(ReleaseInputError::Option {
-            option: "--rope-positions",
-            message: format!("{rope_positions} is below the context length {context_length}: the runtime would read rows of zeros past the table's end"),
-        }
-        .into());
-    }
-    let key = sign::load_private_key(&a.key)?;
+    let options = check_options(a, context_length, Path::new(&build.record.checkpoint.dir))?;
     let parity = a
         .parity_report
         .as_deref()
@@ -547,79 +657,25 @@ fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
             );
         }
     }
-    if let Some(u) = &a.base_url {
-        if !(u.starts_with("https://") || u.starts_with("http://"))
-            || u.contains(char::is_whitespace)
-        {
-            return Err(ReleaseInputError::Option {
-                option: "--base-url",
-                message: format!("{u:?} is not an http(s) URL"),
-            }
-            .into());
-        }
-    }
+    let (hf_dir, cfg, ckpt) = build_checkpoint(build, a.hf_dir.as_deref())?;
+    let inputs = Inputs::of(options, check_paths(a, &hf_dir)?);
     let build_json_digest = hashing::hash_file(&a.build_dir.join("build.json"))?;
     let version = a
         .version
         .clone()
         .unwrap_or_else(|| format!("build-{}", &build_json_digest.hex()[..12]));
-    if version.trim().is_empty() {
-        return Err(ReleaseInputError::Option {
-            option: "--version",
-            message: "must not be empty".into(),
-        }
-        .into());
-    }
-    let model_id = match &a.model_id {
-        Some(id) => id.clone(),
-        None => {
-            let name = Path::new(&build.record.checkpoint.dir)
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "unknown".into());
-            chunkforge_model::args::model_id(&name).map_err(|e| ReleaseInputError::Option {
-                option: "--model-id",
-                message: format!(
-                    "not given, and the default (the checkpoint folder's name from build.json) {e}; pass --model-id"
-                ),
-            })?
-        }
-    };
-    let (hf_dir, cfg, ckpt) = build_checkpoint(build, a.hf_dir.as_deref())?;
-    let hf_sources = hf_model_sources(&hf_dir, a.no_tokenizer)?;
-    check_output(&a.output)?;
-    let (parent, name) = split_output(&a.output)?;
-    // The staging folder goes into `parent`; inside a package it would be
-    // copied into the release along with the package.
-    if let (Ok(b), Ok(p)) = (a.build_dir.canonicalize(), parent.canonicalize()) {
-        if p.starts_with(&b) && p != b {
-            bail!(
-                "{}: --output must not be inside a package of the build folder {}",
-                a.output.display(),
-                a.build_dir.display()
-            );
-        }
-    }
-    if let Some(z) = &a.zip {
-        check_zip(z, &a.output, &a.build_dir)?;
-    }
 
     Ok(Checked {
         chunks,
         context_length,
-        rope_positions,
         audit_errors,
         audit_warnings,
-        key,
         parity,
         version,
-        model_id,
         hf_dir,
         cfg,
         ckpt,
-        hf_sources,
-        parent,
-        name,
+        inputs,
     })
 }
 
@@ -633,7 +689,7 @@ fn stage_files(
     c: &Checked,
     root: &Path,
 ) -> Result<(Vec<(String, FileDigest)>, SideFilesReport)> {
-    let mut sources = c.hf_sources.clone();
+    let mut sources = c.inputs.hf_sources.clone();
     let mut dirs = vec![HF_MODEL_DIR.to_string()];
     let mut pkgs = Vec::new();
     for chunk in &c.chunks {
@@ -665,8 +721,8 @@ fn stage_files(
         cfg: &c.cfg,
         checkpoint: &c.ckpt,
         context_length: c.context_length,
-        rope_positions: c.rope_positions,
-        model_name: &c.model_id,
+        rope_positions: c.inputs.rope_positions,
+        model_name: &c.inputs.model_id,
         dest: root,
     })?;
     let side_digests: Vec<(String, FileDigest)> = side_files
@@ -696,20 +752,24 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     let build = Build::load(&a.build_dir)?;
     let c = check(a, &build)?;
     let _lock = OutputLock::take(&a.output, a.on_locked)?;
-    let staging = Staging::new(&c.parent)?;
-    let root = staging.dir.join(&c.name);
+    let staging = Staging::new(&c.inputs.parent)?;
+    let root = staging.dir.join(&c.inputs.name);
     fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
     let (mut files, side_files) = stage_files(a, &build, &c, &root)?;
     let Checked {
         chunks,
         audit_errors,
         audit_warnings,
-        key,
         parity,
         version,
-        model_id,
-        hf_sources,
-        name,
+        inputs:
+            Inputs {
+                key,
+                model_id,
+                hf_sources,
+                name,
+                ..
+            },
         ..
     } = c;
 
