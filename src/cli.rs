@@ -133,6 +133,8 @@ pub enum Cmd {
     Exec(ExecCmd),
     /// Describe a built .mlpackage: spec version, inputs/outputs, palettized weights, layers (no model load; works on Linux).
     Inspect {
+        /// One .mlpackage folder (e.g. out/default/merged_chunk1.mlpackage), not the build
+        /// or release folder that holds it.
         package: PathBuf,
         /// Print JSON.
         #[arg(long)]
@@ -154,7 +156,8 @@ pub enum Cmd {
     },
     /// Write an ECDSA P-256 signing key pair: PREFIX.pem (PKCS#8, mode 0600) and PREFIX.pub.
     Keygen {
-        /// File prefix; refuses to overwrite existing PREFIX.pem / PREFIX.pub.
+        /// File prefix, e.g. keys/release; its folder is created if missing (mode 0700).
+        /// Refuses to overwrite existing PREFIX.pem / PREFIX.pub.
         #[arg(long)]
         out: PathBuf,
     },
@@ -197,8 +200,10 @@ pub enum BenchCmd {
     Parity {
         #[command(flatten)]
         model: ModelArgs,
+        /// Layouts to check, as `parity --mode`.
         #[arg(long, default_value = "all", value_parser = choice::<Mode>())]
         mode: Mode,
+        /// Decode steps, as `parity --steps`.
         #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
         steps: usize,
     },
@@ -218,6 +223,7 @@ pub enum BenchCmd {
         /// Small matrices only (seconds instead of many minutes; for tests).
         #[arg(long)]
         quick: bool,
+        /// Seed of the random weight matrices.
         #[arg(long, default_value_t = 0)]
         seed: u64,
     },
@@ -329,8 +335,10 @@ pub struct FixtureCmd {
     /// Folder to create.
     #[arg(long)]
     pub out: PathBuf,
+    /// Layer structure (layer count, attention pattern, KV sharing) of the released model it mimics.
     #[arg(long, default_value = "e2b", value_parser = named::<Shape>())]
     pub shape: Shape,
+    /// Seed of the random weights (the tokenizer files do not depend on it).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Gemma4ForConditionalGeneration layout: text_config, model.language_model.* names, extra vision tensors.
@@ -340,6 +348,8 @@ pub struct FixtureCmd {
     /// [default: 1; with --full-size, shards of at most 4 GiB].
     #[arg(long)]
     pub shards: Option<usize>,
+    /// config.json's sliding_window: tokens a sliding-attention layer sees (small values
+    /// make short tests decode past the window).
     #[arg(long, default_value_t = 512)]
     pub sliding_window: usize,
     /// Vocabulary size: the LM head's rows and the tokenizer's tokens (at least 260).
@@ -415,8 +425,10 @@ pub struct BenchBuildCmd {
     pub model: ModelArgs,
     #[command(flatten)]
     pub layout: LayoutArgs,
+    /// As `build --kmeans-workers`.
     #[arg(long, default_value_t = 1)]
     pub kmeans_workers: usize,
+    /// INT4 palettizer, as `build --palettizer`.
     #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
     pub palettizer: Palettizer,
     /// MIL pass pipeline (as `build --pass-pipeline`).
@@ -661,4 +673,38 @@ pub struct HashBenchArgs {
     /// Keep the generated data.
     #[arg(long)]
     pub keep: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// Every option and positional argument of every command that `--help`
+    /// shows, with the command path that holds it, lacking a help text.
+    fn undocumented(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for arg in cmd.get_arguments() {
+            let id = arg.get_id().as_str();
+            if arg.is_hide_set() || id == "help" || id == "version" {
+                continue;
+            }
+            if arg
+                .get_help()
+                .is_none_or(|h| h.to_string().trim().is_empty())
+            {
+                out.push(format!("{path} {id}"));
+            }
+        }
+        for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+            undocumented(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+
+    #[test]
+    fn every_argument_has_a_help_text() {
+        let mut missing = Vec::new();
+        undocumented(&Cli::command(), "chunkforge", &mut missing);
+        assert!(missing.is_empty(), "no help text: {missing:#?}");
+    }
 }

@@ -102,7 +102,8 @@ fn emulation() -> String {
     "CPU emulation of the app's runtime (torch, fp32): not device speed".into()
 }
 
-/// Opens and checks the folder, plans the layouts, runs the emulation.
+/// Opens and checks the folder, plans the layouts, then starts Python and
+/// runs the emulation.
 pub fn run(o: &RunOptions) -> Result<RunResult> {
     let folder = ReleaseFolder::open(o.release)?;
     folder.check_files()?;
@@ -193,6 +194,8 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
         eos_token_ids: &folder.eos_token_ids,
         fp16: o.fp16,
     };
+    // Python starts only once the folder has passed every check above.
+    crate::py::env::activate(o.verbose)?;
     let mut result: RunResult = calls::call::<calls::Emulate>(&req, o.verbose)?;
     result.picked_by = if o.speculate.is_some() && o.layout == RunLayout::Auto {
         format!("--speculate (verify_qK lives in {})", reference.range())

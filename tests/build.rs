@@ -875,7 +875,7 @@ fn missing_config_json() {
     bad_build(
         &ck,
         &["--mode", "two"],
-        "config.json: could not read the model config",
+        "no config.json here: is this a checkpoint folder?",
     );
 }
 

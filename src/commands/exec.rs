@@ -15,9 +15,7 @@ pub fn run(args: ExecCmd, verbose: bool) -> Result<ExitStatus> {
     ] {
         require_utf8(path, what)?;
     }
-    if !args.package.is_dir() {
-        anyhow::bail!("{}: not an .mlpackage folder", args.package.display());
-    }
+    super::require_package(&args.package, "exec")?;
     if !args.inputs.is_file() {
         anyhow::bail!("{}: --inputs file does not exist", args.inputs.display());
     }

@@ -9,6 +9,7 @@ use crate::py::calls::{self, PackageDescription};
 use crate::py::env as pyenv;
 
 pub fn run(package: &Path, json: bool, verbose: bool) -> Result<ExitStatus> {
+    super::require_package(package, "inspect")?;
     pyenv::activate(verbose)?;
     let d = calls::describe(package, verbose)?;
     if json {
@@ -22,7 +23,7 @@ pub fn run(package: &Path, json: bool, verbose: bool) -> Result<ExitStatus> {
 fn print_inspect(d: &PackageDescription) {
     println!("{}", d.path);
     println!(
-        "  {} , specification version {} (iOS18 = 9), opset {}",
+        "  {}, specification version {} (iOS18 = 9), opset {}",
         d.model_type,
         d.specification_version,
         d.opset.as_deref().unwrap_or("?")

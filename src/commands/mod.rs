@@ -115,12 +115,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
 fn resolve_checkpoint(hf_dir: Option<&Path>, verbose: bool) -> Result<PathBuf> {
     match hf_dir {
         Some(d) => {
-            if !d.is_dir() {
-                anyhow::bail!(
-                    "{}: checkpoint folder does not exist (--hf-dir / GEMMA4_HF_DIR)",
-                    d.display()
-                );
-            }
+            crate::checkpoint::check_folder(d)?;
             Ok(d.to_path_buf())
         }
         None => {
@@ -128,6 +123,47 @@ fn resolve_checkpoint(hf_dir: Option<&Path>, verbose: bool) -> Result<PathBuf> {
             fixtures::default_checkpoint(verbose)
         }
     }
+}
+
+/// Refuses, before Python starts, a path given to `command` (`inspect`,
+/// `exec`) that is not one `.mlpackage` folder; a build or release folder is
+/// answered with the packages inside it.
+fn require_package(path: &Path, command: &str) -> Result<()> {
+    if path.join("Manifest.json").is_file() {
+        return Ok(());
+    }
+    if !path.exists() {
+        anyhow::bail!(
+            "{}: not an .mlpackage folder: it does not exist",
+            path.display()
+        );
+    }
+    if !path.is_dir() {
+        anyhow::bail!(
+            "{}: a file, not an .mlpackage folder (`chunkforge {command}` takes one package folder)",
+            path.display()
+        );
+    }
+    let packages = crate::folder::packages_in(path);
+    let Some(first) = packages.first() else {
+        anyhow::bail!(
+            "{}: not an .mlpackage folder (no Manifest.json), and no .mlpackage folders inside",
+            path.display()
+        );
+    };
+    let what = if path.join("build.json").is_file() {
+        "a build folder"
+    } else if path.join(crate::manifest::MANIFEST_FILE).is_file() {
+        "a release folder"
+    } else {
+        "a folder of packages"
+    };
+    anyhow::bail!(
+        "{}: {what}, not a package: `chunkforge {command}` takes one .mlpackage folder, e.g. `chunkforge {command} {}`; the packages here: {}",
+        path.display(),
+        path.join(first).display(),
+        packages.join(", ")
+    )
 }
 
 /// coremltools and safetensors take paths as Python strings: refuse a path that

@@ -50,7 +50,13 @@ fn render(plan: &Plan) -> String {
         p(d.producer_full)
     );
     for l in &plan.layouts {
-        let _ = writeln!(s, "\nlayout {} ({} chunks)", l.kind, l.chunks.len());
+        let n = l.chunks.len();
+        let _ = writeln!(
+            s,
+            "\nlayout {} ({n} chunk{})",
+            l.kind,
+            if n == 1 { "" } else { "s" }
+        );
         for c in &l.chunks {
             let mut roles = Vec::new();
             if c.computes_per_layer_input {

@@ -5,7 +5,6 @@ use anyhow::Result;
 use super::ExitStatus;
 use crate::cli::RunCmd;
 use crate::parity::parse_prompt;
-use crate::py::env as pyenv;
 use crate::run::{self, Prompt, RunOptions, RunResult};
 
 pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
@@ -14,7 +13,6 @@ pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
         (Some(text), None) => Prompt::Text(text.clone()),
         (None, None) => unreachable!("clap requires --prompt or --prompt-ids"),
     };
-    pyenv::activate(verbose)?;
     let result = run::run(&RunOptions {
         release: &args.release_dir,
         prompt,

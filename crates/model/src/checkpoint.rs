@@ -541,6 +541,97 @@ pub fn check_groupable(
     Ok(())
 }
 
+/// What `--hf-dir` / GEMMA4_HF_DIR take, for the messages below.
+const CHECKPOINT_FOLDER: &str =
+    "--hf-dir / GEMMA4_HF_DIR take the folder that holds config.json and the *.safetensors files";
+
+/// Checks a folder named as a checkpoint before anything reads it: it exists,
+/// is a folder and holds `config.json`. An empty folder, a file, or a Hugging
+/// Face cache root is told what a checkpoint folder is; for a cache root (or
+/// one model's cache folder) the error lists the snapshot folders inside,
+/// which are the checkpoint folders.
+pub fn check_folder(dir: &Path) -> Result<(), InputError> {
+    if !dir.exists() {
+        return Err(ck(
+            dir,
+            "checkpoint folder does not exist (--hf-dir / GEMMA4_HF_DIR)",
+        ));
+    }
+    if !dir.is_dir() {
+        return Err(ck(
+            dir,
+            format!("is a file, not a checkpoint folder: {CHECKPOINT_FOLDER}"),
+        ));
+    }
+    // Present in any form: a dangling symlink is for the config reader to name.
+    if std::fs::symlink_metadata(dir.join("config.json")).is_ok() {
+        return Ok(());
+    }
+    let snapshots = hf_cache_snapshots(dir);
+    let hint = if snapshots.is_empty() {
+        String::new()
+    } else {
+        let with_config: Vec<String> = snapshots
+            .iter()
+            .filter(|s| s.join("config.json").is_file())
+            .map(|s| s.display().to_string())
+            .collect();
+        if with_config.is_empty() {
+            format!(
+                "; this is a Hugging Face cache, but none of its {} snapshot folders holds a config.json (was the download interrupted?)",
+                snapshots.len()
+            )
+        } else {
+            format!(
+                "; this is a Hugging Face cache: pass one of its snapshot folders, {}",
+                with_config.join(", ")
+            )
+        }
+    };
+    Err(ck(
+        dir,
+        format!("no config.json here: is this a checkpoint folder? {CHECKPOINT_FOLDER}{hint}"),
+    ))
+}
+
+/// The snapshot folders of a Hugging Face cache given at any of its levels:
+/// `~/.cache/huggingface`, its `hub/`, one `models--ORG--NAME/` or its
+/// `snapshots/` (each snapshot is a checkpoint folder of symlinks into
+/// `blobs/`). Sorted; empty when `dir` is none of these.
+fn hf_cache_snapshots(dir: &Path) -> Vec<PathBuf> {
+    let subdirs = |d: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(d)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect()
+    };
+    let is_model = |p: &Path| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("models--"))
+    };
+    let mut models: Vec<PathBuf> = Vec::new();
+    if dir.file_name().is_some_and(|n| n == "snapshots") {
+        let mut found = subdirs(dir);
+        found.sort();
+        return found;
+    }
+    if dir.join("snapshots").is_dir() {
+        models.push(dir.to_path_buf());
+    }
+    for root in [dir.to_path_buf(), dir.join("hub")] {
+        models.extend(subdirs(&root).into_iter().filter(|p| is_model(p)));
+    }
+    let mut found: Vec<PathBuf> = models
+        .iter()
+        .flat_map(|m| subdirs(&m.join("snapshots")))
+        .collect();
+    found.sort();
+    found
+}
+
 impl Checkpoint {
     /// Finds the weight files of `dir`, reads their headers and checks every
     /// tensor the decoder needs.

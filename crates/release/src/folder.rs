@@ -21,6 +21,7 @@ use crate::manifest::{self, Manifest, MANIFEST_FILE};
 use crate::package::{HF_MODEL_DIR, TOKENIZER_FILE};
 use crate::runtime_layout;
 use crate::sidefiles::{self, Expected, ModelConfig, SIDE_FILES};
+use crate::sign::SIG_FILE;
 use crate::strict_json;
 
 #[derive(Debug, thiserror::Error)]
@@ -86,10 +87,57 @@ fn refuse_links(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Why `dir`, handed to `command` (`run`, `verify`), is not a release folder,
+/// or None when it looks like one (it has `manifest.json` or `model.sig`;
+/// what is wrong inside is then the command's to say). A build folder is
+/// told how it becomes a release.
+pub fn not_a_release(dir: &Path, command: &str) -> Option<String> {
+    // Present in any form (a dangling symlink too): what is wrong with it is
+    // the command's to report.
+    let present = |name: &str| fs::symlink_metadata(dir.join(name)).is_ok();
+    if present(MANIFEST_FILE) || present(SIG_FILE) {
+        return None;
+    }
+    Some(if dir.join("build.json").is_file() {
+        format!(
+            "a build folder (it has build.json), not a release: `chunkforge {command}` takes a release folder, which `chunkforge package {} --layout LAYOUT --key KEY.pem --output RELEASE` makes from this build (or `chunkforge release` from a checkpoint)",
+            dir.display()
+        )
+    } else {
+        format!(
+            "not a release folder (no {MANIFEST_FILE}, no {SIG_FILE}): `chunkforge {command}` takes a release folder, made by `chunkforge package` or `chunkforge release`"
+        )
+    })
+}
+
+/// The `.mlpackage` folders directly inside `dir` (a build or release
+/// folder), sorted by name.
+pub fn packages_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".mlpackage") && dir.join(n).is_dir())
+        .collect();
+    names.sort();
+    names
+}
+
 impl ReleaseFolder {
     pub fn open(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
-            return Err(err(dir, "not a release folder"));
+            return Err(err(
+                dir,
+                if dir.exists() {
+                    "not a folder: `chunkforge run` takes a release folder"
+                } else {
+                    "does not exist"
+                },
+            ));
+        }
+        if let Some(why) = not_a_release(dir, "run") {
+            return Err(err(dir, why));
         }
         refuse_links(dir)?;
         let manifest_path = dir.join(MANIFEST_FILE);

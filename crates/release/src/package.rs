@@ -108,6 +108,9 @@ fn build_checkpoint(
         || PathBuf::from(&build.record.checkpoint.dir),
         Path::to_path_buf,
     );
+    if hf_dir.is_some() {
+        chunkforge_model::checkpoint::check_folder(&dir)?;
+    }
     let config = dir.join("config.json");
     if !config.is_file() {
         bail!(

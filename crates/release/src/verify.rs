@@ -61,6 +61,9 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
     if !dir.is_dir() {
         anyhow::bail!("{}: not a folder", dir.display());
     }
+    if let Some(why) = crate::folder::not_a_release(dir, "verify") {
+        anyhow::bail!("{}: {why}", dir.display());
+    }
     let key = sign::load_public_key(&a.public_key)?;
     let mut r = Report::default();
     let p = &mut r.problems;
