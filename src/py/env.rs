@@ -99,7 +99,7 @@ pub fn ensure_env(verbose: bool) -> Result<()> {
     );
     let spinner = progress::spinner(what.clone());
     if spinner.is_hidden() {
-        eprintln!("{what} (first time: 2.3 GB to download, a few minutes)");
+        eprintln!("{what} (a new environment: 2.3 GB to download, minutes)");
     }
     if !venv.join("bin").join("python").exists() {
         let status = Command::new(&python)
