@@ -17,6 +17,7 @@ use sha2::{Digest, Sha256};
 use crate::cache_dir::cache_dir;
 use crate::hashing::hex;
 use crate::progress;
+use crate::publish::{OnLocked, OutputLock};
 
 /// The pinned Python requirements, compiled in so the stamp always matches the
 /// binary: torch and the CUDA libraries it links, installed without dependency
@@ -85,11 +86,28 @@ fn embedded_interpreter() -> Result<(PathBuf, String)> {
 }
 
 /// Creates or updates the cached virtual environment, with a progress line.
+/// An environment stamped for other requirements (made by another chunkforge
+/// version) is made again from nothing, so it holds exactly the pinned
+/// packages: installing over it would
+/// keep the packages that are no longer pinned (the GPU-only ones an older
+/// environment has), and with them a test run would pass that fails on a
+/// fresh machine. One without a stamp (an install cut short) is completed in
+/// place. Concurrent runs wait for each other (a lock beside `venv/`).
 pub fn ensure_env(verbose: bool) -> Result<()> {
     let cache = cache_dir()?;
     let venv = cache.join("venv");
     if env_ready(&venv) {
         return Ok(());
+    }
+    let _lock = OutputLock::take(&venv, OnLocked::Wait)?;
+    if env_ready(&venv) {
+        return Ok(());
+    }
+    if remove_stale(&venv)? {
+        eprintln!(
+            "{}: made for other requirements than this chunkforge's; making it again",
+            venv.display()
+        );
     }
     let (base, version) = embedded_interpreter()?;
     let python = base.join("bin").join(format!("python{version}"));
@@ -150,6 +168,24 @@ pub fn ensure_env(verbose: bool) -> Result<()> {
         .context("writing the environment stamp")?;
     eprintln!("Python environment ready: {}", venv.display());
     Ok(())
+}
+
+/// Removes `venv` if it is stamped for other requirements; whether it did.
+/// One stamped so that is not a Python environment (no `pyvenv.cfg`) is an
+/// error, and left alone.
+fn remove_stale(venv: &Path) -> Result<bool> {
+    if env_ready(venv) || !stamp_path(venv).is_file() {
+        return Ok(false);
+    }
+    if !venv.join("pyvenv.cfg").is_file() {
+        bail!(
+            "{}: not a Python environment (no pyvenv.cfg); chunkforge keeps its environment there: move it away",
+            venv.display()
+        );
+    }
+    std::fs::remove_dir_all(venv)
+        .with_context(|| format!("{}: cannot remove the stale environment", venv.display()))?;
+    Ok(true)
 }
 
 /// Seconds without a new line from pip after which a log (stderr not a
@@ -326,4 +362,42 @@ pub fn render_error(err: PyErr, verbose: bool) -> String {
         }
         out
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stale environment (stamped for other requirements) is removed whole,
+    /// packages no longer pinned included; a ready one, one without a stamp
+    /// (an install to complete) and a folder that is not an environment are
+    /// left as they are.
+    #[test]
+    fn only_a_stale_environment_is_removed() {
+        let root = std::env::temp_dir().join(format!("cf-venv-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let venv = root.join("venv");
+        assert!(!remove_stale(&venv).unwrap(), "nothing there");
+        let site = venv.join("lib/python3.11/site-packages/triton");
+        std::fs::create_dir_all(&site).unwrap();
+        std::fs::write(venv.join("pyvenv.cfg"), "home = /usr/bin\n").unwrap();
+        std::fs::write(stamp_path(&venv), requirements_digest()).unwrap();
+        assert!(!remove_stale(&venv).unwrap(), "a ready environment");
+        assert!(site.is_dir());
+        std::fs::remove_file(stamp_path(&venv)).unwrap();
+        assert!(!remove_stale(&venv).unwrap(), "no stamp: to complete");
+        assert!(site.is_dir());
+        std::fs::write(stamp_path(&venv), "0".repeat(64)).unwrap();
+        assert!(remove_stale(&venv).unwrap(), "another stamp");
+        assert!(!venv.exists());
+        std::fs::create_dir_all(venv.join("data")).unwrap();
+        std::fs::write(stamp_path(&venv), "0".repeat(64)).unwrap();
+        let e = remove_stale(&venv).unwrap_err().to_string();
+        assert!(
+            e.contains("not a Python environment (no pyvenv.cfg)"),
+            "{e}"
+        );
+        assert!(venv.join("data").is_dir());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }
