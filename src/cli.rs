@@ -500,6 +500,19 @@ pub struct PackageCmd {
     /// Embed a failed parity report anyway, recorded as failed (`ok: false`).
     #[arg(long, requires = "parity_report")]
     pub allow_failed_parity: bool,
+    #[command(flatten)]
+    pub inconclusive: InconclusiveArgs,
+}
+
+/// Signing on an inconclusive parity (`package`, `release`).
+#[derive(Args, Clone, Debug)]
+pub struct InconclusiveArgs {
+    /// Sign although parity is INCONCLUSIVE: the reference disagrees with transformers
+    /// only at steps where transformers disagrees with itself (an ill-conditioned
+    /// checkpoint), so a conversion error at those steps would go unseen. Recorded in
+    /// the manifest as inconclusive (`ok: false`).
+    #[arg(long)]
+    pub accept_inconclusive_parity: bool,
 }
 
 /// What goes into a release folder and where (`package` and `release`).
@@ -572,6 +585,8 @@ pub struct ReleaseCmd {
     /// with these settings (anything else there is an error).
     #[arg(long)]
     pub reuse_build: bool,
+    #[command(flatten)]
+    pub inconclusive: InconclusiveArgs,
     #[cfg(feature = "test-hooks")]
     #[command(flatten)]
     pub sabotage: crate::test_hooks::SabotageArgs,

@@ -329,6 +329,9 @@ pub struct ParitySettings {
     pub max_weight_rel_mse: f64,
     pub report: Option<PathBuf>,
     pub oracle: bool,
+    /// Sign on an INCONCLUSIVE verdict (`release --accept-inconclusive-parity`):
+    /// the reference disagrees with transformers only at ill-conditioned steps.
+    pub accept_inconclusive: bool,
     /// A weight broken on purpose (`--corrupt-layer`; test builds only).
     #[cfg(feature = "test-hooks")]
     pub sabotage: Option<Sabotage>,
@@ -354,6 +357,7 @@ impl ParitySettings {
             max_weight_rel_mse: parity::DEFAULT_MAX_WEIGHT_REL_MSE,
             report: None,
             oracle: true,
+            accept_inconclusive: false,
             #[cfg(feature = "test-hooks")]
             sabotage: None,
         };
@@ -382,6 +386,7 @@ impl ParitySettings {
                 max_weight_rel_mse: a.max_weight_rel_mse,
                 report: a.report.clone(),
                 oracle: !a.no_oracle,
+                accept_inconclusive: false,
                 #[cfg(feature = "test-hooks")]
                 sabotage: a.sabotage.sabotage(),
             },
@@ -404,6 +409,7 @@ impl ParitySettings {
                 // and their own programs run by the MIL interpreter.
                 artifacts: Some(build_dir.to_path_buf()),
                 report: Some(build_dir.join("parity.json")),
+                accept_inconclusive: a.inconclusive.accept_inconclusive_parity,
                 #[cfg(feature = "test-hooks")]
                 sabotage: a.sabotage.sabotage(),
                 ..defaults

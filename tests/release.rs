@@ -1829,6 +1829,63 @@ fn package_refuses_a_parity_report_about_other_weights() {
     fs::remove_dir_all(&w).unwrap();
 }
 
+/// An inconclusive parity report (the reference disagrees with transformers
+/// only at an ill-conditioned step) is signed only with
+/// --accept-inconclusive-parity, and recorded as inconclusive; one that calls
+/// itself inconclusive over a failed check contradicts itself.
+#[test]
+fn package_signs_inconclusive_parity_only_when_asked() {
+    let w = tempdir("parity-inconclusive");
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    let (private, public) = keys(&w, "k");
+    let out = w.join("rel");
+    let report = w.join("parity.json");
+    let package = |extra: &[&str]| {
+        let mut args = vec!["--parity-report", s(&report)];
+        args.extend(extra);
+        run(&package_args(&build, "two", &private, &out, &args))
+    };
+    let inconclusive = |step_ok: bool, oracle_verdict: &str| {
+        let mut r = parity_report(
+            step_ok,
+            json!({"ok": false, "verdict": "inconclusive", "steps": 1, "tol_cos": 0.9999, "layouts": ["two"]}),
+        );
+        r["steps"][0]["verdict"] = json!(if step_ok { "ok" } else { "fail" });
+        r["oracle"] = json!([{"step": 0, "hf_token": 7, "ref_token": 5, "cos": 0.91, "margin": 0.01,
+            "ok": false, "floor_cos": 0.92, "floor_logit": 0.5, "ill_conditioned": true,
+            "verdict": oracle_verdict}]);
+        r
+    };
+    for (r, fragment) in [
+        (
+            inconclusive(true, "inconclusive"),
+            "parity INCONCLUSIVE (oracle[0] (layout reference, step 0))",
+        ),
+        (
+            inconclusive(false, "inconclusive"),
+            "summary.verdict is inconclusive but steps[0] (layout two, step 0) failed",
+        ),
+        (
+            inconclusive(true, "fail"),
+            "summary.verdict is inconclusive but oracle[0] (layout reference, step 0) failed",
+        ),
+    ] {
+        fs::write(&report, r.to_string()).unwrap();
+        let o = package(&[]);
+        assert_eq!(o.status.code(), Some(2), "{fragment}: {}", stderr(&o));
+        assert!(stderr(&o).contains(fragment), "{fragment}: {}", stderr(&o));
+        assert!(!out.exists());
+    }
+    fs::write(&report, inconclusive(true, "inconclusive").to_string()).unwrap();
+    let o = package(&["--accept-inconclusive-parity"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("parity INCONCLUSIVE"), "{}", stderr(&o));
+    let m = manifest(&out);
+    assert_eq!(m["parity"]["ok"], json!(false));
+    assert_eq!(m["parity"]["verdict"], json!("inconclusive"));
+    assert!(cf_verify(&out, &public).status.success());
+}
+
 /// SIGKILL at many points of `package`: the output is always the previous
 /// release or nothing (the one moment between moving the old one aside and
 /// the new one in), never a partial folder, and the next run succeeds and

@@ -7,12 +7,20 @@ a time on demand, so a 5 GB checkpoint is never held twice in memory.
 
 from __future__ import annotations
 
+import json
+import os
+import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from .contract import CheckpointInfo
+from .weights import RESIDENT, read_at
+
+# safetensors dtype names -> torch dtypes (the float ones Rust admits for the decoder).
+STORED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 # Values converted per block by `rounded`: small enough that the block's
 # intermediate copy costs nothing, large enough for torch's threads.
@@ -54,6 +62,8 @@ class Checkpoint:
         self._handles: dict[str, Any] = {}
         # (name, dtype, rounded_to) -> tensor
         self._cache: dict[tuple[str, torch.dtype | None, torch.dtype | None], torch.Tensor] = {}
+        # path -> (descriptor, the header's entries, where the data starts)
+        self._files: dict[str, tuple[int, dict[str, Any], int]] = {}
 
     def _handle(self, path: str) -> Any:
         if path not in self._handles:
@@ -88,6 +98,56 @@ class Checkpoint:
             self._cache[key] = tensor
         return tensor
 
+    def _file(self, path: str) -> tuple[int, dict[str, Any], int]:
+        """The open file and its safetensors header (validated by Rust)."""
+        if path not in self._files:
+            fd = os.open(path, os.O_RDONLY)
+            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            self._files[path] = (fd, json.loads(os.pread(fd, n, 8)), 8 + n)
+        return self._files[path]
+
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor in ``dtype``. Converted (a bf16 checkpoint's weights in
+        fp32) it is read with positioned reads into memory of its own: the
+        file is not mapped, so reading every weight of a large checkpoint
+        leaves none of it in this process (pages a mapping touches stay
+        resident while the file is open). Stored in ``dtype`` already, it is
+        the file's mapped bytes, as `get` gives them: there is no copy to
+        make, and kernels see the very tensor they saw before streaming (their
+        results depend on its alignment in the last bit)."""
+        full = self.prefix + name
+        path = self.files.get(full)
+        if path is None:
+            raise KeyError(f"tensor {full} is not in the checkpoint")
+        fd, header, start = self._file(path)
+        entry = header[full]
+        stored = STORED[entry["dtype"]]
+        if stored == dtype:
+            return self.get(name, None)
+        # Converted a block at a time through one buffer: the memory written
+        # anew is the result's alone (an E2B head is 0.8 GB in bf16).
+        out = torch.empty(entry["shape"], dtype=dtype)
+        flat = out.view(-1)
+        size = torch.empty(0, dtype=stored).element_size()
+        block = max(1, min(ROUND_BLOCK, flat.numel()))
+        buffer = torch.empty(block, dtype=stored)
+        for at in range(0, flat.numel(), block):
+            part = buffer[: min(block, flat.numel() - at)]
+            read_at(fd, start + entry["data_offsets"][0] + at * size, part, f"{path}: {full}")
+            flat[at : at + part.numel()].copy_(part)
+        return out
+
+    def fetcher(self, name: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+        """A function that gives the tensor in ``dtype`` each time it is
+        called, kept between calls as the resident budget allows
+        (weights.RESIDENT); never modify what it returns."""
+        full = self.prefix + name
+        key = ("checkpoint", self.files.get(full), full, dtype)
+        return lambda: RESIDENT.get(key, lambda: self.read(name, dtype))
+
     def close(self) -> None:
         self._handles.clear()
         self._cache.clear()
+        for fd, _, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()

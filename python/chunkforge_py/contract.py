@@ -405,6 +405,10 @@ class ParityRequest(TypedDict):
     max_weight_rel_mse: float
 
 
+# records.rs `Verdict`: a check's or a run's outcome (verdicts.py).
+Verdict = Literal["ok", "inconclusive", "fail"]
+
+
 class StepRecord(TypedDict):
     """One layout (or function) at one step against the reference."""
 
@@ -415,10 +419,14 @@ class StepRecord(TypedDict):
     token: int
     margin: float
     ok: bool
+    # verdicts.py: what a failure here means.
+    verdict: Verdict
 
 
 class OracleRecord(TypedDict):
-    """The reference against transformers at one step."""
+    """The reference against transformers at one step, and transformers'
+    noise floor there: its eager attention against sdpa, hidden-state cosine
+    and largest logit change (parity.py `oracle_record`)."""
 
     step: int
     hf_token: int
@@ -426,6 +434,10 @@ class OracleRecord(TypedDict):
     cos: float
     margin: float
     ok: bool
+    floor_cos: float
+    floor_logit: float
+    ill_conditioned: bool
+    verdict: Verdict
 
 
 class ArtifactRecord(TypedDict):
@@ -467,6 +479,8 @@ class LayoutArtifactSummary(TypedDict):
     top1_agreement: float
     tokens_match_other_layouts: bool
     ok: bool
+    # verdicts.py: what a failure here means.
+    verdict: Verdict
 
 
 class FunctionArtifactSummary(TypedDict):
@@ -478,6 +492,8 @@ class FunctionArtifactSummary(TypedDict):
     steps: int
     tokens_match: bool
     ok: bool
+    # verdicts.py: what a failure here means.
+    verdict: Verdict
 
 
 ArtifactSummary = LayoutArtifactSummary | FunctionArtifactSummary
@@ -526,10 +542,13 @@ class ProgramSummary(TypedDict):
     # function); fp16 is reported.
     gated: bool
     ok: bool
+    # verdicts.py: what a failure here means.
+    verdict: Verdict
 
 
 class ParitySummary(TypedDict):
     ok: bool
+    verdict: Verdict
     steps: int
     decode_steps: int
     tol_cos: float
@@ -538,6 +557,8 @@ class ParitySummary(TypedDict):
     min_margin: float | None
     oracle_ok: bool | None
     oracle_min_cos: float | None
+    # Steps where transformers disagrees with itself beyond the tolerance.
+    ill_conditioned: list[int] | None
     first_failure: FirstFailure | None
     localisation: dict[str, Localisation] | None
     prefill: PrefillSummary | None

@@ -77,18 +77,28 @@ FINAL_NORM_SCALE = 4.0
 FULL_SIZE_LOGIT_SPREAD = 5.0
 LAYER_SCALAR_RANGE = (0.7, 1.3)
 
-# q/k norm weights by attention sharpness (``qk_norm_init``). q and k are
+# Attention sharpness (``--attention``, ``qk_norm_init``). q and k are
 # RMS-normed per head, so with norm weights w_q, w_k a random q.k score over
 # head_dim dimensions has a standard deviation near sqrt(head_dim) * w_q * w_k
-# (Gemma 4's attention scale is 1). At E2B's head_dim 256 and unit weights that
-# is 16: softmax is nearly hard, and transformers' own eager and sdpa
-# attention disagree (on an E2B-size checkpoint: hidden-state cosine 0.917,
-# another argmax). Weights near 0.25 give a deviation near 1, where the two
-# agree to cosine 1.000000. Both scale with (QK_REFERENCE_HEAD_DIM / head_dim)^(1/4),
-# so every head dim gets the same score spread.
+# (Gemma 4's attention scale is 1): 16 at E2B's head_dim 256 with unit-ish
+# weights, where softmax is nearly hard; near 1 with weights near 0.25. Both
+# scale with (QK_REFERENCE_HEAD_DIM / head_dim)^(1/4), so every head dim gets
+# the same score spread.
+#
+# Sharpness alone does not make a checkpoint ill-conditioned: the damping
+# above (post-norms of 0.15 against embeddings of INITIALIZER_RANGE) keeps a
+# random stack calm whatever its attention (transformers' sdpa and eager
+# attention agree to 1-cos < 1e-9 at E2B widths even with q/k weights of 8).
+# So ``sharp`` is the random checkpoint one gets without taming:
+# transformers' own initialisation (weights N(0, 0.02^2), norms near 1, none
+# damped) with unit-ish q/k norm weights. There the nearly hard softmax of a
+# stack that amplifies what it is given lets the last bit of a score decide
+# now and then: the small E2B-shaped fixture of seed 1 is ill-conditioned at
+# step 12, where transformers moves from itself by 1-cos 2e-4.
 QK_REFERENCE_HEAD_DIM = 256
 QK_SOFT_SCALE = 0.25
 QK_SHARP_RANGE = (0.5, 1.5)
+SHARP_INITIALIZER_RANGE = 0.02
 
 
 # The released checkpoints' widths, for benchmarks (`--full-width`).
@@ -187,8 +197,10 @@ def write_fixture(
     extra vision tensors that a loader must skip. ``shards`` > 1 writes
     ``model.safetensors.index.json`` with that many shard files. The tokenizer
     files and ``generation_config.json`` do not depend on ``seed``.
-    ``attention`` draws the q/k norm weights for soft or sharp attention
-    (``qk_norm_init``) after every other weight, which stays as without it.
+    ``attention`` ``soft`` draws the q/k norm weights for soft attention
+    (``qk_norm_init``) after every other weight, which stays as without it;
+    ``sharp`` makes transformers' own initialisation with unit-ish q/k norm
+    weights (see QK_SHARP_RANGE).
     """
     from safetensors.torch import save_file
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
@@ -197,6 +209,10 @@ def write_fixture(
         raise ValueError(f"unknown fixture shape {shape!r}; expected one of {sorted(SHAPES)}")
     torch.manual_seed(seed)
     cfg_kwargs = text_config_dict(shape, sliding_window=sliding_window, vocab_size=vocab_size, full_width=full_width)
+    # The sharp checkpoint is transformers' own initialisation, undamped.
+    tamed = attention != "sharp"
+    if not tamed:
+        cfg_kwargs["initializer_range"] = SHARP_INITIALIZER_RANGE
     config = Gemma4TextConfig(**cfg_kwargs)
     # First, so a vocabulary too small for the tokenizer fails before the model is built.
     write_side_files(out_dir, config)
@@ -208,9 +224,10 @@ def write_fixture(
             if name.endswith("norm.weight"):
                 p.mul_(1.0 + NORM_SPREAD * torch.randn_like(p))
         for name, p in model.named_parameters():
-            if any(k in name for k in POST_NORMS):
+            if tamed and any(k in name for k in POST_NORMS):
                 p.mul_(POST_NORM_SCALE)
-        model.model.norm.weight.mul_(FINAL_NORM_SCALE)
+        if tamed:
+            model.model.norm.weight.mul_(FINAL_NORM_SCALE)
         for layer in model.model.layers:
             layer.layer_scalar.fill_(float(torch.empty(1).uniform_(*LAYER_SCALAR_RANGE)))
         if attention is not None:
@@ -305,8 +322,9 @@ def sample(init: Init, shape: tuple[int, ...]) -> torch.Tensor:
 
 def full_size_init(name: str, shape: list[int], attention: AttentionSharpness) -> Init:
     """How a full-size tensor's values are drawn: the distributions the
-    transformers-made fixtures end up with (``write_fixture``), by tensor name,
-    but for the final norm (FULL_SIZE_LOGIT_SPREAD)."""
+    transformers-made fixtures end up with (``write_fixture``, soft or sharp),
+    by tensor name, but for the final norm of a soft one
+    (FULL_SIZE_LOGIT_SPREAD)."""
 
     def normal(mean: float, std: float) -> Init:
         return {"normal": {"mean": mean, "std": std}}
@@ -316,6 +334,9 @@ def full_size_init(name: str, shape: list[int], attention: AttentionSharpness) -
         return {"uniform": {"low": low, "high": high}}
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         return qk_norm_init(attention, shape[-1])
+    if attention == "sharp":
+        # transformers' own initialisation, nothing damped (see QK_SHARP_RANGE).
+        return normal(1.0, NORM_SPREAD) if name.endswith("norm.weight") else normal(0.0, SHARP_INITIALIZER_RANGE)
     if name == "model.norm.weight":
         # Normed hidden of RMS w against embedding rows of deviation
         # INITIALIZER_RANGE: logits of deviation w * INITIALIZER_RANGE * sqrt(hidden).

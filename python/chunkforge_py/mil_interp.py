@@ -32,7 +32,12 @@ interpreter does not implement is an error naming its type, its name and the
 function. Constants and the compile-time ops (``constexpr_lut_to_dense``:
 palettized weights) are evaluated once per package and shared by all its
 functions; a function is resolved once into a list of steps over numbered
-slots, each slot freed after its last use.
+slots, each slot freed after its last use. Weights (constants of at least
+``LAZY_ELEMENTS`` values read from the weight file, and compile-time ops
+giving or reading one) are `weights.Lazy`: made when a step reads them and
+kept between runs only as far as `weights.RESIDENT`'s budget allows, so a
+real-size package (gigabytes of dequantized weights) runs in the memory of
+the weights that budget holds plus one at a time.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ from .contract import ExecRequest, ExecResult
 from .mil_ops import CONSTEXPR, OPS, Impl, OpError
 from .mil_program import FLOATS, MLPackage, TensorType, tensor_type
 from .runtime import ChunkforgeError
+from .weights import Lazy, value_of
+
+# Constants read from a weight file with at least this many values are
+# weights, made when a step reads them (`weights.Lazy`).
+LAZY_ELEMENTS = 1 << 16
 
 # Our names of the fp16 and other float types the program may declare.
 FLOAT_TYPES = frozenset(FLOATS)
@@ -221,7 +231,17 @@ class Function:
             if dynamic or any(s >= 0 for _, items in lists for s, _ in items):
                 raise ChunkforgeError(f"{self.where}: {what}: a compile-time op reads a runtime value")
             key = b"\0".join(key_parts)
-            value = self.interp.constexpr(key, lambda: self._run_static(impl, static, outputs, what))
+            shape = outputs[0][1].shape if len(outputs) == 1 else ()
+            if any(isinstance(v, Lazy) for v in static.values()) or (
+                all(d is not None for d in shape) and count(shape) >= LAZY_ELEMENTS
+            ):
+                value = self.interp.lazy(
+                    key,
+                    lambda: self._run_static(impl, {k: value_of(v) for k, v in static.items()}, outputs, what),
+                    tuple(int(d) for d in shape if d is not None),
+                )
+            else:
+                value = self.interp.constexpr(key, lambda: self._run_static(impl, static, outputs, what))
             self.consts[name] = value
             self.const_keys[name] = key
             return
@@ -305,11 +325,11 @@ class Function:
         tapped: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for step in self.steps:
-                args = dict(step.static)
+                args = {k: value_of(v) for k, v in step.static.items()}
                 for k, s in step.dynamic:
                     args[k] = env[s]
                 for k, items in step.lists:
-                    args[k] = [env[s] if s >= 0 else v for s, v in items]
+                    args[k] = [env[s] if s >= 0 else value_of(v) for s, v in items]
                 try:
                     res = step.impl(args)
                 except (OpError, RuntimeError, ValueError, IndexError, TypeError) as e:
@@ -334,9 +354,9 @@ class Function:
                     env[s] = None
         out = {}
         for n in self.output_names:
-            out[n] = env[self.slots[n]] if n in self.slots else self.consts[n]
+            out[n] = env[self.slots[n]] if n in self.slots else value_of(self.consts[n])
         for n in taps:
-            out[n] = tapped.get(n, self.consts.get(n))
+            out[n] = tapped[n] if n in tapped else value_of(self.consts.get(n))
         return out
 
     def run(self, inputs: Mapping[str, np.ndarray], fp16: bool = False) -> dict[str, np.ndarray]:
@@ -354,6 +374,14 @@ class Function:
                 value = value.astype(np.int32)
             result[spec.name] = value
         return result
+
+
+def count(shape: tuple[int | None, ...]) -> int:
+    """Values in a tensor of a fully known ``shape``."""
+    n = 1
+    for d in shape:
+        n *= int(d or 0)
+    return n
 
 
 def accepts(declared: str, given: str) -> bool:
@@ -399,17 +427,43 @@ class Interpreter:
         return self._functions[name]
 
     def constant(self, key: bytes, value: Any, what: str) -> Any:
-        """A program value (a string, or a tensor), read once per package."""
+        """A program value (a string, or a tensor), read once per package;
+        a weight read from the weight file is `Lazy`."""
         if key not in self._consts:
-            v = self.package.value(value, what)
-            self._consts[key] = v if isinstance(v, str) else to_torch(v)
+            t = tensor_type(value.type, what) if value.type.WhichOneof("type") == "tensorType" else None
+            if (
+                value.WhichOneof("value") == "blobFileValue"
+                and t is not None
+                and all(d is not None for d in t.shape)
+                and count(t.shape) >= LAZY_ELEMENTS
+            ):
+                self._consts[key] = self.lazy(
+                    key, lambda: self.weight(value, what), tuple(int(d or 0) for d in t.shape)
+                )
+            else:
+                v = self.package.value(value, what)
+                self._consts[key] = v if isinstance(v, str) else to_torch(v)
         return self._consts[key]
 
+    def weight(self, value: Any, what: str) -> torch.Tensor:
+        """A tensor value read from the weight file."""
+        v = self.package.value(value, what)
+        if isinstance(v, str):
+            raise ChunkforgeError(f"{what}: a string where a weight was expected")
+        return to_torch(v)
+
     def constexpr(self, key: bytes, compute: Any) -> Any:
-        """A compile-time op's value (a dequantized weight), computed once per package."""
+        """A compile-time op's value (a small one), computed once per package."""
         if key not in self._consts:
             self._consts[key] = compute()
         return self._consts[key]
+
+    def lazy(self, key: bytes, make: Any, shape: tuple[int, ...]) -> Lazy:
+        """A weight of this package made on use (one `Lazy` per value, shared by its functions)."""
+        if key not in self._consts:
+            self._consts[key] = Lazy(("mil", self.path, key), make, shape)
+        value: Lazy = self._consts[key]
+        return value
 
 
 # ---- `chunkforge exec` ------------------------------------------------------------

@@ -125,6 +125,15 @@ def tensor_type(value_type: Any, what: str) -> TensorType:
 
 def unpack_bits(packed: np.ndarray, nbits: int, signed: bool, count: int) -> np.ndarray:
     """``count`` ``nbits``-bit integers packed least significant bit first."""
+    if nbits == 4 and not signed:
+        # Palettized weights' indices: two per byte, the low nibble first.
+        raw = packed.view(np.uint8)
+        if raw.size * 2 < count:
+            raise ValueError(f"{raw.size} bytes hold fewer than {count} 4-bit values")
+        out = np.empty(raw.size * 2, dtype=np.uint8)
+        np.bitwise_and(raw, 0x0F, out=out[0::2])
+        np.right_shift(raw, 4, out=out[1::2])
+        return out[:count]
     bits = np.unpackbits(packed.view(np.uint8), bitorder="little")
     if bits.size < count * nbits:
         raise ValueError(f"{packed.size} bytes hold fewer than {count} {nbits}-bit values")
@@ -142,40 +151,57 @@ def bf16_to_fp32(raw: np.ndarray) -> np.ndarray:
 
 
 class BlobFile:
-    """One MIL blob storage file, memory-mapped read-only."""
+    """One MIL blob storage file, read with positioned reads: a weight read
+    is memory of its own, let go with it (a mapping of the file would keep
+    every page it touched resident for as long as the file stays open)."""
 
     def __init__(self, path: str):
         self.path = path
         try:
-            self.data = np.memmap(path, dtype=np.uint8, mode="r")
-        except (OSError, ValueError) as e:
+            self.fd = os.open(path, os.O_RDONLY)
+            self.size = os.fstat(self.fd).st_size
+        except OSError as e:
             raise ChunkforgeError(f"{path}: cannot read the weight file ({e})") from e
-        if self.data.size < BLOB_HEADER:
-            raise ChunkforgeError(f"{path}: {self.data.size} bytes, shorter than the blob storage header")
-        count, version = struct.unpack_from("<II", bytes(self.data[:8]))
+        if self.size < BLOB_HEADER:
+            raise ChunkforgeError(f"{path}: {self.size} bytes, shorter than the blob storage header")
+        count, version = struct.unpack_from("<II", self._bytes(0, 8))
         if version != 2:
             raise ChunkforgeError(f"{path}: blob storage version {version} (the interpreter reads version 2)")
         self.count = count
 
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def _bytes(self, offset: int, size: int) -> bytes:
+        data = os.pread(self.fd, size, offset)
+        while len(data) < size:
+            more = os.pread(self.fd, size - len(data), offset + len(data))
+            if not more:
+                raise ChunkforgeError(f"{self.path}: ends at {offset + len(data)}, inside a blob")
+            data += more
+        return data
+
     def read(self, offset: int, t: TensorType, what: str) -> np.ndarray:
         """The blob whose metadata record is at ``offset``, as ``t`` (checked
         against the record's own data type and size). Whole-byte types are
-        read-only views of the mapped file; sub-byte types are unpacked."""
-        if offset < BLOB_HEADER or offset + BLOB_METADATA > self.data.size:
+        read-only arrays over the bytes read; sub-byte types are unpacked."""
+        if offset < BLOB_HEADER or offset + BLOB_METADATA > self.size:
             raise ChunkforgeError(f"{self.path}: {what}: blob offset {offset} is outside the file")
-        sentinel, blob_type, size, data_offset = struct.unpack_from("<IIQQ", bytes(self.data[offset : offset + 24]))
+        sentinel, blob_type, size, data_offset = struct.unpack_from("<IIQQ", self._bytes(offset, 24))
         if sentinel != BLOB_SENTINEL:
             raise ChunkforgeError(f"{self.path}: {what}: no blob metadata at offset {offset}")
         stored = BLOB_TYPES.get(blob_type, f"type {blob_type}")
         if stored != t.dtype:
             raise ChunkforgeError(f"{self.path}: {what}: the program reads {t.dtype}, blob at {offset} holds {stored}")
-        if data_offset + size > self.data.size:
+        if data_offset + size > self.size:
             raise ChunkforgeError(f"{self.path}: {what}: blob at {offset} runs past the end of the file")
         if any(d is None for d in t.shape):
             raise ChunkforgeError(f"{what}: a weight of unknown shape {t.shape}")
         shape = tuple(int(d) for d in t.shape if d is not None)
         count = int(np.prod(shape, dtype=np.int64))
-        raw = self.data[data_offset : data_offset + size]
+        raw = np.frombuffer(self._bytes(data_offset, size), dtype=np.uint8)
         if t.dtype in SUB_BYTE:
             nbits, signed = SUB_BYTE[t.dtype]
             if size != (count * nbits + 7) // 8:

@@ -8,6 +8,7 @@ order of its inputs and outputs) comes from the plan computed in Rust.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -93,6 +94,14 @@ class Projection(nn.Conv2d):
 
     def __init__(self, inp: int, out: int):
         super().__init__(inp, out, kernel_size=1, bias=False)
+        # Where the weight comes from when the module does not hold it
+        # (`load_streamed`): called each time the projection runs.
+        self.fetch: Callable[[], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fetch is None:
+            return super().forward(x)
+        return self._conv_forward(x, self.fetch(), None)
 
     def tokens(self, x: torch.Tensor, t: int) -> torch.Tensor:
         """The projection of token-major ``[1, t, in]`` as ``[1, t, out]``."""
@@ -277,11 +286,24 @@ class Chunk(nn.Module):
     # ---- weights ---------------------------------------------------------
 
     def load(
-        self, ckpt: Checkpoint, dtype: torch.dtype, share: bool = False, rounded_to: torch.dtype | None = None
+        self,
+        ckpt: Checkpoint,
+        dtype: torch.dtype,
+        share: bool = False,
+        rounded_to: torch.dtype | None = None,
+        stream: bool = False,
     ) -> None:
         """Fill every parameter from the checkpoint by name (tied head reads
         embed_tokens), in ``dtype``; with ``rounded_to``, values rounded to
-        that dtype first (`Checkpoint.get`)."""
+        that dtype first (`Checkpoint.get`). With ``stream`` the projections'
+        weights are read when they run (`load_streamed`)."""
+        if stream:
+            load_streamed(
+                self,
+                lambda n, shape: ckpt.fetcher(self.checkpoint_name(n), dtype),
+                lambda n: ckpt.get(self.checkpoint_name(n), dtype, share=share),
+            )
+            return
         shapes = {n: t.shape for n, t in [*self.named_parameters(), *self.named_buffers()]}
         # A projection's [out, in] matrix is its 1x1 convolution's [out, in, 1, 1] weight.
         state = {
@@ -528,6 +550,30 @@ class Chunk(nn.Module):
         return keys, values
 
 
+def load_streamed(
+    module: nn.Module,
+    fetch: Callable[[str, tuple[int, ...]], Callable[[], torch.Tensor]],
+    get: Callable[[str], torch.Tensor],
+) -> None:
+    """Loads a module built on the meta device without holding its
+    projections' weights: each `Projection` calls ``fetch(name, shape)``'s
+    function for its weight whenever it runs (weights.py says why), every
+    other parameter and buffer (norms, scalars: small) is ``get(name)`` now.
+    Names are the module's own (``layers.3.mlp.up_proj.weight``)."""
+    projections = {f"{n}.weight": m for n, m in module.named_modules() if isinstance(m, Projection)}
+    state: dict[str, torch.Tensor] = {}
+    for name, like in [*module.named_parameters(), *module.named_buffers()]:
+        shape = tuple(like.shape)
+        if name in projections:
+            source = fetch(name, shape)
+            projections[name].fetch = lambda source=source, shape=shape: source().view(shape)
+        else:
+            state[name] = get(name).view(shape)
+    # assign=True adopts the tensors as they are; the projections' own
+    # parameters stay on the meta device (shape only).
+    module.load_state_dict(state, strict=False, assign=True)
+
+
 def build_chunk(
     dims: Dims,
     chunk: ChunkPlan,
@@ -536,13 +582,15 @@ def build_chunk(
     share: bool = False,
     function: FunctionPlan | None = None,
     rounded_to: torch.dtype | None = None,
+    stream: bool = False,
 ) -> Chunk:
     """The module of one of the chunk's functions (default: the first) with its
     weights; ``share`` reuses tensors across modules (parity); ``rounded_to``:
-    weight values rounded to that dtype, held as ``dtype``."""
+    weight values rounded to that dtype, held as ``dtype``; ``stream``: the
+    projections' weights read when they run (`load_streamed`)."""
     with torch.device("meta"):
         module = Chunk(dims, chunk, function).eval()
-    module.load(ckpt, dtype, share=share, rounded_to=rounded_to)
+    module.load(ckpt, dtype, share=share, rounded_to=rounded_to, stream=stream)
     return module
 
 

@@ -1,4 +1,12 @@
-"""The independent oracle: Hugging Face ``Gemma4ForCausalLM`` on the same weights."""
+"""The independent oracle: Hugging Face ``Gemma4ForCausalLM`` on the same weights.
+
+transformers' own code runs every step of the computation (its masks, RoPE,
+per-layer inputs, KV sharing and decoder layers); only the weights are
+brought in differently: each decoder layer's are read from the checkpoint
+when transformers calls the layer and let go when it returns (forward hooks),
+so the oracle holds one layer at a time (weights.py says why), and the head
+is the tied embedding applied to transformers' final hidden states.
+"""
 
 from __future__ import annotations
 
@@ -12,69 +20,123 @@ from .checkpoint import Checkpoint
 if TYPE_CHECKING:
     from .stepper import Embeddings
 
-
-def load_hf_model(config_path: str, ckpt: Checkpoint) -> Any:
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    with open(config_path) as f:
-        raw = json.load(f)
-    text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
-    fields = {k: v for k, v in text.items() if k not in ("architectures", "model_type", "transformers_version")}
-    config = Gemma4TextConfig(**fields)
-    config._attn_implementation = "eager"
-    with torch.device("meta"):
-        model = Gemma4ForCausalLM(config).eval()
-    loaded = set()
-    # Point the oracle's parameters at the same tensors the chunk modules use
-    # (one fp32 copy of the weights in memory, not two).
-    state = {}
-    for key in [k for k, _ in model.named_parameters()] + [k for k, _ in model.named_buffers()]:
-        name = key[len("model.") :]
-        if key != "lm_head.weight" and ckpt.prefix + name in ckpt.files:
-            state[key] = ckpt.get(name, torch.float32, share=True)
-            loaded.add(key)
-    model.load_state_dict(state, strict=False, assign=True)
-    model.lm_head.weight = model.model.embed_tokens.weight
-    # Buffers computed at construction time (not stored in checkpoints) were
-    # created on the meta device: build them again for real.
-    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
-
-    model.model.rotary_emb = Gemma4TextRotaryEmbedding(config)
-    for module in model.modules():
-        if hasattr(module, "scalar_embed_scale"):
-            module.embed_scale = torch.tensor(module.scalar_embed_scale)
-    state = dict(model.named_parameters())
-    # Only the unused K/V projections of KV-shared layers may stay unloaded.
-    missing = [
-        k
-        for k in state
-        if k not in loaded and k != "lm_head.weight" and not any(s in k for s in ("k_proj", "v_proj", "k_norm"))
-    ]
-    if missing:
-        raise RuntimeError(f"transformers oracle: tensors not loaded: {missing[:5]}")
-    return model
+# transformers' attention implementations: eager is the oracle's (in fp32);
+# the oracle's noise floor is measured against sdpa attention in fp32 and
+# eager attention in float64 (parity.py `oracle_record`).
+ORACLE_ATTENTION = "eager"
+SECOND_ATTENTION = "sdpa"
+# Head rows a float64 forward multiplies at a time (its fp64 copy of the
+# whole tied head would be 3.2 GB at E2B).
+HEAD_BLOCK = 1 << 15
 
 
-def teacher_forced(model: Any, prompt: list[int], emb: Embeddings) -> dict[str, torch.Tensor]:
-    """Final normed hidden and softcapped logits at every prompt position (one causal forward).
+def let_go(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """After a decoder layer's call: its weights back to the meta device (freed)."""
+    module.to("meta")
 
-    transformers gets the embeddings the runtime feeds the chunks (``emb``: scaled
-    rows rounded to fp16), not its own fp32 lookups, so the oracle compares the
-    decoder's math on identical inputs; the rounding itself is the runtime's."""
-    n_layers, ple = model.config.num_hidden_layers, model.config.hidden_size_per_layer_input
-    embeds = torch.cat([emb.hidden(t, torch.float32) for t in prompt], dim=1)
-    per_layer = torch.cat([emb.per_layer_raw(t, torch.float32) for t in prompt], dim=1)
-    with torch.no_grad():
-        # use_cache=True matters: without a cache, transformers lets KV-shared layers
-        # compute their own K/V instead of reading the producer layer's.
-        out = model.model(
-            inputs_embeds=embeds,
-            per_layer_inputs=per_layer.view(1, len(prompt), n_layers, ple),
-            use_cache=True,
+
+class Oracle:
+    """transformers' model of the checkpoint in ``dtype``, its decoder
+    layers' weights loaded per call."""
+
+    def __init__(self, config_path: str, ckpt: Checkpoint, dtype: torch.dtype = torch.float32):
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+        with open(config_path) as f:
+            raw = json.load(f)
+        text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
+        fields = {k: v for k, v in text.items() if k not in ("architectures", "model_type", "transformers_version")}
+        config = Gemma4TextConfig(**fields)
+        config._attn_implementation = ORACLE_ATTENTION
+        with torch.device("meta"):
+            model = Gemma4ForCausalLM(config).eval()
+        self.ckpt = ckpt
+        self.model = model
+        self.dtype = dtype
+        names = [k for k, _ in model.named_parameters()] + [k for k, _ in model.named_buffers()]
+        present = {k for k in names if k != "lm_head.weight" and ckpt.prefix + k[len("model.") :] in ckpt.files}
+        # Only the unused K/V projections of KV-shared layers may stay unloaded.
+        missing = [
+            k
+            for k, _ in model.named_parameters()
+            if k not in present and k != "lm_head.weight" and not any(s in k for s in ("k_proj", "v_proj", "k_norm"))
+        ]
+        if missing:
+            raise RuntimeError(f"transformers oracle: tensors not loaded: {missing[:5]}")
+        # Outside the decoder layers: the norms and the per-layer input
+        # projection, loaded now. The embedding tables stay unloaded: the
+        # oracle is given the runtime's embeddings (`teacher_forced`).
+        model.load_state_dict(
+            {k: self.weight(k) for k in present if not k.startswith(("model.layers.", "model.embed_tokens"))},
+            strict=False,
+            assign=True,
         )
-        hidden = out.last_hidden_state[0].float()
-        logits = model.lm_head(out.last_hidden_state)[0].float()
-        cap = model.config.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-    return {"hidden": hidden, "logits": logits}
+        for i, layer in enumerate(model.model.layers):
+            own = sorted(k[len(f"model.layers.{i}.") :] for k in present if k.startswith(f"model.layers.{i}."))
+            layer.register_forward_pre_hook(self._bring(i, own))
+            layer.register_forward_hook(let_go)
+        # Buffers computed at construction time (not stored in checkpoints) were
+        # created on the meta device: build them again for real.
+        model.model.rotary_emb = Gemma4TextRotaryEmbedding(config)
+        for module in model.modules():
+            if hasattr(module, "scalar_embed_scale"):
+                module.embed_scale = torch.tensor(module.scalar_embed_scale)
+
+    def weight(self, key: str) -> torch.Tensor:
+        """A parameter or buffer of the model (``model.layers.3...``) from the
+        checkpoint, in the model's dtype (through fp32: the values every
+        other module of parity sees)."""
+        return self.ckpt.fetcher(key[len("model.") :], torch.float32)().to(self.dtype)
+
+    def _bring(self, index: int, own: list[str]) -> Any:
+        def bring(module: torch.nn.Module, args: Any) -> None:
+            state = {k: self.weight(f"model.layers.{index}.{k}") for k in own}
+            module.load_state_dict(state, strict=False, assign=True)
+
+        return bring
+
+    def teacher_forced(
+        self, prompt: list[int], emb: Embeddings, attention: str = ORACLE_ATTENTION
+    ) -> dict[str, torch.Tensor]:
+        """Final normed hidden and softcapped logits at every prompt position
+        (one causal forward), with transformers' ``attention`` implementation.
+
+        transformers gets the embeddings the runtime feeds the chunks (``emb``: scaled
+        rows rounded to fp16), not its own fp32 lookups, so the oracle compares the
+        decoder's math on identical inputs; the rounding itself is the runtime's."""
+        model = self.model
+        n_layers, ple = model.config.num_hidden_layers, model.config.hidden_size_per_layer_input
+        embeds = torch.cat([emb.hidden(t, self.dtype) for t in prompt], dim=1)
+        per_layer = torch.cat([emb.per_layer_raw(t, self.dtype) for t in prompt], dim=1)
+        model.config._attn_implementation = attention
+        try:
+            with torch.no_grad():
+                # use_cache=True matters: without a cache, transformers lets KV-shared layers
+                # compute their own K/V instead of reading the producer layer's.
+                out = model.model(
+                    inputs_embeds=embeds,
+                    per_layer_inputs=per_layer.view(1, len(prompt), n_layers, ple),
+                    use_cache=True,
+                )
+                hidden = out.last_hidden_state
+                # The tied head: lm_head is embed_tokens.
+                head = self.ckpt.fetcher("embed_tokens.weight", torch.float32)()
+                if self.dtype == torch.float32:
+                    logits = torch.nn.functional.linear(hidden, head)[0]
+                else:
+                    logits = torch.cat(
+                        [
+                            torch.nn.functional.linear(hidden[0], head[r : r + HEAD_BLOCK].to(self.dtype))
+                            for r in range(0, head.shape[0], HEAD_BLOCK)
+                        ],
+                        dim=-1,
+                    )
+                del head
+                cap = model.config.final_logit_softcapping
+                if cap:
+                    logits = torch.tanh(logits / cap) * cap
+                logits = logits.float() if self.dtype == torch.float32 else logits
+        finally:
+            model.config._attn_implementation = ORACLE_ATTENTION
+        return {"hidden": hidden[0], "logits": logits}

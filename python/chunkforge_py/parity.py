@@ -6,11 +6,11 @@ Torch on CPU in fp32, teacher-forced decode: step t feeds prompt token t.
 
 from __future__ import annotations
 
-import os
 import time
-from typing import Any
+from collections.abc import Collection
+from functools import partial
+from typing import Any, get_args
 
-import numpy as np
 import torch
 
 from .checkpoint import Checkpoint
@@ -21,6 +21,7 @@ from .contract import (
     Dims,
     FunctionArtifactSummary,
     LayerDivergence,
+    LayoutKind,
     Localisation,
     OracleRecord,
     ParityLayout,
@@ -32,9 +33,15 @@ from .contract import (
     StepRecord,
     WorstWeight,
 )
+from .model import Projection
 from .parity_programs import Programs, caches_cosine, check_layout, check_prefill, check_verify, cosine
 from .runtime import ChunkforgeError
 from .stepper import Embeddings, LayoutRunner, PrefillRunner
+from .verdicts import judge, overall
+from .weights import value_of
+
+# Names of decode layouts (contract.py LayoutKind); any other step record is a function's.
+LAYOUT_KINDS = frozenset(get_args(LayoutKind))
 
 
 def margin(logits: torch.Tensor) -> float:
@@ -51,12 +58,70 @@ def corrupt_modules(modules: dict[str, Any], layer: int) -> str:
     """Negate one weight of ``layer`` in whichever of ``modules`` holds it."""
     for name, mod in modules.items():
         if str(layer) in mod.layers:
-            w = mod.layers[str(layer)].mlp.down_proj.weight
-            # A new tensor, not an in-place edit: checkpoint tensors may share
-            # memory-mapped storage with the reference's modules.
-            w.data = -w.data.clone()
+            proj = mod.layers[str(layer)].mlp.down_proj
+            # A new tensor at each use, not an in-place edit: the weight is
+            # shared with the reference's modules.
+            proj.fetch = partial(negated, proj.fetch)
             return name
     raise ChunkforgeError(f"--corrupt-layer {layer}: no chunk of this layout holds layer {layer}")
+
+
+def oracle_record(
+    step: int, ref: dict[str, Any], hf: dict[str, Any], opinions: list[dict[str, Any]], tol: float
+) -> OracleRecord:
+    """The reference against transformers at ``step``, with how far
+    transformers moves from itself on the same inputs there: the same
+    model, weights and inputs computed another way (``opinions``: sdpa
+    attention instead of eager, and float64), the worst of them. The sdpa
+    kernel orders the attention's arithmetic differently; float64 rounds the
+    projections and attention 2^29 times finer (transformers' norms still
+    compute in fp32), so it also sees where rounding anywhere else decides
+    the result. The step is ill-conditioned when that floor is past the
+    tolerance (cosine below ``tol``) or the top-2 logit gap is inside it (at
+    most twice the largest logit change: each of the two logits may move by
+    that much). There, agreement with transformers cannot be asked of the
+    reference any more than of transformers itself."""
+    logits, hidden = hf["logits"][step], hf["hidden"][step]
+    hf_token = int(logits.argmax())
+    c = cosine(ref["hidden"], hidden)
+    floor_cos = min(cosine(hidden, o["hidden"][step]) for o in opinions)
+    floor_logit = max(float((logits.double() - o["logits"][step].double()).abs().max()) for o in opinions)
+    gap = margin(logits)
+    ok = c >= tol and hf_token == ref["token"]
+    ill = floor_cos < tol or gap <= 2 * floor_logit
+    return {
+        "step": step,
+        "hf_token": hf_token,
+        "ref_token": ref["token"],
+        "cos": c,
+        "margin": gap,
+        "ok": ok,
+        "floor_cos": floor_cos,
+        "floor_logit": floor_logit,
+        "ill_conditioned": ill,
+        "verdict": judge([] if ok else [step], [step] if ill else []),
+    }
+
+
+def judge_steps(records: list[StepRecord], ill: Collection[int], reference: str, prefill: int) -> None:
+    """Every step record's verdict (`verdicts.judge`). Decode layouts that
+    ran exactly the reference's computation are judged exactly; after a
+    prefill hand-off they start from the prefill function's caches, not the
+    reference's, so a layout failing at an ill-conditioned step where the
+    four-chunk layout (started from the same caches, the same computation
+    as every layout) fails too shows the hand-off's deviation, not its own.
+    verify_qK and the prefill functions compute the steps in another order
+    than decode."""
+    four_failed = {r["step"] for r in records if r["layout"] == reference and not r["ok"]}
+    for r in records:
+        function = r["layout"] not in LAYOUT_KINDS
+        exact = not function and not (prefill and (r["layout"] == reference or r["step"] in four_failed))
+        r["verdict"] = judge([] if r["ok"] else [r["step"]], ill, exact=exact)
+
+
+def negated(source: Any) -> torch.Tensor:
+    """``-source()``: a corrupted weight, made anew at each use."""
+    return -source()
 
 
 def localise(ref: dict[str, Any], got: dict[str, Any], chunks: list[ChunkPlan], tol: float) -> LayerDivergence:
@@ -126,6 +191,7 @@ def prefill_record(
             "token": prefilled["token"],
             "margin": margin(last["logits"]),
             "ok": ok,
+            "verdict": judge([] if ok else [n - 1], ()),
         }
     )
     if not ok:
@@ -172,6 +238,7 @@ def verify_records(
                     "token": got["tokens"][i],
                     "margin": margin(ref["logits"]),
                     "ok": ok,
+                    "verdict": judge([] if ok else [pos + i], ()),
                 }
             )
             if not ok and name not in localisation:
@@ -190,8 +257,9 @@ def artifact_functions(
     four: ParityLayout,
     q: LayoutRunner,
     q_results: list[dict[str, Any]],
-    build_dir: str,
+    programs: Programs,
     tol: float,
+    ill: Collection[int],
 ) -> dict[str, FunctionArtifactSummary]:
     """verify_qK of chunk1..4 and the prefill functions of prefill_chunk1..4,
     with the weights read back from their packages, against the INT4
@@ -200,10 +268,10 @@ def artifact_functions(
     k = next((f["tokens"] for f in four["chunks"][0]["functions"] if f["kind"] == "verify"), None)
     if k and steps >= k:
         vq = LayoutRunner(dims, four, ckpt, modules=q.modules)
-        replaced, _ = load_artifacts_into(vq.verify_modules(ckpt), four["chunks"], build_dir)
+        replaced, _ = load_artifacts_into(vq.verify_modules(ckpt), four["chunks"], programs)
         recs: list[StepRecord] = []
         verify_records(recs, {}, vq, emb, prompt, steps, k, q_results, four, tol)
-        out["verify_qK"] = function_summary(recs, replaced)
+        out["verify_qK"] = function_summary(recs, replaced, ill)
     n = int(req.get("prefill") or 0)
     pf_layout = req.get("prefill_layout")
     if n and pf_layout:
@@ -212,11 +280,11 @@ def artifact_functions(
             again.step(emb, prompt[t], t)
         fits = sorted(f["tokens"] for f in pf_layout["chunks"][0]["functions"] if f["tokens"] >= n)
         pf = PrefillRunner(dims, pf_layout, ckpt, fits[0])
-        replaced, _ = load_artifacts_into(pf.modules, pf_layout["chunks"], build_dir)
+        replaced, _ = load_artifacts_into(pf.modules, pf_layout["chunks"], programs)
         prefilled, _ = run_prefill(req, dims, ckpt, emb, prompt[:n], four, again, pf)
         recs = []
         prefill_record(recs, {}, prefilled, again, q_results[:n], four, tol)
-        out[prefilled["function"]] = function_summary(recs, replaced)
+        out[prefilled["function"]] = function_summary(recs, replaced, ill)
     return out
 
 
@@ -232,6 +300,7 @@ def program_functions(
     q: LayoutRunner,
     q_results: list[dict[str, Any]],
     tol: float,
+    ill: Collection[int],
     summary: dict[str, dict[str, ProgramSummary]],
     records: list[ProgramRecord],
 ) -> None:
@@ -239,7 +308,7 @@ def program_functions(
     the interpreter, against the read-back four-chunk decode ``q``."""
     k = next((f["tokens"] for f in four["chunks"][0]["functions"] if f["kind"] == "verify"), None)
     if k and steps >= k:
-        summary["verify_qK"], recs = check_verify(programs, four, k, dims, emb, prompt, q_results, tol)
+        summary["verify_qK"], recs = check_verify(programs, four, k, dims, emb, prompt, q_results, tol, ill)
         records += recs
     n = int(req.get("prefill") or 0)
     pf_layout = req.get("prefill_layout")
@@ -248,86 +317,103 @@ def program_functions(
         for t in range(n):
             again.step(emb, prompt[t], t)
         function, by, recs = check_prefill(
-            programs, pf_layout, four, n, dims, emb, prompt, q_results, again.caches, tol
+            programs, pf_layout, four, n, dims, emb, prompt, q_results, again.caches, tol, ill
         )
         summary[function] = by
         records += recs
 
 
-def function_summary(records: list[StepRecord], replaced: dict[str, int]) -> FunctionArtifactSummary:
-    """The artifact summary of one function's records."""
+def function_summary(
+    records: list[StepRecord], replaced: dict[str, int], ill: Collection[int]
+) -> FunctionArtifactSummary:
+    """The artifact summary of one function's records (another order of
+    the decode's arithmetic: inconclusive at ill-conditioned steps)."""
     return {
         "weights_replaced": replaced,
         "min_cos": min(r["cos"] for r in records),
         "steps": len(records),
         "tokens_match": all(r["token"] == r["ref_token"] for r in records),
         "ok": all(r["ok"] for r in records),
+        "verdict": judge([r["step"] for r in records if not r["ok"]], ill),
     }
 
 
-def artifact_weights(package: str) -> dict[str, torch.Tensor]:
-    """Dense fp32 weights of every palettized const in a built package (LUT +
-    indices -> dense) or, in a --no-quantize build, every fp16 matrix const."""
-    from .inspect_pkg import const_key, read_package
-
-    if not os.path.isdir(package):
-        raise ChunkforgeError(f"{package}: package not found (build it with `chunkforge build --mode all`)")
-    _, prog, default = read_package(package)
-    out = {}
-    for op in prog.functions[default].operations:
-        if op.op_type == "constexpr_lut_to_dense":
-            out[const_key(op.name)] = torch.from_numpy(op.materialized_val_inference().astype("float32"))
-        elif op.op_type == "const" and not op.name.startswith("const_"):
-            val = op.outputs[0].val
-            if isinstance(val, np.ndarray) and val.dtype == np.float16 and val.ndim >= 2:
-                out.setdefault(const_key(op.name), torch.from_numpy(val.astype("float32")))
-    return out
-
-
-def load_artifacts(runner: LayoutRunner, build_dir: str) -> tuple[dict[str, int], WorstWeight]:
+def load_artifacts(runner: LayoutRunner, programs: Programs) -> tuple[dict[str, int], WorstWeight]:
     """Replace every projection weight of the runner's modules with the package's
     dequantized one. Returns replaced counts per chunk and the worst relative
     MSE (dequantized vs checkpoint weight), which exposes a weight stored in the
     wrong layer or slot (relative MSE ~2) as clearly as a bad quantizer."""
-    return load_artifacts_into(runner.modules, runner.chunks, build_dir)
+    return load_artifacts_into(runner.modules, runner.chunks, programs)
 
 
 def load_artifacts_into(
-    modules: dict[str, Any], chunks: list[ChunkPlan], build_dir: str
+    modules: dict[str, Any], chunks: list[ChunkPlan], programs: Programs
 ) -> tuple[dict[str, int], WorstWeight]:
+    """Every projection of ``modules`` (built from the checkpoint, streamed)
+    takes its weight from its chunk's package instead: every palettized
+    const (LUT + indices -> dense) or, in a --no-quantize build, every fp16
+    matrix const; norms and scalars stay the checkpoint's (the packages keep
+    them in fp16)."""
     counts = {}
     worst: WorstWeight = {"weight": None, "rel_mse": 0.0}
     for chunk in chunks:
         mod = modules[chunk["name"]]
-        dense = artifact_weights(os.path.join(build_dir, f"{chunk['name']}.mlpackage"))
+        dense = programs.weights(chunk["name"])
         replaced = 0
-        new_state = {}
-        for pname, p in mod.named_parameters():
-            if p.dim() != 4:
-                # Projections are [out, in, 1, 1] convolution weights; the rest
-                # (norm weights) are vectors the packages keep in fp16.
+        for mname, proj in mod.named_modules():
+            if not isinstance(proj, Projection):
                 continue
+            pname = f"{mname}.weight"
             key = pname.replace(".", "_")
+            shape = tuple(proj.weight.shape)
             if key not in dense:
                 raise ChunkforgeError(
                     f"{chunk['name']}.mlpackage: no weight {key} for {pname} (built from a different plan?)"
                 )
             # coremltools may store a 1x1 convolution's weight as [out, in, 1].
-            if dense[key].numel() != p.numel() or dense[key].shape[:2] != p.shape[:2]:
+            got = tuple(dense[key].shape)
+            if dense[key].numel() != proj.weight.numel() or got[:2] != shape[:2]:
                 raise ChunkforgeError(
-                    f"{chunk['name']}.mlpackage: weight {pname} has shape {tuple(dense[key].shape)}, "
-                    f"the plan expects {tuple(p.shape)}"
+                    f"{chunk['name']}.mlpackage: weight {pname} has shape {got}, the plan expects {shape}"
                 )
-            dense[key] = dense[key].reshape(p.shape)
-            rel = float(((dense[key] - p.float()) ** 2).mean() / (p.float() ** 2).mean().clamp_min(1e-30))
+            # The package's weight first: its dequantization's temporaries
+            # are gone before the checkpoint's weight is read.
+            packed = value_of(dense[key]).reshape(shape)
+            assert proj.fetch is not None, "parity's modules are streamed"
+            rel = relative_mse(packed, proj.fetch())
+            del packed
             if rel > worst["rel_mse"]:
                 worst = {"weight": f"{chunk['name']}:{pname}", "rel_mse": rel}
-            new_state[pname] = dense[key]
+            proj.fetch = partial(packaged, dense[key], shape)
             replaced += 1
-        # New tensors, not in-place copies: the originals are shared with the reference.
-        mod.load_state_dict(new_state, strict=False, assign=True)
         counts[chunk["name"]] = replaced
     return counts, worst
+
+
+def relative_mse(got: torch.Tensor, want: torch.Tensor) -> float:
+    """mean((got - want)^2) / mean(want^2). A weight of more than
+    `RELATIVE_MSE_BLOCK` values (the head of a real-size model is
+    gigabytes) is summed in float64 over blocks of rows instead of through
+    temporaries its own size; smaller ones take the direct formula (the
+    figures the fixtures have always reported)."""
+    if got.numel() <= RELATIVE_MSE_BLOCK:
+        return float(((got - want) ** 2).mean() / (want**2).mean().clamp_min(1e-30))
+    rows = max(1, RELATIVE_MSE_BLOCK // max(1, got[0].numel()))
+    err = ref = 0.0
+    for r in range(0, got.shape[0], rows):
+        g, w = got[r : r + rows].double(), want[r : r + rows].double()
+        err += float(((g - w) ** 2).sum())
+        ref += float((w**2).sum())
+    return (err / got.numel()) / max(ref / got.numel(), 1e-30)
+
+
+# Values above which `relative_mse` sums in blocks.
+RELATIVE_MSE_BLOCK = 1 << 26
+
+
+def packaged(value: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """A package's weight (a tensor or `weights.Lazy`) in a projection's shape."""
+    return value_of(value).reshape(shape)
 
 
 def run(req: ParityRequest) -> ParityReport:
@@ -408,6 +494,7 @@ def run(req: ParityRequest) -> ParityReport:
                     "token": got["token"],
                     "margin": margin(r_ref["logits"]),
                     "ok": ok,
+                    "verdict": judge([] if ok else [t], ()),
                 }
             )
             if not ok and name not in localisation:
@@ -424,22 +511,18 @@ def run(req: ParityRequest) -> ParityReport:
     oracle: list[OracleRecord] = []
     hf: dict[str, Any] | None = None
     if req.get("oracle", True):
-        from .oracle import load_hf_model, teacher_forced
+        from .oracle import SECOND_ATTENTION, Oracle
 
-        hf = teacher_forced(load_hf_model(req["config_path"], ckpt), prompt[:steps], emb)
+        model = Oracle(req["config_path"], ckpt)
+        hf = model.teacher_forced(prompt[:steps], emb)
+        # transformers against itself: another attention kernel, and float64.
+        opinions = [model.teacher_forced(prompt[:steps], emb, SECOND_ATTENTION)]
+        del model
+        opinions.append(Oracle(req["config_path"], ckpt, torch.float64).teacher_forced(prompt[:steps], emb))
         for t in range(steps):
-            hf_token = int(hf["logits"][t].argmax())
-            c = cosine(ref_results[t]["hidden"], hf["hidden"][t])
-            oracle.append(
-                {
-                    "step": t,
-                    "hf_token": hf_token,
-                    "ref_token": ref_results[t]["token"],
-                    "cos": c,
-                    "margin": margin(hf["logits"][t]),
-                    "ok": c >= tol and hf_token == ref_results[t]["token"],
-                }
-            )
+            oracle.append(oracle_record(t, ref_results[t], hf, opinions, tol))
+        del opinions
+    ill = {o["step"] for o in oracle if o["ill_conditioned"]}
 
     artifacts: list[ArtifactRecord] = []
     artifact_summary: dict[str, ArtifactSummary] = {}
@@ -451,7 +534,7 @@ def run(req: ParityRequest) -> ParityReport:
         first_tokens: list[int] | None = None
         for name, layout in req["artifact_layouts"].items():
             q = LayoutRunner(dims, layout, ckpt)
-            replaced, worst = load_artifacts(q, build_dir)
+            replaced, worst = load_artifacts(q, programs)
             agree = 0
             coss = []
             tokens = []
@@ -486,14 +569,14 @@ def run(req: ParityRequest) -> ParityReport:
                 and tokens == first_tokens
             )
             # The packages' own programs against these read-back modules.
-            summ, recs = check_layout(programs, name, layout, dims, emb, prompt, ref_results[:steps], hf, tol)
+            summ, recs = check_layout(programs, name, layout, dims, emb, prompt, ref_results[:steps], hf, tol, ill)
             program_summary[name] = summ
             program_records += recs
             if name == reference:
                 # The packages' own verify and prefill weights against the same
                 # INT4 model's sequential decode: equal up to fp32 rounding.
                 artifact_summary.update(
-                    artifact_functions(req, dims, ckpt, emb, prompt, steps, layout, q, q_results, build_dir, tol)
+                    artifact_functions(req, dims, ckpt, emb, prompt, steps, layout, q, q_results, programs, tol, ill)
                 )
                 program_functions(
                     req,
@@ -507,6 +590,7 @@ def run(req: ParityRequest) -> ParityReport:
                     q,
                     q_results,
                     tol,
+                    ill,
                     program_summary,
                     program_records,
                 )
@@ -518,14 +602,22 @@ def run(req: ParityRequest) -> ParityReport:
                 "top1_agreement": top1,
                 "tokens_match_other_layouts": tokens == first_tokens,
                 "ok": ok,
+                # Loose thresholds over all steps: judged as they stand.
+                "verdict": "ok" if ok else "fail",
             }
 
+    judge_steps(records, ill, reference, prefill)
     failed_steps = [r for r in records if not r["ok"]]
     failed_oracle = [o for o in oracle if not o["ok"]]
-    failed_artifacts = [n for n, s in artifact_summary.items() if not s["ok"]]
-    failed_artifacts += [n for n, by in program_summary.items() if not all(p["ok"] for p in by.values())]
+    verdict = overall(
+        [r["verdict"] for r in records]
+        + [o["verdict"] for o in oracle]
+        + [a["verdict"] for a in artifact_summary.values()]
+        + [p["verdict"] for by in program_summary.values() for p in by.values()]
+    )
     summary: ParitySummary = {
-        "ok": not failed_steps and not failed_oracle and not failed_artifacts,
+        "ok": verdict == "ok",
+        "verdict": verdict,
         "steps": steps,
         "decode_steps": steps - prefill,
         "tol_cos": tol,
@@ -534,6 +626,7 @@ def run(req: ParityRequest) -> ParityReport:
         "min_margin": min((r["margin"] for r in records), default=None),
         "oracle_ok": not failed_oracle if oracle else None,
         "oracle_min_cos": min((o["cos"] for o in oracle), default=None),
+        "ill_conditioned": [o["step"] for o in oracle if o["ill_conditioned"]] if oracle else None,
         "first_failure": (
             {
                 "layout": failed_steps[0]["layout"],

@@ -15,15 +15,23 @@ reference (checkpoint weights) and, when the oracle ran, against transformers.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable, Collection
+from functools import partial
 from typing import Any, Literal
 
 import torch
 
 from .contract import ChunkPlan, Dims, FunctionKind, ParityLayout, ProgramRecord, ProgramSummary
+from .inspect_pkg import const_key
 from .mil_chunk import ProgramChunk
 from .mil_interp import Interpreter
+from .model import Chunk, load_streamed
+from .runtime import ChunkforgeError
 from .stepper import EmbeddingSource, LayoutRunner, PrefillRunner, function_of
+from .verdicts import judge
+from .weights import value_of
 
 # (name, fp16 rounding after every op)
 Precision = Literal["fp32", "fp16"]
@@ -40,37 +48,91 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Programs:
-    """The build's packages, each parsed once and shared by every layout that holds it."""
+    """The build's packages, each parsed once and shared by every layout that
+    holds it; their weights are the interpreter's (`weights.Lazy` when
+    large), so the read-back modules, the weights ``--artifacts`` loads and
+    the programs draw on the same ones."""
 
     def __init__(self, build_dir: str):
         self.build_dir = build_dir
         self._interp: dict[str, Interpreter] = {}
-        self._packages: dict[str, Any] = {}
+
+    def interpreter(self, name: str) -> Interpreter:
+        """The package ``name`` (``chunk1``), parsed once."""
+        if name not in self._interp:
+            path = os.path.join(self.build_dir, f"{name}.mlpackage")
+            if not os.path.isdir(path):
+                raise ChunkforgeError(f"{path}: package not found (build it with `chunkforge build --mode all`)")
+            self._interp[name] = Interpreter(path)
+        return self._interp[name]
+
+    def weights(self, name: str, function: str | None = None) -> dict[str, Any]:
+        """The named constants of one function of package ``name`` (default:
+        its default function) by torch parameter path with dots as
+        underscores (`inspect_pkg.const_key`): tensors, or `weights.Lazy`."""
+        interp = self.interpreter(name)
+        consts = interp.function(function or interp.default_function).consts
+        out: dict[str, Any] = {}
+        # A weight's palettized value wins over any other constant of its name.
+        for n in sorted(consts, key=lambda n: not n.endswith("_palettized")):
+            out.setdefault(const_key(n), consts[n])
+        return out
 
     def read_back(self, dims: Dims, chunks: list[ChunkPlan], kind: FunctionKind) -> dict[str, Any]:
         """Our torch modules of the chunks' ``kind`` functions with every
         weight (projections, norms, layer scalars) read back from the packages
-        by name, as `emulate.module_from_package` reads them."""
-        from .emulate import Package, module_from_package
-
+        by name, as `emulate.module_from_package` reads them; the projections'
+        weights are made when they run (`model.load_streamed`)."""
         out: dict[str, Any] = {}
         for c in chunks:
-            name = c["name"]
-            if name not in self._packages:
-                self._packages[name] = Package(os.path.join(self.build_dir, f"{name}.mlpackage"))
-            out[name] = module_from_package(dims, c, function_of(c, kind), self._packages[name])
+            function = function_of(c, kind)
+            with torch.device("meta"):
+                module = Chunk(dims, c, function).eval()
+            found = self.weights(c["name"], function["name"])
+            where = f"{self.interpreter(c['name']).path}: function {function['name']}"
+
+            lookup = Lookup(found, where, module)
+            load_streamed(module, lookup.fetch, lookup.get)
+            out[c["name"]] = module
         return out
 
     def modules(
         self, chunks: list[ChunkPlan], kind: FunctionKind, fp16: bool, tokens: int | None = None
     ) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for c in chunks:
-            name = c["name"]
-            if name not in self._interp:
-                self._interp[name] = Interpreter(os.path.join(self.build_dir, f"{name}.mlpackage"))
-            out[name] = ProgramChunk(self._interp[name], function_of(c, kind, tokens), fp16)
-        return out
+        return {
+            c["name"]: ProgramChunk(self.interpreter(c["name"]), function_of(c, kind, tokens), fp16) for c in chunks
+        }
+
+
+class Lookup:
+    """A module's weights by parameter name among a package function's
+    constants (`Programs.weights`): a weight the package lacks, or holds in
+    another size, is an error naming it."""
+
+    def __init__(self, found: dict[str, Any], where: str, module: torch.nn.Module):
+        self.found = found
+        self.where = where
+        self.shapes = {n: tuple(t.shape) for n, t in [*module.named_parameters(), *module.named_buffers()]}
+
+    def find(self, name: str) -> Any:
+        key = name.replace(".", "_")
+        if key not in self.found:
+            raise ChunkforgeError(
+                f"{self.where} holds no weight {key} (built from a different plan, or by an older chunkforge?)"
+            )
+        value = self.found[key]
+        if value.numel() != math.prod(self.shapes[name]):
+            raise ChunkforgeError(
+                f"{self.where}: weight {key} has shape {tuple(value.shape)}, the plan expects {self.shapes[name]}"
+            )
+        return value
+
+    def fetch(self, name: str, shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+        return partial(value_of, self.find(name))
+
+    def get(self, name: str) -> torch.Tensor:
+        value: torch.Tensor = value_of(self.find(name))
+        return value
 
 
 def caches_cosine(a: Any, b: Any) -> float:
@@ -79,7 +141,12 @@ def caches_cosine(a: Any, b: Any) -> float:
     return cosine(torch.cat([a[c][k].reshape(-1) for c, k in keys]), torch.cat([b[c][k].reshape(-1) for c, k in keys]))
 
 
-def summarize(records: list[ProgramRecord], tol: float, gated: bool) -> ProgramSummary:
+def summarize(records: list[ProgramRecord], tol: float, gated: bool, ill: Collection[int]) -> ProgramSummary:
+    """A program's records in one precision; fp32 (``gated``) must compute
+    what the read-back modules compute, at every step that is not
+    ill-conditioned (`verdicts.judge`: the two are different orders of the
+    same arithmetic)."""
+
     def mean(xs: list[bool]) -> float:
         return sum(xs) / len(xs)
 
@@ -87,6 +154,7 @@ def summarize(records: list[ProgramRecord], tol: float, gated: bool) -> ProgramS
     ref = [r for r in records if r["ref_token"] is not None]
     min_readback = min(r["cos_readback"] for r in records)
     tokens_match = all(r["token"] == r["readback_token"] for r in records)
+    failing = [r["step"] for r in records if r["cos_readback"] < tol or r["token"] != r["readback_token"]]
     return {
         "steps": len(records),
         "min_cos_readback": min_readback,
@@ -97,6 +165,7 @@ def summarize(records: list[ProgramRecord], tol: float, gated: bool) -> ProgramS
         "top1_hf": mean([r["token"] == r["hf_token"] for r in hf]) if hf else None,
         "gated": gated,
         "ok": (min_readback >= tol and tokens_match) if gated else True,
+        "verdict": judge(failing, ill) if gated else "ok",
     }
 
 
@@ -135,6 +204,7 @@ def check_layout(
     ref_results: list[dict[str, Any]],
     hf: dict[str, Any] | None,
     tol: float,
+    ill: Collection[int],
 ) -> tuple[dict[str, ProgramSummary], list[ProgramRecord]]:
     """The layout's decode programs, step by step, in both precisions.
     The comparison is our modules with every weight read back from the
@@ -143,29 +213,30 @@ def check_layout(
     the program with one call of the modules on identical inputs: a random-weight model amplifies the last
     ulp over steps (on the E4B-shaped fixture fp16 weight rounding alone moves
     the 16th step's cosine by 3e-4), and that drift is the model's, not the
-    program's."""
-    summaries: dict[str, ProgramSummary] = {}
-    all_records: list[ProgramRecord] = []
+    program's. One step at a time: the modules' step, then the programs'
+    from the same caches (only one step's caches are held)."""
     modules = LayoutRunner(dims, layout, None, modules=programs.read_back(dims, layout["chunks"], "decode"))
-    readback = []
+    runners = {
+        precision: LayoutRunner(dims, layout, None, modules=programs.modules(layout["chunks"], "decode", fp16))
+        for precision, fp16 in PRECISIONS
+    }
+    recs: dict[Precision, list[ProgramRecord]] = {precision: [] for precision, _ in PRECISIONS}
     for t in range(len(ref_results)):
         # Calls replace cache tensors, so a shallow copy keeps what this step read.
         before = modules.snapshot()
-        readback.append({**modules.step(emb, prompt[t], t), "caches": before})
-    after = [rb["caches"] for rb in readback[1:]] + [modules.snapshot()]
-    for precision, fp16 in PRECISIONS:
-        runner = LayoutRunner(dims, layout, None, modules=programs.modules(layout["chunks"], "decode", fp16))
-        recs = []
-        for t, rb in enumerate(readback):
-            runner.caches = {name: dict(c) for name, c in rb["caches"].items()}
+        rb = modules.step(emb, prompt[t], t)
+        after = modules.snapshot()
+        for precision, runner in runners.items():
+            runner.caches = {name: dict(c) for name, c in before.items()}
             got = runner.step(emb, prompt[t], t)
             rec = record(name, precision, t, got["token"], got["hidden"], rb, rb["hidden"], ref_results[t], hf)
             # The caches the program wrote count too: the worse of the two cosines.
-            rec["cos_readback"] = min(rec["cos_readback"], caches_cosine(runner.caches, after[t]))
-            recs.append(rec)
-        summaries[precision] = summarize(recs, tol, gated=not fp16)
-        all_records += recs
-    return summaries, all_records
+            rec["cos_readback"] = min(rec["cos_readback"], caches_cosine(runner.caches, after))
+            recs[precision].append(rec)
+    summaries: dict[str, ProgramSummary] = {
+        precision: summarize(recs[precision], tol, not fp16, ill) for precision, fp16 in PRECISIONS
+    }
+    return summaries, [r for precision, _ in PRECISIONS for r in recs[precision]]
 
 
 def check_verify(
@@ -177,6 +248,7 @@ def check_verify(
     prompt: list[int],
     readback: list[dict[str, Any]],
     tol: float,
+    ill: Collection[int],
 ) -> tuple[dict[str, ProgramSummary], list[ProgramRecord]]:
     """chunk1..4's verify_qK programs, K teacher-forced tokens per call with
     every row committed, against the read-back decode of the same positions
@@ -205,7 +277,7 @@ def check_verify(
                     )
                 )  # fmt: skip
             vr.commit(got["new"], pos, k)
-        summaries[precision] = summarize(recs, tol, gated=not fp16)
+        summaries[precision] = summarize(recs, tol, not fp16, ill)
         all_records += recs
     return summaries, all_records
 
@@ -221,6 +293,7 @@ def check_prefill(
     readback: list[dict[str, Any]],
     readback_caches: Any,
     tol: float,
+    ill: Collection[int],
 ) -> tuple[str, dict[str, ProgramSummary], list[ProgramRecord]]:
     """prefill_chunk1..4's programs on the first ``n`` prompt tokens (the
     shortest function that holds them): the token after the prompt against the
@@ -255,6 +328,6 @@ def check_prefill(
             "hf_token": None,
             "cos_hf": None,
         }
-        summaries[precision] = summarize([rec], tol, gated=not fp16)
+        summaries[precision] = summarize([rec], tol, not fp16, ill)
         all_records.append(rec)
     return function, summaries, all_records

@@ -141,7 +141,7 @@ class LayoutRunner:
         if modules is None:
             if ckpt is None:
                 raise ValueError("a layout runner needs the checkpoint or the modules")
-            modules = {c["name"]: build_chunk(dims, c, ckpt, dtype, share=True) for c in self.chunks}
+            modules = {c["name"]: build_chunk(dims, c, ckpt, dtype, share=True, stream=True) for c in self.chunks}
         self.modules = modules
         # The RoPE rows: computed (parity), or read from the release's tables (run).
         self.rope: RopeSource = rope or (lambda pos, dt, n: rope_rows(dims, pos, dt, n))
@@ -197,7 +197,9 @@ class LayoutRunner:
             if ckpt is None:
                 raise ValueError("verify modules need the checkpoint the first time")
             self._verify = {
-                c["name"]: build_chunk(self.dims, c, ckpt, self.dtype, share=True, function=function_of(c, "verify"))
+                c["name"]: build_chunk(
+                    self.dims, c, ckpt, self.dtype, share=True, stream=True, function=function_of(c, "verify")
+                )
                 for c in self.chunks
             }
         return self._verify
@@ -378,7 +380,9 @@ class PrefillRunner:
             if ckpt is None:
                 raise ValueError("prefill modules need the checkpoint or the modules")
             modules = {
-                c["name"]: build_chunk(dims, c, ckpt, torch.float32, share=True, function=self.functions[c["name"]])
+                c["name"]: build_chunk(
+                    dims, c, ckpt, torch.float32, share=True, stream=True, function=self.functions[c["name"]]
+                )
                 for c in self.chunks
             }
         self.modules = modules

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from chunkforge_py.contract import AttentionSharpness
 from chunkforge_py.fixture import QK_REFERENCE_HEAD_DIM, full_size_layout, qk_norm_init, sample, write_fixture
 from safetensors.torch import load_file
 
@@ -53,20 +54,30 @@ def test_full_size_layout_is_transformers_model_of_the_published_config(tmp_path
 
 
 def test_full_size_multimodal_names_and_inits(tmp_path: Path) -> None:
-    layout = full_size_layout(str(tmp_path), "e2b", multimodal=True, attention="sharp")
-    init = {t["name"]: t["init"] for t in layout["tensors"]}
-    assert "model.vision_tower.encoder.layers.0.mlp.fc1.weight" in init
-    assert not any(n.startswith("model.layers.") for n in init)
-    prefix = "model.language_model."
-    assert init[prefix + "layers.0.self_attn.q_norm.weight"] == qk_norm_init("sharp", 256)
-    # Full-attention layers have 512-dim heads.
-    assert init[prefix + "layers.4.self_attn.k_norm.weight"] == qk_norm_init("sharp", 512)
-    assert init[prefix + "layers.0.layer_scalar"] == {"uniform": {"low": 0.7, "high": 1.3}}
-    assert init[prefix + "layers.0.post_attention_layernorm.weight"] == {"normal": {"mean": 0.15, "std": 0.015}}
-    assert init[prefix + "layers.0.mlp.up_proj.weight"] == {"normal": {"mean": 0.0, "std": 0.1}}
-    raw = json.loads((tmp_path / "config.json").read_text())
-    assert raw["architectures"] == ["Gemma4ForConditionalGeneration"]
-    assert raw["text_config"]["num_hidden_layers"] == 35
+    sharpness: tuple[AttentionSharpness, ...] = ("soft", "sharp")
+    for attention in sharpness:
+        d = tmp_path / attention
+        d.mkdir()
+        layout = full_size_layout(str(d), "e2b", multimodal=True, attention=attention)
+        init = {t["name"]: t["init"] for t in layout["tensors"]}
+        assert "model.vision_tower.encoder.layers.0.mlp.fc1.weight" in init
+        assert not any(n.startswith("model.layers.") for n in init)
+        prefix = "model.language_model."
+        assert init[prefix + "layers.0.self_attn.q_norm.weight"] == qk_norm_init(attention, 256)
+        # Full-attention layers have 512-dim heads.
+        assert init[prefix + "layers.4.self_attn.k_norm.weight"] == qk_norm_init(attention, 512)
+        assert init[prefix + "layers.0.layer_scalar"] == {"uniform": {"low": 0.7, "high": 1.3}}
+        post = init[prefix + "layers.0.post_attention_layernorm.weight"]
+        up = init[prefix + "layers.0.mlp.up_proj.weight"]
+        if attention == "soft":
+            # Damped post-norms, the fixtures' weight scale.
+            assert (post, up) == ({"normal": {"mean": 0.15, "std": 0.015}}, {"normal": {"mean": 0.0, "std": 0.1}})
+        else:
+            # transformers' own initialisation.
+            assert (post, up) == ({"normal": {"mean": 1.0, "std": 0.1}}, {"normal": {"mean": 0.0, "std": 0.02}})
+        raw = json.loads((d / "config.json").read_text())
+        assert raw["architectures"] == ["Gemma4ForConditionalGeneration"]
+        assert raw["text_config"]["num_hidden_layers"] == 35
 
 
 @pytest.mark.parametrize(("attention", "spread"), [("soft", 1.0), ("sharp", 16.0)])
@@ -85,15 +96,24 @@ def test_qk_norm_recipes_give_the_score_spread_they_are_named_for(attention: str
     assert float(scores.std()) == pytest.approx(spread, rel=0.25)
 
 
-def test_attention_draws_only_the_qk_norms(tmp_path: Path) -> None:
-    plain, sharp = tmp_path / "plain", tmp_path / "sharp"
-    for d, attention in ((plain, None), (sharp, "sharp")):
+def test_soft_attention_draws_only_the_qk_norms_and_sharp_is_transformers_init(tmp_path: Path) -> None:
+    written = {}
+    choices: tuple[AttentionSharpness | None, ...] = (None, "soft", "sharp")
+    for attention in choices:
+        d = tmp_path / str(attention)
         d.mkdir()
-        write_fixture(str(d), attention=attention)  # type: ignore[arg-type]
-    a, b = load_file(str(plain / "model.safetensors")), load_file(str(sharp / "model.safetensors"))
-    assert a.keys() == b.keys()
-    changed = sorted(k for k in a if not torch.equal(a[k], b[k]))
+        write_fixture(str(d), attention=attention)
+        written[attention] = load_file(str(d / "model.safetensors"))
+    plain, soft, sharp = written[None], written["soft"], written["sharp"]
+    assert plain.keys() == soft.keys() == sharp.keys()
+    changed = sorted(k for k in plain if not torch.equal(plain[k], soft[k]))
     assert changed and all(k.endswith(("q_norm.weight", "k_norm.weight")) for k in changed)
-    low, high = (v * (QK_REFERENCE_HEAD_DIM / 32) ** 0.25 for v in (0.5, 1.5))
-    q = b["model.layers.0.self_attn.q_norm.weight"]
-    assert float(q.min()) >= low and float(q.max()) <= high
+    f = (QK_REFERENCE_HEAD_DIM / 32) ** 0.25
+    q = soft["model.layers.0.self_attn.q_norm.weight"]
+    assert abs(float(q.mean()) - 0.25 * f) < 0.05 * f
+    q = sharp["model.layers.0.self_attn.q_norm.weight"]
+    assert float(q.min()) >= 0.5 * f and float(q.max()) <= 1.5 * f
+    # Undamped post-norms and transformers' weight scale.
+    assert abs(float(sharp["model.layers.0.post_attention_layernorm.weight"].mean()) - 1.0) < 0.05
+    assert abs(float(sharp["model.layers.0.mlp.up_proj.weight"].std()) - 0.02) < 0.002
+    assert abs(float(plain["model.layers.0.mlp.up_proj.weight"].std()) - 0.1) < 0.01

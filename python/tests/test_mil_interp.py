@@ -565,11 +565,19 @@ def test_shape_ops(tmp_path: Path) -> None:
 # ---- palettized weights ------------------------------------------------------------------
 
 
-def test_lut_to_dense_matches_coremltools(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lazy", [False, True])
+def test_lut_to_dense_matches_coremltools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool) -> None:
     """Per-grouped-channel scalar LUTs (chunkforge's INT4 g=32, for a linear
     and for a 1x1 conv), and a vector LUT, read back from the blob file and
-    dequantized, against coremltools' own loader and decompression."""
+    dequantized, against coremltools' own loader and decompression; with
+    ``lazy``, every weight made when a step reads it and never kept
+    (`weights.Lazy`), as at real size."""
+    from chunkforge_py import mil_interp, weights
     from chunkforge_py.inspect_pkg import read_package
+
+    if lazy:
+        monkeypatch.setattr(mil_interp, "LAZY_ELEMENTS", 1)
+        monkeypatch.setattr(weights, "RESIDENT", weights.Resident(budget=0))
 
     idx4 = RNG.integers(0, 16, (64, 24)).astype(types.np_uint4_dtype)
     lut4 = RNG.standard_normal((2, 1, 16, 1)).astype(np.float16)
@@ -597,7 +605,8 @@ def test_lut_to_dense_matches_coremltools(tmp_path: Path) -> None:
     }
     assert set(want) == {"w4", "wc", "w2"}
     for name, w in want.items():
-        assert torch.equal(fn.consts[name], w), name
+        assert isinstance(fn.consts[name], weights.Lazy) == lazy
+        assert torch.equal(weights.value_of(fn.consts[name]), w), name
     assert tuple(fn.consts["w2"].shape) == (8, 6)
     got = fn.run({"x": x.astype(np.float16), "img": img.astype(np.float16)})
     expected = {

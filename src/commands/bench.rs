@@ -19,7 +19,7 @@ use crate::checkpoint::{Checkpoint, TensorInfo};
 use crate::cli::{BenchBuildCmd, BenchCmd, BenchSideFilesCmd};
 use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
-use crate::records::{BuildRecord, FunctionRecord, PassStat, Seconds};
+use crate::records::{BuildRecord, FunctionRecord, PassStat, Seconds, Verdict};
 use crate::settings::{
     BuildCommand, BuildSettings, Env, ParityCommand, ParitySettings, JOINT_ENV, SHORTCUTS_ENV,
     WRITER_ENV,
@@ -33,12 +33,16 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
             let started = std::time::Instant::now();
             // Every other option at `parity`'s own defaults.
             let settings = ParitySettings::resolve(ParityCommand::Bench { mode, steps }, None)?;
-            let ok = super::parity::check(model.hf_dir.as_deref(), &settings, verbose)?;
+            let verdict = super::parity::check(model.hf_dir.as_deref(), &settings, verbose)?;
             println!(
                 "bench parity --mode {mode} --steps {steps}: wall {:.1}s (including interpreter start and imports), peak RSS {:.0} MiB, {}",
                 started.elapsed().as_secs_f64(),
                 peak_rss_bytes() as f64 / (1024.0 * 1024.0),
-                if ok { "passed" } else { "FAILED" }
+                match verdict {
+                    Verdict::Ok => "passed",
+                    Verdict::Inconclusive => "INCONCLUSIVE",
+                    Verdict::Fail => "FAILED",
+                }
             );
         }
         BenchCmd::Build(args) => bench_build(args, verbose)?,

@@ -42,6 +42,10 @@ pub enum ExitStatus {
     /// Could not do what was asked: bad input or options, a failed build,
     /// an I/O error. Nothing was published.
     Error,
+    /// Ran to the end and parity could not decide: the reference disagrees
+    /// with transformers only at steps where transformers disagrees with
+    /// itself (an ill-conditioned checkpoint); every other check held.
+    Inconclusive,
     /// Ctrl-C or SIGTERM: unfinished work removed (the interrupt handler
     /// exits with it, from whatever the command was doing).
     Interrupted,
@@ -53,6 +57,7 @@ impl ExitStatus {
             ExitStatus::Success => 0,
             ExitStatus::CheckFailed => 1,
             ExitStatus::Error => 2,
+            ExitStatus::Inconclusive => 3,
             ExitStatus::Interrupted => 130,
         }
     }

@@ -68,9 +68,20 @@ fn request(a: PackageCmd) -> PackageRequest {
         a.release,
         a.hf_dir,
         a.parity_report,
-        a.allow_failed_parity,
+        ParityAcceptance {
+            failed: a.allow_failed_parity,
+            inconclusive: a.inconclusive.accept_inconclusive_parity,
+        },
         Compiled::not("not compiled: `chunkforge package` ships .mlpackage folders (compile with `chunkforge release --compile` on macOS)"),
     )
+}
+
+/// Which parity reports that did not pass may be signed.
+pub(super) struct ParityAcceptance {
+    /// A failed one (`package --allow-failed-parity`).
+    pub failed: bool,
+    /// An inconclusive one (`--accept-inconclusive-parity`).
+    pub inconclusive: bool,
 }
 
 /// The package request of a build folder and the release options.
@@ -79,7 +90,7 @@ pub(super) fn release_request(
     r: ReleaseArgs,
     hf_dir: Option<PathBuf>,
     parity_report: Option<PathBuf>,
-    allow_failed_parity: bool,
+    accept: ParityAcceptance,
     compiled: Compiled,
 ) -> PackageRequest {
     PackageRequest {
@@ -91,7 +102,8 @@ pub(super) fn release_request(
         model_id: r.model_id,
         base_url: r.base_url,
         parity_report,
-        allow_failed_parity,
+        allow_failed_parity: accept.failed,
+        accept_inconclusive_parity: accept.inconclusive,
         zip: r.zip,
         on_locked: OnLocked::from_no_wait(r.no_wait),
         hf_dir,

@@ -6,14 +6,14 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-use super::package::{release_request, summary as package_summary};
+use super::package::{release_request, summary as package_summary, ParityAcceptance};
 use super::{resolve_checkpoint, ExitStatus};
 use crate::checkpoint::Checkpoint;
 use crate::cli::ReleaseCmd;
 use crate::config::TextConfig;
 use crate::hashing;
 use crate::package::{check_inputs, package, Compiled};
-use crate::records::BuildRecord;
+use crate::records::{BuildRecord, Verdict};
 use crate::settings::{BuildCommand, BuildSettings, Env, ParityCommand, ParitySettings};
 
 pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
@@ -55,16 +55,32 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
 
     eprintln!("release 2/3: parity gate");
     let gate = ParitySettings::resolve(ParityCommand::Release(&args, &build_dir), Some(&record))?;
-    if !super::parity::check(Some(&hf_dir), &gate, verbose)? {
-        eprintln!(
-            "error: parity failed; nothing was signed (report: {}, build kept in {})",
-            gate.report
-                .as_deref()
-                .expect("the release gate writes a report")
-                .display(),
-            build_dir.display()
-        );
-        return Ok(ExitStatus::CheckFailed);
+    let report_path = gate
+        .report
+        .clone()
+        .expect("the release gate writes a report");
+    match super::parity::check(Some(&hf_dir), &gate, verbose)? {
+        Verdict::Ok => {}
+        Verdict::Inconclusive if gate.accept_inconclusive => eprintln!(
+            "warning: parity INCONCLUSIVE; signing as asked (--accept-inconclusive-parity), recorded as inconclusive"
+        ),
+        Verdict::Inconclusive => {
+            eprintln!(
+                "error: parity INCONCLUSIVE (ill-conditioned steps); nothing was signed (report: {}, build kept in {}); \
+                 --accept-inconclusive-parity signs it, recorded as inconclusive",
+                report_path.display(),
+                build_dir.display()
+            );
+            return Ok(ExitStatus::Inconclusive);
+        }
+        Verdict::Fail => {
+            eprintln!(
+                "error: parity failed; nothing was signed (report: {}, build kept in {})",
+                report_path.display(),
+                build_dir.display()
+            );
+            return Ok(ExitStatus::CheckFailed);
+        }
     }
 
     let compiled = if args.compile {
@@ -77,8 +93,11 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         build_dir,
         args.release,
         Some(hf_dir),
-        gate.report,
-        false,
+        Some(report_path),
+        ParityAcceptance {
+            failed: false,
+            inconclusive: gate.accept_inconclusive,
+        },
         compiled,
     );
     super::package::audit_older_build(&mut request, verbose)?;

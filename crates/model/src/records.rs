@@ -616,9 +616,17 @@ pub struct StepRecord {
     pub token: i64,
     pub margin: f64,
     pub ok: bool,
+    /// What a failure here means (`verdicts.py`); reports older than
+    /// verdicts have none, and a failure there fails.
+    #[serde(default)]
+    pub verdict: Option<Verdict>,
 }
 
-/// The reference against transformers at one step.
+/// The reference against transformers at one step, and transformers'
+/// noise floor there: how far its eager attention moves from its sdpa
+/// attention on the same inputs (hidden-state cosine, largest logit change).
+/// A step is ill-conditioned when the floor is past the tolerance or the
+/// top-2 logit gap is inside it; a disagreement there is inconclusive.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct OracleRecord {
     pub step: i64,
@@ -627,6 +635,31 @@ pub struct OracleRecord {
     pub cos: f64,
     pub margin: f64,
     pub ok: bool,
+    /// What a failure here means (`verdicts.py`); reports older than
+    /// verdicts have none, and a failure there fails.
+    #[serde(default)]
+    pub verdict: Option<Verdict>,
+    /// Reports before the noise floor was measured have none (`None`).
+    #[serde(default)]
+    pub floor_cos: Option<f64>,
+    #[serde(default)]
+    pub floor_logit: Option<f64>,
+    #[serde(default)]
+    pub ill_conditioned: bool,
+}
+
+crate::named! {
+    /// A parity check's, or a whole run's, outcome.
+    pub enum Verdict {
+        /// Every check held.
+        Ok = "ok",
+        /// The reference disagrees with transformers only at steps where
+        /// transformers disagrees with itself (ill-conditioned): not a pass,
+        /// and not evidence of a conversion error.
+        Inconclusive = "inconclusive",
+        /// A check failed where it can be trusted.
+        Fail = "fail",
+    }
 }
 
 /// A layout with its packages' INT4 weights at one step.
@@ -657,6 +690,10 @@ pub struct LayoutArtifacts {
     pub top1_agreement: f64,
     pub tokens_match_other_layouts: bool,
     pub ok: bool,
+    /// What a failure here means (`verdicts.py`); reports older than
+    /// verdicts have none, and a failure there fails.
+    #[serde(default)]
+    pub verdict: Option<Verdict>,
 }
 
 /// verify_qK / prefill_bN with their packages' weights, against the INT4
@@ -668,6 +705,10 @@ pub struct FunctionArtifacts {
     pub steps: u64,
     pub tokens_match: bool,
     pub ok: bool,
+    /// What a failure here means (`verdicts.py`); reports older than
+    /// verdicts have none, and a failure there fails.
+    #[serde(default)]
+    pub verdict: Option<Verdict>,
 }
 
 /// The INT4 artifact check of a layout or of a function.
@@ -683,6 +724,13 @@ impl ArtifactSummary {
         match self {
             ArtifactSummary::Function(f) => f.ok,
             ArtifactSummary::Layout(l) => l.ok,
+        }
+    }
+
+    pub fn verdict(&self) -> Option<Verdict> {
+        match self {
+            ArtifactSummary::Function(f) => f.verdict,
+            ArtifactSummary::Layout(l) => l.verdict,
         }
     }
 
@@ -751,6 +799,10 @@ pub struct ProgramSummary {
     pub top1_hf: Option<f64>,
     pub gated: bool,
     pub ok: bool,
+    /// What a failure here means (`verdicts.py`); reports older than
+    /// verdicts have none, and a failure there fails.
+    #[serde(default)]
+    pub verdict: Option<Verdict>,
 }
 
 /// The verdict of a parity run (`ok` is the one field a hand-written summary
@@ -758,6 +810,10 @@ pub struct ProgramSummary {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ParitySummary {
     pub ok: bool,
+    /// `ok` is `verdict == ok`; reports older than the verdict have only `ok`
+    /// ([`ParitySummary::verdict`]).
+    #[serde(default)]
+    pub verdict: Option<Verdict>,
     #[serde(default)]
     pub steps: u64,
     #[serde(default)]
@@ -774,6 +830,9 @@ pub struct ParitySummary {
     pub oracle_ok: Option<bool>,
     #[serde(default)]
     pub oracle_min_cos: Option<f64>,
+    /// Steps where transformers disagrees with itself beyond the tolerance.
+    #[serde(default)]
+    pub ill_conditioned: Option<Vec<i64>>,
     #[serde(default)]
     pub first_failure: Option<FirstFailure>,
     #[serde(default)]
@@ -837,28 +896,157 @@ pub struct ParityReport {
     pub tool: ToolVersions,
 }
 
+impl ParitySummary {
+    /// The run's verdict: as recorded, or for a report older than verdicts,
+    /// `ok` or `fail` by `ok`.
+    pub fn verdict(&self) -> Verdict {
+        self.verdict
+            .unwrap_or(if self.ok { Verdict::Ok } else { Verdict::Fail })
+    }
+}
+
 impl ParityReport {
-    /// Every check whose own verdict is a failure, named.
-    pub fn failed_checks(&self) -> Vec<String> {
+    /// Every check that did not hold, named, with its own verdict (as the
+    /// row records it; a row without one, from an older report, fails): one
+    /// row per step of a layout or function, per oracle step, per artifact
+    /// check and per program check.
+    pub fn checks_not_ok(&self) -> Vec<(String, Verdict)> {
+        let judged = |verdict: Option<Verdict>| match verdict {
+            Some(Verdict::Inconclusive) => Verdict::Inconclusive,
+            _ => Verdict::Fail,
+        };
         let mut out = Vec::new();
         for (i, r) in self.steps.iter().enumerate().filter(|(_, r)| !r.ok) {
-            out.push(format!("steps[{i}] (layout {}, step {})", r.layout, r.step));
+            out.push((
+                format!("steps[{i}] (layout {}, step {})", r.layout, r.step),
+                judged(r.verdict),
+            ));
         }
         for (i, r) in self.oracle.iter().enumerate().filter(|(_, r)| !r.ok) {
-            out.push(format!("oracle[{i}] (layout reference, step {})", r.step));
+            out.push((
+                format!("oracle[{i}] (layout reference, step {})", r.step),
+                judged(r.verdict),
+            ));
         }
         for (name, a) in self.summary.artifacts.iter().flatten() {
             if !a.ok() {
-                out.push(format!("the INT4 artifact check of {name}"));
+                out.push((
+                    format!("the INT4 artifact check of {name}"),
+                    judged(a.verdict()),
+                ));
             }
         }
         for (name, by) in self.summary.programs.iter().flatten() {
             for (precision, p) in by {
                 if !p.ok {
-                    out.push(format!("the {precision} program check of {name}"));
+                    out.push((
+                        format!("the {precision} program check of {name}"),
+                        judged(p.verdict),
+                    ));
                 }
             }
         }
         out
+    }
+
+    /// Every check whose own verdict is a failure, named.
+    pub fn failed_checks(&self) -> Vec<String> {
+        self.checks_with(Verdict::Fail)
+    }
+
+    /// Every check that is inconclusive (a disagreement with transformers at
+    /// an ill-conditioned step), named.
+    pub fn inconclusive_checks(&self) -> Vec<String> {
+        self.checks_with(Verdict::Inconclusive)
+    }
+
+    fn checks_with(&self, verdict: Verdict) -> Vec<String> {
+        self.checks_not_ok()
+            .into_iter()
+            .filter(|(_, v)| *v == verdict)
+            .map(|(name, _)| name)
+            .collect()
+    }
+
+    /// The verdict the checks add up to: a failure anywhere fails, else an
+    /// inconclusive check makes the run inconclusive.
+    pub fn verdict_of_checks(&self) -> Verdict {
+        let checks = self.checks_not_ok();
+        if checks.iter().any(|(_, v)| *v == Verdict::Fail) {
+            Verdict::Fail
+        } else if checks.is_empty() {
+            Verdict::Ok
+        } else {
+            Verdict::Inconclusive
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(
+        steps: serde_json::Value,
+        oracle: serde_json::Value,
+        summary: serde_json::Value,
+    ) -> ParityReport {
+        serde_json::from_value(serde_json::json!({
+            "steps": steps, "oracle": oracle, "summary": summary,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn every_check_not_ok_carries_its_rows_verdict_and_old_rows_fail() {
+        let r = report(
+            serde_json::json!([
+                {"layout": "two", "step": 3, "cos": 0.5, "ref_token": 1, "token": 2, "margin": 1.0, "ok": false, "verdict": "fail"},
+                {"layout": "verify_qK", "step": 3, "cos": 0.9, "ref_token": 1, "token": 1, "margin": 1.0, "ok": false, "verdict": "inconclusive"},
+                {"layout": "two", "step": 4, "cos": 0.5, "ref_token": 1, "token": 2, "margin": 1.0, "ok": false},
+                {"layout": "one", "step": 4, "cos": 1.0, "ref_token": 1, "token": 1, "margin": 1.0, "ok": true, "verdict": "ok"},
+            ]),
+            serde_json::json!([
+                {"step": 3, "hf_token": 1, "ref_token": 1, "cos": 0.9, "margin": 1.0, "ok": false,
+                 "floor_cos": 0.8, "floor_logit": 0.1, "ill_conditioned": true, "verdict": "inconclusive"},
+            ]),
+            serde_json::json!({"ok": false, "verdict": "fail"}),
+        );
+        let checks = r.checks_not_ok();
+        assert_eq!(checks.len(), 4);
+        assert_eq!(
+            r.failed_checks(),
+            [
+                "steps[0] (layout two, step 3)",
+                "steps[2] (layout two, step 4)"
+            ]
+        );
+        assert_eq!(
+            r.inconclusive_checks(),
+            [
+                "steps[1] (layout verify_qK, step 3)",
+                "oracle[0] (layout reference, step 3)"
+            ]
+        );
+        assert_eq!(r.verdict_of_checks(), Verdict::Fail);
+        assert_eq!(r.summary.verdict(), Verdict::Fail);
+        // Without the failures, inconclusive; a report older than verdicts is ok or fail by `ok`.
+        let r = report(
+            serde_json::json!([]),
+            serde_json::json!([{"step": 3, "hf_token": 1, "ref_token": 1, "cos": 0.9, "margin": 1.0,
+                "ok": false, "ill_conditioned": true, "verdict": "inconclusive"}]),
+            serde_json::json!({"ok": false}),
+        );
+        assert_eq!(r.verdict_of_checks(), Verdict::Inconclusive);
+        assert_eq!(r.summary.verdict(), Verdict::Fail);
+        let old = report(
+            serde_json::json!([]),
+            serde_json::json!([]),
+            serde_json::json!({"ok": true}),
+        );
+        assert_eq!(
+            (old.summary.verdict(), old.verdict_of_checks()),
+            (Verdict::Ok, Verdict::Ok)
+        );
     }
 }

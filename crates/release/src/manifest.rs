@@ -24,7 +24,7 @@ use chunkforge_model::plan::{
 };
 use chunkforge_model::records::{
     BuildRecord, ChunkRecord, ConversionSettings, ParityCheckpoint, ParityReport, ParitySummary,
-    BUILD_FORMAT, PARITY_FORMAT,
+    Verdict, BUILD_FORMAT, PARITY_FORMAT,
 };
 
 use crate::hashing::FileDigest;
@@ -302,12 +302,15 @@ fn url_path(p: &str) -> String {
 /// Reads `--parity-report` and returns its `summary`, to be embedded.
 /// The report must be about the build's checkpoint (same `config.json`
 /// digest) and must have passed: `summary.ok` true and no failed step, oracle
-/// step or artifact check behind it. With `allow_failed` a failed report is
-/// accepted, and embedded as it is (`ok: false`), never as passed.
+/// step or artifact check behind it. With `allow_failed` a failed (or
+/// inconclusive) report is accepted, with `accept_inconclusive` an
+/// inconclusive one; either is embedded as it is (`ok: false`, its
+/// `verdict`), never as passed.
 pub fn parity_summary(
     path: &Path,
     build: &Build,
     allow_failed: bool,
+    accept_inconclusive: bool,
 ) -> Result<EmbeddedParity, ReleaseInputError> {
     let bad = |message: String| ReleaseInputError::Parity {
         path: path.to_path_buf(),
@@ -328,7 +331,7 @@ pub fn parity_summary(
         checkpoint: Option<Value>,
     }
     #[derive(Deserialize)]
-    struct Verdict {
+    struct OkField {
         #[serde(default)]
         ok: Option<Value>,
     }
@@ -400,9 +403,9 @@ pub fn parity_summary(
             build.record.checkpoint.dir,
         )));
     }
-    let verdict: Verdict = serde_json::from_value(summary.clone())
+    let ok_field: OkField = serde_json::from_value(summary.clone())
         .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
-    let ok = match verdict.ok {
+    let ok = match ok_field.ok {
         Some(Value::Bool(ok)) => ok,
         other => {
             return Err(bad(format!(
@@ -416,10 +419,44 @@ pub fn parity_summary(
     let report: ParityReport = serde_json::from_value(v)
         .map_err(|e| bad(format!("is not a chunkforge parity report ({e})")))?;
     let failed = report.failed_checks();
+    let verdict = report.summary.verdict();
     if ok {
+        if let Some((f, v)) = report.checks_not_ok().first() {
+            return Err(bad(format!(
+                "summary.ok is true but {f} {}; the report contradicts itself",
+                if *v == Verdict::Fail {
+                    "failed"
+                } else {
+                    "is inconclusive"
+                }
+            )));
+        }
+        if verdict != Verdict::Ok {
+            return Err(bad(format!(
+                "summary.ok is true but summary.verdict is {verdict}; the report contradicts itself"
+            )));
+        }
+    } else if verdict == Verdict::Ok {
+        return Err(bad(
+            "summary.ok is false but summary.verdict is ok; the report contradicts itself".into(),
+        ));
+    } else if verdict == Verdict::Inconclusive {
         if let Some(f) = failed.first() {
             return Err(bad(format!(
-                "summary.ok is true but {f} failed; the report contradicts itself"
+                "summary.verdict is inconclusive but {f} failed; the report contradicts itself"
+            )));
+        }
+        if report.inconclusive_checks().is_empty() {
+            return Err(bad(
+                "summary.verdict is inconclusive but no oracle step is ill-conditioned and failing; the report contradicts itself".into(),
+            ));
+        }
+        if !(accept_inconclusive || allow_failed) {
+            return Err(bad(format!(
+                "parity INCONCLUSIVE ({}): the reference disagrees with transformers only where transformers \
+                 disagrees with itself, so a conversion error there would go unseen; refusing to sign it \
+                 (--accept-inconclusive-parity signs it, recorded as inconclusive)",
+                report.inconclusive_checks().join("; ")
             )));
         }
     } else if !allow_failed {

@@ -35,7 +35,7 @@ use chunkforge_model::checkpoint::Checkpoint;
 use chunkforge_model::config::TextConfig;
 use chunkforge_model::layouts::{spec, ReleaseLayout};
 use chunkforge_model::plan::{LayoutKind, Role};
-use chunkforge_model::records::{rule_counts_text, AuditRecord, RuleCounts};
+use chunkforge_model::records::{rule_counts_text, AuditRecord, RuleCounts, Verdict};
 
 /// What `chunkforge package` is asked to do (the CLI's options, resolved).
 #[derive(Clone, Debug)]
@@ -49,6 +49,8 @@ pub struct PackageRequest {
     pub base_url: Option<String>,
     pub parity_report: Option<PathBuf>,
     pub allow_failed_parity: bool,
+    /// Sign an inconclusive parity report (recorded as such).
+    pub accept_inconclusive_parity: bool,
     pub zip: Option<PathBuf>,
     pub on_locked: OnLocked,
     /// The checkpoint the side files and `hf_model/` come from (default:
@@ -650,13 +652,26 @@ fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
     let parity = a
         .parity_report
         .as_deref()
-        .map(|p| manifest::parity_summary(p, build, a.allow_failed_parity))
+        .map(|p| {
+            manifest::parity_summary(
+                p,
+                build,
+                a.allow_failed_parity,
+                a.accept_inconclusive_parity,
+            )
+        })
         .transpose()?;
     if let (Some(p), Some(s)) = (&a.parity_report, &parity) {
         if !s.ok() {
+            let verdict = s.summary.verdict();
             eprintln!(
-                "warning: {}: parity FAILED; embedded in the manifest as failed (summary.ok false)",
-                p.display()
+                "warning: {}: parity {}; embedded in the manifest as such (summary.ok false)",
+                p.display(),
+                if verdict == Verdict::Inconclusive {
+                    "INCONCLUSIVE"
+                } else {
+                    "FAILED"
+                }
             );
         }
     }

@@ -9,6 +9,7 @@ use std::fmt::Write;
 
 use chunkforge_model::layouts::{spec, LoadLine, LAYOUTS, REFERENCE};
 use chunkforge_model::plan::{LayoutKind, ANE_STABLE_LAYERS};
+use chunkforge_model::records::Verdict;
 
 use crate::bench_targets::{
     fmt_number, fmt_percent, tok_target, BENCH_CONTEXT, COLD_RUNS, CONTROL, MAX_OFF_NEURAL_ENGINE,
@@ -36,6 +37,8 @@ pub struct RunbookFacts {
     pub compiled: bool,
     /// `parity.ok`, when a parity report is embedded.
     pub parity_ok: Option<bool>,
+    /// `parity.verdict` (`inconclusive`: signed with `--accept-inconclusive-parity`).
+    pub parity_verdict: Option<Verdict>,
     /// Every package: name, first and last layer (manifest order).
     pub packages: Vec<(String, usize, usize)>,
     /// `decode_layouts[].kind`, with their packages.
@@ -52,6 +55,7 @@ impl RunbookFacts {
             context: m.settings.ctx,
             compiled: m.compiled.mlmodelc,
             parity_ok: m.parity.as_ref().map(|p| p.ok()),
+            parity_verdict: m.parity.as_ref().map(|p| p.summary.verdict()),
             packages: m
                 .chunks
                 .iter()
@@ -361,10 +365,11 @@ pub fn render(f: &RunbookFacts) -> String {
     line!("1. `chunkforge verify RELEASE --public-key KEY.pub`: the folder that goes to the device is this signed release.");
     line!(
         "2. Parity: {}",
-        match f.parity_ok {
-            Some(true) => "`manifest.json` embeds a passed parity report.",
-            Some(false) => "`manifest.json` embeds a FAILED parity report: do not bench this release.",
-            None => "`manifest.json` embeds no parity report: run `chunkforge parity` on the build's checkpoint before trusting device numbers.",
+        match (f.parity_ok, f.parity_verdict) {
+            (Some(true), _) => "`manifest.json` embeds a passed parity report.",
+            (Some(false), Some(Verdict::Inconclusive)) => "`manifest.json` embeds an INCONCLUSIVE parity report: the checkpoint is ill-conditioned at some steps (transformers disagrees with itself there), so the conversion was not checked at those steps; device numbers are only as trustworthy as the checks that held.",
+            (Some(false), _) => "`manifest.json` embeds a FAILED parity report: do not bench this release.",
+            (None, _) => "`manifest.json` embeds no parity report: run `chunkforge parity` on the build's checkpoint before trusting device numbers.",
         }
     );
     line!(
