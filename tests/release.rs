@@ -1883,6 +1883,11 @@ fn package_signs_inconclusive_parity_only_when_asked() {
     let m = manifest(&out);
     assert_eq!(m["parity"]["ok"], json!(false));
     assert_eq!(m["parity"]["verdict"], json!("inconclusive"));
+    let runbook = fs::read_to_string(out.join("DEVICE_RUNBOOK.md")).unwrap();
+    assert!(
+        runbook.contains("embeds an INCONCLUSIVE parity report"),
+        "{runbook}"
+    );
     assert!(cf_verify(&out, &public).status.success());
 }
 
