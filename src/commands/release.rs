@@ -32,7 +32,10 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         args.release.clone(),
         Some(hf_dir.clone()),
         None,
-        false,
+        ParityAcceptance {
+            failed: false,
+            inconclusive: args.inconclusive.accept_inconclusive_parity,
+        },
         Compiled::not(""),
     );
     let recorded_dir = std::path::absolute(&hf_dir)
