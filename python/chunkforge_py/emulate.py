@@ -286,14 +286,20 @@ def run(req: RunRequest) -> RunResult:
     # Prefill into the reference's caches, then the decode layout's by the slot map.
     t0 = time.perf_counter()
     pre = prefill.run(emb, prompt[:n_prefill])
+    margin = top_margin(prefill.modules[req["prefill"]["chunks"][-1]["name"]].last_logits)
+    # The runtime calls prefill once per prompt: let go of its programs.
+    del prefill, prefill_modules
+    for c in req["prefill"]["chunks"]:
+        programs.pop(c["name"], None)
     caches: Caches = empty_caches(reference["chunks"], torch.float32)
     write_prefill_kv(caches, reference["chunks"], pre["kv"], n_prefill, dims["sliding_window"])
+    del pre["kv"]
     if decode_layout["kind"] == reference["kind"]:
         runner.caches = caches
     else:
         copy_slots(caches, runner.caches, decode_layout["kv_slot_map"])
+        del caches
     token = pre["token"]
-    margin = top_margin(prefill.modules[req["prefill"]["chunks"][-1]["name"]].last_logits)
     # Prompt tokens past the prefill length go through decode, one by one.
     for pos in range(n_prefill, len(prompt)):
         step = runner.step(emb, prompt[pos], pos)
