@@ -1038,8 +1038,11 @@ fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
     };
     let has_four = plan.layouts.iter().any(|l| l.kind == REFERENCE);
     let mut units = Vec::new();
+    // A package two layouts hold (the three-chunk decode's chunk1 is the
+    // reference's) is built once.
+    let mut seen = std::collections::BTreeSet::new();
     for l in &plan.layouts {
-        for c in &l.chunks {
+        for c in l.chunks.iter().filter(|c| seen.insert(c.name.as_str())) {
             if l.kind == REFERENCE {
                 let mut unit = vec![(l.kind, c)];
                 unit.extend(partner(c).map(|p| (LayoutKind::Prefill, p)));

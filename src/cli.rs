@@ -7,6 +7,7 @@ use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 
 use crate::args;
+use crate::downloader::RuntimeBuild;
 use crate::fixture::{AttentionSharpness, Shape};
 use crate::layouts::{Choice, Mode, ReleaseLayout, RunLayout};
 use crate::names::Named;
@@ -520,7 +521,7 @@ pub struct InconclusiveArgs {
 pub struct ReleaseArgs {
     /// Decode layout(s) to ship; the reference's packages (decode, verify) and the prefill packages
     /// ship with every layout.
-    #[arg(long, value_parser = choice::<ReleaseLayout>())]
+    #[arg(long, default_value = "app", value_parser = choice::<ReleaseLayout>())]
     pub layout: ReleaseLayout,
     /// ECDSA P-256 private key (PKCS#8 PEM, e.g. from `chunkforge keygen`).
     #[arg(long)]
@@ -554,6 +555,10 @@ pub struct ReleaseArgs {
     /// has errors in the packages this release ships (warnings never refuse).
     #[arg(long)]
     pub allow_audit_findings: bool,
+    /// Ship even though a runtime would pick, by file presence, a layout with a function over the
+    /// Neural Engine layer ceiling (the branch runtime picks merged_full before anything else).
+    #[arg(long)]
+    pub allow_over_ceiling: bool,
 }
 
 /// `chunkforge release`.
@@ -613,6 +618,11 @@ pub struct RunCmd {
     /// Decode layout: auto picks by file presence, as the runtime does.
     #[arg(long, default_value = "auto", value_parser = choice::<RunLayout>())]
     pub layout: RunLayout,
+    /// Run as this build of the app's runtime does: its layout pick by file presence (with
+    /// --layout auto) and the weight blobs its download links or copies between packages
+    /// [default: either build's pick, main's first].
+    #[arg(long, value_parser = named::<RuntimeBuild>())]
+    pub runtime: Option<RuntimeBuild>,
     /// Speculative decoding with chunk1..4's verify_qK: K tokens per call (the
     /// packages' K), drafts by prompt lookup.
     #[arg(long)]

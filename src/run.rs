@@ -2,6 +2,7 @@
 //! runtime emulated on the CPU (Python, torch). The folder is opened and
 //! checked here (`folder.rs`); the emulation is `chunkforge_py.emulate`.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{bail, Result};
@@ -9,8 +10,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 pub use crate::folder::RunLayout;
-use crate::folder::{ReleaseFolder, RunPlan};
-use crate::layouts::{spec, REFERENCE};
+use crate::folder::{PackageFiles, ReleaseFolder, RunPlan};
+use crate::layouts::{spec, Runtime, REFERENCE};
 use crate::plan::{self, Layout, LayoutKind};
 use crate::py::calls;
 use crate::sidefiles;
@@ -21,6 +22,10 @@ pub struct RunOptions<'a> {
     pub prompt: Prompt,
     pub max_tokens: usize,
     pub layout: RunLayout,
+    /// The runtime build whose layout pick and download to follow (None:
+    /// either build's pick, main's first; the download of a build that
+    /// loads the layout).
+    pub runtime: Option<Runtime>,
     pub speculate: Option<usize>,
     /// Round every fp16 op output to fp16 in the interpreter.
     pub fp16: bool,
@@ -50,6 +55,9 @@ pub struct RunFiles {
 #[derive(Serialize, JsonSchema)]
 pub struct RunRequest<'a> {
     release: String,
+    /// Every package's folder and the folder of the weight blob it reads
+    /// (contract.py `RunPackage`), as the app's download has them.
+    packages: &'a BTreeMap<String, PackageFiles>,
     dims: plan::Dims,
     decode: &'a Layout,
     /// The reference layout: prefill's KV lands in its caches, and its
@@ -94,6 +102,10 @@ pub struct RunResult {
     pub speculation: Option<Speculation>,
     #[serde(default)]
     pub picked_by: String,
+    /// The app's download entry whose folder the run reads (main,
+    /// main-3way, branch): which weight blobs came from which package.
+    #[serde(default)]
+    pub download: String,
     #[serde(default = "emulation")]
     pub note: String,
 }
@@ -112,7 +124,9 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
         four,
         prefill,
         picked_by,
-    } = folder.plan(o.layout)?;
+        packages,
+        entry,
+    } = folder.plan(o.layout, o.runtime)?;
     if o.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
@@ -156,7 +170,7 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
             _ => {}
         }
     }
-    let path = |name: &str| o.release.join(name).to_string_lossy().into_owned();
+    let path = |name: &str| folder.side_file(name).to_string_lossy().into_owned();
     let files = RunFiles {
         embed_tokens_q8: path(sidefiles::EMBED_Q8),
         embed_tokens_scales: path(sidefiles::EMBED_SCALES),
@@ -170,6 +184,7 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
     };
     let req = RunRequest {
         release: o.release.to_string_lossy().into_owned(),
+        packages: &packages,
         dims: plan::Dims {
             // What the runtime reads from model_config.json (checked to
             // agree with the plan when the folder was opened).
@@ -202,5 +217,6 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
     } else {
         picked_by.into()
     };
+    result.download = entry.client.to_string();
     Ok(result)
 }

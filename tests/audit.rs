@@ -350,6 +350,7 @@ fn unit_layer_scalars_and_a_prefill_past_the_window_audit_clean_and_package() {
         s(&build),
         "--layout",
         "all",
+        "--allow-over-ceiling",
         "--key",
         &format!("{}.pem", key.display()),
         "--output",

@@ -25,8 +25,8 @@ const WEIGHT: &str = "merged_chunk1.mlpackage/Data/com.apple.CoreML/weights/weig
 
 /// The side files every release carries beside its packages.
 const SIDE_FILES: [&str; 11] = [
-    "cos_full.npy",
-    "cos_sliding.npy",
+    "swa/cos_full.npy",
+    "swa/cos_sliding.npy",
     "embed_tokens_per_layer_q8.bin",
     "embed_tokens_per_layer_scales.bin",
     "embed_tokens_q8.bin",
@@ -34,9 +34,23 @@ const SIDE_FILES: [&str; 11] = [
     "model_config.json",
     "per_layer_norm_weight.bin",
     "per_layer_projection.bin",
-    "sin_full.npy",
-    "sin_sliding.npy",
+    "swa/sin_full.npy",
+    "swa/sin_sliding.npy",
 ];
+
+/// Package `name`'s folder in a release, the app's repository
+/// (ModelDownloader.swift's remote paths; merged packages are sideloaded at
+/// the root).
+fn repo_path(name: &str) -> String {
+    match name.strip_prefix("prefill_") {
+        Some(n) => format!("prefill/{n}.mlpackage"),
+        None if name.starts_with("merged_") => format!("{name}.mlpackage"),
+        None => format!("swa/{name}.mlpackage"),
+    }
+}
+
+/// The weight blob inside a package folder.
+const BLOB: &str = "Data/com.apple.CoreML/weights/weight.bin";
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -201,10 +215,19 @@ fn synthetic_build(dir: &Path, skip: &[&str], big_mib: usize) -> PathBuf {
             } else {
                 40_000
             };
+            // Packages the app's downloader shares a weight blob between hold
+            // the same bytes, as a real build's do (prefill_chunkN: chunkN's;
+            // chunk3_3way: chunk4's); the others differ.
+            let blob = match name {
+                n if n.starts_with("prefill_") => &n["prefill_".len()..],
+                "chunk3_3way" => "chunk4",
+                n => n,
+            };
+            let key = blob
+                .bytes()
+                .fold(0u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
             let weights: Vec<u8> = (0..len)
-                .map(|i| {
-                    (i as u32).wrapping_mul(2654435761).to_le_bytes()[i % 4] ^ name.len() as u8
-                })
+                .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[i % 4] ^ key)
                 .collect();
             fs::write(data.join("weights/weight.bin"), weights).unwrap();
             if name == "chunk1" {
@@ -379,13 +402,15 @@ fn both_verifiers_reject_tampering() {
         ),
         (
             "file added",
-            Box::new(|d: &Path| fs::write(d.join("chunk2.mlpackage/extra.txt"), "x").unwrap()),
-            "chunk2.mlpackage/extra.txt",
+            Box::new(|d: &Path| fs::write(d.join("swa/chunk2.mlpackage/extra.txt"), "x").unwrap()),
+            "swa/chunk2.mlpackage/extra.txt",
         ),
         (
             "file removed",
-            Box::new(|d: &Path| fs::remove_file(d.join("chunk3.mlpackage/Manifest.json")).unwrap()),
-            "chunk3.mlpackage/Manifest.json",
+            Box::new(|d: &Path| {
+                fs::remove_file(d.join("swa/chunk3.mlpackage/Manifest.json")).unwrap()
+            }),
+            "swa/chunk3.mlpackage/Manifest.json",
         ),
         (
             "file renamed",
@@ -798,11 +823,11 @@ fn duplicate_json_keys_are_refused() {
 #[test]
 fn verify_rejects_symlinks_naming_them() {
     let r = release("symlink");
-    std::os::unix::fs::symlink("/etc/passwd", r.dir.join("chunk1.mlpackage/passwd")).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", r.dir.join("swa/chunk1.mlpackage/passwd")).unwrap();
     let o = cf_verify(&r.dir, &r.public);
     assert!(!o.status.success());
     assert!(
-        stderr(&o).contains("chunk1.mlpackage/passwd: is a symlink"),
+        stderr(&o).contains("swa/chunk1.mlpackage/passwd: is a symlink"),
         "{}",
         stderr(&o)
     );
@@ -844,6 +869,66 @@ fn verify_rejects_unsafe_manifest_paths() {
             stderr(&o)
         );
     }
+}
+
+/// A weight blob the app's downloader links or copies into another package
+/// (the manifest's `shares`) must be there with the digest the package was
+/// built with, even in a folder whose manifest and signature are otherwise
+/// consistent (re-signed here): each problem names both blobs.
+#[test]
+fn verify_checks_the_blobs_the_app_shares_naming_both_files() {
+    let prefill = format!("prefill/chunk1.mlpackage/{BLOB}");
+    let chunk1 = format!("swa/chunk1.mlpackage/{BLOB}");
+    // The pair made to differ: chunk1's blob changed, listed and re-signed.
+    let r = release("share-differs");
+    assert!(
+        !r.dir.join(&prefill).exists(),
+        "prefill_chunk1's blob is stored once"
+    );
+    let p = r.dir.join(&chunk1);
+    let mut b = fs::read(&p).unwrap();
+    b[100] ^= 1;
+    fs::write(&p, &b).unwrap();
+    let mut m = manifest(&r.dir);
+    for f in m["files"].as_array_mut().unwrap() {
+        if f["path"] == json!(chunk1) {
+            f["sha256"] = json!(format!("{:x}", Sha256::digest(&b)));
+        }
+    }
+    fs::write(
+        r.dir.join("manifest.json"),
+        serde_json::to_vec_pretty(&m).unwrap(),
+    )
+    .unwrap();
+    ms_sign(&r.dir, &r.private);
+    let o = cf_verify(&r.dir, &r.public);
+    let e = stderr(&o);
+    assert!(!o.status.success(), "{e}");
+    assert!(
+        e.contains(&format!("{prefill} <- {chunk1}")) && e.contains("main: link, branch: copy"),
+        "{e}"
+    );
+    // The source removed from the folder and the manifest, re-signed.
+    let r = release("share-missing");
+    fs::remove_file(r.dir.join(&chunk1)).unwrap();
+    let mut m = manifest(&r.dir);
+    m["files"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|f| f["path"] != json!(chunk1));
+    fs::write(
+        r.dir.join("manifest.json"),
+        serde_json::to_vec_pretty(&m).unwrap(),
+    )
+    .unwrap();
+    ms_sign(&r.dir, &r.private);
+    let o = cf_verify(&r.dir, &r.public);
+    let e = stderr(&o);
+    assert!(!o.status.success(), "{e}");
+    assert!(
+        e.contains(&format!("{prefill} <- {chunk1}")) && e.contains("missing"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -1163,6 +1248,7 @@ fn same_key_same_inputs_same_release_bytes() {
             s(&build),
             "--layout",
             "one",
+            "--allow-over-ceiling",
             "--key",
             s(&private),
             "--output",
@@ -1206,10 +1292,8 @@ fn layouts_ship_the_right_packages() {
     };
     let expect: [(&str, Vec<&str>); 5] = [
         ("four", with(&FOUR)),
-        (
-            "three",
-            with(&["chunk1_3way", "chunk2_3way", "chunk3_3way"]),
-        ),
+        // The three-chunk decode runs chunk1 itself: no chunk1_3way.
+        ("three", with(&["chunk2_3way", "chunk3_3way"])),
         ("two", with(&["merged_chunk1", "merged_chunk2"])),
         ("one", with(&["merged_full"])),
         (
@@ -1219,7 +1303,6 @@ fn layouts_ship_the_right_packages() {
                 "chunk2",
                 "chunk3",
                 "chunk4",
-                "chunk1_3way",
                 "chunk2_3way",
                 "chunk3_3way",
                 "merged_chunk1",
@@ -1232,7 +1315,7 @@ fn layouts_ship_the_right_packages() {
         serde_json::from_slice(&fs::read(build.join("build.json")).unwrap()).unwrap();
     for (layout, names) in expect {
         let out = w.join(format!("rel-{layout}"));
-        ok(&[
+        let mut args = vec![
             "package",
             s(&build),
             "--layout",
@@ -1241,7 +1324,20 @@ fn layouts_ship_the_right_packages() {
             s(&private),
             "--output",
             s(&out),
-        ]);
+        ];
+        // merged_full (35 layers) is what the branch runtime would pick.
+        if names.contains(&"merged_full") {
+            let e = fails(&args);
+            assert!(
+                e.contains("merged_full (35 layers)")
+                    && e.contains("fix/2chunk-kv-prefill-transfer")
+                    && e.contains("--allow-over-ceiling"),
+                "{e}"
+            );
+            assert!(!out.exists());
+            args.push("--allow-over-ceiling");
+        }
+        ok(&args);
         let m = manifest(&out);
         let got: Vec<&str> = m["chunks"]
             .as_array()
@@ -1250,12 +1346,24 @@ fn layouts_ship_the_right_packages() {
             .map(|c| c["name"].as_str().unwrap())
             .collect();
         assert_eq!(got, names, "layout {layout}");
-        let mut dirs: Vec<String> = fs::read_dir(&out)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        dirs.sort();
-        let mut want: Vec<String> = names.iter().map(|n| format!("{n}.mlpackage")).collect();
+        // The release is the app's repository: packages at their remote
+        // paths, the RoPE tables under swa/, merged packages at the root.
+        let mut entries: Vec<String> = Vec::new();
+        for top in fs::read_dir(&out).unwrap() {
+            let top = top.unwrap().file_name().to_string_lossy().into_owned();
+            if top == "swa" || top == "prefill" {
+                for e in fs::read_dir(out.join(&top)).unwrap() {
+                    entries.push(format!(
+                        "{top}/{}",
+                        e.unwrap().file_name().to_string_lossy()
+                    ));
+                }
+            } else {
+                entries.push(top);
+            }
+        }
+        entries.sort();
+        let mut want: Vec<String> = names.iter().map(|n| repo_path(n)).collect();
         want.extend([
             "manifest.json".into(),
             "model.sig".into(),
@@ -1265,7 +1373,60 @@ fn layouts_ship_the_right_packages() {
         want.extend(SIDE_FILES.iter().map(|f| f.to_string()));
         want.push("hf_model".into());
         want.sort();
-        assert_eq!(dirs, want, "layout {layout}");
+        assert_eq!(entries, want, "layout {layout}");
+        for n in &names {
+            assert_eq!(
+                m["chunks"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|c| c["name"] == *n)
+                    .unwrap()["file"],
+                json!(repo_path(n)),
+                "layout {layout}"
+            );
+        }
+        // A weight blob the app links or copies in is stored once: the
+        // legacy entries fetch every prefill package without weights/; the
+        // 3-way entry fetches prefill_chunk2/3 whole and links
+        // prefill_chunk1 <- chunk1, prefill_chunk4 <- chunk3_3way.
+        let whole: &[&str] = if names.contains(&"chunk2_3way") {
+            &["prefill_chunk2", "prefill_chunk3"]
+        } else {
+            &[]
+        };
+        for n in PREFILL {
+            assert_eq!(
+                out.join(repo_path(n)).join(BLOB).exists(),
+                whole.contains(&n),
+                "layout {layout}: {n}"
+            );
+        }
+        let shares: Vec<(String, String, bool)> = m["shares"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["package"].as_str().unwrap().to_string(),
+                    s["from"].as_str().unwrap().to_string(),
+                    s["stored"].as_bool().unwrap(),
+                )
+            })
+            .collect();
+        let mut want_shares: Vec<(String, String, bool)> = (1..=4)
+            .map(|i| {
+                (
+                    format!("prefill_chunk{i}"),
+                    format!("chunk{i}"),
+                    whole.contains(&format!("prefill_chunk{i}").as_str()),
+                )
+            })
+            .collect();
+        if !whole.is_empty() {
+            want_shares.push(("prefill_chunk4".into(), "chunk3_3way".into(), false));
+        }
+        assert_eq!(shares, want_shares, "layout {layout}");
         // The KV slot map is copied from the build's plan, never recomputed.
         for l in m["decode_layouts"].as_array().unwrap() {
             let from_plan = build_json["plan"]["layouts"]
@@ -1300,6 +1461,35 @@ fn layouts_ship_the_right_packages() {
     }
 }
 
+/// Without --layout, a release ships every layout no runtime would pick over
+/// the Neural Engine layer ceiling: all but the one-chunk layout.
+#[test]
+fn the_default_layouts_are_the_ones_within_the_ane_ceiling() {
+    let w = tempdir("layout-app");
+    let build = synthetic_build(&w.join("build"), &[], 0);
+    let (private, public) = keys(&w, "k");
+    let out = w.join("rel");
+    ok(&[
+        "package",
+        s(&build),
+        "--key",
+        s(&private),
+        "--output",
+        s(&out),
+    ]);
+    let m = manifest(&out);
+    let kinds: Vec<&str> = m["decode_layouts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["four", "three", "two"]);
+    assert!(!out.join("merged_full.mlpackage").exists());
+    assert!(out.join("merged_chunk2.mlpackage").is_dir());
+    assert!(cf_verify(&out, &public).status.success());
+}
+
 /// DEVICE_RUNBOOK.md: written by `package`, listed in the manifest (role
 /// docs), signed like every other file, the same bytes for the same build,
 /// and about the layouts the release holds.
@@ -1314,6 +1504,7 @@ fn package_writes_a_signed_device_runbook_of_its_layouts() {
             s(&build),
             "--layout",
             layout,
+            "--allow-over-ceiling",
             "--key",
             s(&private),
             "--output",
@@ -1382,6 +1573,7 @@ fn package_errors_name_the_problem() {
         s(&build),
         "--layout",
         "one",
+        "--allow-over-ceiling",
         "--key",
         s(&private),
         "--output",
@@ -1667,6 +1859,10 @@ fn package_args<'a>(
         "--output",
         s(out),
     ];
+    // These releases ship merged_full on purpose (every package of the build).
+    if matches!(layout, "all" | "one") {
+        args.push("--allow-over-ceiling");
+    }
     args.extend(extra);
     args
 }
@@ -1908,6 +2104,7 @@ fn sigkill_never_leaves_a_half_written_release() {
             s(&build),
             "--layout",
             "all",
+            "--allow-over-ceiling",
             "--key",
             s(&private),
             "--output",
@@ -2055,6 +2252,7 @@ fn release_of_a_real_build_all_verifies_and_matches_the_schema() {
         s(&build),
         "--layout",
         "all",
+        "--allow-over-ceiling",
         "--key",
         s(&private),
         "--output",
@@ -2080,8 +2278,9 @@ fn release_of_a_real_build_all_verifies_and_matches_the_schema() {
         m["model"]["config_sha256"],
         b["checkpoint"]["config_sha256"]
     );
-    // Every package of the build: chunk1..4, prefill_chunk1..4, the three-, two- and one-chunk layouts.
-    assert_eq!(m["chunks"].as_array().unwrap().len(), 14);
+    // Every package of the build: chunk1..4, prefill_chunk1..4, the three-
+    // (chunk1 is four's), two- and one-chunk layouts.
+    assert_eq!(m["chunks"].as_array().unwrap().len(), 13);
     let functions = |name: &str| -> Vec<Value> {
         let c = m["chunks"]
             .as_array()
@@ -2111,16 +2310,16 @@ fn release_of_a_real_build_all_verifies_and_matches_the_schema() {
         .collect();
     assert_eq!(roles["embed_tokens_q8.bin"], json!(["embedding"]));
     assert_eq!(roles["per_layer_projection.bin"], json!(["embedding"]));
-    assert_eq!(roles["cos_full.npy"], json!(["rope"]));
+    assert_eq!(roles["swa/cos_full.npy"], json!(["rope"]));
     assert_eq!(roles["model_config.json"], json!(["config"]));
     assert_eq!(roles["hf_model/tokenizer.json"], json!(["tokenizer"]));
     assert_eq!(roles["hf_model/config.json"], json!(["tokenizer"]));
     assert_eq!(
-        roles["chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin"],
+        roles["swa/chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin"],
         json!(["decode", "verify"])
     );
     assert_eq!(
-        roles["prefill_chunk2.mlpackage/Manifest.json"],
+        roles["prefill/chunk2.mlpackage/Manifest.json"],
         json!(["prefill"])
     );
     assert_eq!(
@@ -3012,5 +3211,5 @@ fn package_refuses_incomplete_folders() {
     ok(&package_args(&build, "two", &private, &out, &args));
     assert!(!out.join("hf_model/tokenizer.json").exists());
     assert!(out.join("hf_model/config.json").exists());
-    assert!(out.join("cos_full.npy").exists());
+    assert!(out.join("swa/cos_full.npy").exists());
 }

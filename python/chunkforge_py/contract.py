@@ -881,10 +881,21 @@ class RunFiles(TypedDict):
     tokenizer: str
 
 
+class RunPackage(TypedDict):
+    """Where `run` reads one package: its folder, and the folder of the
+    weight blob it reads (its own, or the one the app's downloader links or
+    copies it from)."""
+
+    path: str
+    weights: str
+
+
 class RunRequest(TypedDict):
     """What `emulate.run` gets."""
 
     release: str
+    # Every package of the decode, reference and prefill layouts, by name.
+    packages: dict[str, RunPackage]
     dims: Dims
     decode: RunLayout
     # The reference layout: prefill's KV lands in its caches, its packages hold verify_qK.

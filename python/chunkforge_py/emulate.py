@@ -249,10 +249,11 @@ def run(req: RunRequest) -> RunResult:
 
     def program(name: str) -> Interpreter:
         if name not in programs:
-            path = os.path.join(req["release"], f"{name}.mlpackage")
-            if not os.path.isdir(path):
-                raise ChunkforgeError(f"{path}: package missing from the release")
-            programs[name] = Interpreter(path)
+            files = req["packages"].get(name)
+            if files is None or not os.path.isdir(files["path"]):
+                where = files["path"] if files else os.path.join(req["release"], name)
+                raise ChunkforgeError(f"{where}: package missing from the release")
+            programs[name] = Interpreter(files["path"], files["weights"])
         return programs[name]
 
     def modules(layout: RunLayout, kind: str, tokens: int | None = None) -> dict[str, Any]:

@@ -405,8 +405,8 @@ class Interpreter:
     """A package's programs: the spec parsed once, each function resolved on
     first use, constants and dequantized weights shared by all functions."""
 
-    def __init__(self, package_path: str):
-        self.package = MLPackage(package_path)
+    def __init__(self, package_path: str, weights_dir: str | None = None):
+        self.package = MLPackage(package_path, weights_dir)
         self.path = package_path
         self._functions: dict[str, Function] = {}
         self._consts: dict[bytes, Any] = {}

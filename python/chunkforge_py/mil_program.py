@@ -263,9 +263,11 @@ def read_model_spec(path: str) -> tuple[Any, str]:
 class MLPackage:
     """A saved .mlpackage: its spec, its ML program and its weight files,
     read without loading the model. Every function of a chunkforge
-    multifunction package reads the same weight blob."""
+    multifunction package reads the same weight blob. ``weights_dir``: the
+    folder of the blob it reads when that is not its own (a release holds a
+    blob the app's downloader shares between packages once)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, weights_dir: str | None = None):
         self.path = path
         self.spec, model_file = read_model_spec(path)
         self.model_file = model_file
@@ -274,7 +276,7 @@ class MLPackage:
         self.program = self.spec.mlProgram
         if not self.program.functions:
             raise ChunkforgeError(f"{path}: the ML program has no functions")
-        self.weights_dir = os.path.join(os.path.dirname(model_file), "weights")
+        self.weights_dir = weights_dir or os.path.join(os.path.dirname(model_file), "weights")
         names = list(self.program.functions)
         self.default_function: str = self.spec.description.defaultFunctionName or (
             "main" if "main" in names else names[0]

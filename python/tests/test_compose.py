@@ -43,7 +43,7 @@ from test_mil_interp import random_inputs, shared_build
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("CHUNKFORGE_BIN", ROOT / "target" / "release" / "chunkforge"))
-TARGETS = ["chunk1_3way", "chunk2_3way", "chunk3_3way", "merged_chunk1", "merged_chunk2", "merged_full"]
+TARGETS = ["chunk2_3way", "chunk3_3way", "merged_chunk1", "merged_chunk2", "merged_full"]
 CACHE_NAMES = {
     "K_sliding_in": ("sliding", "K_sliding_out"),
     "V_sliding_in": ("sliding", "V_sliding_out"),

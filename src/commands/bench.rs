@@ -91,6 +91,7 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
                 rope_positions: ctx,
                 model_name: "bench",
                 dest: &tmp,
+                repository: false,
             })?)
         });
     let _ = std::fs::remove_dir_all(&tmp);

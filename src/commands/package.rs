@@ -111,6 +111,7 @@ pub(super) fn release_request(
         rope_positions: r.rope_positions,
         compiled,
         allow_audit_findings: r.allow_audit_findings,
+        allow_over_ceiling: r.allow_over_ceiling,
         audit: None,
     }
 }

@@ -18,6 +18,7 @@ pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
         prompt,
         max_tokens: args.max_tokens as usize,
         layout: args.layout,
+        runtime: args.runtime.map(|r| r.runtime()),
         speculate: args.speculate,
         fp16: args.fp16,
         verbose,
@@ -32,10 +33,11 @@ pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
 
 fn render(r: &RunResult) {
     eprintln!(
-        "layout {} ({}), {}",
+        "layout {} ({}), {}; packages as the app's {} download has them",
         r.layout,
         r.chunks.join(", "),
-        r.picked_by
+        r.picked_by,
+        r.download
     );
     eprintln!(
         "prompt: {} tokens, {} prefilled by {} in {:.2}s",

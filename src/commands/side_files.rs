@@ -61,6 +61,7 @@ pub fn run(args: SideFilesCmd, verbose: bool) -> Result<ExitStatus> {
         rope_positions,
         model_name: &model_name,
         dest: &staging.dir,
+        repository: false,
     })?;
     let names: Vec<&str> = report
         .files

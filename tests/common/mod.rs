@@ -71,8 +71,9 @@ static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
 /// Bumped with the fixture generator (python/chunkforge_py/fixture.py), or
 /// with what build.json must hold, so cached test fixtures and builds are
 /// made again (gen5: build.json records the checkpoint's weights, which
-/// `release --reuse-build` and `package --parity-report` require).
-const FIXTURE_GENERATION: &str = "gen5";
+/// `release --reuse-build` and `package --parity-report` require; gen6: chunk1_3way is no
+/// longer built).
+const FIXTURE_GENERATION: &str = "gen6";
 
 /// A cached fixture checkpoint under target/test-fixtures/<name>, made once
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.

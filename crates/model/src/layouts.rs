@@ -177,9 +177,6 @@ pub struct RuntimeRow {
     /// one over two over four; each ignores the other's files, so one order
     /// gives either's choice.
     pub pick_rank: u8,
-    /// It decodes with the reference's first package in place of its own
-    /// (same layers and contract), which the runtime never loads.
-    pub borrows_first: bool,
     /// The `[Profile…]` line the runtime prints every 10 decode steps with
     /// it (a template: `{n}` is a number; the last one the running tok/s).
     pub profile_line: &'static str,
@@ -196,8 +193,33 @@ pub struct LayoutSpec {
     pub functions: FunctionSet,
     /// For `--help`, after its packages.
     pub about: &'static str,
+    /// Its first chunk is the reference's first package (same layers and
+    /// contract), not a package of its own: the runtime decodes with
+    /// `chunk1` there and nothing loads a copy (upstream's `chunk1_3way`),
+    /// so none is built or shipped.
+    pub borrows_first: bool,
+    /// Where its packages sit in the app's model repository.
+    pub place: Place,
     /// None: a layout the runtime does not load.
     pub runtime: Option<RuntimeRow>,
+}
+
+/// Where a layout's packages sit in the app's model repository, which a
+/// release folder is (uploaded as it is): upstream's `ModelDownloader.swift`
+/// fetches each package from its remote path and saves it under the package
+/// name, so the app's model folder (and a build folder) has the package
+/// names at its root.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// `dir/NAME`, with `strip` taken off the front of the package name
+    /// (`prefill_chunk1` is fetched from `prefill/chunk1`).
+    Under {
+        dir: &'static str,
+        strip: &'static str,
+    },
+    /// At the root, under the package name: no download list fetches it;
+    /// it is copied into the app's model folder by hand (sideloaded).
+    Sideloaded,
 }
 
 /// The main runtime's `[Profile]` line, shared by the four- and three-chunk decode.
@@ -216,6 +238,11 @@ const FOUR: LayoutSpec = LayoutSpec {
     },
     functions: FunctionSet::DecodeVerify,
     about: "the four-chunk reference (decode_q1 + verify_qK with --verify-k)",
+    borrows_first: false,
+    place: Place::Under {
+        dir: "swa",
+        strip: "",
+    },
     runtime: Some(RuntimeRow {
         name: "four-chunk",
         load_lines: &[
@@ -224,7 +251,6 @@ const FOUR: LayoutSpec = LayoutSpec {
         ],
         selection: Selection::Fallback,
         pick_rank: 3,
-        borrows_first: false,
         profile_line: PROFILE_MAIN,
         bench: Bench::Control,
     }),
@@ -239,13 +265,17 @@ const THREE: LayoutSpec = LayoutSpec {
         suffix: "_3way",
     },
     functions: FunctionSet::Decode,
-    about: "the reference's first chunk, its two middle ones merged, its last",
+    about: "the reference's chunk1 itself, its two middle chunks merged, its last",
+    borrows_first: true,
+    place: Place::Under {
+        dir: "swa",
+        strip: "",
+    },
     runtime: Some(RuntimeRow {
         name: "three-chunk",
         load_lines: &[LoadLine::Main("[Load] Topology II — 3-chunk default ({})")],
         selection: Selection::OwnPackages,
         pick_rank: 0,
-        borrows_first: true,
         profile_line: PROFILE_MAIN,
         bench: Bench::Measured,
     }),
@@ -264,12 +294,13 @@ const TWO: LayoutSpec = LayoutSpec {
     },
     functions: FunctionSet::Decode,
     about: "the KV-owning layers, then the KV-sharing ones",
+    borrows_first: false,
+    place: Place::Sideloaded,
     runtime: Some(RuntimeRow {
         name: "two-chunk",
         load_lines: &[LoadLine::Merged],
         selection: Selection::OwnPackages,
         pick_rank: 2,
-        borrows_first: false,
         profile_line: "[Profile-2chunk] emb={n}ms mask={n}ms | m1={n} m2={n} (sum={n}ms) | predict={n}ms ({n} tok/s)",
         bench: Bench::Target {
             pass: 36.0,
@@ -285,12 +316,13 @@ const ONE: LayoutSpec = LayoutSpec {
     names: NameRule::Single("merged_full"),
     functions: FunctionSet::Decode,
     about: "every layer in one function",
+    borrows_first: false,
+    place: Place::Sideloaded,
     runtime: Some(RuntimeRow {
         name: "one-chunk",
         load_lines: &[LoadLine::Merged],
         selection: Selection::OwnPackages,
         pick_rank: 1,
-        borrows_first: false,
         profile_line:
             "[Profile-1chunk] emb={n}ms mask={n}ms | full={n} | predict={n}ms ({n} tok/s)",
         bench: Bench::Target {
@@ -307,6 +339,8 @@ const SPLIT: LayoutSpec = LayoutSpec {
     names: NameRule::LayerRange,
     functions: FunctionSet::Decode,
     about: "the layer ranges of --split",
+    borrows_first: false,
+    place: Place::Sideloaded,
     runtime: None,
 };
 
@@ -320,6 +354,11 @@ const PREFILL: LayoutSpec = LayoutSpec {
     },
     functions: FunctionSet::Prefill,
     about: "the reference's spans as batched prefill functions",
+    borrows_first: false,
+    place: Place::Under {
+        dir: "prefill",
+        strip: "prefill_",
+    },
     runtime: None,
 };
 
@@ -349,13 +388,17 @@ pub fn kind_of_package(package: &str) -> Option<LayoutKind> {
 }
 
 impl LayoutSpec {
-    /// Its package names for `spans` of a model of `layers` layers.
+    /// The package names of its chunks for `spans` of a model of `layers`
+    /// layers: a borrowed first chunk is named as the reference's.
     pub fn names_for(&self, spans: &[(usize, usize)], layers: usize) -> Vec<String> {
         let width = layers.saturating_sub(1).to_string().len();
         spans
             .iter()
             .enumerate()
             .map(|(i, &(a, b))| match self.names {
+                _ if i == 0 && self.borrows_first => {
+                    spec(REFERENCE).names_for(&[(a, b)], layers)[0].clone()
+                }
                 NameRule::Numbered { prefix, suffix } => format!("{prefix}{}{suffix}", i + 1),
                 NameRule::Single(name) => name.to_string(),
                 NameRule::LayerRange => format!("layers_{a:0width$}-{b:0width$}"),
@@ -363,22 +406,31 @@ impl LayoutSpec {
             .collect()
     }
 
-    /// Its package names when its chunk count is fixed (empty for a
-    /// `--split` layout, whose names follow its ranges).
-    pub fn package_names(&self) -> Vec<String> {
+    /// The packages it decodes with when its chunk count is fixed, in call
+    /// order, a borrowed first one included (empty for a `--split` layout,
+    /// whose names follow its ranges).
+    fn chunk_names(&self) -> Vec<String> {
         match (self.spans.count(), self.names) {
             (_, NameRule::LayerRange) | (None, _) => Vec::new(),
             (Some(n), _) => self.names_for(&vec![(0, 0); n], 1),
         }
     }
 
+    /// Its own packages (a borrowed first package is the reference's), when
+    /// its chunk count is fixed.
+    pub fn package_names(&self) -> Vec<String> {
+        let skip = usize::from(self.borrows_first);
+        self.chunk_names().into_iter().skip(skip).collect()
+    }
+
     /// Its packages in brief: `chunk1..chunk4`, `merged_chunk1 +
-    /// merged_chunk2`, `merged_full`.
+    /// merged_chunk2`, `chunk1 + chunk2_3way + chunk3_3way`, `merged_full`.
     pub fn summary(&self) -> String {
-        match self.package_names().as_slice() {
+        match self.chunk_names().as_slice() {
             [] => "layers_A-B per --split range".into(),
             [one] => one.clone(),
             [a, b] => format!("{a} + {b}"),
+            [a, b, c] => format!("{a} + {b} + {c}"),
             [a, .., z] => format!("{a}..{z}"),
         }
     }
@@ -386,7 +438,7 @@ impl LayoutSpec {
     /// Its packages as a number range: `chunk1..4`, `prefill_chunk1..4`.
     pub fn range(&self) -> String {
         match (self.names, self.spans.count()) {
-            (NameRule::Numbered { prefix, suffix }, Some(n)) if n > 1 => {
+            (NameRule::Numbered { prefix, suffix }, Some(n)) if n > 1 && !self.borrows_first => {
                 format!("{prefix}1{suffix}..{n}")
             }
             _ => self.summary(),
@@ -401,29 +453,17 @@ impl LayoutSpec {
     /// The packages the runtime decodes with, in call order (empty for a
     /// layout the runtime does not load).
     pub fn decode_packages(&self) -> Vec<String> {
-        let Some(rt) = self.runtime else {
-            return Vec::new();
-        };
-        let mut own = self.package_names();
-        if rt.borrows_first {
-            if let (Some(first), Some(theirs)) =
-                (own.first_mut(), spec(REFERENCE).package_names().first())
-            {
-                first.clone_from(theirs);
-            }
+        match self.runtime {
+            Some(_) => self.chunk_names(),
+            None => Vec::new(),
         }
-        own
     }
 
     /// The packages whose presence (all of them) makes the runtime pick it;
     /// empty for the fallback and for a layout the runtime does not load.
     pub fn selected_by(&self) -> Vec<String> {
         match self.runtime {
-            Some(rt) if rt.selection == Selection::OwnPackages => {
-                let own = self.package_names();
-                let skip = usize::from(rt.borrows_first);
-                own.into_iter().skip(skip).collect()
-            }
+            Some(rt) if rt.selection == Selection::OwnPackages => self.package_names(),
             _ => Vec::new(),
         }
     }
@@ -440,6 +480,23 @@ impl LayoutSpec {
     pub fn buildable(&self) -> bool {
         self.purpose == Purpose::Decode && self.spans.count().is_some()
     }
+
+    /// The path of its package `name` (no extension) in the app's repository.
+    pub fn repository_path(&self, name: &str) -> String {
+        match self.place {
+            Place::Under { dir, strip } => {
+                format!("{dir}/{}", name.strip_prefix(strip).unwrap_or(name))
+            }
+            Place::Sideloaded => name.to_string(),
+        }
+    }
+}
+
+/// The path of package `name` (no extension) in the app's repository, by
+/// the row of its layout (None: a package no row names, e.g. a `--split`
+/// one, which no release ships).
+pub fn repository_path(name: &str) -> Option<String> {
+    kind_of_package(name).map(|k| spec(k).repository_path(name))
 }
 
 /// The decode layouts the runtime loads, in the order it tries them.
@@ -569,6 +626,10 @@ selector! {
     ReleaseLayout, |l| l.runtime.is_some(), {
         /// Every layout in the build.
         All = "all",
+        /// Every layout in the build whose functions all stay within the
+        /// Neural Engine layer ceiling (all but one, today), so that no
+        /// runtime picks one that fails to compile on the phone.
+        App = "app",
     }
 }
 
@@ -606,6 +667,14 @@ mod tests {
                     next = b + 1;
                 }
                 assert_eq!(Some(next), reference.spans.count(), "{}", l.kind);
+            }
+            // A borrowed first chunk is the reference's first chunk.
+            if l.borrows_first {
+                assert!(
+                    matches!(l.spans, SpansRule::Groups([(0, 0), ..])),
+                    "{}",
+                    l.kind
+                );
             }
             let Some(rt) = l.runtime else { continue };
             // The runtime loads only layouts with fixed package names.
@@ -660,6 +729,31 @@ mod tests {
             spec(LayoutKind::Split).names_for(&[(0, 11), (12, 34)], 35),
             ["layers_00-11", "layers_12-34"]
         );
+        // The three-chunk decode runs chunk1 itself: no package of its own.
+        assert_eq!(
+            spec(LayoutKind::Three).package_names(),
+            ["chunk2_3way", "chunk3_3way"]
+        );
+        assert_eq!(
+            spec(LayoutKind::Three).summary(),
+            "chunk1 + chunk2_3way + chunk3_3way"
+        );
+        assert_eq!(
+            spec(LayoutKind::Three).names_for(&[(0, 7), (8, 24), (25, 34)], 35),
+            ["chunk1", "chunk2_3way", "chunk3_3way"]
+        );
+        assert_eq!(kind_of_package("chunk1"), Some(LayoutKind::Four));
+        // The app's remote paths (ModelDownloader.swift); merged packages are sideloaded.
+        for (name, path) in [
+            ("chunk1", "swa/chunk1"),
+            ("chunk2_3way", "swa/chunk2_3way"),
+            ("prefill_chunk4", "prefill/chunk4"),
+            ("merged_chunk1", "merged_chunk1"),
+            ("merged_full", "merged_full"),
+        ] {
+            assert_eq!(repository_path(name).as_deref(), Some(path), "{name}");
+        }
+        assert_eq!(repository_path("layers_00-11"), None);
         assert_eq!(kind_of_package("merged_full"), Some(LayoutKind::One));
         assert_eq!(kind_of_package("layers_00-11"), None);
     }

@@ -24,6 +24,12 @@ pub const ANE_STABLE_LAYERS: usize = 15;
 /// `plan` itself.
 pub const MAX_TENSOR_BYTES: u64 = 4 << 30;
 
+/// The most layers one function has been seen to compile for the Neural
+/// Engine on device (seed run book: 20 compiled on the iPhone 17 Pro, 35
+/// did not). A release in which a runtime would pick a layout with a larger
+/// function is refused unless asked for (`package --allow-over-ceiling`).
+pub const ANE_LAYER_CEILING: usize = 20;
+
 /// Runtime alias of the producer KV for shared sliding / full layers.
 pub fn alias_of(kind: Attention) -> Alias {
     match kind {
@@ -1141,11 +1147,24 @@ pub fn plan(
     for l in &mut layouts {
         attach_functions(cfg, ctx, l, functions);
     }
+    // A layout that decodes with the reference's first package holds that
+    // package as the reference plans it (its functions too: one package).
+    let reference_first = layouts
+        .iter()
+        .find(|l| l.kind == REFERENCE)
+        .and_then(|l| l.chunks.first())
+        .cloned();
+    if let Some(first) = reference_first {
+        for l in layouts.iter_mut().filter(|l| spec(l.kind).borrows_first) {
+            l.chunks[0] = first.clone();
+        }
+    }
     check_tensor_sizes(cfg, ctx, &layouts)?;
     let mut warnings = Vec::new();
+    let mut warned = std::collections::BTreeSet::new();
     for l in &layouts {
         for c in &l.chunks {
-            if c.layer_count() > ANE_STABLE_LAYERS {
+            if c.layer_count() > ANE_STABLE_LAYERS && warned.insert(c.name.clone()) {
                 warnings.push(format!(
                     "{} holds {} layers (> {ANE_STABLE_LAYERS}): a 35-layer single function failed to compile \
                      for the iPhone 17 Pro Neural Engine, while 15 and 20 layers compiled; check its compute \
@@ -1294,7 +1313,7 @@ mod tests {
                 "chunk2",
                 "chunk3",
                 "chunk4",
-                "chunk1_3way",
+                "chunk1",
                 "chunk2_3way",
                 "chunk3_3way",
                 "merged_chunk1",
@@ -1306,11 +1325,13 @@ mod tests {
                 "prefill_chunk4"
             ]
         );
-        // chunk1..4 carry decode_q1 (default) + verify_qK; the others decode only.
+        // chunk1..4 carry decode_q1 (default) + verify_qK (the three-chunk
+        // decode's chunk1 too: the same package); the others decode only.
         for l in &p.layouts {
             for c in &l.chunks {
                 let f: Vec<_> = c.functions.iter().map(|f| f.name.as_str()).collect();
                 let want: &[&str] = match l.kind {
+                    _ if c.name == "chunk1" => &["decode_q1", "verify_qK"],
                     LayoutKind::Four => &["decode_q1", "verify_qK"],
                     LayoutKind::Prefill => &["prefill_b512"],
                     _ => &["main"],
@@ -1331,6 +1352,31 @@ mod tests {
         assert_eq!(spans(LayoutKind::Two), [(0, 14), (15, 29)]);
         assert_eq!(spans(LayoutKind::Three), [(0, 7), (8, 23), (24, 29)]);
         assert_eq!(layout_spans(&cfg, LayoutKind::Split), None);
+    }
+
+    #[test]
+    fn the_three_chunk_decode_runs_the_reference_chunk1() {
+        // Planned on its own, the three-chunk layout's first chunk is the
+        // reference's first chunk: same layers, slots and decode contract,
+        // so the runtime decodes with chunk1 and no copy is built.
+        let cfg = e2b();
+        let only = |k| {
+            plan(&cfg, 512, Mode::Only(k), None, &Functions::default())
+                .unwrap()
+                .layouts
+                .remove(0)
+        };
+        let (three, four) = (only(LayoutKind::Three), only(LayoutKind::Four));
+        let (a, b) = (&three.chunks[0], &four.chunks[0]);
+        assert_eq!(a.name, "chunk1");
+        assert_eq!((a.first_layer, a.last_layer), (b.first_layer, b.last_layer));
+        assert_eq!(
+            (&a.sliding_slots, &a.full_slots),
+            (&b.sliding_slots, &b.full_slots)
+        );
+        assert_eq!((&a.inputs, &a.outputs), (&b.inputs, &b.outputs));
+        // Its slot map fills chunk1's caches.
+        assert!(three.kv_slot_map.iter().any(|m| m.to_chunk == "chunk1"));
     }
 
     #[test]

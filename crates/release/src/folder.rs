@@ -13,9 +13,10 @@ use std::path::{Path, PathBuf};
 
 use chunkforge_model::config::TextConfig;
 pub use chunkforge_model::layouts::RunLayout;
-use chunkforge_model::layouts::{spec, REFERENCE};
+use chunkforge_model::layouts::{spec, Runtime, REFERENCE};
 use chunkforge_model::plan::{self, FunctionKind, Functions, Layout, LayoutKind, Mode, SlotCopy};
 
+use crate::downloader;
 use crate::hashing;
 use crate::manifest::{self, Manifest, MANIFEST_FILE};
 use crate::package::{HF_MODEL_DIR, TOKENIZER_FILE};
@@ -33,6 +34,14 @@ pub struct FolderError {
 
 type Result<T, E = FolderError> = std::result::Result<T, E>;
 
+/// The folder only the app's repository layout has: the reference's (it
+/// ships with every release, under `swa/`).
+fn repository_mark() -> Option<String> {
+    let first = spec(REFERENCE).package_names().into_iter().next()?;
+    let path = chunkforge_model::layouts::repository_path(&first)?;
+    path.split_once('/').map(|(dir, _)| dir.to_string())
+}
+
 fn err(path: &Path, message: impl Into<String>) -> FolderError {
     FolderError {
         path: path.to_path_buf(),
@@ -40,9 +49,33 @@ fn err(path: &Path, message: impl Into<String>) -> FolderError {
     }
 }
 
+/// Which of the app's two folder layouts a release folder follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FolderKind {
+    /// The app's repository, as `package` writes a release: packages at
+    /// their remote paths (`swa/`, `prefill/`), the RoPE tables under `swa/`,
+    /// and some weight blobs held once for the packages that share them.
+    Repository,
+    /// The app's model folder after its download: every package and side
+    /// file at the root under its own name (releases made before the
+    /// repository layout, and a folder laid out as the app saves it).
+    Local,
+}
+
+/// Where one package's files are read from, the way the app has them.
+#[derive(Clone, Debug, serde::Serialize, schemars::JsonSchema)]
+pub struct PackageFiles {
+    /// The package folder.
+    pub path: PathBuf,
+    /// The folder holding the weight blob it reads: its own, or the one of
+    /// the package the app's downloader links or copies it from.
+    pub weights: PathBuf,
+}
+
 /// A release folder, opened.
 pub struct ReleaseFolder {
     pub dir: PathBuf,
+    pub kind: FolderKind,
     pub manifest: Manifest,
     /// `hf_model/config.json`.
     pub cfg: TextConfig,
@@ -65,6 +98,10 @@ pub struct RunPlan {
     pub prefill: Layout,
     /// How `decode` was chosen, for the user.
     pub picked_by: &'static str,
+    /// Every package of the three layouts, by name.
+    pub packages: BTreeMap<String, PackageFiles>,
+    /// The download entry whose folder this is, as the runtime loads it.
+    pub entry: &'static downloader::Entry,
 }
 
 /// `verify`'s rule, applied before anything is read: a release holds no
@@ -152,8 +189,15 @@ impl ReleaseFolder {
             .iter()
             .map(|f| (f.path.clone(), (f.size, f.sha256.clone())))
             .collect();
+        // Every release ships the reference, in the repository under swa/.
+        let kind = if repository_mark().is_some_and(|m| dir.join(m).is_dir()) {
+            FolderKind::Repository
+        } else {
+            FolderKind::Local
+        };
         Ok(ReleaseFolder {
             dir: dir.to_path_buf(),
+            kind,
             manifest,
             cfg,
             context_length: config.context_length,
@@ -170,8 +214,15 @@ impl ReleaseFolder {
     pub fn check_files(&self) -> Result<()> {
         let c = &self.cfg;
         for spec in SIDE_FILES {
-            let path = self.dir.join(spec.name);
-            let listed = self.files.contains_key(spec.name);
+            let rel = spec.path_in(self.kind == FolderKind::Repository);
+            let path = self.dir.join(&rel);
+            // The manifest lists repository paths (names alone before the
+            // repository layout).
+            let key = [spec.repository_path(), spec.name.to_string()]
+                .into_iter()
+                .find(|k| self.files.contains_key(k))
+                .unwrap_or(rel);
+            let listed = self.files.contains_key(&key);
             if !path.exists() {
                 if spec.required || listed {
                     return Err(err(
@@ -211,7 +262,7 @@ impl ReleaseFolder {
                     ));
                 }
             }
-            self.check_digest(spec.name, &path, size)?;
+            self.check_digest(&key, &path, size)?;
         }
         // Every dimension of the plan comes from hf_model/config.json.
         let config = format!("{HF_MODEL_DIR}/config.json");
@@ -323,8 +374,58 @@ impl ReleaseFolder {
         }
     }
 
+    /// The side file `name`'s path in the folder (under `swa/` for the
+    /// RoPE tables in the repository layout).
+    pub fn side_file(&self, name: &str) -> PathBuf {
+        let rel = SIDE_FILES.iter().find(|s| s.name == name).map_or_else(
+            || name.to_string(),
+            |s| s.path_in(self.kind == FolderKind::Repository),
+        );
+        self.dir.join(rel)
+    }
+
+    /// Package `name`'s folder: at its remote path in the repository
+    /// layout (as the manifest lists it), under its name in the local one.
+    pub fn package_dir(&self, name: &str) -> PathBuf {
+        match self.kind {
+            FolderKind::Repository => self.dir.join(
+                self.manifest
+                    .chunk(name)
+                    .map_or_else(|| manifest::package_file(name, false), |c| c.file.clone()),
+            ),
+            FolderKind::Local => self.dir.join(format!("{name}.mlpackage")),
+        }
+    }
+
     fn has_package(&self, name: &str) -> bool {
-        self.dir.join(format!("{name}.mlpackage")).is_dir()
+        self.package_dir(name).is_dir()
+    }
+
+    /// Where package `name`'s files come from after `entry`'s download: a
+    /// package it fetches without its weight blob reads the blob its share
+    /// gives it. A missing blob is an error naming it (and its share).
+    pub fn package_files(&self, name: &str, entry: &downloader::Entry) -> Result<PackageFiles> {
+        let path = self.package_dir(name);
+        let from = entry.blob_of(name);
+        let source = self.package_dir(from);
+        let blob = source.join(downloader::PACKAGE_BLOB);
+        if !blob.is_file() {
+            let why = if from == name {
+                "missing: the package's weight blob".to_string()
+            } else {
+                format!(
+                    "missing: the app's {} download gives {name} this blob ({} {})",
+                    entry.client,
+                    entry.how,
+                    path.join(downloader::PACKAGE_BLOB).display()
+                )
+            };
+            return Err(err(&blob, why));
+        }
+        Ok(PackageFiles {
+            path,
+            weights: blob.parent().map(Path::to_path_buf).unwrap_or_default(),
+        })
     }
 
     /// The token counts of `name`'s functions of `kind` in the manifest.
@@ -340,19 +441,41 @@ impl ReleaseFolder {
 
     /// The decode layout to run, the four-chunk layout and the prefill
     /// layout, planned from `hf_model/config.json` at the context length and
-    /// checked against the manifest's contracts.
-    pub fn plan(&self, want: RunLayout) -> Result<RunPlan> {
+    /// checked against the manifest's contracts, with every package's files
+    /// as `runtime`'s download has them (None: the runtime that loads the
+    /// layout, main where both do). `RunLayout::Auto` picks by file presence
+    /// as `runtime` does (None: either's rules, main's first).
+    pub fn plan(&self, want: RunLayout, runtime: Option<Runtime>) -> Result<RunPlan> {
         let manifest = self.dir.join(MANIFEST_FILE);
         let (kind, picked_by) = match want {
             RunLayout::Auto => {
-                // ChunkedEngine's presence rules; a decode that borrows the
-                // reference's first package also needs it, checked with the
-                // layout below.
-                let kind = runtime_layout::pick(|n| self.has_package(n));
+                // ChunkedEngine's presence rules.
+                let has = |n: &str| self.has_package(n);
+                let kind = match runtime {
+                    Some(rt) => runtime_layout::pick_for(rt, has),
+                    None => runtime_layout::pick(has),
+                };
                 (kind, "picked by file presence, as the runtime does")
             }
             RunLayout::Only(kind) => (kind, "--layout"),
         };
+        let loads = spec(kind).runtimes();
+        let runtime = match runtime {
+            Some(rt) if !loads.contains(&rt) => {
+                return Err(err(
+                    &self.dir,
+                    format!(
+                        "{} does not load the {kind} layout (it loads {})",
+                        rt.describe(),
+                        runtime_layout::loaded_by(rt).join(", ")
+                    ),
+                ))
+            }
+            Some(rt) => rt,
+            None if loads.contains(&Runtime::Main) => Runtime::Main,
+            None => loads.first().copied().unwrap_or(Runtime::Main),
+        };
+        let entry = downloader::entry_for(runtime, kind);
         let verify = spec(REFERENCE).package_names();
         let prefill = spec(LayoutKind::Prefill).package_names();
         let functions = Functions {
@@ -377,7 +500,8 @@ impl ReleaseFolder {
         }
         let planned = plan::plan(&self.cfg, self.context_length, Mode::All, None, &functions)
             .map_err(|e| err(&manifest, e.to_string()))?;
-        let layout = |k: LayoutKind| -> Result<Layout> {
+        let mut packages = BTreeMap::new();
+        let mut layout = |k: LayoutKind| -> Result<Layout> {
             let l = planned
                 .layouts
                 .iter()
@@ -385,89 +509,29 @@ impl ReleaseFolder {
                 .cloned()
                 .ok_or_else(|| err(&manifest, format!("no {k} layout in the plan")))?;
             for c in &l.chunks {
-                let pkg = self.dir.join(format!("{}.mlpackage", c.name));
+                let pkg = self.package_dir(&c.name);
                 if !pkg.is_dir() {
                     return Err(err(&pkg, format!("missing: the {k} layout needs it")));
                 }
                 self.check_chunk(&manifest, c)?;
+                packages.insert(c.name.clone(), self.package_files(&c.name, entry)?);
             }
             Ok(l)
         };
         let four = layout(REFERENCE)?;
         let prefill = layout(LayoutKind::Prefill)?;
-        let borrows = spec(kind).runtime.is_some_and(|rt| rt.borrows_first);
-        let decode = if borrows {
-            self.borrowing(&manifest, &planned, kind, &four)?
-        } else {
-            let mut decode = layout(kind)?;
-            if kind != REFERENCE {
-                decode.kv_slot_map = self.slot_map(&manifest, kind)?;
-            }
-            decode
-        };
+        let mut decode = layout(kind)?;
+        if kind != REFERENCE {
+            decode.kv_slot_map = self.slot_map(&manifest, kind)?;
+        }
         Ok(RunPlan {
             decode,
             four,
             prefill,
             picked_by,
+            packages,
+            entry,
         })
-    }
-
-    /// A decode that borrows the reference's first package, as the runtime
-    /// runs it (ChunkedEngine's three-chunk decode: `chunk1`, `chunk2_3way`,
-    /// `chunk3_3way`): the reference's first chunk, whose decode contract is
-    /// the layout's first package's, then the layout's other packages; the
-    /// slot map's copies into the first package go to the reference's.
-    fn borrowing(
-        &self,
-        manifest: &Path,
-        planned: &plan::Plan,
-        kind: LayoutKind,
-        four: &Layout,
-    ) -> Result<Layout> {
-        let mut layout = planned
-            .layouts
-            .iter()
-            .find(|l| l.kind == kind)
-            .cloned()
-            .ok_or_else(|| err(manifest, format!("no {kind} layout in the plan")))?;
-        let first = std::mem::replace(&mut layout.chunks[0], four.chunks[0].clone());
-        if (
-            first.first_layer,
-            first.last_layer,
-            &first.inputs,
-            &first.outputs,
-        ) != (
-            four.chunks[0].first_layer,
-            four.chunks[0].last_layer,
-            &four.chunks[0].inputs,
-            &four.chunks[0].outputs,
-        ) {
-            return Err(err(
-                manifest,
-                format!(
-                    "{} and {} differ in layers or contract: the runtime's {} decode runs {} first",
-                    first.name,
-                    four.chunks[0].name,
-                    spec(kind).runtime.map_or(kind.as_str(), |rt| rt.name),
-                    four.chunks[0].name
-                ),
-            ));
-        }
-        for c in &layout.chunks[1..] {
-            let pkg = self.dir.join(format!("{}.mlpackage", c.name));
-            if !pkg.is_dir() {
-                return Err(err(&pkg, format!("missing: the {kind} layout needs it")));
-            }
-            self.check_chunk(manifest, c)?;
-        }
-        layout.kv_slot_map = self.slot_map(manifest, kind)?;
-        for m in &mut layout.kv_slot_map {
-            if m.to_chunk == first.name {
-                m.to_chunk.clone_from(&four.chunks[0].name);
-            }
-        }
-        Ok(layout)
     }
 
     /// The manifest's KV slot map of decode layout `kind`.

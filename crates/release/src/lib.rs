@@ -9,6 +9,7 @@ pub mod archive;
 pub mod bench_targets;
 pub mod device_log;
 pub mod device_report;
+pub mod downloader;
 pub mod folder;
 pub mod hashing;
 pub mod keykind;

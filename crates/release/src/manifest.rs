@@ -20,13 +20,14 @@ use serde_json::Value;
 use chunkforge_model::layouts::{spec, Purpose, ReleaseLayout, REFERENCE};
 use chunkforge_model::plan::{
     AliasUse, ChunkPlan, Dims, Dtype, FunctionKind, FunctionPlan, Layout, LayoutKind, SlotCopy,
-    TensorSpec,
+    TensorSpec, ANE_LAYER_CEILING,
 };
 use chunkforge_model::records::{
     BuildRecord, ChunkRecord, ConversionSettings, ParityCheckpoint, ParityReport, ParitySummary,
     Verdict, BUILD_FORMAT, PARITY_FORMAT,
 };
 
+use crate::downloader::{self, Client, ShareHow};
 use crate::hashing::FileDigest;
 use crate::strict_json;
 
@@ -71,6 +72,29 @@ impl ReleaseChunk<'_> {
     pub fn name(&self) -> &str {
         &self.plan.name
     }
+
+    /// Its folder in the release, the app's repository: the package at its
+    /// remote path (`swa/chunk1.mlpackage`, `prefill/chunk1.mlpackage`,
+    /// `merged_full.mlpackage`).
+    pub fn file(&self) -> String {
+        package_file(self.name(), false)
+    }
+}
+
+/// The folder of package `name` in a release, the app's repository:
+/// `swa/chunk1.mlpackage`, or `.mlmodelc` once compiled.
+pub fn package_file(name: &str, compiled: bool) -> String {
+    let path = chunkforge_model::layouts::repository_path(name).unwrap_or_else(|| name.to_string());
+    format!("{path}.{}", if compiled { "mlmodelc" } else { "mlpackage" })
+}
+
+/// Whether a function of `layout` holds more layers than the Neural Engine
+/// is known to compile in one function ([`ANE_LAYER_CEILING`]).
+pub fn over_ceiling(layout: &Layout) -> bool {
+    layout
+        .chunks
+        .iter()
+        .any(|c| c.layer_count() > ANE_LAYER_CEILING)
 }
 
 /// A build folder and its `build.json`.
@@ -147,8 +171,9 @@ impl Build {
                 .plan
                 .layouts
                 .iter()
+                .filter(|l| spec(l.kind).purpose == Purpose::Decode)
+                .filter(|l| layout != ReleaseLayout::App || !over_ceiling(l))
                 .map(|l| l.kind)
-                .filter(|k| spec(*k).purpose == Purpose::Decode)
                 .collect(),
             Some(k) => vec![k],
         };
@@ -198,7 +223,13 @@ impl Build {
         }
         ship.extend(self.layout(LayoutKind::Prefill));
         for l in ship {
-            for c in &l.chunks {
+            // A borrowed first chunk is the reference's package, which ships
+            // as the reference's.
+            let skip = usize::from(spec(l.kind).borrows_first);
+            for c in l.chunks.iter().skip(skip) {
+                if out.iter().any(|o| o.name() == c.name) {
+                    continue;
+                }
                 out.push(ReleaseChunk {
                     layout: l.kind,
                     plan: c,
@@ -564,26 +595,24 @@ fn file_roles(path: &str, chunks: &[ManifestChunk]) -> Vec<FileRole> {
     if path == crate::runbook::RUNBOOK_FILE {
         return vec![FileRole::Docs];
     }
-    let top = path.split('/').next().unwrap_or_default();
-    if let Some(pkg) = top
-        .strip_suffix(".mlpackage")
-        .or_else(|| top.strip_suffix(".mlmodelc"))
-    {
-        if let Some(c) = chunks.iter().find(|c| c.name == pkg) {
-            return c
-                .roles
-                .iter()
-                .map(|r| match r {
-                    PackageRole::Decode => FileRole::Decode,
-                    PackageRole::Verify => FileRole::Verify,
-                    PackageRole::Prefill => FileRole::Prefill,
-                })
-                .collect();
-        }
+    let package = chunks.iter().find(|c| {
+        path.strip_prefix(&c.file)
+            .is_some_and(|r| r.starts_with('/'))
+    });
+    if let Some(c) = package {
+        return c
+            .roles
+            .iter()
+            .map(|r| match r {
+                PackageRole::Decode => FileRole::Decode,
+                PackageRole::Verify => FileRole::Verify,
+                PackageRole::Prefill => FileRole::Prefill,
+            })
+            .collect();
     }
     crate::sidefiles::SIDE_FILES
         .iter()
-        .find(|f| f.name == path)
+        .find(|f| f.name == path || f.repository_path() == path)
         .map(|f| match f.role {
             crate::sidefiles::Role::Embedding => FileRole::Embedding,
             crate::sidefiles::Role::Rope => FileRole::Rope,
@@ -682,6 +711,41 @@ pub struct Manifest {
     pub files: Vec<FileEntry>,
     /// Groups of files with the same SHA-256 (e.g. a prefill package's weights equal to its decode package's): a downloader fetches each blob once.
     pub shared_blobs: Vec<SharedBlob>,
+    /// The weight blobs the app's downloader links or copies from one package into another (ModelDownloader.swift's finishDownload, per download entry): each package's blob and the packages it comes from, which must be byte-identical to it.
+    #[serde(default)]
+    pub shares: Vec<WeightShare>,
+}
+
+/// One package whose weight blob the app takes from another package's: the
+/// entries in `by` fetch it without `weights/` and link or copy `from`'s
+/// blob in. The blob files are `weights/weight.bin` inside each package's
+/// `file` (`Data/com.apple.CoreML/weights/weight.bin` in an `.mlpackage`), so
+/// the record holds compiled or not.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct WeightShare {
+    /// The package receiving the blob (its name in the app's model folder).
+    #[schemars(length(min = 1))]
+    pub package: String,
+    /// The package whose blob it receives.
+    #[schemars(length(min = 1))]
+    pub from: String,
+    /// The download entries that make this share, and how.
+    #[schemars(length(min = 1))]
+    pub by: Vec<ShareUse>,
+    /// Whether the release holds the package's own blob too (an entry it serves fetches it with its weights).
+    pub stored: bool,
+    /// The package's blob as built: `from`'s must be these bytes.
+    pub size: u64,
+    #[schemars(with = "Sha256Hex")]
+    pub sha256: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ShareUse {
+    pub client: Client,
+    pub how: ShareHow,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -745,7 +809,8 @@ pub struct ManifestFunction {
 pub struct ManifestChunk {
     #[schemars(pattern("^[A-Za-z0-9_.-]+$"))]
     pub name: String,
-    #[schemars(pattern(r"^[A-Za-z0-9_.-]+\.mlpackage$"))]
+    /// Its folder in the release (the app's repository): `swa/chunk1.mlpackage`, `prefill/chunk1.mlpackage`, `merged_full.mlpackage` (sideloaded); `.mlmodelc` once compiled.
+    #[schemars(pattern(r"^((swa|prefill)/)?[A-Za-z0-9_.-]+\.(mlpackage|mlmodelc)$"))]
     pub file: String,
     pub layout: LayoutKind,
     #[schemars(length(min = 1))]
@@ -855,7 +920,7 @@ impl Manifest {
                 let record = inp.build.chunk_record(rc.name());
                 ManifestChunk {
                     name: c.name.clone(),
-                    file: format!("{}.mlpackage", c.name),
+                    file: rc.file(),
                     layout: rc.layout,
                     roles: rc.roles.clone(),
                     first_layer: c.first_layer,
@@ -920,6 +985,7 @@ impl Manifest {
             compiled: inp.compiled.clone(),
             files: Vec::new(),
             shared_blobs: Vec::new(),
+            shares: Vec::new(),
         })
     }
 
@@ -957,6 +1023,17 @@ impl Manifest {
     /// The entry of package `name`.
     pub fn chunk(&self, name: &str) -> Option<&ManifestChunk> {
         self.chunks.iter().find(|c| c.name == name)
+    }
+
+    /// The path of package `name`'s weight blob in the release.
+    pub fn blob_path(&self, name: &str) -> Option<String> {
+        self.chunk(name)
+            .map(|c| format!("{}/{}", c.file, downloader::blob_in(&c.file)))
+    }
+
+    /// The decode layouts this release ships, by kind.
+    pub fn layout_kinds(&self) -> Vec<LayoutKind> {
+        self.decode_layouts.iter().map(|l| l.kind).collect()
     }
 }
 
@@ -1028,6 +1105,85 @@ pub fn manifest_files(m: &Value) -> (Vec<(String, u64, String)>, Vec<String>) {
                     )),
                 }
             }
+        }
+    }
+    (out, problems)
+}
+
+/// One of the manifest's weight shares as `verify` reads it: the release
+/// paths of the package's blob and of the blob the app gives it, whether the
+/// release holds the package's own, the digest both must have, and who
+/// shares it (for the message).
+pub struct ShareCheck {
+    pub blob: String,
+    pub from_blob: String,
+    pub stored: bool,
+    pub sha256: String,
+    pub by: String,
+}
+
+/// The manifest's `shares` as paths to check (each blob inside its
+/// package's `file`, compiled or not); entries it cannot read are problems.
+pub fn manifest_shares(m: &Value) -> (Vec<ShareCheck>, Vec<String>) {
+    #[derive(Deserialize)]
+    struct Chunk {
+        name: String,
+        file: String,
+    }
+    #[derive(Deserialize)]
+    struct Share {
+        package: String,
+        from: String,
+        stored: bool,
+        sha256: String,
+        by: Vec<ShareUse>,
+    }
+    #[derive(Default, Deserialize)]
+    struct Outline {
+        #[serde(default)]
+        chunks: Vec<Value>,
+        #[serde(default)]
+        shares: Vec<Value>,
+    }
+    let outline: Outline = serde_json::from_value(m.clone()).unwrap_or_default();
+    let files: BTreeMap<String, String> = outline
+        .chunks
+        .into_iter()
+        .filter_map(|c| serde_json::from_value::<Chunk>(c).ok())
+        .map(|c| (c.name, c.file))
+        .collect();
+    let blob = |name: &str| {
+        files
+            .get(name)
+            .filter(|f| check_rel_path(f).is_ok())
+            .map(|f| format!("{f}/{}", downloader::blob_in(f)))
+    };
+    let mut out = Vec::new();
+    let mut problems = Vec::new();
+    for (i, v) in outline.shares.into_iter().enumerate() {
+        let Ok(s) = serde_json::from_value::<Share>(v) else {
+            problems.push(format!(
+                "{MANIFEST_FILE}: shares[{i}] needs package, from, by, stored and sha256"
+            ));
+            continue;
+        };
+        match (blob(&s.package), blob(&s.from)) {
+            (Some(b), Some(f)) => out.push(ShareCheck {
+                blob: b,
+                from_blob: f,
+                stored: s.stored,
+                sha256: s.sha256.to_ascii_lowercase(),
+                by: s
+                    .by
+                    .iter()
+                    .map(|u| format!("{}: {}", u.client, u.how))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }),
+            _ => problems.push(format!(
+                "{MANIFEST_FILE}: shares[{i}] names {} and {}, not both packages of `chunks`",
+                s.package, s.from
+            )),
         }
     }
     (out, problems)

@@ -20,21 +20,23 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use crate::archive;
+use crate::downloader;
 use crate::hashing::{self, FileDigest};
 pub use crate::manifest::Compiled;
 use crate::manifest::{
     self, Build, Manifest, ManifestInputs, PredicateSummary, ReleaseChunk, ReleaseInputError,
-    MANIFEST_FILE,
+    ShareUse, WeightShare, MANIFEST_FILE,
 };
 use crate::publish::{OnLocked, OutputLock};
 use crate::runbook::{self, RunbookFacts, RUNBOOK_FILE};
+use crate::runtime_layout;
 use crate::sidefiles::{self, SideFilesReport, SideFilesRequest};
 use crate::sign::{self, SIG_FILE};
 use crate::staging::Staging;
 use chunkforge_model::checkpoint::Checkpoint;
 use chunkforge_model::config::TextConfig;
-use chunkforge_model::layouts::{spec, ReleaseLayout};
-use chunkforge_model::plan::{LayoutKind, Role};
+use chunkforge_model::layouts::{spec, ReleaseLayout, Runtime};
+use chunkforge_model::plan::{LayoutKind, Role, ANE_LAYER_CEILING};
 use chunkforge_model::records::{rule_counts_text, AuditRecord, RuleCounts, Verdict};
 
 /// What `chunkforge package` is asked to do (the CLI's options, resolved).
@@ -64,6 +66,9 @@ pub struct PackageRequest {
     pub compiled: Compiled,
     /// Ship although the build's audit has errors in the shipped packages.
     pub allow_audit_findings: bool,
+    /// Ship even though a runtime would pick a layout with a function over
+    /// the Neural Engine layer ceiling.
+    pub allow_over_ceiling: bool,
     /// The audit of the build's packages when its build.json has none (a
     /// build made before the audit existed; the caller runs it).
     pub audit: Option<AuditRecord>,
@@ -465,10 +470,7 @@ fn predicate_summary(
         model_id: inp.model_id.into(),
         version: inp.version.into(),
         layout: inp.layout,
-        packages: packages
-            .iter()
-            .map(|c| format!("{}.mlpackage", c.name()))
-            .collect(),
+        packages: packages.iter().map(ReleaseChunk::file).collect(),
         manifest_sha256: manifest_digest.hex(),
         files,
         bytes,
@@ -617,6 +619,40 @@ fn check_paths(a: &PackageRequest, hf_dir: &Path) -> Result<Paths> {
     Ok((hf_sources, parent, name))
 }
 
+/// Refuses a release in which a runtime build would pick, by file presence, a
+/// layout with a function over the Neural Engine layer ceiling (the branch
+/// picks `merged_full` before anything else), unless
+/// `--allow-over-ceiling`.
+fn check_ceiling(a: &PackageRequest, build: &Build, chunks: &[ReleaseChunk]) -> Result<()> {
+    if a.allow_over_ceiling {
+        return Ok(());
+    }
+    let has = |n: &str| chunks.iter().any(|c| c.name() == n);
+    for rt in Runtime::ALL {
+        let kind = runtime_layout::pick_for(*rt, has);
+        let Some(l) = build.layout(kind).filter(|l| manifest::over_ceiling(l)) else {
+            continue;
+        };
+        let big: Vec<String> = l
+            .chunks
+            .iter()
+            .filter(|c| c.layer_count() > ANE_LAYER_CEILING)
+            .map(|c| format!("{} ({} layers)", c.name, c.layer_count()))
+            .collect();
+        return Err(ReleaseInputError::Option {
+            option: "--layout",
+            message: format!(
+                "{}: {rt_name} would pick the {kind} layout, whose {} exceed the {ANE_LAYER_CEILING} layers one Neural Engine function is known to compile (35 failed on the iPhone 17 Pro); ship --layout app (every layout within the ceiling), or pass --allow-over-ceiling to ship it anyway",
+                a.layout,
+                big.join(", "),
+                rt_name = rt.describe(),
+            ),
+        }
+        .into());
+    }
+    Ok(())
+}
+
 /// Every cheap check of `a` against `build`, before gigabytes are copied.
 fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
     let chunks = build.release_chunks(a.layout)?;
@@ -645,6 +681,7 @@ fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
         }
         .into());
     }
+    check_ceiling(a, build, &chunks)?;
     let context_length = build.record.settings.ctx;
     check_context_length(&chunks, context_length)?;
     let (audit_errors, audit_warnings) = check_audit(build, &chunks, a)?;
@@ -699,27 +736,37 @@ fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
 
 /// Copies the packages (hashing them in the same read) and `hf_model/` into
 /// `root`, writes the side files there, and checks each package against
-/// build.json; every file of the release so far with its digest, and the
-/// side files' report.
-fn stage_files(
-    a: &PackageRequest,
-    build: &Build,
-    c: &Checked,
-    root: &Path,
-) -> Result<(Vec<(String, FileDigest)>, SideFilesReport)> {
+/// build.json.
+fn stage_files(a: &PackageRequest, build: &Build, c: &Checked, root: &Path) -> Result<Staged> {
     let mut sources = c.inputs.hf_sources.clone();
     let mut dirs = vec![HF_MODEL_DIR.to_string()];
     let mut pkgs = Vec::new();
+    // The blobs no entry the release serves fetches: each package's is
+    // shared in from another package's, so the release holds it once.
+    let planned = planned_shares(a, build)?;
+    let mut held_back: Vec<(PathBuf, String)> = Vec::new();
     for chunk in &c.chunks {
         let n = chunk.name();
-        let pkg = format!("{n}.mlpackage");
-        let (f, d) = package_files(&a.build_dir.join(&pkg), &pkg)?;
+        let pkg = chunk.file();
+        let (mut f, d) = package_files(&a.build_dir.join(format!("{n}.mlpackage")), &pkg)?;
+        if planned.iter().any(|s| s.package == n && !s.stored) {
+            let blob = format!("{pkg}/{}", downloader::PACKAGE_BLOB);
+            let at = f.iter().position(|(_, rel)| *rel == blob).ok_or_else(|| {
+                ReleaseInputError::Build {
+                    path: a
+                        .build_dir
+                        .join(format!("{n}.mlpackage/{}", downloader::PACKAGE_BLOB)),
+                    message: "missing: every package holds its weight blob".into(),
+                }
+            })?;
+            held_back.push(f.remove(at));
+        }
         dirs.push(pkg.clone());
         dirs.extend(d);
         sources.extend(f);
         if a.compiled.mlmodelc {
-            let compiled = format!("{n}.mlmodelc");
-            let (f, d) = package_files(&a.build_dir.join(&compiled), &compiled)?;
+            let compiled = manifest::package_file(n, true);
+            let (f, d) = package_files(&a.build_dir.join(format!("{n}.mlmodelc")), &compiled)?;
             dirs.push(compiled);
             dirs.extend(d);
             sources.extend(f);
@@ -742,6 +789,7 @@ fn stage_files(
         rope_positions: c.inputs.rope_positions,
         model_name: &c.inputs.model_id,
         dest: root,
+        repository: true,
     })?;
     let side_digests: Vec<(String, FileDigest)> = side_files
         .files
@@ -753,9 +801,15 @@ fn stage_files(
         .collect::<Result<_>>()?;
     files.extend(side_digests);
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
+    // The held-back blobs count in their packages' trees as built.
+    let held: Vec<(String, FileDigest)> = held_back
+        .par_iter()
+        .map(|(src, rel)| Ok((rel.clone(), hashing::hash_file(src)?)))
+        .collect::<Result<_>>()?;
+    let all: Vec<(String, FileDigest)> = files.iter().chain(&held).cloned().collect();
     for (n, pkg) in &pkgs {
         let want = build.chunk_record(n).map_or("", |r| r.sha256_tree.as_str());
-        let got = tree_digest(pkg, &files);
+        let got = tree_digest(pkg, &all);
         if !want.is_empty() && want != got {
             bail!(
                 "{}: contents differ from what build.json recorded (sha256_tree {want}, now {got}); the package changed after the build",
@@ -763,7 +817,34 @@ fn stage_files(
             );
         }
     }
-    Ok((files, side_files))
+    Ok(Staged {
+        files,
+        side_files,
+        held,
+        planned,
+    })
+}
+
+/// What `stage_files` wrote.
+struct Staged {
+    /// Every file of the release so far with its digest.
+    files: Vec<(String, FileDigest)>,
+    side_files: SideFilesReport,
+    /// The weight blobs held back (shared in from another package's), by
+    /// the release path they would have, with their digests.
+    held: Vec<(String, FileDigest)>,
+    /// The shares of the entries the release serves.
+    planned: Vec<downloader::PlannedShare>,
+}
+
+/// The shares of the download entries a release of `a.layout` serves.
+fn planned_shares(a: &PackageRequest, build: &Build) -> Result<Vec<downloader::PlannedShare>> {
+    let layouts: Vec<LayoutKind> = build
+        .decode_layouts(a.layout)?
+        .iter()
+        .map(|l| l.kind)
+        .collect();
+    Ok(downloader::shares_of(&layouts))
 }
 
 pub fn package(a: &PackageRequest) -> Result<PackageReport> {
@@ -773,7 +854,12 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     let staging = Staging::new(&c.inputs.parent)?;
     let root = staging.dir.join(&c.inputs.name);
     fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
-    let (mut files, side_files) = stage_files(a, &build, &c, &root)?;
+    let Staged {
+        mut files,
+        side_files,
+        held,
+        planned,
+    } = stage_files(a, &build, &c, &root)?;
     let Checked {
         chunks,
         audit_errors,
@@ -801,6 +887,8 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         compiled: &a.compiled,
     };
     let mut m = Manifest::build(&inputs)?;
+    let all: Vec<(String, FileDigest)> = files.iter().chain(&held).cloned().collect();
+    m.shares = check_shares(&a.build_dir, &m, &planned, &all)?;
     files.push(write_runbook(&root, &m)?);
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     m.list_files(&files, inputs.base_url);
@@ -846,6 +934,68 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         audit_errors,
         audit_warnings,
     })
+}
+
+/// The manifest's share records, each checked against the build: the
+/// blob the app links or copies (`from`'s) must be the package's own byte
+/// for byte, or its prefill would read another program's weights. `files`
+/// are every package file's digest by release path, held-back blobs
+/// included.
+fn check_shares(
+    build_dir: &Path,
+    m: &Manifest,
+    planned: &[downloader::PlannedShare],
+    files: &[(String, FileDigest)],
+) -> Result<Vec<WeightShare>> {
+    let digest = |package: &str| {
+        m.blob_path(package)
+            .and_then(|p| files.iter().find(|(rel, _)| *rel == p))
+            .map(|(_, d)| *d)
+    };
+    let built = |package: &str| {
+        build_dir
+            .join(format!("{package}.mlpackage"))
+            .join(downloader::PACKAGE_BLOB)
+    };
+    let mut out = Vec::new();
+    for s in planned {
+        let (Some(own), Some(src)) = (digest(s.package), digest(s.from)) else {
+            bail!(
+                "{}: the release has no {} or {} to share a weight blob between (the app's {} download needs both)",
+                build_dir.display(),
+                s.package,
+                s.from,
+                s.by.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>().join(", ")
+            );
+        };
+        if own != src {
+            bail!(
+                "{} and {}: the weight blobs differ, but the app's downloader gives {} the blob of {} ({}); rebuild both from one conversion",
+                built(s.package).display(),
+                built(s.from).display(),
+                s.package,
+                s.from,
+                s.by
+                    .iter()
+                    .map(|(c, how)| format!("{c}: {how}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        out.push(WeightShare {
+            package: s.package.into(),
+            from: s.from.into(),
+            by: s
+                .by
+                .iter()
+                .map(|&(client, how)| ShareUse { client, how })
+                .collect(),
+            stored: s.stored,
+            size: own.size,
+            sha256: own.hex(),
+        });
+    }
+    Ok(out)
 }
 
 /// Writes `DEVICE_RUNBOOK.md` into `root`, rendered from the manifest (the

@@ -19,8 +19,7 @@ pub struct RuntimeLayout {
     /// device report).
     pub name: &'static str,
     /// The packages the runtime decodes with, in call order. The three-chunk
-    /// decode starts with four's `chunk1` (same layers and contract as
-    /// `chunk1_3way`, which the runtime never loads).
+    /// decode starts with four's `chunk1` (it has no first package of its own).
     pub decode: Vec<String>,
     /// The packages whose presence (all of them) makes the runtime pick this
     /// layout; empty for the fallback.
@@ -74,6 +73,27 @@ pub fn pick(has: impl Fn(&str) -> bool) -> LayoutKind {
         .map_or(REFERENCE, |l| l.kind)
 }
 
+/// The layout runtime build `rt` picks in a folder where `has(package)`
+/// says which packages exist: the first of its own layouts, in its order,
+/// whose packages are all there (main: three > four; the branch: one > two >
+/// four), ignoring what only the other build loads.
+pub fn pick_for(rt: Runtime, has: impl Fn(&str) -> bool) -> LayoutKind {
+    RUNTIME_LAYOUTS
+        .iter()
+        .filter(|l| l.runtimes.contains(&rt))
+        .find(|l| l.selected_by.iter().all(|p| has(p)))
+        .map_or(REFERENCE, |l| l.kind)
+}
+
+/// The layouts runtime build `rt` loads, in its order, by name.
+pub fn loaded_by(rt: Runtime) -> Vec<&'static str> {
+    RUNTIME_LAYOUTS
+        .iter()
+        .filter(|l| l.runtimes.contains(&rt))
+        .map(|l| l.kind.as_str())
+        .collect()
+}
+
 /// The packages to move out of a folder holding `has(package)` so that the
 /// runtime picks `kind`: every present package that selects a layout the
 /// runtime would try first. Empty when it already picks `kind`.
@@ -122,6 +142,14 @@ mod tests {
         );
         // One of a pair is not enough to select its layout.
         assert_eq!(pick(|p| p == "merged_chunk1"), LayoutKind::Four);
+        // Each build by its own rules: main ignores merged packages, the
+        // branch the three-chunk pair.
+        assert_eq!(pick_for(Runtime::Main, all), LayoutKind::Three);
+        assert_eq!(pick_for(Runtime::Merged, all), LayoutKind::One);
+        assert_eq!(pick_for(Runtime::Main, two), LayoutKind::Four);
+        assert_eq!(pick_for(Runtime::Merged, two), LayoutKind::Two);
+        assert_eq!(loaded_by(Runtime::Main), ["three", "four"]);
+        assert_eq!(loaded_by(Runtime::Merged), ["one", "two", "four"]);
         for kind in [
             LayoutKind::Four,
             LayoutKind::Three,

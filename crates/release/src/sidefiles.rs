@@ -55,6 +55,10 @@ pub struct SideFileSpec {
     /// Gemma 4 checkpoint does).
     pub required: bool,
     pub made_from: MadeFrom,
+    /// Its folder in the app's repository (a release folder), if not the
+    /// root: the app fetches the RoPE tables from `swa/` and saves them at
+    /// the root of its model folder (ModelDownloader.swift).
+    pub repository_dir: Option<&'static str>,
 }
 
 /// How a side file is made.
@@ -91,6 +95,24 @@ pub enum Expected {
 }
 
 impl SideFileSpec {
+    /// Its path in the app's repository (a release folder).
+    pub fn repository_path(&self) -> String {
+        match self.repository_dir {
+            Some(dir) => format!("{dir}/{}", self.name),
+            None => self.name.to_string(),
+        }
+    }
+
+    /// Its path in a folder of the app's repository layout (`repository`)
+    /// or of its model folder's (the name alone).
+    pub fn path_in(&self, repository: bool) -> String {
+        if repository {
+            self.repository_path()
+        } else {
+            self.name.to_string()
+        }
+    }
+
     /// The size `cfg` implies for the file.
     pub fn expected(&self, cfg: &TextConfig) -> Expected {
         match self.made_from {
@@ -152,6 +174,7 @@ const fn tensor(
             optional,
             by_token,
         },
+        repository_dir: None,
     }
 }
 
@@ -161,6 +184,7 @@ const fn scales(name: &'static str, of: &'static str) -> SideFileSpec {
         role: Role::Embedding,
         required: true,
         made_from: MadeFrom::ScalesOf(of),
+        repository_dir: None,
     }
 }
 
@@ -170,6 +194,7 @@ const fn rope(name: &'static str, kind: Attention, wave: Wave) -> SideFileSpec {
         role: Role::Rope,
         required: false,
         made_from: MadeFrom::Rope(kind, wave),
+        repository_dir: Some("swa"),
     }
 }
 
@@ -226,6 +251,7 @@ pub const SIDE_FILES: &[SideFileSpec] = &[
         role: Role::Config,
         required: true,
         made_from: MadeFrom::ModelConfig,
+        repository_dir: None,
     },
 ];
 
@@ -246,6 +272,10 @@ pub struct SideFilesRequest<'a> {
     /// An existing folder (the caller's staging folder); each file appears
     /// under its final name only once complete.
     pub dest: &'a Path,
+    /// Lay the files out as the app's repository (a release folder: RoPE
+    /// tables under `swa/`) instead of its model folder (every file at the
+    /// root).
+    pub repository: bool,
 }
 
 /// One file written.
@@ -391,7 +421,15 @@ pub fn write_side_files(req: &SideFilesRequest) -> Result<SideFilesReport> {
     let mut row_scales: Vec<(&str, Vec<f16>)> = Vec::new();
     for spec in SIDE_FILES {
         let t = Instant::now();
-        let target = req.dest.join(spec.name);
+        let rel = spec.path_in(req.repository);
+        let target = req.dest.join(&rel);
+        if let Some(dir) = target.parent().filter(|d| !d.is_dir()) {
+            fs::create_dir_all(dir).map_err(|source| SideFilesError::Io {
+                path: dir.to_path_buf(),
+                action: "create the folder",
+                source,
+            })?;
+        }
         let bytes = match spec.made_from {
             MadeFrom::Tensor { .. } => {
                 let Some((m, src)) = sources.iter().find(|(m, _)| m.file == spec.name) else {
@@ -423,7 +461,7 @@ pub fn write_side_files(req: &SideFilesRequest) -> Result<SideFilesReport> {
             }
         };
         report.files.push(SideFile {
-            path: PathBuf::from(spec.name),
+            path: PathBuf::from(rel),
             bytes,
             role: spec.role,
             seconds: t.elapsed().as_secs_f64(),
@@ -1813,6 +1851,7 @@ mod tests {
             rope_positions: 20,
             model_name: "tiny",
             dest,
+            repository: false,
         }
     }
 
@@ -1852,6 +1891,26 @@ mod tests {
             npy_header(&[20, 8]).len() as u64 + 20 * 8 * 2
         );
         assert_eq!(report.bytes_read, 4 * (48 + 48 + 64 + 4));
+        // In the app's repository layout the RoPE tables go under swa/, the
+        // same bytes.
+        let dir2 = temp_dir("all-repository");
+        let cfg2 = tiny_config(&dir2);
+        let ck2 = tiny_checkpoint(&dir2, &TABLES);
+        let repo = dir2.join("out");
+        fs::create_dir(&repo).unwrap();
+        let report2 = write_side_files(&SideFilesRequest {
+            repository: true,
+            ..request(&dir2, &cfg2, &ck2, &repo)
+        })
+        .unwrap();
+        for (f, spec) in report2.files.iter().zip(SIDE_FILES) {
+            assert_eq!(f.path.to_str().unwrap(), spec.repository_path());
+            assert_eq!(
+                fs::read(repo.join(&f.path)).unwrap(),
+                fs::read(dest.join(spec.name)).unwrap()
+            );
+        }
+        assert!(repo.join("swa").join(COS_SLIDING).is_file() && !repo.join(COS_SLIDING).exists());
         // Row 0 of the token table is 0.00 .. 0.07: scale fp16(0.07), the last element 127.
         let q = fs::read(dest.join(EMBED_Q8)).unwrap();
         let scales = fs::read(dest.join(EMBED_SCALES)).unwrap();

@@ -300,4 +300,38 @@ pub fn check_manifest(
             ));
         }
     }
+    check_shares(&m, actual, p);
+}
+
+/// The weight blobs the app's downloader links or copies between packages
+/// (the manifest's `shares`): each source must be in the folder with the
+/// package's blob's digest, and so must the package's own where the release
+/// holds it, or prefill reads another program's weights on the phone. Each
+/// problem names both files.
+fn check_shares(m: &Value, actual: &BTreeMap<String, hashing::FileDigest>, p: &mut Vec<String>) {
+    let (shares, mut bad) = manifest::manifest_shares(m);
+    p.append(&mut bad);
+    for s in shares {
+        let mut pairs = vec![(&s.from_blob, "the app links or copies it")];
+        if s.stored {
+            pairs.push((&s.blob, "the release holds it"));
+        }
+        for (path, why) in pairs {
+            match actual.get(path) {
+                None => p.push(format!(
+                    "{} <- {}: the app's downloader gives the first the second's weight blob ({}), and {path} is missing",
+                    s.blob, s.from_blob, s.by
+                )),
+                Some(d) if d.hex() != s.sha256 => p.push(format!(
+                    "{} <- {}: {path} ({why}) has sha256 {}, but the blob the app's downloader shares ({}) must be {}",
+                    s.blob,
+                    s.from_blob,
+                    d.hex(),
+                    s.by,
+                    s.sha256
+                )),
+                Some(_) => {}
+            }
+        }
+    }
 }

@@ -1,0 +1,344 @@
+//! The app's download entries for a Gemma 4 model folder, as data
+//! transcribed from upstream's `ModelDownloader.swift` (the revisions in
+//! [`UPSTREAM`]; the facts are in RUNTIME.md, "The downloader"): which
+//! packages each entry fetches with their weight blob and which without, and
+//! the blobs its `finishDownload` then links or copies from one package into
+//! another. No code is copied.
+//!
+//! A release folder is the repository the app downloads from, so these rows
+//! decide which blobs a release must hold (`package`), which pairs must be
+//! byte-identical (`package`, `verify`) and where a package's blob comes
+//! from when `run` loads it the way the app does.
+
+use chunkforge_model::layouts::{LayoutKind, Runtime, REFERENCE};
+
+/// The upstream revisions the rows were read from: (branch, commit).
+pub const UPSTREAM: &[(&str, &str)] = &[
+    ("main", "72178c6"),
+    ("fix/2chunk-kv-prefill-transfer", "4cd6c6c"),
+];
+
+chunkforge_model::named! {
+    /// A download entry of the app (a `ModelInfo` and its file list).
+    pub enum Client {
+        /// Main, `gemma4-e2b`: the legacy four-chunk entry.
+        Main = "main",
+        /// Main, `gemma4-e2b-3way`: the three-chunk entry (main's default).
+        Main3Way = "main-3way",
+        /// Branch `fix/2chunk-kv-prefill-transfer`, `gemma4-e2b`.
+        Branch = "branch",
+    }
+}
+
+chunkforge_model::named! {
+    /// The app's runtime builds, as `run --runtime` names them.
+    pub enum RuntimeBuild {
+        /// The upstream main branch: chunk1 + chunk2_3way + chunk3_3way when both
+        /// 3-way packages are there, else chunk1..4.
+        Main = "main",
+        /// Branch fix/2chunk-kv-prefill-transfer: merged_full, else merged_chunk1 +
+        /// merged_chunk2, else chunk1..4.
+        Branch = "branch",
+    }
+}
+
+impl RuntimeBuild {
+    pub fn runtime(self) -> Runtime {
+        match self {
+            RuntimeBuild::Main => Runtime::Main,
+            RuntimeBuild::Branch => Runtime::Merged,
+        }
+    }
+}
+
+chunkforge_model::named! {
+    /// How `finishDownload` gives a package another package's blob.
+    pub enum ShareHow {
+        /// A hard link (main; a copy where the file system cannot link).
+        Link = "link",
+        /// A copy (the branch).
+        Copy = "copy",
+    }
+}
+
+/// One download entry.
+#[derive(Debug)]
+pub struct Entry {
+    pub client: Client,
+    /// Its `ModelInfo.id`.
+    pub model_id: &'static str,
+    /// The runtime build that loads what it downloads.
+    pub runtime: Runtime,
+    /// The decode layout it downloads: a release serves the entry when it
+    /// ships this layout.
+    pub layout: LayoutKind,
+    /// Packages it fetches with `weights/weight.bin`, by the name the app
+    /// saves them under (its remote path: `layouts::repository_path`).
+    pub whole: &'static [&'static str],
+    /// Packages it fetches without `weights/` (their blob is shared in).
+    pub meta_only: &'static [&'static str],
+    /// The shares `finishDownload` makes for it: (package, the package
+    /// whose blob it gets). It shares a blob only when the receiving
+    /// package's `coremldata.bin` is there (main) and its blob is not, so a
+    /// share whose source the entry does not fetch does nothing; those are
+    /// left out.
+    pub shares: &'static [(&'static str, &'static str)],
+    pub how: ShareHow,
+}
+
+const FOUR: &[&str] = &["chunk1", "chunk2", "chunk3", "chunk4"];
+const PREFILL: &[&str] = &[
+    "prefill_chunk1",
+    "prefill_chunk2",
+    "prefill_chunk3",
+    "prefill_chunk4",
+];
+const PREFILL_FROM_FOUR: &[(&str, &str)] = &[
+    ("prefill_chunk1", "chunk1"),
+    ("prefill_chunk2", "chunk2"),
+    ("prefill_chunk3", "chunk3"),
+    ("prefill_chunk4", "chunk4"),
+];
+
+/// Every entry that downloads a Gemma 4 E2B folder of the layouts chunkforge
+/// builds.
+pub const ENTRIES: &[Entry] = &[
+    Entry {
+        client: Client::Main,
+        model_id: "gemma4-e2b",
+        runtime: Runtime::Main,
+        layout: REFERENCE,
+        whole: FOUR,
+        meta_only: PREFILL,
+        shares: PREFILL_FROM_FOUR,
+        how: ShareHow::Link,
+    },
+    Entry {
+        client: Client::Main3Way,
+        model_id: "gemma4-e2b-3way",
+        runtime: Runtime::Main,
+        layout: LayoutKind::Three,
+        // chunk2..4 are not fetched: prefill_chunk2/3 come with their own
+        // blobs, prefill_chunk4 takes chunk3_3way's (the same layers).
+        whole: &[
+            "chunk1",
+            "chunk2_3way",
+            "chunk3_3way",
+            "prefill_chunk2",
+            "prefill_chunk3",
+        ],
+        meta_only: &["prefill_chunk1", "prefill_chunk4"],
+        shares: &[
+            ("prefill_chunk1", "chunk1"),
+            ("prefill_chunk4", "chunk3_3way"),
+        ],
+        how: ShareHow::Link,
+    },
+    Entry {
+        client: Client::Branch,
+        model_id: "gemma4-e2b",
+        runtime: Runtime::Merged,
+        layout: REFERENCE,
+        whole: FOUR,
+        meta_only: PREFILL,
+        shares: PREFILL_FROM_FOUR,
+        how: ShareHow::Copy,
+    },
+];
+
+/// The row of `client`.
+pub fn entry(client: Client) -> &'static Entry {
+    ENTRIES
+        .iter()
+        .find(|e| e.client == client)
+        .expect("every client has its row")
+}
+
+/// The entries a release of decode layouts `layouts` serves (the reference
+/// ships with every release).
+pub fn served(layouts: &[LayoutKind]) -> Vec<&'static Entry> {
+    ENTRIES
+        .iter()
+        .filter(|e| e.layout == REFERENCE || layouts.contains(&e.layout))
+        .collect()
+}
+
+/// The entry whose download `runtime` runs `decode` from: main decodes the
+/// three-chunk layout from the 3-way entry's folder and the others from the
+/// legacy entry's; the branch has one entry.
+pub fn entry_for(runtime: Runtime, decode: LayoutKind) -> &'static Entry {
+    entry(match (runtime, decode) {
+        (Runtime::Main, LayoutKind::Three) => Client::Main3Way,
+        (Runtime::Main, _) => Client::Main,
+        (Runtime::Merged, _) => Client::Branch,
+    })
+}
+
+impl Entry {
+    /// The package whose blob `package` holds after this entry's download:
+    /// a share's source when it is fetched without `weights/`, else its own.
+    pub fn blob_of<'a>(&self, package: &'a str) -> &'a str {
+        if self.meta_only.contains(&package) {
+            if let Some((_, from)) = self.shares.iter().find(|(p, _)| *p == package) {
+                return from;
+            }
+        }
+        package
+    }
+}
+
+/// A share a release must hold good: `package` gets `from`'s blob in the
+/// download of every entry in `by`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannedShare {
+    pub package: &'static str,
+    pub from: &'static str,
+    pub by: Vec<(Client, ShareHow)>,
+    /// Some entry the release serves fetches the package with its blob, so
+    /// the release holds it; otherwise only its sources do.
+    pub stored: bool,
+}
+
+/// The shares of a release of decode layouts `layouts`, in entry order.
+pub fn shares_of(layouts: &[LayoutKind]) -> Vec<PlannedShare> {
+    let entries = served(layouts);
+    let mut out: Vec<PlannedShare> = Vec::new();
+    for e in &entries {
+        for &(package, from) in e.shares {
+            match out
+                .iter_mut()
+                .find(|s| (s.package, s.from) == (package, from))
+            {
+                Some(s) => s.by.push((e.client, e.how)),
+                None => out.push(PlannedShare {
+                    package,
+                    from,
+                    by: vec![(e.client, e.how)],
+                    stored: entries.iter().any(|x| x.whole.contains(&package)),
+                }),
+            }
+        }
+    }
+    out
+}
+
+/// The weight blob inside a package folder, by its kind: an `.mlpackage`
+/// keeps it under `Data/com.apple.CoreML/`, a compiled `.mlmodelc` (what the
+/// app fetches) at `weights/weight.bin`.
+pub fn blob_in(package_dir: &str) -> &'static str {
+    if package_dir.ends_with(".mlmodelc") {
+        COMPILED_BLOB
+    } else {
+        PACKAGE_BLOB
+    }
+}
+
+pub const PACKAGE_BLOB: &str = "Data/com.apple.CoreML/weights/weight.bin";
+pub const COMPILED_BLOB: &str = "weights/weight.bin";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chunkforge_model::layouts::{kind_of_package, spec, SpansRule, LAYOUTS};
+
+    /// The reference chunks a package's layers span (a group of `Groups`
+    /// rows, one chunk of the reference).
+    fn group(name: &str) -> (usize, usize) {
+        let l = LAYOUTS
+            .iter()
+            .find(|l| {
+                l.decode_packages().contains(&name.to_string())
+                    || l.package_names().contains(&name.to_string())
+            })
+            .unwrap_or_else(|| panic!("{name} is no package of the layout table"));
+        let names = match l.spans.count() {
+            Some(n) => l.names_for(&vec![(0, 0); n], 1),
+            None => Vec::new(),
+        };
+        let i = names.iter().position(|n| n == name).unwrap();
+        match l.spans {
+            SpansRule::Groups(g) => g[i],
+            _ if l.kind == REFERENCE => (i, i),
+            _ => panic!("{name}: not a tiling of the reference"),
+        }
+    }
+
+    #[test]
+    fn every_entry_finds_every_blob_it_loads() {
+        for e in ENTRIES {
+            for p in e.whole.iter().chain(e.meta_only) {
+                assert!(kind_of_package(p).is_some(), "{}: {p}", e.client);
+            }
+            // A package fetched without its blob gets exactly one, from a
+            // package the entry fetches whole, of the same layers.
+            for p in e.meta_only {
+                let from: Vec<_> = e.shares.iter().filter(|(to, _)| to == p).collect();
+                assert_eq!(from.len(), 1, "{}: {p}", e.client);
+                let (_, src) = from[0];
+                assert!(e.whole.contains(src), "{}: {src}", e.client);
+                assert_eq!(group(p), group(src), "{}: {p} <- {src}", e.client);
+                assert_eq!(e.blob_of(p), *src);
+            }
+            for (p, _) in e.shares {
+                assert!(e.meta_only.contains(p), "{}: {p}", e.client);
+            }
+            // It fetches every package its layout decodes with and every
+            // prefill package.
+            for p in spec(e.layout)
+                .decode_packages()
+                .iter()
+                .chain(&spec(LayoutKind::Prefill).package_names())
+            {
+                assert!(
+                    e.whole.contains(&p.as_str()) || e.meta_only.contains(&p.as_str()),
+                    "{}: {p}",
+                    e.client
+                );
+            }
+            assert!(spec(e.layout).runtimes().contains(&e.runtime));
+        }
+        // A release without the three-chunk layout holds no prefill blob;
+        // with it, prefill_chunk2/3's (the 3-way entry fetches them), and
+        // prefill_chunk4 takes chunk3_3way's there, chunk4's elsewhere.
+        let shares = shares_of(&[LayoutKind::Four, LayoutKind::Two]);
+        assert_eq!(shares.len(), 4);
+        assert!(shares.iter().all(|s| !s.stored && s.by.len() == 2));
+        let shares = shares_of(&[LayoutKind::Four, LayoutKind::Three]);
+        let stored: Vec<_> = shares
+            .iter()
+            .filter(|s| s.stored)
+            .map(|s| s.package)
+            .collect();
+        assert_eq!(stored, ["prefill_chunk2", "prefill_chunk3"]);
+        let four: Vec<_> = shares
+            .iter()
+            .filter(|s| s.package == "prefill_chunk4")
+            .map(|s| (s.from, s.by.clone()))
+            .collect();
+        assert_eq!(
+            four,
+            [
+                (
+                    "chunk4",
+                    vec![
+                        (Client::Main, ShareHow::Link),
+                        (Client::Branch, ShareHow::Copy)
+                    ]
+                ),
+                ("chunk3_3way", vec![(Client::Main3Way, ShareHow::Link)])
+            ]
+        );
+        assert_eq!(served(&[LayoutKind::Two]).len(), 2);
+        assert_eq!(served(&[LayoutKind::Three]).len(), 3);
+        assert_eq!(
+            entry_for(Runtime::Main, LayoutKind::Three).client,
+            Client::Main3Way
+        );
+        assert_eq!(
+            entry_for(Runtime::Merged, LayoutKind::One).how,
+            ShareHow::Copy
+        );
+        assert_eq!(blob_in("prefill/chunk1.mlmodelc"), "weights/weight.bin");
+        assert_eq!(blob_in("prefill/chunk1.mlpackage"), PACKAGE_BLOB);
+    }
+}
