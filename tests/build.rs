@@ -150,7 +150,6 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
             "prefill_chunk3",
             "chunk4",
             "prefill_chunk4",
-            "chunk1_3way",
             "chunk2_3way",
             "chunk3_3way",
             "merged_chunk1",
@@ -329,7 +328,7 @@ fn cut_pass_pipeline_gives_byte_identical_packages() {
     assert_eq!(b["settings"]["pass_pipeline"], "coremltools");
     assert_eq!(a["settings"]["compose"], false);
     let (pa, pb) = (package_trees(&a), package_trees(&b));
-    assert_eq!(pa.len(), 14);
+    assert_eq!(pa.len(), 13);
     for ((name, _), (other, _)) in pa.iter().zip(&pb) {
         assert_eq!(name, other);
         let spec = |dir: &Path| {
@@ -405,7 +404,6 @@ fn composed_build_converts_only_the_four_chunk_programs() {
                 .map(|v| v.as_str().unwrap())
                 .collect();
             let want: &[&str] = match c["name"].as_str().unwrap() {
-                "chunk1_3way" => &["chunk1"],
                 "chunk2_3way" => &["chunk2", "chunk3"],
                 "chunk3_3way" => &["chunk4"],
                 "merged_chunk1" => &["chunk1", "chunk2"],
@@ -418,7 +416,7 @@ fn composed_build_converts_only_the_four_chunk_programs() {
             assert!(c["seconds"].get("convert").is_none());
         }
     }
-    assert_eq!(n, 6);
+    assert_eq!(n, 5);
 }
 
 #[test]
