@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from .contract import ChunkPlan, Dims, FunctionKind, ParityLayout, ProgramRecord, ProgramSummary
+from .emulate import SCALAR_DROPPED_AT_ONE
 from .inspect_pkg import const_key
 from .mil_chunk import ProgramChunk
 from .mil_interp import Interpreter
@@ -116,6 +117,10 @@ class Lookup:
 
     def find(self, name: str) -> Any:
         key = name.replace(".", "_")
+        if key not in self.found and key.endswith(SCALAR_DROPPED_AT_ONE):
+            # coremltools removes a multiplication by 1.0 (noop_elimination),
+            # and its const with it: the package multiplies by 1.
+            return torch.ones(self.shapes[name])
         if key not in self.found:
             raise ChunkforgeError(
                 f"{self.where} holds no weight {key} (built from a different plan, or by an older chunkforge?)"
