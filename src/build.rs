@@ -14,7 +14,6 @@ use crate::hashing;
 use crate::layouts::{spec, Purpose, REFERENCE};
 use crate::plan::{ChunkPlan, FunctionKind, Functions, LayoutKind, Mode, Plan};
 use crate::progress::{self, BuildProgress};
-use crate::publish::OutputLock;
 use crate::py::calls::{self, CheckpointFiles, ChunkJob, ComposeJob, WeightCache};
 use crate::py::env as pyenv;
 use crate::py::worker::{self, BundleRequest, Stage, Task, TaskReply, Worker};
@@ -23,6 +22,7 @@ use crate::records::{
     ChunkStats, ConversionSettings, FunctionRecord, Seconds, ToolVersions, BUILD_FORMAT,
 };
 use crate::settings::BuildSettings;
+use crate::staging::OutputLock;
 use crate::staging::{self, Staging};
 
 /// The phase the bundle of a multifunction package is timed under.

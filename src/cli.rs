@@ -7,6 +7,7 @@ use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 
 use crate::args;
+use crate::bench::device_report::Level;
 use crate::downloader::RuntimeBuild;
 use crate::fixture::{AttentionSharpness, Shape};
 use crate::layouts::{Choice, Mode, ReleaseLayout, RunLayout};
@@ -177,7 +178,7 @@ pub enum Cmd {
     Verify(VerifyCmd),
     /// Turn device bench logs (the runtime's [Load], [ComputePlan], [Profile] lines) into a
     /// verdict per decode layout, by the release's DEVICE_RUNBOOK.md.
-    DeviceReport(crate::commands::device_report::DeviceReportCmd),
+    DeviceReport(DeviceReportCmd),
     /// Serve a build's conversion tasks on stdin (started by `build --jobs`).
     #[command(hide = true)]
     ConvertWorker,
@@ -658,6 +659,23 @@ pub struct ExecCmd {
     /// Print {"function", "ops", "inputs", "outputs", ...} as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `chunkforge device-report`.
+#[derive(Args, Clone, Debug)]
+pub struct DeviceReportCmd {
+    /// Device logs, one file per run (one launch of the app), each optionally
+    /// labelled with the layout it was meant to run: LAYOUT=FILE (four, three,
+    /// two, one), e.g. two=two-1.log.
+    #[arg(required = true, value_name = "LOG")]
+    pub logs: Vec<String>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Exit 1 unless every layout with a target reaches this verdict, with
+    /// no error finding and no unparsed runtime line.
+    #[arg(long, value_parser = named::<Level>())]
+    pub require: Option<Level>,
 }
 
 /// `chunkforge verify`.

@@ -16,10 +16,10 @@ use crate::parity;
 #[cfg(feature = "test-hooks")]
 use crate::parity::Sabotage;
 use crate::plan::{self, Mode};
-use crate::publish::OnLocked;
 use crate::records::{
     BuildRecord, BuildRequest, ConversionSettings, PackageWriter, Palettizer, Switch,
 };
+use crate::staging::OnLocked;
 
 /// Whether a unit's functions are converted together (`joint.convert_jobs`):
 /// `on` (the default) or `off` (one conversion per function, the reference:

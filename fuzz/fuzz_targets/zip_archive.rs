@@ -13,7 +13,7 @@
 
 use std::io::{Cursor, Read};
 
-use chunkforge_release::{archive, manifest, zipwalk};
+use chunkforge_release::{archive, paths, zipwalk};
 use libfuzzer_sys::arbitrary::{Arbitrary, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use sha2::{Digest, Sha256};
@@ -41,7 +41,7 @@ fn zip_files(bytes: &[u8]) -> Option<(Vec<u8>, bool)> {
         )
         .ok()?;
         std::io::Write::write_all(&mut z, data).ok()?;
-        safe &= manifest::check_rel_path(name).is_ok() && !name.ends_with('/');
+        safe &= paths::check_rel_path(name).is_ok() && !name.ends_with('/');
         safe &= names.insert(name.clone());
     }
     Some((z.finish().ok()?.into_inner(), safe))

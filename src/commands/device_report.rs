@@ -2,28 +2,10 @@
 //! into a verdict per decode layout, by DEVICE_RUNBOOK.md's rules.
 
 use anyhow::Result;
-use clap::Args;
 
 use super::ExitStatus;
-use crate::cli::named;
-use chunkforge_release::device_report::{read_logs, report, Level};
-
-/// `chunkforge device-report`.
-#[derive(Args, Clone, Debug)]
-pub struct DeviceReportCmd {
-    /// Device logs, one file per run (one launch of the app), each optionally
-    /// labelled with the layout it was meant to run: LAYOUT=FILE (four, three,
-    /// two, one), e.g. two=two-1.log.
-    #[arg(required = true, value_name = "LOG")]
-    pub logs: Vec<String>,
-    /// Print the report as JSON.
-    #[arg(long)]
-    pub json: bool,
-    /// Exit 1 unless every layout with a target reaches this verdict, with
-    /// no error finding and no unparsed runtime line.
-    #[arg(long, value_parser = named::<Level>())]
-    pub require: Option<Level>,
-}
+use crate::cli::DeviceReportCmd;
+use chunkforge_release::bench::device_report::{read_logs, report};
 
 /// Exit 0 with the report; 1 when `--require` is not met; 2 when a log
 /// cannot be read.

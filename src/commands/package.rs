@@ -9,11 +9,11 @@ use crate::audit;
 use crate::cli::{PackageCmd, ReleaseArgs};
 use crate::manifest::Build;
 use crate::package::{package, Compiled, PackageReport, PackageRequest};
-use crate::publish::OnLocked;
 use crate::py::env as pyenv;
 use crate::records::{rule_counts_text, AUDIT_FORMAT};
 use crate::sign::SIG_FILE;
-use chunkforge_release::runbook::RUNBOOK_FILE;
+use crate::staging::OnLocked;
+use chunkforge_release::paths::RUNBOOK_FILE;
 
 pub fn run(args: PackageCmd, verbose: bool) -> Result<ExitStatus> {
     let mut request = request(args);

@@ -12,9 +12,9 @@ use crate::checkpoint::Checkpoint;
 use crate::cli::{SideFilesArgs, SideFilesCmd};
 use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
-use crate::publish::{OnLocked, OutputLock};
 use crate::sidefiles::{write_side_files, SideFilesReport, SideFilesRequest};
 use crate::staging::{self, Staging};
+use crate::staging::{OnLocked, OutputLock};
 
 /// What a run did, as `--json` prints it (and `bench side-files` reads it).
 #[derive(Debug, Serialize, Deserialize)]

@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 use crate::cache_dir::cache_dir;
 use crate::hashing::hex;
 use crate::progress;
-use crate::publish::{OnLocked, OutputLock};
+use crate::staging::{OnLocked, OutputLock};
 
 /// The pinned Python requirements, compiled in so the stamp always matches the
 /// binary: torch and the CUDA libraries it links, installed without dependency

@@ -16,11 +16,11 @@ pub use chunkforge_model::layouts::RunLayout;
 use chunkforge_model::layouts::{spec, Runtime, REFERENCE};
 use chunkforge_model::plan::{self, FunctionKind, Functions, Layout, LayoutKind, Mode, SlotCopy};
 
+use crate::bench::runtime_layout;
 use crate::downloader;
 use crate::hashing;
 use crate::manifest::{self, Manifest, MANIFEST_FILE};
-use crate::package::{HF_MODEL_DIR, TOKENIZER_FILE};
-use crate::runtime_layout;
+use crate::paths::{HF_MODEL_DIR, TOKENIZER_FILE};
 use crate::sidefiles::{self, Expected, ModelConfig, SIDE_FILES};
 use crate::sign::SIG_FILE;
 use crate::strict_json;

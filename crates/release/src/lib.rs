@@ -6,18 +6,15 @@
 //! this crate and the model crate.
 
 pub mod archive;
-pub mod bench_targets;
-pub mod device_log;
-pub mod device_report;
+pub mod bench;
 pub mod downloader;
 pub mod folder;
 pub mod hashing;
 pub mod keykind;
 pub mod manifest;
 pub mod package;
+pub mod paths;
 pub mod publish;
-pub mod runbook;
-pub mod runtime_layout;
 pub mod schemas;
 pub mod sidefiles;
 pub mod sign;

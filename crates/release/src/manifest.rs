@@ -29,6 +29,7 @@ use chunkforge_model::records::{
 
 use crate::downloader::{self, Client, ShareHow};
 use crate::hashing::FileDigest;
+use crate::paths::check_rel_path;
 use crate::strict_json;
 
 pub const FORMAT: &str = "chunkforge-release/1";
@@ -253,34 +254,6 @@ impl Build {
     pub fn chunk_record(&self, name: &str) -> Option<&ChunkRecord> {
         self.record.chunk(name)
     }
-}
-
-/// Why a relative path in a manifest, signature or archive is unsafe, if it is.
-pub fn check_rel_path(p: &str) -> Result<(), &'static str> {
-    if p.is_empty() {
-        return Err("is empty");
-    }
-    if p.starts_with('/') {
-        return Err("is absolute");
-    }
-    if p.contains('\\') {
-        return Err("contains a backslash");
-    }
-    if p.contains('\0') {
-        return Err("contains a NUL byte");
-    }
-    let b = p.as_bytes();
-    if b.len() >= 2 && b[1] == b':' && b[0].is_ascii_alphabetic() {
-        return Err("starts with a drive letter");
-    }
-    for c in p.split('/') {
-        match c {
-            ".." => return Err("contains '..'"),
-            "." | "" => return Err("has an empty or '.' component"),
-            _ => {}
-        }
-    }
-    Ok(())
 }
 
 /// A path as a case-insensitive file system compares it: upper- then
@@ -589,10 +562,10 @@ chunkforge_model::named! {
 /// The roles of the file at release path `path`: its package's roles, or
 /// what the side file or `hf_model/` file is for.
 fn file_roles(path: &str, chunks: &[ManifestChunk]) -> Vec<FileRole> {
-    if path.starts_with(&format!("{}/", crate::package::HF_MODEL_DIR)) {
+    if path.starts_with(&format!("{}/", crate::paths::HF_MODEL_DIR)) {
         return vec![FileRole::Tokenizer];
     }
-    if path == crate::runbook::RUNBOOK_FILE {
+    if path == crate::paths::RUNBOOK_FILE {
         return vec![FileRole::Docs];
     }
     let package = chunks.iter().find(|c| {
@@ -1192,31 +1165,6 @@ pub fn manifest_shares(m: &Value) -> (Vec<ShareCheck>, Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn unsafe_paths() {
-        for bad in [
-            "",
-            "/etc/passwd",
-            "a/../b",
-            "..",
-            "a//b",
-            "./a",
-            "a\\b",
-            "C:x",
-        ] {
-            assert!(check_rel_path(bad).is_err(), "{bad}");
-        }
-        for good in [
-            "a",
-            "a/b.c",
-            "merged_full.mlpackage/Manifest.json",
-            "..a",
-            "a..",
-        ] {
-            assert!(check_rel_path(good).is_ok(), "{good}");
-        }
-    }
 
     #[test]
     fn case_insensitive_collisions() {

@@ -20,6 +20,8 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use crate::archive;
+use crate::bench::runbook::{self, RunbookFacts};
+use crate::bench::runtime_layout;
 use crate::downloader;
 use crate::hashing::{self, FileDigest};
 pub use crate::manifest::Compiled;
@@ -27,12 +29,11 @@ use crate::manifest::{
     self, Build, Manifest, ManifestInputs, PredicateSummary, ReleaseChunk, ReleaseInputError,
     ShareUse, WeightShare, MANIFEST_FILE,
 };
-use crate::publish::{OnLocked, OutputLock};
-use crate::runbook::{self, RunbookFacts, RUNBOOK_FILE};
-use crate::runtime_layout;
+use crate::paths::{HF_MODEL_DIR, HF_MODEL_FILES, RUNBOOK_FILE, TOKENIZER_FILE};
 use crate::sidefiles::{self, SideFilesReport, SideFilesRequest};
 use crate::sign::{self, SIG_FILE};
 use crate::staging::Staging;
+use crate::staging::{OnLocked, OutputLock};
 use chunkforge_model::checkpoint::Checkpoint;
 use chunkforge_model::config::TextConfig;
 use chunkforge_model::layouts::{spec, ReleaseLayout, Runtime};
@@ -89,21 +90,6 @@ pub struct PackageReport {
     /// Its warnings there, by rule (shipped: they cost speed only).
     pub audit_warnings: RuleCounts,
 }
-
-/// The checkpoint files `hf_model/` ships when the checkpoint has them (what
-/// swift-transformers' `AutoTokenizer.from(modelFolder:)` reads, and the
-/// config it dispatches on).
-pub const HF_MODEL_FILES: &[&str] = &[
-    "config.json",
-    TOKENIZER_FILE,
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "tokenizer.model",
-    "chat_template.jinja",
-];
-pub const HF_MODEL_DIR: &str = "hf_model";
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// The checkpoint behind a build: its folder (checked to hold the config the
 /// build was made from), config and tensors.

@@ -1,14 +1,21 @@
 //! Crash-safe output: everything is written under a staging folder inside the
 //! output folder and published (see [`crate::publish`]) only when complete,
 //! so a failed or killed run leaves the previous outputs as they were.
+//! [`OutputLock`] keeps two runs from writing one output at the same time.
 
-use std::fs;
+use std::ffi::OsString;
+use std::fs::{self, File, OpenOptions};
 use std::io::Write;
+use std::io::{self, Read, Seek};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use sha2::Digest;
 
-use crate::publish::{self, FileLock, Undone};
+use crate::publish::{self, Undone};
 
 const STAGING_PREFIX: &str = ".chunkforge-staging-";
 
@@ -103,7 +110,7 @@ pub fn install_interrupt_handler(exit_code: i32) {
                 }
             }
         }
-        publish::release_held_locks();
+        release_held_locks();
         eprintln!("\n{}", interrupt_report(&dirs));
         // _exit, not exit: no atexit handlers, so the embedded interpreter (busy
         // on the main thread) is not finalised under its own feet.
@@ -400,4 +407,285 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().ok();
     drop(f);
     fs::rename(&tmp, path).with_context(|| format!("{}: cannot move into place", path.display()))
+}
+
+// Output locks.
+
+fn flock(f: &File, op: libc::c_int) -> io::Result<bool> {
+    // SAFETY: flock on a file descriptor this File owns.
+    if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.kind() == io::ErrorKind::WouldBlock {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// An exclusive `flock` on a file, released when dropped or when the process
+/// dies (SIGKILL included), so a lock can never outlive its holder.
+pub struct FileLock(File);
+
+impl FileLock {
+    /// Takes the lock of `path` (created if missing) if it is free.
+    pub fn try_take(path: &Path) -> io::Result<Option<FileLock>> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        Ok(flock(&f, libc::LOCK_EX | libc::LOCK_NB)?.then_some(FileLock(f)))
+    }
+}
+
+/// What a run does when another run holds its output's lock.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnLocked {
+    Wait,
+    /// `--no-wait`.
+    Refuse,
+}
+
+impl OnLocked {
+    /// From a command's `--no-wait` flag.
+    pub fn from_no_wait(no_wait: bool) -> OnLocked {
+        if no_wait {
+            OnLocked::Refuse
+        } else {
+            OnLocked::Wait
+        }
+    }
+}
+
+/// The lock of one output (a build folder, a release folder): a file
+/// `.NAME.chunkforge-lock` beside it (inside a build folder whose parent is
+/// not writable: `.chunkforge-lock`), holding the pid and command line of the
+/// run that holds it (emptied on release, so a non-empty file found free was
+/// left by a run that was killed). A run that created its output and ends
+/// without a result (refused, failed, interrupted) removes the empty output
+/// folder and the lock file with it, so it leaves nothing behind.
+pub struct OutputLock {
+    lock: FileLock,
+    path: PathBuf,
+    /// The output, when this run created it.
+    created: Option<PathBuf>,
+}
+
+/// Whether `f` is the file at `path` (not one removed from it meanwhile).
+fn is_at(f: &File, path: &Path) -> bool {
+    let id = |m: &fs::Metadata| (m.dev(), m.ino());
+    matches!((f.metadata(), fs::metadata(path)), (Ok(a), Ok(b)) if id(&a) == id(&b))
+}
+
+impl OutputLock {
+    /// Takes the lock of `output`, waiting for the run holding it or
+    /// refusing. Creates the folder `output` is in.
+    pub fn take(output: &Path, on_locked: OnLocked) -> Result<OutputLock> {
+        note_output(output);
+        let created = output.symlink_metadata().is_err();
+        let (lock, path) = loop {
+            let (lock, path) = acquire(output, on_locked)?;
+            // A run that removed the lock file (see `release`) leaves its
+            // waiters a lock on a file nobody else sees: take the new one.
+            if is_at(&lock.0, &path) {
+                break (lock, path);
+            }
+        };
+        // Our line is written and the lock registered for the interrupt
+        // handler in one step under HELD: an interrupted run never leaves its
+        // line behind (which the next run would report as killed).
+        let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+        let left = holder_text(&lock.0);
+        let mut me = &lock.0;
+        let args: Vec<String> = std::env::args_os()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let since = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        me.set_len(0)
+            .and_then(|()| me.rewind())
+            .and_then(|()| writeln!(me, "{}\t{since}\t{}", std::process::id(), args.join(" ")))
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+        let created = created.then(|| output.to_path_buf());
+        held.push(Held {
+            path: path.clone(),
+            file: lock.0.try_clone().ok(),
+            created: created.clone(),
+        });
+        drop(held);
+        if !left.is_empty() {
+            eprintln!(
+                "note: {}: the run that held it ({}) ended without releasing it (killed or crashed)",
+                path.display(),
+                describe(&left)
+            );
+        }
+        publish::test_pause("lock");
+        Ok(OutputLock {
+            lock,
+            path,
+            created,
+        })
+    }
+}
+
+/// Takes the lock file of `output` (see [`OutputLock::take`]); returns it and its path.
+fn acquire(output: &Path, on_locked: OnLocked) -> Result<(FileLock, PathBuf)> {
+    let mut path = lock_path(output)?;
+    let mut first = FileLock::try_take(&path);
+    if first.as_ref().is_err_and(|e| {
+        matches!(
+            e.kind(),
+            io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem
+        )
+    }) && output.is_dir()
+    {
+        // A folder we may not write into holds a build folder we may:
+        // the lock goes inside it instead.
+        path = output.join(".chunkforge-lock");
+        first = FileLock::try_take(&path);
+    }
+    let cannot = || format!("{}: cannot create or lock", path.display());
+    let lock = match first.with_context(cannot)? {
+        Some(l) => l,
+        None => {
+            let holder = holder(&path);
+            if on_locked == OnLocked::Refuse {
+                bail!(
+                    "{}: another chunkforge run is writing it ({holder}; lock {}); \
+                     not waiting (--no-wait): run again when it has finished",
+                    output.display(),
+                    path.display()
+                );
+            }
+            eprintln!(
+                "waiting: {} is being written by another chunkforge run ({holder}); \
+                 this run continues when it finishes (Ctrl-C to stop, --no-wait to refuse)",
+                output.display()
+            );
+            let f = OpenOptions::new().read(true).write(true).open(&path);
+            let f = f.with_context(cannot)?;
+            flock(&f, libc::LOCK_EX).with_context(cannot)?;
+            FileLock(f)
+        }
+    };
+    Ok((lock, path))
+}
+
+/// An [`OutputLock`] this process holds, for the interrupt handler.
+struct Held {
+    path: PathBuf,
+    file: Option<File>,
+    created: Option<PathBuf>,
+}
+
+/// The [`OutputLock`]s this process holds.
+static HELD: std::sync::Mutex<Vec<Held>> = std::sync::Mutex::new(Vec::new());
+
+/// Releases a lock as its run ends: empties its file, or removes it together
+/// with the output this run created when that output is an empty folder or
+/// was never made (the run ends without a result). Called with the lock held,
+/// so a run waiting for it sees the file go and takes the next one.
+fn release(path: &Path, file: Option<&File>, created: Option<&Path>) {
+    if let Some(out) = created {
+        if fs::remove_dir(out).is_ok() || out.symlink_metadata().is_err() {
+            let _ = fs::remove_file(path);
+            return;
+        }
+    }
+    // Emptied before the unlock: a released lock names nobody.
+    if let Some(f) = file {
+        let _ = f.set_len(0);
+    }
+}
+
+/// Releases the locks this process holds, as dropping them does: for the
+/// interrupt handler, which exits without running destructors (the locks
+/// themselves go with the process). Call it after the run's staging folders
+/// are removed. No lock is taken after this: a run that takes one at this
+/// moment waits until the process exits rather than write its line into a
+/// lock the process is about to leave.
+pub fn release_held_locks() {
+    let held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    for h in held.iter() {
+        release(&h.path, h.file.as_ref(), h.created.as_deref());
+    }
+    std::mem::forget(held);
+}
+
+impl Drop for OutputLock {
+    fn drop(&mut self) {
+        if let Ok(mut held) = HELD.lock() {
+            held.retain(|h| h.path != self.path);
+        }
+        release(&self.path, Some(&self.lock.0), self.created.as_deref());
+    }
+}
+
+/// `.NAME.chunkforge-lock` in the (canonical) folder holding `output`; beside
+/// rather than inside, since a release folder is itself replaced.
+fn lock_path(output: &Path) -> Result<PathBuf> {
+    let abs = std::path::absolute(output)
+        .with_context(|| format!("{}: cannot resolve", output.display()))?;
+    let (Some(dir), Some(name)) = (abs.parent(), abs.file_name()) else {
+        bail!(
+            "{}: needs a folder name (cannot lock the root)",
+            output.display()
+        );
+    };
+    fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+    let dir = dir
+        .canonicalize()
+        .with_context(|| format!("{}: cannot resolve", dir.display()))?;
+    let mut file = OsString::from(".");
+    // File names have at most 255 bytes; a longer one is named by its digest.
+    if name.len() + 17 <= 255 {
+        file.push(name);
+    } else {
+        let digest = sha2::Sha256::digest(name.as_bytes());
+        file.push(crate::hashing::hex(&digest[..8]));
+    }
+    file.push(".chunkforge-lock");
+    Ok(dir.join(file))
+}
+
+fn holder_text(mut f: &File) -> String {
+    let mut s = String::new();
+    let _ = f.rewind().and_then(|()| f.read_to_string(&mut s));
+    s.trim().to_string()
+}
+
+/// Who holds the lock at `path`, for a message.
+fn holder(path: &Path) -> String {
+    match File::open(path) {
+        Ok(f) => {
+            let text = holder_text(&f);
+            if text.is_empty() {
+                "starting up".into()
+            } else {
+                describe(&text)
+            }
+        }
+        Err(_) => "unknown".into(),
+    }
+}
+
+/// `pid 123, started 40 s ago: chunkforge build ...` from a lock file's line.
+fn describe(line: &str) -> String {
+    let mut f = line.splitn(3, '\t');
+    let (pid, since, cmd) = (f.next(), f.next(), f.next());
+    let age = since.and_then(|s| s.parse::<u64>().ok()).and_then(|s| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()
+            .map(|now| now.as_secs().saturating_sub(s))
+    });
+    match (pid, age, cmd) {
+        (Some(pid), Some(age), Some(cmd)) => format!("pid {pid}, started {age} s ago: {cmd}"),
+        _ => line.to_string(),
+    }
 }

@@ -20,7 +20,8 @@ use serde_json::Value;
 
 use crate::archive;
 use crate::hashing::{self, hex};
-use crate::manifest::{self, check_rel_path, PredicateSummary, MANIFEST_FILE};
+use crate::manifest::{self, PredicateSummary, MANIFEST_FILE};
+use crate::paths::check_rel_path;
 use crate::sign::{self, SIG_FILE};
 use crate::strict_json;
 

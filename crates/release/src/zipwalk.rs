@@ -26,7 +26,7 @@ use std::io::{Read, Seek, SeekFrom};
 
 use sha2::{Digest, Sha256};
 
-use crate::manifest::check_rel_path;
+use crate::paths::check_rel_path;
 
 /// One file entry, decoded and hashed.
 pub struct Entry {

@@ -16,7 +16,7 @@ use std::sync::LazyLock;
 use chunkforge_model::layouts::{LoadLine, LAYOUTS};
 use chunkforge_model::plan::LayoutKind;
 
-use crate::runtime_layout::{profile_tag, Runtime, RUNTIME_LAYOUTS};
+use super::runtime_layout::{profile_tag, Runtime, RUNTIME_LAYOUTS};
 
 /// The tags that mark a line as the runtime's.
 pub const RUNTIME_TAGS: &[&str] = &["[Load]", "[ComputePlan]", "[Profile"];

@@ -1,5 +1,5 @@
 //! `chunkforge device-report`: device bench logs turned into a verdict per
-//! decode layout, by the run book's rules (`bench_targets`).
+//! decode layout, by the run book's rules (`targets`).
 //!
 //! Each log file is one run: the console output of one launch of the app,
 //! from model load to the end of its decode. A file with two `[Load]`
@@ -18,12 +18,12 @@ use serde::Serialize;
 
 use chunkforge_model::plan::LayoutKind;
 
-use crate::bench_targets::{
+use super::device_log::{parse_line, Line, LAYOUT_LINE};
+use super::runtime_layout::{runtime_layout, Runtime, RuntimeLayout, RUNTIME_LAYOUTS};
+use super::targets::{
     self, fmt_number, fmt_percent, placement_checked, tok_target, TokTarget, BENCH_CONTEXT,
     COLD_RUNS, CONTROL, MAX_OFF_NEURAL_ENGINE,
 };
-use crate::device_log::{parse_line, Line, LAYOUT_LINE};
-use crate::runtime_layout::{runtime_layout, Runtime, RuntimeLayout, RUNTIME_LAYOUTS};
 
 pub const FORMAT: &str = "chunkforge-device-report/1";
 
@@ -423,7 +423,7 @@ fn examine(log: &LogInput, c: &mut Collect) -> RunReport {
         } else if runtime_lines == 0 {
             (None, "no runtime lines ([Load], [ComputePlan], [Profile…] at the start of a line): not the console output of a bench run".to_string())
         } else {
-            (None, format!("no `{}` line: save the console from the app's launch on (or the model never finished loading)", crate::device_log::show_template(LAYOUT_LINE)))
+            (None, format!("no `{}` line: save the console from the app's launch on (or the model never finished loading)", super::device_log::show_template(LAYOUT_LINE)))
         };
         exclude(c, &mut run, why.0, why.1);
         return run;
@@ -745,7 +745,7 @@ pub fn report(logs: &[LogInput]) -> Report {
             cold_runs: COLD_RUNS,
             max_off_neural_engine: MAX_OFF_NEURAL_ENGINE,
             control: CONTROL,
-            tok_s: bench_targets::TOK_TARGETS.clone(),
+            tok_s: targets::TOK_TARGETS.clone(),
         },
         runs,
         layouts,
@@ -765,7 +765,7 @@ impl Report {
         if judged.is_empty() {
             missed.push(format!(
                 "no layout with a target was measured ({})",
-                bench_targets::TOK_TARGETS
+                targets::TOK_TARGETS
                     .iter()
                     .map(|t| name_of(t.layout))
                     .collect::<Vec<_>>()

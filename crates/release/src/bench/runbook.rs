@@ -1,7 +1,7 @@
 //! `DEVICE_RUNBOOK.md`: the bench a person runs on the iPhone for this
 //! release, generated from its manifest: the decode layouts it holds, what
 //! to move aside to force each one, the environment, the lines to record,
-//! the runs, the targets (`bench_targets`) and the `chunkforge
+//! the runs, the targets (`targets`) and the `chunkforge
 //! device-report` command that turns the logs into a verdict. The same
 //! manifest gives the same bytes.
 
@@ -11,18 +11,16 @@ use chunkforge_model::layouts::{spec, LoadLine, LAYOUTS, REFERENCE};
 use chunkforge_model::plan::{LayoutKind, ANE_STABLE_LAYERS};
 use chunkforge_model::records::Verdict;
 
-use crate::bench_targets::{
-    fmt_number, fmt_percent, tok_target, BENCH_CONTEXT, COLD_RUNS, CONTROL, MAX_OFF_NEURAL_ENGINE,
-};
-use crate::device_log::{
+use super::device_log::{
     show_template, ANE_COMPILE_FAILED, AUDIT_ALL, AUDIT_SOME, AUDIT_SUMMARY, KV_CONTEXT_LINE,
     LAYOUT_LINE, PROFILE_LINES,
 };
-use crate::device_report::bench_order;
+use super::device_report::bench_order;
+use super::runtime_layout::{move_aside, runtime_layout, Runtime, RuntimeLayout, RUNTIME_LAYOUTS};
+use super::targets::{
+    fmt_number, fmt_percent, tok_target, BENCH_CONTEXT, COLD_RUNS, CONTROL, MAX_OFF_NEURAL_ENGINE,
+};
 use crate::manifest::Manifest;
-use crate::runtime_layout::{move_aside, runtime_layout, Runtime, RuntimeLayout, RUNTIME_LAYOUTS};
-
-pub const RUNBOOK_FILE: &str = "DEVICE_RUNBOOK.md";
 
 /// What the run book needs from a manifest.
 #[derive(Clone, Debug)]
