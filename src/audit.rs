@@ -1,7 +1,7 @@
 //! The static ANE audit of Core ML packages (`chunkforge audit`, and `build`
 //! after it writes its packages): which packages, with which layer kinds,
-//! handed to `chunkforge_py.audit`, and its report read back. The rules and
-//! the op-type table live on the Python side (python/chunkforge_py/audit.py).
+//! handed to `chunkforge_py.mil.audit`, and its report read back. The rules and
+//! the op-type table live on the Python side (python/chunkforge_py/mil/audit.py).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -311,11 +311,11 @@ pub fn summary_line(record: &AuditRecord, packages: usize) -> String {
 }
 
 /// The SHA-256 of the op-type table this chunkforge audits against (the same
-/// bytes Python reads: `python/chunkforge_py/ane_op_types.json`), to tell a
+/// bytes Python reads: `python/chunkforge_py/mil/ane_op_types.json`), to tell a
 /// build.json audit record made against another table.
 pub fn op_table_sha256() -> String {
     use sha2::{Digest, Sha256};
     crate::hashing::hex(&Sha256::digest(include_bytes!(
-        "../python/chunkforge_py/ane_op_types.json"
+        "../python/chunkforge_py/mil/ane_op_types.json"
     )))
 }

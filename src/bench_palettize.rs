@@ -1,4 +1,4 @@
-//! `chunkforge bench palettize`: runs `chunkforge_py.bench_palettize` (the
+//! `chunkforge bench palettize`: runs `chunkforge_py.convert.bench_palettize` (the
 //! Rust kernel and coremltools on the same matrices) and prints the table.
 
 use anyhow::Result;

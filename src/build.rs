@@ -804,7 +804,7 @@ const SOURCES: &str = "sources";
 /// Composition: a decode chunk whose layers the four-chunk layout tiles
 /// exactly (the three-chunk, two-chunk and one-chunk layouts; a `--split`
 /// on four-chunk boundaries) is the four-chunk decode programs back to back,
-/// already converted and optimised; `compose.py` joins them at the MIL level
+/// already converted and optimised; `convert/compose.py` joins them at the MIL level
 /// instead of converting the layers from torch again. The sources are the
 /// four-chunk layout's own decode programs when the build makes it, else
 /// converted for this purpose into staging (`.source-chunkN.mlpackage`,

@@ -152,7 +152,7 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
         /// Print the op types per layer kind found in the packages, in
-        /// python/chunkforge_py/ane_op_types.json's shape (to regenerate and diff that table).
+        /// python/chunkforge_py/mil/ane_op_types.json's shape (to regenerate and diff that table).
         #[arg(long, conflicts_with = "json")]
         print_op_types: bool,
     },
@@ -467,7 +467,7 @@ pub struct BenchBuildCmd {
     pub writer_baseline: bool,
     /// Run the build twice, each in a child process of its own, as given but for the
     /// shortcuts conversions take through coremltools' own code (python/chunkforge_py/
-    /// passes.py `shortcuts`): off (CHUNKFORGE_MIL_SHORTCUTS=off: coremltools' code for
+    /// convert/passes.py `shortcuts`): off (CHUNKFORGE_MIL_SHORTCUTS=off: coremltools' code for
     /// every step) and on (the default); prints them side by side and requires
     /// byte-identical packages.
     #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "writer_baseline", "profile", "pass_pipeline"])]

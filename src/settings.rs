@@ -29,7 +29,7 @@ pub const JOINT_ENV: &str = "CHUNKFORGE_JOINT";
 /// --writer-baseline`).
 pub const WRITER_ENV: &str = "CHUNKFORGE_WRITER";
 /// Whether conversions take chunkforge's shortcuts through coremltools' own
-/// code (python/chunkforge_py/passes.py `shortcuts`): `on` (the default) or
+/// code (python/chunkforge_py/convert/passes.py `shortcuts`): `on` (the default) or
 /// `off` (coremltools' code for every step: `bench build --shortcuts-baseline`).
 pub const SHORTCUTS_ENV: &str = "CHUNKFORGE_MIL_SHORTCUTS";
 

@@ -42,7 +42,7 @@ impl SabotageArgs {
 }
 
 /// One weight of `layer` corrupted in the compared layouts (or, with
-/// `function`, in the verify or prefill modules), as parity.py reads it.
+/// `function`, in the verify or prefill modules), as parity/run.py reads it.
 #[derive(Clone, Debug, Serialize, JsonSchema)]
 pub struct Sabotage {
     #[serde(rename = "corrupt_layer")]

@@ -181,7 +181,7 @@ fn build_all_writes_every_package_and_function_matching_the_plan() {
             assert!(c[key].is_u64(), "{name}.{key}");
         }
         // Composed packages are timed as compose + save (no conversion). A
-        // unit's functions are one conversion (python/chunkforge_py/joint.py):
+        // unit's functions are one conversion (python/chunkforge_py/convert/joint.py):
         // its phases and kernel counts are chunkN's, prefill_chunkN's first
         // function took none of its own, only their bundle.
         let partner = name.starts_with("prefill_");
@@ -314,7 +314,7 @@ fn package_trees(build: &Value) -> Vec<(String, String)> {
 #[test]
 fn cut_pass_pipeline_gives_byte_identical_packages() {
     // The shipped build runs coremltools' default pipeline without the passes
-    // listed in python/chunkforge_py/passes.py (SKIPPED), validating once.
+    // listed in python/chunkforge_py/convert/passes.py (SKIPPED), validating once.
     // Every package of every layout and function, each converted from torch,
     // must come out exactly as coremltools' whole pipeline makes it:
     // model.mlmodel, weights and manifest, byte for byte.
@@ -425,7 +425,7 @@ fn a_package_is_the_same_whichever_mode_builds_it() {
     // functions of joint conversions (chunkN with verify_qK and prefill);
     // `--mode both` from four-chunk decode programs each converted alone,
     // staged and never published. A package depends on the checkpoint, its
-    // layout and the settings only (python/chunkforge_py/mil_names.py): the
+    // layout and the settings only (python/chunkforge_py/mil/names.py): the
     // same bytes, so the same digest and signature.
     let all = built_all();
     let hf = json_file(&all.join("build.json"))["checkpoint"]["dir"]
@@ -474,7 +474,7 @@ fn default_build_is_the_device_proven_formulation_without_audit_findings() {
     // formulation's own kinds are there (projections as conv, RMSNorm as
     // layer_norm, decomposed softmax), today's are not.
     let table = json_file(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("python/chunkforge_py/ane_op_types.json"),
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("python/chunkforge_py/mil/ane_op_types.json"),
     );
     let proven: std::collections::BTreeSet<&str> = table["layer_kinds"]
         .as_object()
@@ -1029,7 +1029,7 @@ fn bench_build_profile_times_every_pass_the_pipeline_runs() {
     // The frontend's and the backend's passes are timed too, and validation.
     row("mil_backend::sanitize_name_strings");
     assert_eq!(row("(validate)")[1], "1", "one validation per program");
-    // A skipped pass (python/chunkforge_py/passes.py SKIPPED) never runs.
+    // A skipped pass (python/chunkforge_py/convert/passes.py SKIPPED) never runs.
     assert!(
         !out.contains("common::fuse_conv_batchnorm"),
         "a skipped pass ran:\n{out}"

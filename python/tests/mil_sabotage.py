@@ -28,7 +28,7 @@ import shutil
 from typing import Any
 
 import numpy as np
-from chunkforge_py.mil_program import MLPackage, tensor_type
+from chunkforge_py.mil.program import MLPackage, tensor_type
 from chunkforge_py.runtime import ChunkforgeError
 
 

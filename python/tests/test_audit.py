@@ -16,10 +16,10 @@ import coremltools as ct
 import numpy as np
 import pytest
 import torch
-from chunkforge_py import audit as A
-from chunkforge_py import convert
 from chunkforge_py.contract import AuditFinding, AuditPackage, ChunkPlan, ConversionSettings, FunctionPlan, LayerKind
+from chunkforge_py.convert import chunks as convert
 from chunkforge_py.fixture import text_config_dict
+from chunkforge_py.mil import audit as A
 from chunkforge_py.model import Chunk
 from chunkforge_py.roles import CACHE, NEW_ROWS
 from chunkforge_py.runtime import ChunkforgeError

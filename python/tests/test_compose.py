@@ -1,4 +1,4 @@
-"""chunkforge_py.compose: merged decode packages spliced from the four-chunk
+"""chunkforge_py.convert.compose: merged decode packages spliced from the four-chunk
 layout's converted ``decode_q1`` programs, run by the MIL interpreter.
 
 Each of the three-, two- and one-chunk layouts' packages is composed from the
@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from chunkforge_py.compose import COMPOSED_FROM, compose, plan_wiring
 from chunkforge_py.contract import ChunkPlan, Layout
-from chunkforge_py.mil_interp import Interpreter
+from chunkforge_py.convert.compose import COMPOSED_FROM, compose, plan_wiring
+from chunkforge_py.mil.interp import Interpreter
 from chunkforge_py.runtime import ChunkforgeError
 from test_mil_interp import random_inputs, shared_build
 

@@ -1,4 +1,4 @@
-"""chunkforge_py.joint: a unit's functions converted together and split.
+"""chunkforge_py.convert.joint: a unit's functions converted together and split.
 
 One unit of the built-in checkpoint (``chunk4`` with ``decode_q1`` and
 ``verify_qK``, ``prefill_chunk4`` with ``prefill_b512``: the head, KV-shared
@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from chunkforge_py import mil_names, mil_write
 from chunkforge_py.contract import ChunkJob, ChunkPlan
-from chunkforge_py.mil_interp import Interpreter
+from chunkforge_py.mil import names as mil_names
+from chunkforge_py.mil import write as mil_write
+from chunkforge_py.mil.interp import Interpreter
 from chunkforge_py.runtime import ChunkforgeError
 from test_mil_interp import one_thread, random_inputs, shared_build  # noqa: F401 (one_thread: autouse)
 
@@ -75,8 +76,8 @@ def jobs(build: dict[str, Any], chunks: list[ChunkPlan], out: Path, tag: str) ->
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from chunkforge_py.joint import convert_jobs
-    from chunkforge_py.palettize import WeightCache
+    from chunkforge_py.convert.joint import convert_jobs
+    from chunkforge_py.convert.palettize import WeightCache
 
     build = shared_build("CHUNKFORGE_TEST_BUILD", "default-all")
     out = tmp_path_factory.mktemp("joint")
@@ -151,7 +152,7 @@ def test_each_function_holds_the_ops_and_interface_of_its_own_conversion(convert
             o.name for op in bb.operations for o in op.outputs if o.name.endswith("_tmp")
         ), name
         # No name keeps a function's prefix.
-        from chunkforge_py.joint import all_ops
+        from chunkforge_py.convert.joint import all_ops
 
         names = [o.name for op in ba.operations for o in op.outputs] + [i.name for i in fa.inputs]
         names += [op.attributes["name"].immediateValue.tensor.strings.values[0] for op in all_ops(ba)]
@@ -169,7 +170,7 @@ def test_each_function_holds_the_ops_and_interface_of_its_own_conversion(convert
 
 
 def test_stats_and_bundles_match_the_conversions_one_by_one(converted: dict[str, Any], tmp_path: Path) -> None:
-    from chunkforge_py.convert import combine
+    from chunkforge_py.convert.chunks import combine
 
     joint, alone = converted["replies"]["joint"], converted["replies"]["alone"]
     for ja, jb in zip(joint, alone, strict=True):
@@ -208,7 +209,7 @@ def test_progress_names_the_unit_once(converted: dict[str, Any]) -> None:
 
 
 def test_chunks_of_different_layers_are_refused(tmp_path: Path) -> None:
-    from chunkforge_py.joint import convert_jobs
+    from chunkforge_py.convert.joint import convert_jobs
 
     build = shared_build("CHUNKFORGE_TEST_BUILD", "default-all")
     a = jobs(build, unit(build, "chunk3"), tmp_path, "x")[0]

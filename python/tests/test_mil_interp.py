@@ -1,4 +1,4 @@
-"""The MIL interpreter (chunkforge_py.mil_interp) against torch, op by op, and
+"""The MIL interpreter (chunkforge_py.mil.interp) against torch, op by op, and
 against the torch modules a build came from; the sabotage helpers against
 weight read-back.
 
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from chunkforge_py.mil_interp import Interpreter
-from chunkforge_py.mil_program import BlobFile, TensorType
+from chunkforge_py.mil.interp import Interpreter
+from chunkforge_py.mil.program import BlobFile, TensorType
 from chunkforge_py.runtime import ChunkforgeError
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
@@ -572,8 +572,9 @@ def test_lut_to_dense_matches_coremltools(tmp_path: Path, monkeypatch: pytest.Mo
     dequantized, against coremltools' own loader and decompression; with
     ``lazy``, every weight made when a step reads it and never kept
     (`weights.Lazy`), as at real size."""
-    from chunkforge_py import mil_interp, weights
-    from chunkforge_py.inspect_pkg import read_package
+    from chunkforge_py import weights
+    from chunkforge_py.mil import interp as mil_interp
+    from chunkforge_py.mil.inspect import read_package
 
     if lazy:
         monkeypatch.setattr(mil_interp, "LAZY_ELEMENTS", 1)
@@ -775,7 +776,7 @@ def module_outputs(
     build: dict[str, Any], chunk: Any, function: Any, package: str, inputs: dict[str, np.ndarray]
 ) -> Any:
     """What the torch module of ``function``, with the package's weights read back, computes."""
-    from chunkforge_py.emulate import Package, module_from_package
+    from chunkforge_py.emulate.release import Package, module_from_package
 
     module = module_from_package(build["dims"], chunk, function, Package(package))
     with torch.no_grad():
@@ -847,9 +848,9 @@ def test_four_chunk_decode_matches_read_back_modules(build: dict[str, Any]) -> N
     """16 decode steps of chunk1..4 through the runtime emulation: the packages
     run by the interpreter (fp32 and fp16 arithmetic) against the torch modules
     with the packages' weights."""
-    from chunkforge_py.emulate import Package, module_from_package
-    from chunkforge_py.mil_chunk import ProgramChunk
-    from chunkforge_py.stepper import LayoutRunner, function_of
+    from chunkforge_py.emulate.release import Package, module_from_package
+    from chunkforge_py.emulate.stepper import LayoutRunner, function_of
+    from chunkforge_py.mil.chunk import ProgramChunk
 
     dims, four = build["dims"], layout(build, "four")
     gen = torch.Generator().manual_seed(0)
@@ -928,7 +929,7 @@ def test_sabotage_changes_what_the_package_computes_not_what_read_back_sees(
     base = fn.run(inputs)
     _, base_module = module_outputs(build, chunk, function, str(src), inputs)
     base_state = base_module.state_dict()
-    from chunkforge_py.inspect_pkg import const_key
+    from chunkforge_py.mil.inspect import const_key
 
     # The weights' program names (coremltools adds suffixes: _to_fp16, _palettized).
     by_key = {const_key(n): n for n in fn.consts}
@@ -973,8 +974,8 @@ def test_tracing_in_fp32_converts_to_the_program_an_fp16_trace_gives(build: dict
     For both, the interpreter's outputs must be bit-identical. (In the
     bundled chunk1 package, where duplicate constants share one blob, the
     weights are byte-identical too.)"""
-    from chunkforge_py import convert
     from chunkforge_py.contract import ConversionSettings
+    from chunkforge_py.convert import chunks as convert
     from chunkforge_py.model import build_chunk
     from coremltools.proto import Model_pb2
 

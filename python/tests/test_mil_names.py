@@ -1,4 +1,4 @@
-"""chunkforge_py.mil_names: canonical variable and op names.
+"""chunkforge_py.mil.names: canonical variable and op names.
 
 A small program is built twice with coremltools' builder, the same ops under
 other names, and saved without graph passes; canonicalised, the two are the
@@ -20,9 +20,10 @@ from typing import Any
 import coremltools as ct
 import numpy as np
 import pytest
-from chunkforge_py import mil_names, mil_write
-from chunkforge_py.audit import anchor
-from chunkforge_py.mil_interp import Interpreter
+from chunkforge_py.mil import names as mil_names
+from chunkforge_py.mil import write as mil_write
+from chunkforge_py.mil.audit import anchor
+from chunkforge_py.mil.interp import Interpreter
 from coremltools.converters.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 

@@ -1,4 +1,4 @@
-"""chunkforge_py.mil_write and `convert.combine`: bundles written at the
+"""chunkforge_py.mil.write and `convert.combine`: bundles written at the
 protobuf level, weights copied and not loaded, must be the packages coremltools'
 ``save_multifunction`` writes, byte for byte.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chunkforge_py.convert import combine
-from chunkforge_py.mil_write import SPEC_REL, WEIGHTS_REL, op_counts, read_spec, write_package
+from chunkforge_py.convert.chunks import combine
+from chunkforge_py.mil.write import SPEC_REL, WEIGHTS_REL, op_counts, read_spec, write_package
 from chunkforge_py.runtime import ChunkforgeError
 from test_mil_interp import shared_build
 

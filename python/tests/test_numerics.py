@@ -7,9 +7,10 @@ from typing import cast
 
 import pytest
 import torch
-from chunkforge_py import fixture, model, stepper
+from chunkforge_py import fixture, model
 from chunkforge_py.checkpoint import Checkpoint
 from chunkforge_py.contract import Dims
+from chunkforge_py.emulate import stepper
 from chunkforge_py.roles import Key
 from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, Gemma4TextRotaryEmbedding

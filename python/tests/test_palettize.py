@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from chunkforge_py.palettize import read_palettized
+from chunkforge_py.convert.palettize import read_palettized
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("CHUNKFORGE_BIN", ROOT / "target" / "release" / "chunkforge"))

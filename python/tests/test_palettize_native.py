@@ -14,8 +14,8 @@ import pytest
 
 native = pytest.importorskip("chunkforge_native")
 
-from chunkforge_py import bench_palettize, palettize  # noqa: E402
 from chunkforge_py.contract import ConversionSettings, FunctionPlan  # noqa: E402
+from chunkforge_py.convert import bench_palettize, palettize  # noqa: E402
 from chunkforge_py.runtime import ChunkforgeError  # noqa: E402
 
 
@@ -119,7 +119,7 @@ def _one_linear_model(
     """A one-linear torch model (`traced`, else traced here) converted like a
     build converts a chunk: with `cache`, palettized by the kernel inside the
     conversion (the shipped settings, INT4 in groups of 32)."""
-    from chunkforge_py import convert
+    from chunkforge_py.convert import chunks as convert
 
     # A hand-made function: only what `convert` reads.
     function = {
@@ -227,7 +227,7 @@ def test_several_weights_including_one_sharing_another_ones_first_rows(tmp_path,
     # `whole_weight_compression`): each weight is found by its memory, so no
     # group goes alone; the packages are the same.
     import torch
-    from chunkforge_py import convert
+    from chunkforge_py.convert import chunks as convert
 
     a, b, c = weight(64, 48, seed=31), weight(96, 48, seed=32), weight(32, 48, seed=33)
     b[:32] = a[:32]  # b's first group matches a: a's result serves it, then b's own groups go alone
@@ -283,7 +283,7 @@ def test_weights_coremltools_cannot_group_are_errors():
 def test_a_linear_weight_left_unpalettized_is_an_error():
     # What coremltools would hand back if it skipped a well-shaped weight: the
     # same one-linear model converted without palettization.
-    from chunkforge_py import convert
+    from chunkforge_py.convert import chunks as convert
 
     ml = _one_linear_model(weight(64, 16, seed=26))
     with pytest.raises(ChunkforgeError, match=r"t: weight .* \(64, 16\) was not palettized by coremltools"):

@@ -11,7 +11,7 @@ from typing import Any
 import coremltools as ct
 import numpy as np
 import pytest
-from chunkforge_py import passes
+from chunkforge_py.convert import passes
 from coremltools.converters.mil.mil import Builder as mb
 from coremltools.converters.mil.mil import types
 from coremltools.converters.mil.mil.block import Block, Function
@@ -372,7 +372,7 @@ def test_fp16_cast_value_falls_back_to_numpy(case: str) -> None:
 
 
 def test_whole_weight_compression_is_undone_after() -> None:
-    from chunkforge_py import palettize
+    from chunkforge_py.convert import palettize
     from coremltools.converters.mil.frontend import _utils as frontend_utils
     from coremltools.optimize.coreml._quantization_passes import palettize_weights
 

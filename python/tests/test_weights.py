@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from chunkforge_py import mil_ops, mil_program, weights
+from chunkforge_py import weights
 from chunkforge_py.checkpoint import Checkpoint
+from chunkforge_py.mil import ops as mil_ops
+from chunkforge_py.mil import program as mil_program
 from chunkforge_py.model import Projection, load_streamed
 from chunkforge_py.weights import Lazy, Resident
 from safetensors.torch import save_file

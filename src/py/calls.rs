@@ -88,9 +88,9 @@ entry_points! {
     /// What coremltools can and cannot do on this platform.
     Platform = "runtime"."platform_limits"(Nothing ()) -> PlatformLimits;
     /// A package as read from disk (`chunkforge inspect`).
-    Describe = "inspect_pkg"."describe"(Dict PathArg<'a>) -> PackageDescription;
+    Describe = "mil.inspect"."describe"(Dict PathArg<'a>) -> PackageDescription;
     /// One function of a package on the arrays of an .npz (`chunkforge exec`).
-    ExecFunction = "mil_interp"."exec_function"(Dict ExecRequest<'a>) -> ExecResult;
+    ExecFunction = "mil.interp"."exec_function"(Dict ExecRequest<'a>) -> ExecResult;
     /// A random-weight checkpoint (`chunkforge fixture`).
     WriteFixture = "fixture"."write_fixture_json"(Dict crate::fixture::FixtureRequest<'a>)
         -> crate::fixture::FixtureInfo;
@@ -98,25 +98,25 @@ entry_points! {
     FullSizeLayoutOf = "fixture"."full_size_layout_json"(Dict crate::fixture::FullSizeRequest<'a>)
         -> crate::fixture::FullSizeLayout;
     /// The static ANE audit of packages (and the compute plan on macOS).
-    Audit = "audit"."audit"(Dict crate::audit::AuditArgs<'a>) -> crate::audit::AuditReport;
+    Audit = "mil.audit"."audit"(Dict crate::audit::AuditArgs<'a>) -> crate::audit::AuditReport;
     /// The op types per layer kind of packages (`audit --print-op-types`).
-    OpTypes = "audit"."op_types"(Dict crate::audit::AuditArgs<'a>) -> crate::audit::OpTypes;
+    OpTypes = "mil.audit"."op_types"(Dict crate::audit::AuditArgs<'a>) -> crate::audit::OpTypes;
     /// The INT4 kernel against coremltools (`bench palettize`).
-    BenchPalettize = "bench_palettize"."run"(Dict crate::bench_palettize::BenchArgs)
+    BenchPalettize = "convert.bench_palettize"."run"(Dict crate::bench_palettize::BenchArgs)
         -> crate::bench_palettize::BenchReport;
     /// Text from a release folder alone (`chunkforge run`).
-    Emulate = "emulate"."run"(Dict crate::run::RunRequest<'a>) -> crate::run::RunResult;
+    Emulate = "emulate.release"."run"(Dict crate::run::RunRequest<'a>) -> crate::run::RunResult;
     /// The parity checks (`chunkforge parity`).
-    Parity = "parity"."run"(Dict crate::parity::ParityRequest<'a>) -> ParityReport;
+    Parity = "parity.run"."run"(Dict crate::parity::ParityRequest<'a>) -> ParityReport;
     /// The build's palettization cache (`WeightCache::new`).
-    NewWeightCache = "palettize"."WeightCache"(Keywords WeightCacheArgs) -> PyObjectReply;
+    NewWeightCache = "convert.palettize"."WeightCache"(Keywords WeightCacheArgs) -> PyObjectReply;
     /// A task's conversions, together with `joint` (`convert_jobs`).
-    ConvertJobs = "joint"."convert_jobs"(Keywords ConvertJobsArgs<'a>) -> Vec<ConvertedChunk>,
+    ConvertJobs = "convert.joint"."convert_jobs"(Keywords ConvertJobsArgs<'a>) -> Vec<ConvertedChunk>,
         with ["cache", "progress"];
     /// Single-function packages bundled into multifunction ones (`combine`).
-    Combine = "convert"."combine"(Keywords BundleArgs<'a>) -> Bundle;
+    Combine = "convert.chunks"."combine"(Keywords BundleArgs<'a>) -> Bundle;
     /// A decode package composed from four-chunk programs (`compose`).
-    Compose = "compose"."compose_job"(Dict ComposeJob) -> Composed;
+    Compose = "convert.compose"."compose_job"(Dict ComposeJob) -> Composed;
 }
 
 /// One declared entry point as the seam test reads it (`python/tests/seam.json`).

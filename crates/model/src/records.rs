@@ -32,7 +32,7 @@ crate::named! {
 crate::named! {
     /// The MIL pass pipeline `ct.convert` runs: `chunkforge`, coremltools'
     /// default without the passes that cannot change a chunkforge program
-    /// (python/chunkforge_py/passes.py `SKIPPED`; byte-identical packages),
+    /// (python/chunkforge_py/convert/passes.py `SKIPPED`; byte-identical packages),
     /// or `coremltools`, its default pipeline, for comparison.
     pub enum PassPipeline {
         Chunkforge = "chunkforge",
@@ -113,12 +113,12 @@ pub struct ConversionSettings {
     #[serde(default = "default_pass_pipeline")]
     pub pass_pipeline: PassPipeline,
     /// Decode packages of layouts whose chunks the four-chunk layout tiles
-    /// are composed from the four-chunk programs (`compose.py`), not
+    /// are composed from the four-chunk programs (`convert/compose.py`), not
     /// converted again (absent in older records: they were converted).
     #[serde(default)]
     pub compose: bool,
     /// A unit's functions (chunkN's decode and verify, prefill_chunkN's
-    /// prefill) converted together and split (`joint.py`); absent in older
+    /// prefill) converted together and split (`convert/joint.py`); absent in older
     /// records: one conversion per function. The packages differ in op names.
     #[serde(default)]
     pub joint: bool,
@@ -128,7 +128,7 @@ pub struct ConversionSettings {
     #[serde(default = "default_writer", skip_serializing_if = "is_default_writer")]
     pub writer: PackageWriter,
     /// Conversions take chunkforge's shortcuts through coremltools' own code
-    /// (python/chunkforge_py/passes.py `shortcuts`; the same bytes either
+    /// (python/chunkforge_py/convert/passes.py `shortcuts`; the same bytes either
     /// way). Recorded only when off.
     #[serde(default = "on", skip_serializing_if = "is_on")]
     pub mil_shortcuts: bool,
@@ -386,7 +386,7 @@ pub struct ChunkRecord {
     /// Per function: its own program's ops and blob size.
     #[serde(default)]
     pub functions: Vec<FunctionRecord>,
-    /// The four-chunk packages its program was composed from (`compose.py`);
+    /// The four-chunk packages its program was composed from (`convert/compose.py`);
     /// None: converted from torch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub composed_from: Option<Vec<String>>,
@@ -458,7 +458,7 @@ fn one_process() -> usize {
 pub const AUDIT_FORMAT: &str = "chunkforge-audit/2";
 
 /// What a finding of an audit rule weighs for a release (the rules and theirs:
-/// python/chunkforge_py/audit.py `SEVERITY`).
+/// python/chunkforge_py/mil/audit.py `SEVERITY`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Severity {
@@ -616,7 +616,7 @@ pub struct StepRecord {
     pub token: i64,
     pub margin: f64,
     pub ok: bool,
-    /// What a failure here means (`verdicts.py`); reports older than
+    /// What a failure here means (`parity/verdicts.py`); reports older than
     /// verdicts have none, and a failure there fails.
     #[serde(default)]
     pub verdict: Option<Verdict>,
@@ -635,7 +635,7 @@ pub struct OracleRecord {
     pub cos: f64,
     pub margin: f64,
     pub ok: bool,
-    /// What a failure here means (`verdicts.py`); reports older than
+    /// What a failure here means (`parity/verdicts.py`); reports older than
     /// verdicts have none, and a failure there fails.
     #[serde(default)]
     pub verdict: Option<Verdict>,
@@ -690,7 +690,7 @@ pub struct LayoutArtifacts {
     pub top1_agreement: f64,
     pub tokens_match_other_layouts: bool,
     pub ok: bool,
-    /// What a failure here means (`verdicts.py`); reports older than
+    /// What a failure here means (`parity/verdicts.py`); reports older than
     /// verdicts have none, and a failure there fails.
     #[serde(default)]
     pub verdict: Option<Verdict>,
@@ -705,7 +705,7 @@ pub struct FunctionArtifacts {
     pub steps: u64,
     pub tokens_match: bool,
     pub ok: bool,
-    /// What a failure here means (`verdicts.py`); reports older than
+    /// What a failure here means (`parity/verdicts.py`); reports older than
     /// verdicts have none, and a failure there fails.
     #[serde(default)]
     pub verdict: Option<Verdict>,
@@ -799,7 +799,7 @@ pub struct ProgramSummary {
     pub top1_hf: Option<f64>,
     pub gated: bool,
     pub ok: bool,
-    /// What a failure here means (`verdicts.py`); reports older than
+    /// What a failure here means (`parity/verdicts.py`); reports older than
     /// verdicts have none, and a failure there fails.
     #[serde(default)]
     pub verdict: Option<Verdict>,

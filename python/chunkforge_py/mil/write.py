@@ -35,8 +35,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .mil_program import BLOB_HEADER, BLOB_METADATA, BLOB_SENTINEL, parse_spec
-from .runtime import ChunkforgeError
+from ..runtime import ChunkforgeError
+from .program import BLOB_HEADER, BLOB_METADATA, BLOB_SENTINEL, parse_spec
 
 SPEC_REL = os.path.join("Data", "com.apple.CoreML", "model.mlmodel")
 WEIGHTS_REL = os.path.join("Data", "com.apple.CoreML", "weights", "weight.bin")

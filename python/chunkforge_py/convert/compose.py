@@ -13,7 +13,7 @@ byte what coremltools' own loader and serialiser write
 
 Python API::
 
-    from chunkforge_py.compose import compose
+    from chunkforge_py.convert.compose import compose
 
     result = compose(
         [("out/chunk1.mlpackage", chunk1_plan), ("out/chunk2.mlpackage", chunk2_plan)],
@@ -79,8 +79,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from . import mil_names, mil_write
-from .contract import (
+from ..contract import (
     Attention,
     ChunkPlan,
     ChunkStats,
@@ -91,10 +90,12 @@ from .contract import (
     PackageWriter,
     TensorSpec,
 )
-from .inspect_pkg import PROJECTION_OPS
-from .mil_names import defined_names, rename_definitions, rename_names
-from .roles import CACHE, NEW_ROWS, Key, key_of
-from .runtime import ChunkforgeError, package_writer, release_memory, temporaries_beside
+from ..mil import names as mil_names
+from ..mil import write as mil_write
+from ..mil.inspect import PROJECTION_OPS
+from ..mil.names import defined_names, rename_definitions, rename_names
+from ..roles import CACHE, NEW_ROWS, Key, key_of
+from ..runtime import ChunkforgeError, package_writer, release_memory, temporaries_beside
 
 COMPOSED_FROM = "com.github.chunkforge.composed_from"
 # coremltools' metadata keys (version, source, conversion date).
@@ -1064,7 +1065,7 @@ def _write_with_coremltools(c: Composed, seconds: dict[str, float]) -> ChunkStat
     import coremltools as ct
     from coremltools.converters.mil.frontend.milproto import load as milproto_load
 
-    from . import convert as convert_mod
+    from . import chunks as convert_mod
     from . import passes as passes_mod
 
     model, settings = c.model, c.settings

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from .contract import BenchArgs, BenchReport, BenchResult
-from .runtime import ChunkforgeError
+from ..contract import BenchArgs, BenchReport, BenchResult
+from ..runtime import ChunkforgeError
 
 GROUP = 32
 NBITS = 4
@@ -131,7 +131,7 @@ def run_coremltools(weight: np.ndarray, workers: int, kmeans1d: bool) -> tuple[n
         src = os.path.join(tmp, "weight.npy")
         dst = os.path.join(tmp, "result.npz")
         np.save(src, weight)
-        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
         if workers > 1:
             # scikit-learn's OpenMP deadlocks in coremltools' forked workers.
             env["OMP_NUM_THREADS"] = "1"
@@ -141,7 +141,7 @@ def run_coremltools(weight: np.ndarray, workers: int, kmeans1d: bool) -> tuple[n
             env.pop("OMP_NUM_THREADS", None)
         code = (
             "import sys, numpy as np\n"
-            "from chunkforge_py.bench_palettize import _coremltools_in_process\n"
+            "from chunkforge_py.convert.bench_palettize import _coremltools_in_process\n"
             "lut, idx, s = _coremltools_in_process(np.load(sys.argv[1]), int(sys.argv[3]), sys.argv[4] == '1')\n"
             "np.savez(sys.argv[2], lut=lut, indices=idx, seconds=np.array(s))\n"
         )

@@ -3,7 +3,7 @@ computes, with its own weights (coremltools cannot predict on Linux).
 
 Python API::
 
-    from chunkforge_py.mil_interp import Interpreter
+    from chunkforge_py.mil.interp import Interpreter
 
     interp = Interpreter("out/chunk1.mlpackage")   # parses the spec once
     interp.functions                               # ["verify_qK", "decode_q1"]
@@ -52,11 +52,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .contract import ExecRequest, ExecResult
-from .mil_ops import CONSTEXPR, OPS, Impl, OpError
-from .mil_program import FLOATS, MLPackage, TensorType, tensor_type
-from .runtime import ChunkforgeError
-from .weights import Lazy, value_of
+from ..contract import ExecRequest, ExecResult
+from ..runtime import ChunkforgeError
+from ..weights import Lazy, value_of
+from .ops import CONSTEXPR, OPS, Impl, OpError
+from .program import FLOATS, MLPackage, TensorType, tensor_type
 
 # Constants read from a weight file with at least this many values are
 # weights, made when a step reads them (`weights.Lazy`).
@@ -207,7 +207,7 @@ class Function:
         if impl is None:
             raise ChunkforgeError(
                 f"{self.where}: {what}: the interpreter does not implement MIL op {op.type} "
-                "(python/chunkforge_py/mil_ops.py)"
+                "(python/chunkforge_py/mil/ops.py)"
             )
         static: dict[str, Any] = {}
         dynamic: list[tuple[str, int]] = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from .contract import Verdict
+from ..contract import Verdict
 
 ORDER: tuple[Verdict, ...] = ("ok", "inconclusive", "fail")
 

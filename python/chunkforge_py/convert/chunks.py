@@ -20,9 +20,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import mil_names, mil_write, passes
-from .checkpoint import Checkpoint
-from .contract import (
+from ..checkpoint import Checkpoint
+from ..contract import (
     BundleStats,
     CheckpointInfo,
     ChunkJob,
@@ -38,16 +37,19 @@ from .contract import (
     Palettization,
     PalettizeStats,
 )
-from .inspect_pkg import PROJECTION_OPS
-from .model import Chunk, build_chunk
-from .palettize import WeightCache, conversion_pipeline, whole_weight_compression
-from .runtime import (
+from ..mil import names as mil_names
+from ..mil import write as mil_write
+from ..mil.inspect import PROJECTION_OPS
+from ..model import Chunk, build_chunk
+from ..runtime import (
     ChunkforgeError,
     mil_shortcuts,
     release_memory,
     temporaries_beside,
     torch_threads,
 )
+from . import passes
+from .palettize import WeightCache, conversion_pipeline, whole_weight_compression
 
 NP_DTYPES = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32}
 TORCH_DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "int32": torch.int32}

@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any
 
-from .contract import (
+from ..contract import (
     DescribeArgs,
     FunctionDescription,
     IoDescription,
@@ -15,7 +15,7 @@ from .contract import (
     PalettizedConst,
     ProjectionWeight,
 )
-from .mil_program import read_model_spec
+from .program import read_model_spec
 
 # ArrayFeatureType.ArrayDataType values in the Core ML spec.
 ARRAY_DTYPES = {65552: "fp16", 65568: "fp32", 131104: "int32"}

@@ -13,8 +13,8 @@ from typing import Any, get_args
 
 import torch
 
-from .checkpoint import Checkpoint
-from .contract import (
+from ..checkpoint import Checkpoint
+from ..contract import (
     ArtifactRecord,
     ArtifactSummary,
     ChunkPlan,
@@ -33,12 +33,12 @@ from .contract import (
     StepRecord,
     WorstWeight,
 )
-from .model import Projection
-from .parity_programs import Programs, caches_cosine, check_layout, check_prefill, check_verify, cosine
-from .runtime import ChunkforgeError
-from .stepper import Embeddings, LayoutRunner, PrefillRunner
+from ..emulate.stepper import Embeddings, LayoutRunner, PrefillRunner
+from ..model import Projection
+from ..runtime import ChunkforgeError
+from ..weights import value_of
+from .programs import Programs, caches_cosine, check_layout, check_prefill, check_verify, cosine
 from .verdicts import judge, overall
-from .weights import value_of
 
 # Names of decode layouts (contract.py LayoutKind); any other step record is a function's.
 LAYOUT_KINDS = frozenset(get_args(LayoutKind))

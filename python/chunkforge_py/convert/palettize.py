@@ -48,10 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from .contract import Palettization, PalettizeStats
-from .inspect_pkg import PROJECTION_OPS
+from ..contract import Palettization, PalettizeStats
+from ..mil.inspect import PROJECTION_OPS
+from ..runtime import ChunkforgeError
 from .passes import replaced
-from .runtime import ChunkforgeError
 
 # Bump when the kernel's output for the same input could change.
 KERNEL_VERSION = 2
@@ -481,7 +481,7 @@ def read_palettized(path: str) -> list[dict[str, Any]]:
     coremltools: {"name", "lut" (np), "indices" (np), "indices_dtype" (MIL type name)}."""
     from coremltools.converters.mil.mil import types
 
-    from .inspect_pkg import read_package
+    from ..mil.inspect import read_package
 
     _, prog, default = read_package(path)
     out = []

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .contract import PassStat
+from ..contract import PassStat
 
 # pass → why it cannot change a chunkforge program. Removing a pass removes
 # every occurrence of it from the pipeline. A pass that changes any program

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import Checkpoint
+from ..checkpoint import Checkpoint
 
 if TYPE_CHECKING:
-    from .stepper import Embeddings
+    from ..emulate.stepper import Embeddings
 
 # transformers' attention implementations: eager is the oracle's (in fp32);
 # the oracle's noise floor is measured against sdpa attention in fp32 and

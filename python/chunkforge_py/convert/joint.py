@@ -36,14 +36,16 @@ from typing import Any
 
 import torch
 
-from . import compose, mil_names, mil_write
-from .checkpoint import Checkpoint
-from .contract import ChunkJob, ChunkStats, ConvertedChunk, ConvertedFunction, FunctionPlan
-from .convert import _Phases, check_finite, kernel_apart, load_and_convert, save
-from .mil_program import BLOB_HEADER, BLOB_METADATA
-from .model import Functions, build_functions
+from ..checkpoint import Checkpoint
+from ..contract import ChunkJob, ChunkStats, ConvertedChunk, ConvertedFunction, FunctionPlan
+from ..mil import names as mil_names
+from ..mil import write as mil_write
+from ..mil.program import BLOB_HEADER, BLOB_METADATA
+from ..model import Functions, build_functions
+from ..runtime import ChunkforgeError, release_memory, temporaries_beside
+from . import compose
+from .chunks import _Phases, check_finite, kernel_apart, load_and_convert, save
 from .palettize import WeightCache
-from .runtime import ChunkforgeError, release_memory, temporaries_beside
 
 
 def prefix(k: int) -> str:
@@ -70,7 +72,7 @@ def convert_jobs(
     all with ``joint`` (the jobs are of the same layers), else
     `convert.convert_chunk` of each job. Loading and tracing (torch's
     arithmetic: the trace runs the module once) take ``threads`` threads."""
-    from .convert import convert_chunk
+    from .chunks import convert_chunk
 
     with temporaries_beside(jobs[0]["paths"][0]):
         if not joint:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .contract import FunctionPlan
-from .mil_interp import Interpreter
-from .runtime import ChunkforgeError
+from ..contract import FunctionPlan
+from ..runtime import ChunkforgeError
+from .interp import Interpreter
 
 
 class ProgramChunk:

@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .contract import ChunkPlan, Dims, FunctionPlan, RunLayout, RunRequest, RunResult, Speculation
-from .inspect_pkg import const_key, function_descriptions, io, read_package
-from .mil_chunk import ProgramChunk
-from .mil_interp import Interpreter
-from .model import Chunk
-from .roles import ROPE, Key
-from .runtime import ChunkforgeError
+from ..contract import ChunkPlan, Dims, FunctionPlan, RunLayout, RunRequest, RunResult, Speculation
+from ..mil.chunk import ProgramChunk
+from ..mil.inspect import const_key, function_descriptions, io, read_package
+from ..mil.interp import Interpreter
+from ..model import Chunk
+from ..roles import ROPE, Key
+from ..runtime import ChunkforgeError
 from .stepper import Caches, LayoutRunner, PrefillRunner, copy_slots, empty_caches, write_prefill_kv
 from .stepper import function_of as find_function
 

@@ -66,7 +66,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from .contract import (
+from ..contract import (
     AuditArgs,
     AuditFinding,
     AuditLimits,
@@ -81,8 +81,8 @@ from .contract import (
     PackageAudit,
     Severity,
 )
-from .inspect_pkg import LAYER_RE, read_package
-from .runtime import ChunkforgeError
+from ..runtime import ChunkforgeError
+from .inspect import LAYER_RE, read_package
 
 FORMAT = "chunkforge-audit/2"
 # Every rule and the weight of its findings: an error is a pattern that keeps
@@ -699,7 +699,7 @@ def audit(args: AuditArgs) -> AuditReport:
     }
     return {
         "format": FORMAT,
-        "op_table": {"path": "python/chunkforge_py/ane_op_types.json", "sha256": table.sha256},
+        "op_table": {"path": "python/chunkforge_py/mil/ane_op_types.json", "sha256": table.sha256},
         "limits": limits,
         "packages": packages,
         "findings": findings,

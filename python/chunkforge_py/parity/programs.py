@@ -23,16 +23,16 @@ from typing import Any, Literal
 
 import torch
 
-from .contract import ChunkPlan, Dims, FunctionKind, ParityLayout, ProgramRecord, ProgramSummary
-from .emulate import SCALAR_DROPPED_AT_ONE
-from .inspect_pkg import const_key
-from .mil_chunk import ProgramChunk
-from .mil_interp import Interpreter
-from .model import Chunk, load_streamed
-from .runtime import ChunkforgeError
-from .stepper import EmbeddingSource, LayoutRunner, PrefillRunner, function_of
+from ..contract import ChunkPlan, Dims, FunctionKind, ParityLayout, ProgramRecord, ProgramSummary
+from ..emulate.release import SCALAR_DROPPED_AT_ONE
+from ..emulate.stepper import EmbeddingSource, LayoutRunner, PrefillRunner, function_of
+from ..mil.chunk import ProgramChunk
+from ..mil.inspect import const_key
+from ..mil.interp import Interpreter
+from ..model import Chunk, load_streamed
+from ..runtime import ChunkforgeError
+from ..weights import value_of
 from .verdicts import judge
-from .weights import value_of
 
 # (name, fp16 rounding after every op)
 Precision = Literal["fp32", "fp16"]

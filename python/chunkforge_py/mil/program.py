@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .runtime import ChunkforgeError
+from ..runtime import ChunkforgeError
 
 # MIL_pb2.DataType numbers -> our names.
 DATA_TYPES: dict[int, str] = {

@@ -9,10 +9,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .checkpoint import Checkpoint
-from .contract import ChunkPlan, Dims, FunctionKind, FunctionPlan, Layout, ParityLayout, SlotCopy
-from .model import MASK_MIN, Chunk, Tensors, build_chunk
-from .roles import CACHE, CACHE_ROLES, NEW_ROW_ROLES, NEW_ROWS, ROPE, Key, bind, in_order
+from ..checkpoint import Checkpoint
+from ..contract import ChunkPlan, Dims, FunctionKind, FunctionPlan, Layout, ParityLayout, SlotCopy
+from ..model import MASK_MIN, Chunk, Tensors, build_chunk
+from ..roles import CACHE, CACHE_ROLES, NEW_ROW_ROLES, NEW_ROWS, ROPE, Key, bind, in_order
 
 # Each chunk's own caches, by chunk name (the cache tensors of its inputs).
 Caches = dict[str, Tensors]
