@@ -5,7 +5,9 @@
 //! (`py`, `build`, `parity`, `fixture`), the INT4 kernel (`palette`), the
 //! benchmarks and the CLI's commands.
 
-pub use chunkforge_model::{args, checkpoint, config, error, layouts, names, plan, records};
+pub use chunkforge_model::{
+    args, checkpoint, config, error, layouts, names, parity_checks, plan, records,
+};
 pub use chunkforge_release::{
     archive, bench, downloader, folder, hashing, keykind, manifest, package, paths, publish,
     sidefiles, sign, staging, strict_json, verify, zipwalk,

@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod layouts;
 pub mod names;
+pub mod parity_checks;
 pub mod plan;
 pub mod records;
 pub mod strict_json;

@@ -906,49 +906,6 @@ impl ParitySummary {
 }
 
 impl ParityReport {
-    /// Every check that did not hold, named, with its own verdict (as the
-    /// row records it; a row without one, from an older report, fails): one
-    /// row per step of a layout or function, per oracle step, per artifact
-    /// check and per program check.
-    pub fn checks_not_ok(&self) -> Vec<(String, Verdict)> {
-        let judged = |verdict: Option<Verdict>| match verdict {
-            Some(Verdict::Inconclusive) => Verdict::Inconclusive,
-            _ => Verdict::Fail,
-        };
-        let mut out = Vec::new();
-        for (i, r) in self.steps.iter().enumerate().filter(|(_, r)| !r.ok) {
-            out.push((
-                format!("steps[{i}] (layout {}, step {})", r.layout, r.step),
-                judged(r.verdict),
-            ));
-        }
-        for (i, r) in self.oracle.iter().enumerate().filter(|(_, r)| !r.ok) {
-            out.push((
-                format!("oracle[{i}] (layout reference, step {})", r.step),
-                judged(r.verdict),
-            ));
-        }
-        for (name, a) in self.summary.artifacts.iter().flatten() {
-            if !a.ok() {
-                out.push((
-                    format!("the INT4 artifact check of {name}"),
-                    judged(a.verdict()),
-                ));
-            }
-        }
-        for (name, by) in self.summary.programs.iter().flatten() {
-            for (precision, p) in by {
-                if !p.ok {
-                    out.push((
-                        format!("the {precision} program check of {name}"),
-                        judged(p.verdict),
-                    ));
-                }
-            }
-        }
-        out
-    }
-
     /// Every check whose own verdict is a failure, named.
     pub fn failed_checks(&self) -> Vec<String> {
         self.checks_with(Verdict::Fail)

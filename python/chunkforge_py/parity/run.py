@@ -37,8 +37,9 @@ from ..emulate.stepper import Embeddings, LayoutRunner, PrefillRunner
 from ..model import Projection
 from ..runtime import ChunkforgeError
 from ..weights import value_of
+from . import verdicts
 from .programs import Programs, caches_cosine, check_layout, check_prefill, check_verify, cosine
-from .verdicts import judge, overall
+from .verdicts import judge
 
 # Names of decode layouts (contract.py LayoutKind); any other step record is a function's.
 LAYOUT_KINDS = frozenset(get_args(LayoutKind))
@@ -609,15 +610,10 @@ def run(req: ParityRequest) -> ParityReport:
     judge_steps(records, ill, reference, prefill)
     failed_steps = [r for r in records if not r["ok"]]
     failed_oracle = [o for o in oracle if not o["ok"]]
-    verdict = overall(
-        [r["verdict"] for r in records]
-        + [o["verdict"] for o in oracle]
-        + [a["verdict"] for a in artifact_summary.values()]
-        + [p["verdict"] for by in program_summary.values() for p in by.values()]
-    )
     summary: ParitySummary = {
-        "ok": verdict == "ok",
-        "verdict": verdict,
+        # Set below from every check's rows (`verdicts.CHECKS`).
+        "ok": False,
+        "verdict": "fail",
         "steps": steps,
         "decode_steps": steps - prefill,
         "tol_cos": tol,
@@ -651,4 +647,13 @@ def run(req: ParityRequest) -> ParityReport:
         "corrupted_chunk": corrupted,
         "seconds": time.perf_counter() - started,
     }
-    return {"steps": records, "oracle": oracle, "artifacts": artifacts, "programs": program_records, "summary": summary}
+    report: ParityReport = {
+        "steps": records,
+        "oracle": oracle,
+        "artifacts": artifacts,
+        "programs": program_records,
+        "summary": summary,
+    }
+    summary["verdict"] = verdicts.of_report(report)
+    summary["ok"] = summary["verdict"] == "ok"
+    return report

@@ -1,0 +1,515 @@
+//! Parity's checks, one [`Check`] each, in one table ([`CHECKS`]): where a
+//! check's rows sit in the report, each row's name and verdict, its lines of
+//! the printout and what its failure says. `failed_checks`, the run's verdict
+//! and `chunkforge parity`'s output all go through the table, so a check
+//! cannot be left out of one of them. Python's `verdicts.CHECKS` (python/chunkforge_py/parity/verdicts.py) is the same
+//! table on the other side of the seam (the same `field`s); a test on each
+//! side fails when the report holds a verdict no check claims.
+
+use crate::records::{
+    ArtifactSummary, OracleRecord, ParityReport, ProgramSummary, StepRecord, Verdict,
+};
+
+/// The thresholds a run held its checks to, for the printout of a failure
+/// (`chunkforge parity`'s settings).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Thresholds {
+    pub tol_cos: f64,
+    pub tol_cos_int4: f64,
+    pub min_top1_int4: f64,
+    pub max_weight_rel_mse: f64,
+}
+
+impl Thresholds {
+    /// The value of the option `flag` (one of [`Check::thresholds`]).
+    fn value(&self, flag: &str) -> f64 {
+        match flag {
+            "--tol-cos" => self.tol_cos,
+            "--tol-cos-int4" => self.tol_cos_int4,
+            "--min-top1-int4" => self.min_top1_int4,
+            "--max-weight-rel-mse" => self.max_weight_rel_mse,
+            _ => f64::NAN,
+        }
+    }
+
+    /// `--tol-cos-int4 0.85, --min-top1-int4 0.75`: `flags` with their values.
+    fn text(&self, flags: &[&str]) -> String {
+        flags
+            .iter()
+            .map(|f| format!("{f} {}", self.value(f)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// One row of a check: a layout's step, an oracle step, a layout's or a
+/// function's artifact or program check.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    /// How messages name it: `steps[3] (layout two, step 3)`.
+    pub name: String,
+    pub ok: bool,
+    /// As the row records it (`verdicts.py`); rows older than verdicts have none.
+    pub recorded: Option<Verdict>,
+}
+
+impl Row {
+    fn new(name: String, ok: bool, recorded: Option<Verdict>) -> Self {
+        Row { name, ok, recorded }
+    }
+
+    /// What the row says: ok when it held; else inconclusive when it is
+    /// recorded so, and a failure otherwise (a row without a verdict, from
+    /// an older report, fails).
+    pub fn verdict(&self) -> Verdict {
+        match (self.ok, self.recorded) {
+            (true, _) => Verdict::Ok,
+            (false, Some(Verdict::Inconclusive)) => Verdict::Inconclusive,
+            (false, _) => Verdict::Fail,
+        }
+    }
+
+    /// How its line of the printout ends.
+    fn shown(&self) -> &'static str {
+        match self.verdict() {
+            Verdict::Ok => "OK",
+            Verdict::Inconclusive => "INCONCLUSIVE",
+            Verdict::Fail => "FAIL",
+        }
+    }
+}
+
+/// One of parity's checks.
+pub struct Check {
+    /// Its name, as Python's `verdicts.CHECKS` names it.
+    pub name: &'static str,
+    /// Where its verdict-carrying rows sit in the report: object keys from
+    /// the report's root, dot-separated (lists and maps between are walked).
+    pub field: &'static str,
+    /// The options it is held to.
+    pub thresholds: &'static [&'static str],
+    /// Every row, with whether it held and its recorded verdict.
+    pub rows: fn(&ParityReport) -> Vec<Row>,
+    /// Its lines of the printout, one per row.
+    pub lines: fn(&ParityReport, &Thresholds) -> Vec<String>,
+    /// What its failure says after `PARITY FAIL` (nothing when it held).
+    pub failure: fn(&ParityReport, &Thresholds) -> Vec<String>,
+}
+
+/// Every check, in the order the printout and the messages list them.
+pub const CHECKS: [Check; 4] = [LAYOUTS, ORACLE, ARTIFACTS, PROGRAMS];
+
+/// Every decode layout, verify_qK and prefill function against the four-chunk
+/// reference, step by step.
+pub const LAYOUTS: Check = Check {
+    name: "layouts",
+    field: "steps",
+    thresholds: &["--tol-cos"],
+    rows: |r| {
+        let name = |i, s: &StepRecord| format!("steps[{i}] (layout {}, step {})", s.layout, s.step);
+        let at = |(i, s)| Row::new(name(i, s), s.ok, s.verdict);
+        r.steps.iter().enumerate().map(at).collect()
+    },
+    lines: |r, _| {
+        let rows = (LAYOUTS.rows)(r);
+        r.steps
+            .iter()
+            .zip(rows)
+            .map(|(s, row)| step_line(s, &row))
+            .collect()
+    },
+    failure: |r, _| {
+        let summary = &r.summary;
+        let first = summary.first_failure.iter().map(|f| {
+            format!(
+                "first failing step: layout {} step {} (cos {:.6}, token {} vs reference {})",
+                f.layout, f.step, f.cos, f.token, f.ref_token
+            )
+        });
+        let localised = summary.localisation.iter().flatten().map(|(name, loc)| match loc.layer {
+            Some(layer) => format!(
+                "{name}: first divergence at layer {layer} in {} (cos {:.6} vs the reference's hidden state after that layer, step {})",
+                loc.chunk.as_deref().unwrap_or("?"),
+                loc.cos.unwrap_or(f64::NAN),
+                loc.step
+            ),
+            None => format!(
+                "{name}: every layer's hidden state matches the reference at step {}; the divergence is in the final norm / head",
+                loc.step
+            ),
+        });
+        first.chain(localised).collect()
+    },
+};
+
+/// The four-chunk reference against transformers, step by step, with
+/// transformers' noise floor there.
+pub const ORACLE: Check = Check {
+    name: "oracle",
+    field: "oracle",
+    thresholds: &["--tol-cos"],
+    rows: |r| {
+        let name = |i, o: &OracleRecord| format!("oracle[{i}] (layout reference, step {})", o.step);
+        let at = |(i, o)| Row::new(name(i, o), o.ok, o.verdict);
+        r.oracle.iter().enumerate().map(at).collect()
+    },
+    lines: |r, _| {
+        let rows = (ORACLE.rows)(r);
+        r.oracle
+            .iter()
+            .zip(rows)
+            .map(|(o, row)| oracle_line(o, &row))
+            .collect()
+    },
+    failure: |r, _| {
+        r.oracle
+            .iter()
+            .any(|o| !o.ok && !o.ill_conditioned)
+            .then(|| "the four-chunk reference disagrees with transformers at a well-conditioned step (see the `reference vs transformers` lines)".to_string())
+            .into_iter()
+            .collect()
+    },
+};
+
+/// A layout's or function's line at one step.
+fn step_line(s: &StepRecord, row: &Row) -> String {
+    format!(
+        "{:<6} step {:>3}  cos {:.6}  ref {:>6}  token {:>6}  margin {:>7.3}  {}",
+        s.layout,
+        s.step,
+        s.cos,
+        s.ref_token,
+        s.token,
+        s.margin,
+        row.shown()
+    )
+}
+
+/// The reference against transformers at one step, with transformers'
+/// distance from itself there.
+fn oracle_line(o: &OracleRecord, row: &Row) -> String {
+    // transformers against itself (sdpa attention, float64) at this step.
+    let floor = match (o.floor_cos, o.floor_logit) {
+        (Some(c), Some(l)) => format!(
+            "  | itself 1-cos {:.1e} logits ±{l:.1e}{}",
+            1.0 - c,
+            if o.ill_conditioned {
+                " ILL-CONDITIONED"
+            } else {
+                ""
+            }
+        ),
+        _ => String::new(),
+    };
+    format!(
+        "reference vs transformers step {:>3}  cos {:.6}  hf {:>6}  ref {:>6}  margin {:>7.3}{floor}  {}",
+        o.step,
+        o.cos,
+        o.hf_token,
+        o.ref_token,
+        o.margin,
+        row.shown()
+    )
+}
+
+/// `INT4` (or `FP16`, a `--no-quantize` build): the precision of the packages'
+/// weights the artifact checks read back.
+fn precision(r: &ParityReport) -> &str {
+    r.summary.artifacts_precision.as_deref().unwrap_or("INT4")
+}
+
+/// Each decode layout with its packages' weights read back, and verify_qK and
+/// the prefill function with theirs, against the same build's four-chunk decode.
+pub const ARTIFACTS: Check = Check {
+    name: "artifacts",
+    field: "summary.artifacts",
+    thresholds: &["--tol-cos-int4", "--min-top1-int4", "--max-weight-rel-mse"],
+    rows: |r| {
+        let at = |(name, a): (&String, &ArtifactSummary)| Row {
+            name: format!("the INT4 artifact check of {name}"),
+            ok: a.ok(),
+            recorded: a.verdict(),
+        };
+        r.summary.artifacts.iter().flatten().map(at).collect()
+    },
+    lines: |r, _| {
+        let p = precision(r);
+        let rows = (ARTIFACTS.rows)(r);
+        r.summary.artifacts.iter().flatten().zip(rows).map(|((name, s), row)| {
+            let replaced = s.weights_replaced();
+            match s {
+                ArtifactSummary::Function(f) => format!(
+                    // verify_qK / prefill_bN with their packages' weights, against the
+                    // INT4 four-chunk decode of the same build.
+                    "{p} artifacts {name:<6} vs the {p} four-chunk decode: min cos {:.6} over {} steps, tokens match: {}  ({replaced} weights read back)  {}",
+                    f.min_cos,
+                    f.steps,
+                    f.tokens_match,
+                    row.shown()
+                ),
+                ArtifactSummary::Layout(l) => format!(
+                    "{p} artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({replaced} weights read back, worst relative MSE {:.2e} in {})  {}",
+                    l.min_cos,
+                    l.mean_cos,
+                    100.0 * l.top1_agreement,
+                    l.worst_weight.rel_mse,
+                    l.worst_weight.weight.as_deref().unwrap_or("-"),
+                    row.shown()
+                ),
+            }
+        }).collect()
+    },
+    failure: |r, t| {
+        let p = precision(r);
+        let failed = r
+            .summary
+            .artifacts
+            .iter()
+            .flatten()
+            .filter(|(_, s)| !s.ok());
+        failed
+            .map(|(name, s)| match s {
+                ArtifactSummary::Function(_) => format!(
+                    "{p} artifacts of {name} fail: its package's weights do not reproduce the {p} \
+                     four-chunk decode (cos >= {} and the same token at every step)",
+                    t.tol_cos
+                ),
+                ArtifactSummary::Layout(l) => format!(
+                    "{p} artifacts of {name} fail: thresholds {}; tokens match the other layouts' INT4 models: {}",
+                    t.text(ARTIFACTS.thresholds),
+                    l.tokens_match_other_layouts
+                ),
+            })
+            .collect()
+    },
+};
+
+/// Every program check: (layout or function, precision, summary).
+fn programs(r: &ParityReport) -> impl Iterator<Item = (&String, &String, &ProgramSummary)> {
+    let by_layout = r.summary.programs.iter().flatten();
+    by_layout.flat_map(|(name, by)| by.iter().map(move |(p, s)| (name, p, s)))
+}
+
+/// Each package's own program, run by the MIL interpreter, against the
+/// read-back modules (the gate), the fp32 reference and transformers.
+pub const PROGRAMS: Check = Check {
+    name: "programs",
+    field: "summary.programs",
+    thresholds: &["--tol-cos"],
+    rows: |r| {
+        programs(r)
+            .map(|(name, precision, p)| Row {
+                name: format!("the {precision} program check of {name}"),
+                ok: p.ok,
+                recorded: p.verdict,
+            })
+            .collect()
+    },
+    lines: |r, _| {
+        let opt = |v: Option<f64>, pct: bool| match v {
+            Some(v) if pct => format!("{:.1}%", 100.0 * v),
+            Some(v) => format!("{v:.6}"),
+            None => "-".into(),
+        };
+        programs(r).zip((PROGRAMS.rows)(r)).map(|((name, precision, p), row)| {
+            format!(
+                "program {name:<9} {precision}  vs read-back min cos {:.6} tokens match: {}  | vs reference min cos {} top-1 {}  | vs transformers min cos {} top-1 {}  ({} steps)  {}",
+                p.min_cos_readback,
+                p.tokens_match_readback,
+                opt(p.min_cos_reference, false),
+                opt(p.top1_reference, true),
+                opt(p.min_cos_hf, false),
+                opt(p.top1_hf, true),
+                p.steps,
+                if p.gated { row.shown() } else { "(reported)" }
+            )
+        }).collect()
+    },
+    failure: |r, t| {
+        programs(r)
+            .filter(|(_, _, p)| !p.ok)
+            .map(|(name, precision, p)| {
+                format!(
+                    "the {precision} program of {name} fails: the package's own program, run by the \
+                     MIL interpreter, does not compute what its read-back weights do in our modules \
+                     (min cos {:.6} < {}, or a different token): the conversion or the program \
+                     changed the computation",
+                    p.min_cos_readback, t.tol_cos
+                )
+            })
+            .collect()
+    },
+};
+
+impl ParityReport {
+    /// Every row of every check, by check.
+    pub fn check_rows(&self) -> impl Iterator<Item = (&'static Check, Row)> + '_ {
+        CHECKS
+            .iter()
+            .flat_map(move |c| (c.rows)(self).into_iter().map(move |row| (c, row)))
+    }
+
+    /// Every check that did not hold, named, with its own verdict (as the
+    /// row records it; a row without one, from an older report, fails): one
+    /// row per step of a layout or function, per oracle step, per artifact
+    /// check and per program check.
+    pub fn checks_not_ok(&self) -> Vec<(String, Verdict)> {
+        self.check_rows()
+            .filter(|(_, row)| !row.ok)
+            .map(|(_, row)| {
+                let verdict = row.verdict();
+                (row.name, verdict)
+            })
+            .collect()
+    }
+
+    /// The printout of every check, one line per row.
+    pub fn check_lines(&self, thresholds: &Thresholds) -> Vec<String> {
+        CHECKS
+            .iter()
+            .flat_map(|c| (c.lines)(self, thresholds))
+            .collect()
+    }
+
+    /// What every failure says, check by check (after `PARITY FAIL`).
+    pub fn failure_lines(&self, thresholds: &Thresholds) -> Vec<String> {
+        CHECKS
+            .iter()
+            .flat_map(|c| (c.failure)(self, thresholds))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use serde_json::{json, Value};
+
+    use super::*;
+
+    /// The paths (object keys from the root, dot-separated) of every object
+    /// in `schema` that carries a `verdict`.
+    fn verdict_paths(schema: &Value, defs: &Value, path: &str, out: &mut BTreeSet<String>) {
+        let schema = match schema["$ref"].as_str() {
+            Some(r) => &defs[r.trim_start_matches("#/$defs/")],
+            None => schema,
+        };
+        if let Some(props) = schema["properties"].as_object() {
+            if props.contains_key("verdict") {
+                out.insert(path.to_string());
+            }
+            for (key, sub) in props {
+                let at = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                verdict_paths(sub, defs, &at, out);
+            }
+        }
+        for key in ["items", "additionalProperties"] {
+            if schema[key].is_object() {
+                verdict_paths(&schema[key], defs, path, out);
+            }
+        }
+        for key in ["anyOf", "oneOf", "allOf"] {
+            for sub in schema[key].as_array().into_iter().flatten() {
+                verdict_paths(sub, defs, path, out);
+            }
+        }
+    }
+
+    /// A new kind of row with a verdict in the report (a KL check's, say)
+    /// needs its `Check`: otherwise `failed_checks`, the verdict and the
+    /// printout would not see it.
+    #[test]
+    fn every_verdict_in_the_report_belongs_to_one_check() {
+        let schema = serde_json::to_value(schemars::schema_for!(ParityReport)).unwrap();
+        let mut paths = BTreeSet::new();
+        verdict_paths(&schema, &schema["$defs"], "", &mut paths);
+        // The run's own verdict, which the checks add up to.
+        assert!(paths.remove("summary"), "{paths:?}");
+        let fields: Vec<&str> = CHECKS.iter().map(|c| c.field).collect();
+        assert_eq!(
+            paths.iter().map(String::as_str).collect::<Vec<_>>(),
+            fields
+                .iter()
+                .copied()
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>(),
+        );
+        assert_eq!(fields.len(), paths.len(), "two checks claim one field");
+    }
+
+    /// One failing row in each check: each is named by `failed_checks`,
+    /// fails the run, ends its line with FAIL and says why after `PARITY FAIL`.
+    #[test]
+    fn a_failure_in_any_check_is_named_printed_and_fails_the_run() {
+        let step = json!({"layout": "two", "step": 3, "cos": 0.5, "ref_token": 1, "token": 2,
+            "margin": 1.0, "ok": false, "verdict": "fail"});
+        let oracle = json!({"step": 3, "hf_token": 1, "ref_token": 2, "cos": 0.5, "margin": 1.0,
+            "ok": false, "floor_cos": 1.0, "floor_logit": 0.0, "ill_conditioned": false, "verdict": "fail"});
+        let layout_artifacts = json!({"weights_replaced": {"chunk1": 7}, "min_cos": 0.1, "mean_cos": 0.2,
+            "worst_weight": {"weight": "chunk1:w", "rel_mse": 0.5}, "top1_agreement": 0.1,
+            "tokens_match_other_layouts": true, "ok": false, "verdict": "fail"});
+        let program = json!({"steps": 4, "min_cos_readback": 0.5, "tokens_match_readback": false,
+            "min_cos_reference": null, "top1_reference": null, "min_cos_hf": null, "top1_hf": null,
+            "gated": true, "ok": false, "verdict": "fail"});
+        let report: ParityReport = serde_json::from_value(json!({
+            "steps": [step], "oracle": [oracle],
+            "summary": {"ok": false, "verdict": "fail",
+                "first_failure": {"layout": "two", "step": 3, "cos": 0.5, "ref_token": 1, "token": 2},
+                "artifacts": {"two": layout_artifacts}, "programs": {"two": {"fp32": program}}},
+        }))
+        .unwrap();
+        let t = Thresholds {
+            tol_cos: 0.9999,
+            tol_cos_int4: 0.85,
+            min_top1_int4: 0.75,
+            max_weight_rel_mse: 0.03,
+        };
+        assert_eq!(
+            report.failed_checks().len(),
+            CHECKS.len(),
+            "{:?}",
+            report.failed_checks()
+        );
+        assert_eq!(report.verdict_of_checks(), Verdict::Fail);
+        for c in &CHECKS {
+            let rows = (c.rows)(&report);
+            assert!(
+                rows.iter().any(|r| r.verdict() == Verdict::Fail),
+                "{}",
+                c.name
+            );
+            assert!(
+                rows.iter()
+                    .all(|r| report.failed_checks().contains(&r.name)),
+                "{}",
+                c.name
+            );
+            let lines = (c.lines)(&report, &t);
+            assert_eq!(lines.len(), rows.len(), "{}", c.name);
+            assert!(
+                lines.iter().all(|l| l.ends_with("  FAIL")),
+                "{}: {lines:?}",
+                c.name
+            );
+            assert!(!(c.failure)(&report, &t).is_empty(), "{}", c.name);
+        }
+        assert_eq!(report.check_lines(&t).len(), CHECKS.len());
+        assert!(report
+            .failure_lines(&t)
+            .iter()
+            .any(|l| l
+                .contains("--tol-cos-int4 0.85, --min-top1-int4 0.75, --max-weight-rel-mse 0.03")));
+        // Held, every check is silent after the verdict.
+        let held: ParityReport =
+            serde_json::from_value(json!({"steps": [], "oracle": [], "summary": {"ok": true}}))
+                .unwrap();
+        assert!(held.failure_lines(&t).is_empty());
+        assert_eq!(held.verdict_of_checks(), Verdict::Ok);
+    }
+}
