@@ -490,6 +490,17 @@ pub struct PredicateSummary {
     pub bytes: u64,
 }
 
+impl PredicateSummary {
+    /// Its member of the signed statement's predicate.
+    pub const MEMBER: &'static str = "chunkforge";
+
+    /// The summary a signed predicate holds, if it holds one of this shape.
+    pub fn of_predicate(predicate: &serde_json::Map<String, Value>) -> Option<Self> {
+        let member = predicate.get(Self::MEMBER)?;
+        serde_json::from_value(member.clone()).ok()
+    }
+}
+
 /// A parity report's summary as the manifest embeds it (`parity`): the
 /// report's typed summary, and whatever else a hand-written summary says,
 /// kept as written.

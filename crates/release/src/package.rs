@@ -1009,7 +1009,7 @@ pub fn sign_into(
     files: &[(String, FileDigest)],
     summary: Option<PredicateSummary>,
 ) -> Result<String> {
-    let summary = summary.map(|s| ("chunkforge", json!(s)));
+    let summary = summary.map(|s| (PredicateSummary::MEMBER, json!(s)));
     let st = sign::statement(name, files, &[SIG_FILE], summary);
     let bundle = sign::sign_bundle(key, &st);
     let path = root.join(SIG_FILE);

@@ -91,10 +91,7 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
     };
 
     r.model_name = v.model_name.clone();
-    r.summary = v
-        .predicate
-        .get("chunkforge")
-        .and_then(|s| serde_json::from_value(s.clone()).ok());
+    r.summary = PredicateSummary::of_predicate(&v.predicate);
     let p = &mut r.problems;
     // The signed list itself: safe, unique paths.
     let mut signed: BTreeMap<String, [u8; 32]> = BTreeMap::new();
