@@ -883,18 +883,18 @@ impl Composer {
         (a <= b).then_some(a..=b)
     }
 
-    /// `chunk` is composed: a decode chunk the four-chunk layout tiles, of
-    /// two or more of its chunks, or of one the build converts anyway
-    /// (converting a source only to copy it would cost as much as converting
-    /// the chunk).
+    /// `chunk` is composed: a decode chunk the four-chunk layout tiles,
+    /// whether of one of its chunks or more, and whether the build makes the
+    /// four-chunk layout or converts its sources only for this. A package is
+    /// then the same bytes whichever mode builds it (`--mode three`'s
+    /// `chunk3_3way` is `--mode all`'s); converting a one-chunk source costs
+    /// what converting the chunk itself would.
     fn composes(&self, kind: LayoutKind, chunk: &ChunkPlan) -> bool {
         self.enabled
             && kind != REFERENCE
             && spec(kind).purpose == Purpose::Decode
             && matches!(&chunk.functions[..], [f] if f.kind == FunctionKind::Decode && f.tokens == 1)
-            && self
-                .tiling(chunk)
-                .is_some_and(|r| self.in_plan || r.end() > r.start())
+            && self.tiling(chunk).is_some()
     }
 
     /// The build converts sources it does not ship.

@@ -448,16 +448,29 @@ fn a_package_is_the_same_whichever_mode_builds_it() {
             "merged_full.mlpackage"
         ]
     );
-    for (name, tree) in &in_both {
+    let same_as_all = |other: &Path, name: &str| {
         for file in [
             "Data/com.apple.CoreML/model.mlmodel",
             "Data/com.apple.CoreML/weights/weight.bin",
             "Manifest.json",
         ] {
             let read = |dir: &Path| std::fs::read(dir.join(name).join(file)).unwrap();
-            assert!(read(&all) == read(&both), "{name}: {file} differs");
+            assert!(read(&all) == read(other), "{name}: {file} differs");
         }
+    };
+    for (name, tree) in &in_both {
+        same_as_all(&both, name);
         assert_eq!(Some(tree), in_all.get(name), "{name}");
+    }
+    // `--mode three` converts the four-chunk decode programs only to compose
+    // from, and composes chunk3_3way from one of them as `--mode all` does.
+    // (Its chunk1 is the reference's first package as `--mode three` plans
+    // it, decode only: not `--mode all`'s, which holds verify_qK too.)
+    let three = shared_build("default-three", Path::new(&hf), &["--mode", "three"]);
+    let in_three = trees(&three);
+    for name in ["chunk2_3way.mlpackage", "chunk3_3way.mlpackage"] {
+        same_as_all(&three, name);
+        assert_eq!(in_three.get(name), in_all.get(name), "{name}");
     }
 }
 
