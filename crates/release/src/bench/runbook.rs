@@ -607,8 +607,8 @@ mod tests {
         assert!(!text.contains("four-main"));
     }
 
-    #[test]
-    fn every_layout_and_compiled_packages() {
+    /// The example with every layout's packages, compiled, at context 8192.
+    fn every_layout_manifest() -> Manifest {
         let mut m = example();
         for (name, a, b) in [
             ("chunk1_3way", 0, 7),
@@ -622,6 +622,12 @@ mod tests {
         }
         m.compiled.mlmodelc = true;
         m.settings.ctx = 8192;
+        m
+    }
+
+    #[test]
+    fn every_layout_and_compiled_packages() {
+        let m = every_layout_manifest();
         let f = RunbookFacts::from_manifest(&m);
         let names: Vec<&str> = f.layouts().iter().map(|l| l.name).collect();
         assert_eq!(
@@ -659,5 +665,29 @@ mod tests {
         let e = Manifest::load(&path).unwrap_err();
         std::fs::remove_file(&path).unwrap();
         assert!(e.contains("missing field `quantize`"), "{e}");
+    }
+
+    /// The run books of the example release and of one with every layout,
+    /// compiled, at another context, byte for byte as checked in under
+    /// manifests/runbooks/ (`CHUNKFORGE_BLESS=1` writes them after an
+    /// intended change).
+    #[test]
+    fn run_books_are_the_checked_in_ones() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../manifests/runbooks");
+        let every = every_layout_manifest();
+        for (name, m) in [("example.md", example()), ("every-layout.md", every)] {
+            let text = render(&RunbookFacts::from_manifest(&m));
+            let path = dir.join(name);
+            if std::env::var_os("CHUNKFORGE_BLESS").is_some() {
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::write(&path, &text).unwrap();
+            }
+            let want = std::fs::read_to_string(&path).unwrap();
+            assert!(
+                text == want,
+                "{}: the run book changed (CHUNKFORGE_BLESS=1 if intended)",
+                path.display()
+            );
+        }
     }
 }
