@@ -11,15 +11,18 @@
 # hour on 2 cores, E4B longer. Options, as environment variables:
 #   CHUNKFORGE          the binary            [target/release/chunkforge]
 #   LAYOUT              package --layout      [two]
-#   AUDIT_FLAGS         extra package flags   [--allow-audit-findings]: the audit
-#                       refuses E2B-width packages today (last-axis-1 findings on
-#                       the full-width head and per-layer projections), which
-#                       `audit` reports in its own row.
+#   AUDIT_FLAGS         extra package flags   [none: the audit finds nothing in
+#                       E2B-size packages, so package must pass it as it stands]
+#   FP16                0 skips the FP16 pass [1]: build --no-quantize, package,
+#                       run --prompt PROMPT --max-tokens 16, and transformers'
+#                       greedy ids of the same prompt (scripts/oracle_greedy.py,
+#                       layer by layer); the run's ids must equal them
+#   PROMPT              the FP16 pass's prompt [The quick brown fox]
 #   KEEP                1 keeps SCRATCH/<shape> instead of removing it
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 scratch=$1
@@ -27,7 +30,8 @@ shift
 if [ $# -gt 0 ]; then shapes=("$@"); else shapes=(e2b e4b); fi
 cf=${CHUNKFORGE:-target/release/chunkforge}
 layout=${LAYOUT:-two}
-audit_flags=${AUDIT_FLAGS:---allow-audit-findings}
+audit_flags=${AUDIT_FLAGS:-}
+prompt=${PROMPT:-The quick brown fox}
 if [ ! -x "$cf" ]; then
     echo "error: $cf is not an executable (cargo build --release, or set CHUNKFORGE)" >&2
     exit 2
@@ -58,6 +62,17 @@ step() {
     return $code
 }
 
+# ids_in LOG KEY: the id list under KEY of the JSON object in LOG (the
+# command's output, among its notes).
+ids_in() {
+    python3 - "$1" "$2" <<'PY' 2>/dev/null
+import json, re, sys
+text = open(sys.argv[1]).read()
+start = re.search(r"^\{", text, re.M)
+print(json.JSONDecoder().raw_decode(text[start.start():])[0][sys.argv[2]] if start else "")
+PY
+}
+
 for shape in "${shapes[@]}"; do
     dir=$scratch/$shape
     mkdir -p "$dir"
@@ -72,6 +87,23 @@ for shape in "${shapes[@]}"; do
     if [ -d "$dir/release" ]; then
         step "$shape" run "$cf" run "$dir/release" --max-tokens 16
     fi
+    if [ "${FP16:-1}" = 1 ]; then
+        # The INT4 build and release make room for the FP16 ones.
+        rm -rf "$dir/build" "$dir/release"
+        step "$shape" build-fp16 "$cf" build --hf-dir "$dir/ckpt" --mode all --no-quantize \
+            --output "$dir/build-fp16" &&
+            step "$shape" package-fp16 "$cf" package "$dir/build-fp16" --layout "$layout" \
+                --key "$dir/key.pem" --output "$dir/release-fp16" $audit_flags &&
+            step "$shape" run-fp16 "$cf" run "$dir/release-fp16" --prompt "$prompt" --max-tokens 16 --json &&
+            step "$shape" oracle "$("$cf" doctor --venv-python)" "$(dirname "$0")/oracle_greedy.py" \
+                "$dir/ckpt" "$prompt" 16
+        got=$(ids_in "$scratch/$shape-run-fp16.log" generated_ids)
+        want=$(ids_in "$scratch/$shape-oracle.log" generated)
+        verdict="differ"
+        [ -n "$got" ] && [ "$got" = "$want" ] && verdict="equal"
+        printf '%s FP16 run: %s\n%s transformers: %s\n%s FP16 run vs transformers greedy ids: %s\n' \
+            "${shape^^}" "$got" "${shape^^}" "$want" "${shape^^}" "$verdict" >>"$scratch/ids.txt"
+    fi
     du -sh "$dir"/* >&2
     [ "${KEEP:-0}" = 1 ] || rm -rf "$dir"
 done
@@ -84,7 +116,7 @@ echo
 printf '|---|'
 for _ in "${shapes[@]}"; do printf -- '---:|---:|'; done
 echo
-for name in fixture build audit package parity run; do
+for name in fixture build audit package parity run build-fp16 package-fp16 run-fp16 oracle; do
     printf '| `%s` |' "$name"
     for shape in "${shapes[@]}"; do
         row=$(awk -F'\t' -v s="$shape" -v n="$name" '$1 == s && $2 == n' "$table")
@@ -103,3 +135,4 @@ echo
 for shape in "${shapes[@]}"; do
     grep -h '^PARITY' "$scratch/$shape-parity.log" 2>/dev/null | sed "s/^/${shape^^} parity: /"
 done
+cat "$scratch/ids.txt" 2>/dev/null

@@ -218,6 +218,27 @@ print(json.dumps({"prompt": ids, "generated": out[0, len(ids):].tolist()}))
     (ids(&v["prompt"]), ids(&v["generated"]))
 }
 
+/// The low-memory oracle of real-size checks (scripts/oracle_greedy.py:
+/// transformers' model with its decoder layers' weights loaded per call and
+/// only the called rows of the per-layer table) generates what transformers'
+/// own `from_pretrained` + `generate` does.
+#[test]
+fn low_memory_oracle_generates_what_transformers_does() {
+    let build = fp16_dir().join("build");
+    fp16_release();
+    let checkpoint = checkpoint_of(&build);
+    let want = transformers_greedy(&checkpoint, SENTENCE, TOKENS);
+    let python = ok(&["doctor", "--venv-python"]).trim().to_string();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/oracle_greedy.py");
+    let o = Command::new(python)
+        .args([s(&script), s(&checkpoint), SENTENCE, &TOKENS.to_string()])
+        .output()
+        .expect("run the venv python");
+    assert!(o.status.success(), "oracle_greedy.py: {}", stderr(&o));
+    let v: Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
+    assert_eq!((ids(&v["prompt"]), ids(&v["generated"])), want);
+}
+
 fn checkpoint_of(build: &Path) -> PathBuf {
     PathBuf::from(
         json_file(&build.join("build.json"))["checkpoint"]["dir"]

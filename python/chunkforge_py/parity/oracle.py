@@ -96,6 +96,46 @@ class Oracle:
 
         return bring
 
+    def generate(self, prompt: list[int], n: int, generation_config: Any = None) -> list[int]:
+        """transformers' greedy ``generate`` of ``n`` tokens after ``prompt``
+        (eager attention, its own KV cache), as
+        ``AutoModelForCausalLM.from_pretrained(...).generate(..., do_sample=False)``
+        computes it in this dtype, within the oracle's memory: the decoder
+        layers' weights are loaded per call, the tied head is the embedding
+        table (one copy), and the per-layer embedding table (262144 x 8960 at
+        E2B: 9.4 GB in fp32) gives transformers only the rows of the ids it
+        is called with (`_rows_only`), which its own module then scales.
+        ``generation_config``: the checkpoint's (its end-of-text ids), as
+        ``from_pretrained`` reads it."""
+        inner = self.model.model
+        table = self.weight("model.embed_tokens.weight")
+        inner.embed_tokens.weight = torch.nn.Parameter(table, requires_grad=False)
+        self.model.lm_head.weight = inner.embed_tokens.weight
+        handle = inner.embed_tokens_per_layer.register_forward_pre_hook(self._rows_only)
+        try:
+            with torch.no_grad():
+                out = self.model.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    generation_config=generation_config,
+                    max_new_tokens=n,
+                    do_sample=False,
+                )
+        finally:
+            handle.remove()
+        return [int(t) for t in out[0, len(prompt) :]]
+
+    def _rows_only(self, module: torch.nn.Module, args: Any) -> tuple[torch.Tensor]:
+        """Before transformers' per-layer embedding lookup: its table becomes
+        the called ids' rows alone (in the model's dtype) and the ids their
+        index among those rows, so its own forward (lookup, then scale) gives
+        the values the whole table would."""
+        (ids,) = args
+        unique, index = torch.unique(ids, return_inverse=True)
+        source = self.ckpt.get("embed_tokens_per_layer.weight", None)
+        module.weight = torch.nn.Parameter(source[unique].to(self.dtype), requires_grad=False)
+        return (index,)
+
     def teacher_forced(
         self, prompt: list[int], emb: Embeddings, attention: str = ORACLE_ATTENTION
     ) -> dict[str, torch.Tensor]:
