@@ -10,6 +10,7 @@ is the tied embedding applied to transformers' final hidden states.
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -111,15 +112,16 @@ class Oracle:
         table = self.weight("model.embed_tokens.weight")
         inner.embed_tokens.weight = torch.nn.Parameter(table, requires_grad=False)
         self.model.lm_head.weight = inner.embed_tokens.weight
+        # generate's own merge of keyword arguments into the config, done here.
+        config = copy.deepcopy(generation_config or self.model.generation_config)
+        config.max_new_tokens, config.do_sample = n, False
         handle = inner.embed_tokens_per_layer.register_forward_pre_hook(self._rows_only)
         try:
             with torch.no_grad():
                 out = self.model.generate(
                     torch.tensor([prompt]),
                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    generation_config=generation_config,
-                    max_new_tokens=n,
-                    do_sample=False,
+                    generation_config=config,
                 )
         finally:
             handle.remove()
