@@ -159,3 +159,19 @@ def test_checkpoint_fetcher_keys_by_file_name_and_dtype(tmp_path: Path, monkeypa
     assert a is ckpt.fetcher("w", torch.float32)()
     assert ckpt.fetcher("w", torch.float16)().dtype == torch.float16
     assert len(budget._held) == 2
+
+
+def test_relative_mse_in_blocks_is_the_direct_formula(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight past `RELATIVE_MSE_BLOCK` values is summed over blocks of
+    rows (one row per block here, and a block not dividing the rows), with
+    the direct formula's value."""
+    from chunkforge_py.parity import run as parity
+
+    want = torch.from_numpy(RNG.standard_normal((37, 24)).astype(np.float32))
+    got = want + torch.from_numpy(RNG.standard_normal((37, 24)).astype(np.float32)) * 0.01
+    direct = parity.relative_mse(got, want)
+    monkeypatch.setattr(parity, "RELATIVE_MSE_BLOCK", 100)
+    for rows_values in (24, 5 * 24, 1 << 22):
+        monkeypatch.setattr(parity, "RELATIVE_MSE_ROWS", rows_values)
+        assert parity.relative_mse(got, want) == pytest.approx(direct, rel=1e-6)
+    assert 5e-5 < direct < 2e-4
