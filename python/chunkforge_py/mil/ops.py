@@ -776,11 +776,14 @@ def lut_rows_to_dense(indices: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """`lut_to_dense` of scalar LUTs ``lut`` [G, P] grouped along the first
     axis only (chunkforge's INT4 per_grouped_channel: one palette per 32
     output channels): each row gathers from its group's palette, a few
-    million values at a time. Six times faster than the general gather."""
+    million values at a time. Six times faster than the general gather.
+    The result is float32, the LUT's values exactly: the interpreter holds
+    every weight in float32 (`settle`), and gathering into the fp16 dtype
+    first made a second copy (an E2B head: 0.8 GB beside its 1.6 GB)."""
     rows = indices.shape[0]
-    per_row = lut.repeat_interleave(rows // lut.shape[0], dim=0)
+    per_row = lut.float().repeat_interleave(rows // lut.shape[0], dim=0)
     flat = indices.reshape(rows, -1)
-    out = torch.empty(flat.shape, dtype=lut.dtype)
+    out = torch.empty(flat.shape, dtype=torch.float32)
     step = max(1, LUT_BLOCK // max(1, flat.shape[1]))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
