@@ -493,8 +493,13 @@ pub struct PackageCmd {
     pub release: ReleaseArgs,
     /// The checkpoint the side files and hf_model/ come from [default: build.json's
     /// checkpoint folder]; its config.json must be the one the build was made from.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "onto")]
     pub hf_dir: Option<PathBuf>,
+    /// An existing chunkforge release of the same checkpoint: the build's packages go into
+    /// a new release beside every file the build lacks (chunk1..4, prefill_chunk1..4, the
+    /// side files, hf_model/), carried from it after each is checked against the build.
+    #[arg(long, value_name = "DIR")]
+    pub onto: Option<PathBuf>,
     /// Parity report JSON (`chunkforge parity --report`) of the build's checkpoint; its
     /// top-level `summary` object is embedded in the manifest. A failed report is refused.
     #[arg(long)]
@@ -537,10 +542,12 @@ pub struct ReleaseArgs {
     /// [default: the checkpoint folder's name from build.json].
     #[arg(long, value_parser = args::model_id)]
     pub model_id: Option<String>,
-    /// Base URL the files will be served from; each manifest file entry gets `url`.
+    /// Base URL the files will be served from (e.g. https://huggingface.co/ORG/REPO/resolve/main):
+    /// each manifest file entry gets `url`, and so does distribution.json's.
     #[arg(long)]
     pub base_url: Option<String>,
-    /// Also write a deterministic zip of the release folder here, plus FILE.sha256.
+    /// Also write a deterministic zip of the release folder here, plus FILE.sha256: every
+    /// entry stored (the app's iOS extractor copies raw bytes), under 4 GiB in all.
     #[arg(long)]
     pub zip: Option<PathBuf>,
     /// Rows of the RoPE tables (cos/sin_*.npy) [default: the build's context length].

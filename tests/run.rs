@@ -518,3 +518,154 @@ fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// `package --onto`, the run book's workflow: a `--mode both` build (merged
+/// packages only) packaged onto an FP16 four-chunk release of the same
+/// checkpoint runs on the branch runtime exactly as transformers generates;
+/// the carried files are marked and signed with the rest. A release of
+/// another checkpoint, or one whose side file, package or contract
+/// disagrees with the build, is refused naming the file, before anything is
+/// written.
+#[test]
+fn package_onto_a_four_chunk_release_runs_the_branch_as_transformers() {
+    let hf = checkpoint_of(&common::built_all());
+    let four_build = common::shared_build(
+        "default-four-fp16",
+        &hf,
+        &[
+            "--mode",
+            "four",
+            "--verify-k",
+            "3",
+            "--prefill-len",
+            "512",
+            "--no-quantize",
+        ],
+    );
+    let both = common::shared_build(
+        "default-both-fp16",
+        &hf,
+        &["--mode", "both", "--no-quantize"],
+    );
+    let work = tempdir("onto");
+    let four = work.join("four");
+    let (private, public) = keys();
+    ok(&[
+        "package",
+        s(&four_build),
+        "--layout",
+        "four",
+        "--key",
+        s(private),
+        "--output",
+        s(&four),
+    ]);
+    let out = work.join("onto");
+    let package_onto = |build: &Path, onto: &Path, output: &Path| {
+        run(&[
+            "package",
+            s(build),
+            "--layout",
+            "two",
+            "--onto",
+            s(onto),
+            "--key",
+            s(private),
+            "--output",
+            s(output),
+        ])
+    };
+    let o = package_onto(&both, &four, &out);
+    assert!(o.status.success(), "{}", stderr(&o));
+    ok(&["verify", s(&out), "--public-key", s(public)]);
+
+    let m = json_file(&out.join("manifest.json"));
+    let carried = [
+        "chunk1",
+        "chunk2",
+        "chunk3",
+        "chunk4",
+        "prefill_chunk1",
+        "prefill_chunk2",
+        "prefill_chunk3",
+        "prefill_chunk4",
+    ];
+    assert_eq!(m["onto"]["packages"], serde_json::json!(carried));
+    let four_manifest = json_file(&four.join("manifest.json"));
+    assert_eq!(m["onto"]["version"], four_manifest["release"]["version"]);
+    // Every file but the build's packages and the run book came from DIR,
+    // byte for byte.
+    for f in m["files"].as_array().unwrap() {
+        let path = f["path"].as_str().unwrap();
+        let made = path.starts_with("merged_") || path == "DEVICE_RUNBOOK.md";
+        assert_eq!(f["carried"].as_bool().unwrap_or(false), !made, "{path}");
+        if !made {
+            let theirs = four_manifest["files"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|g| g["path"] == f["path"])
+                .unwrap_or_else(|| panic!("{path}: not in the four-chunk release"));
+            assert_eq!(theirs["sha256"], f["sha256"], "{path}");
+        }
+    }
+
+    let (_, want) = transformers_greedy(&hf, SENTENCE, TOKENS);
+    let r = generate(&out, &["--prompt", SENTENCE, "--runtime", "branch"]);
+    assert_eq!(r["layout"], "two");
+    assert_eq!(r["download"], "branch");
+    assert_eq!(ids(&r["generated_ids"]), want, "tokens vs transformers");
+
+    // Refusals, each naming the first file that disagrees; nothing written.
+    let refused = |build: &Path, onto: &Path, names: &Path, what: &str| {
+        let bad = work.join("bad");
+        let o = package_onto(build, onto, &bad);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{e}");
+        assert!(e.contains(&format!("{}: {what}", names.display())), "{e}");
+        assert!(!bad.exists());
+    };
+    let e4b = common::fixture(
+        "e4b-mm",
+        &["--shape", "e4b", "--multimodal", "--shards", "3"],
+    );
+    let e4b_two = common::shared_build("e4b-two-fp16", &e4b, &["--mode", "two", "--no-quantize"]);
+    refused(
+        &e4b_two,
+        &four,
+        &four.join("hf_model/config.json"),
+        "not the config.json the build was made from",
+    );
+    // A side file of another size.
+    let side = work.join("side");
+    copy_dir(&four, &side);
+    let table = side.join("embed_tokens_q8.bin");
+    let bytes = fs::read(&table).unwrap();
+    fs::remove_file(&table).unwrap();
+    fs::write(&table, &bytes[..bytes.len() - 1]).unwrap();
+    refused(&both, &side, &table, "");
+    // A carried package's file changed after packaging.
+    let pkg = work.join("pkg");
+    copy_dir(&four, &pkg);
+    let spec = pkg.join("swa/chunk3.mlpackage/Data/com.apple.CoreML/model.mlmodel");
+    let mut bytes = fs::read(&spec).unwrap();
+    bytes.push(0);
+    fs::remove_file(&spec).unwrap();
+    fs::write(&spec, &bytes).unwrap();
+    refused(&both, &pkg, &spec, "differs from what");
+    // A contract other than the plan's.
+    let contract = work.join("contract");
+    copy_dir(&four, &contract);
+    let path = contract.join("manifest.json");
+    let mut v = json_file(&path);
+    let chunk = v["chunks"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|c| c["name"] == "chunk2")
+        .unwrap();
+    chunk["inputs"][0]["shape"][0] = 2.into();
+    fs::remove_file(&path).unwrap();
+    fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    refused(&both, &contract, &path, "chunk2's inputs is not what");
+}

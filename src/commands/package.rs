@@ -63,7 +63,8 @@ pub(super) fn audit_older_build(request: &mut PackageRequest, verbose: bool) -> 
 }
 
 fn request(a: PackageCmd) -> PackageRequest {
-    release_request(
+    let onto = a.onto;
+    let mut r = release_request(
         a.build_dir,
         a.release,
         a.hf_dir,
@@ -73,7 +74,9 @@ fn request(a: PackageCmd) -> PackageRequest {
             inconclusive: a.inconclusive.accept_inconclusive_parity,
         },
         Compiled::not("not compiled: `chunkforge package` ships .mlpackage folders (compile with `chunkforge release --compile` on macOS)"),
-    )
+    );
+    r.onto = onto;
+    r
 }
 
 /// Which parity reports that did not pass may be signed.
@@ -113,6 +116,7 @@ pub(super) fn release_request(
         allow_audit_findings: r.allow_audit_findings,
         allow_over_ceiling: r.allow_over_ceiling,
         audit: None,
+        onto: None,
     }
 }
 

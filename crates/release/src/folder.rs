@@ -476,30 +476,7 @@ impl ReleaseFolder {
             None => loads.first().copied().unwrap_or(Runtime::Main),
         };
         let entry = downloader::entry_for(runtime, kind);
-        let verify = spec(REFERENCE).package_names();
-        let prefill = spec(LayoutKind::Prefill).package_names();
-        let functions = Functions {
-            verify_k: verify.last().and_then(|c| {
-                self.function_tokens(c, FunctionKind::Verify)
-                    .first()
-                    .copied()
-            }),
-            prefill_lens: prefill
-                .first()
-                .map(|c| self.function_tokens(c, FunctionKind::Prefill))
-                .unwrap_or_default(),
-        };
-        if functions.prefill_lens.is_empty() {
-            return Err(err(
-                &manifest,
-                format!(
-                    "no {} with prefill functions: the runtime requires them",
-                    spec(LayoutKind::Prefill).range()
-                ),
-            ));
-        }
-        let planned = plan::plan(&self.cfg, self.context_length, Mode::All, None, &functions)
-            .map_err(|e| err(&manifest, e.to_string()))?;
+        let planned = self.planned(self.context_length)?;
         let mut packages = BTreeMap::new();
         let mut layout = |k: LayoutKind| -> Result<Layout> {
             let l = planned
@@ -534,6 +511,37 @@ impl ReleaseFolder {
         })
     }
 
+    /// The plan of `hf_model/config.json` at `context_length` for every
+    /// layout, with the verify K and prefill lengths the manifest states
+    /// for the reference's and the prefill packages.
+    pub fn planned(&self, context_length: usize) -> Result<plan::Plan> {
+        let manifest = self.dir.join(MANIFEST_FILE);
+        let verify = spec(REFERENCE).package_names();
+        let prefill = spec(LayoutKind::Prefill).package_names();
+        let functions = Functions {
+            verify_k: verify.last().and_then(|c| {
+                self.function_tokens(c, FunctionKind::Verify)
+                    .first()
+                    .copied()
+            }),
+            prefill_lens: prefill
+                .first()
+                .map(|c| self.function_tokens(c, FunctionKind::Prefill))
+                .unwrap_or_default(),
+        };
+        if functions.prefill_lens.is_empty() {
+            return Err(err(
+                &manifest,
+                format!(
+                    "no {} with prefill functions: the runtime requires them",
+                    spec(LayoutKind::Prefill).range()
+                ),
+            ));
+        }
+        plan::plan(&self.cfg, context_length, Mode::All, None, &functions)
+            .map_err(|e| err(&manifest, e.to_string()))
+    }
+
     /// The manifest's KV slot map of decode layout `kind`.
     fn slot_map(&self, manifest: &Path, kind: LayoutKind) -> Result<Vec<SlotCopy>> {
         self.manifest
@@ -546,7 +554,7 @@ impl ReleaseFolder {
 
     /// The plan's chunk against the manifest's entry for it: layer range,
     /// inputs, outputs and every function's contract.
-    fn check_chunk(&self, manifest: &Path, c: &plan::ChunkPlan) -> Result<()> {
+    pub fn check_chunk(&self, manifest: &Path, c: &plan::ChunkPlan) -> Result<()> {
         let m = self.manifest.chunk(&c.name).ok_or_else(|| {
             err(
                 manifest,

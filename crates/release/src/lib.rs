@@ -12,6 +12,7 @@ pub mod folder;
 pub mod hashing;
 pub mod keykind;
 pub mod manifest;
+pub mod onto;
 pub mod package;
 pub mod paths;
 pub mod publish;

@@ -189,7 +189,7 @@ impl Build {
         }
         if layout != ReleaseLayout::Only(REFERENCE) && self.layout(REFERENCE).is_none() {
             return Err(self.err(format!(
-                "layout {layout} releases also ship {} (the runtime keeps them for prefill and speculative verify), but the build has layouts [{}]; rebuild with --mode all",
+                "layout {layout} releases also ship {} (the runtime keeps them for prefill and speculative verify), but the build has layouts [{}]; rebuild with --mode all, or carry them from a release of the same checkpoint with --onto",
                 spec(REFERENCE).summary(),
                 self.kinds()
             )));
@@ -594,9 +594,7 @@ fn file_roles(path: &str, chunks: &[ManifestChunk]) -> Vec<FileRole> {
             })
             .collect();
     }
-    crate::sidefiles::SIDE_FILES
-        .iter()
-        .find(|f| f.name == path || f.repository_path() == path)
+    crate::sidefiles::spec_of(path)
         .map(|f| match f.role {
             crate::sidefiles::Role::Embedding => FileRole::Embedding,
             crate::sidefiles::Role::Rope => FileRole::Rope,
@@ -698,6 +696,25 @@ pub struct Manifest {
     /// The weight blobs the app's downloader links or copies from one package into another (ModelDownloader.swift's finishDownload, per download entry): each package's blob and the packages it comes from, which must be byte-identical to it.
     #[serde(default)]
     pub shares: Vec<WeightShare>,
+    /// The release these files were carried from (`package --onto`): the files marked `carried` came from it, checked against the build first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub onto: Option<OntoRecord>,
+}
+
+/// The existing release `package --onto` carried the files the build did
+/// not make from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct OntoRecord {
+    /// Its manifest's model id.
+    pub model_id: String,
+    /// Its manifest's release version.
+    pub version: String,
+    /// Its layout: `repository` (the app's remote paths) or `local` (every file at the root).
+    #[schemars(pattern("^(repository|local)$"))]
+    pub layout: String,
+    /// The packages carried from it.
+    pub packages: Vec<String>,
 }
 
 /// One package whose weight blob the app takes from another package's: the
@@ -877,6 +894,13 @@ pub struct FileEntry {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "String", pattern("^https?://"))]
     pub url: Option<String>,
+    /// Carried from the release `onto` names (`package --onto`), not made by this build.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub carried: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !b
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -970,6 +994,7 @@ impl Manifest {
             files: Vec::new(),
             shared_blobs: Vec::new(),
             shares: Vec::new(),
+            onto: None,
         })
     }
 
@@ -986,6 +1011,7 @@ impl Manifest {
                 sha256: d.hex(),
                 roles: file_roles(p, &self.chunks),
                 url: base.as_ref().map(|b| format!("{b}/{}", url_path(p))),
+                carried: false,
             })
             .collect();
         self.shared_blobs = shared_blobs(files);

@@ -29,6 +29,7 @@ use crate::manifest::{
     self, Build, Manifest, ManifestInputs, PredicateSummary, ReleaseChunk, ReleaseInputError,
     ShareUse, WeightShare, MANIFEST_FILE,
 };
+use crate::onto::Onto;
 use crate::paths::{HF_MODEL_DIR, HF_MODEL_FILES, RUNBOOK_FILE, TOKENIZER_FILE};
 use crate::sidefiles::{self, SideFilesReport, SideFilesRequest};
 use crate::sign::{self, SIG_FILE};
@@ -73,6 +74,9 @@ pub struct PackageRequest {
     /// The audit of the build's packages when its build.json has none (a
     /// build made before the audit existed; the caller runs it).
     pub audit: Option<AuditRecord>,
+    /// An existing release to carry every file the build lacks from
+    /// (`--onto`; [`crate::onto`]).
+    pub onto: Option<PathBuf>,
 }
 
 /// What `package` did, for the summary line.
@@ -477,7 +481,8 @@ struct Checked<'b> {
     version: String,
     hf_dir: PathBuf,
     cfg: TextConfig,
-    ckpt: Checkpoint,
+    /// The build's checkpoint (None with `--onto`: nothing is made from it).
+    ckpt: Option<Checkpoint>,
     inputs: Inputs,
 }
 
@@ -640,10 +645,11 @@ fn check_ceiling(a: &PackageRequest, build: &Build, chunks: &[ReleaseChunk]) -> 
 }
 
 /// Every cheap check of `a` against `build`, before gigabytes are copied.
-fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
+fn check<'b>(a: &PackageRequest, build: &'b Build, onto: Option<&Onto>) -> Result<Checked<'b>> {
     let chunks = build.release_chunks(a.layout)?;
+    let carried = |n: &str| onto.is_some_and(|o| o.carries(n));
     // Fail on every cheap check before copying gigabytes.
-    for c in &chunks {
+    for c in chunks.iter().filter(|c| !carried(c.name())) {
         let name = c.name();
         let dir = a.build_dir.join(format!("{name}.mlpackage"));
         if !dir.is_dir() {
@@ -661,7 +667,7 @@ fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
         return Err(ReleaseInputError::Build {
             path: a.build_dir.join("build.json"),
             message: format!(
-                "no {}: the runtime requires them in every model folder; build with --mode all (or --prefill-len)",
+                "no {}: the runtime requires them in every model folder; build with --mode all (or --prefill-len), or carry them from a release with --onto",
                 spec(LayoutKind::Prefill).range()
             ),
         }
@@ -670,7 +676,17 @@ fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
     check_ceiling(a, build, &chunks)?;
     let context_length = build.record.settings.ctx;
     check_context_length(&chunks, context_length)?;
-    let (audit_errors, audit_warnings) = check_audit(build, &chunks, a)?;
+    // The build's audit covers the packages it made.
+    let built: Vec<ReleaseChunk> = chunks
+        .iter()
+        .filter(|c| !carried(c.name()))
+        .map(|c| ReleaseChunk {
+            layout: c.layout,
+            plan: c.plan,
+            roles: c.roles.clone(),
+        })
+        .collect();
+    let (audit_errors, audit_warnings) = check_audit(build, &built, a)?;
     let options = check_options(a, context_length, Path::new(&build.record.checkpoint.dir))?;
     let parity = a
         .parity_report
@@ -698,7 +714,15 @@ fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
             );
         }
     }
-    let (hf_dir, cfg, ckpt) = build_checkpoint(build, a.hf_dir.as_deref())?;
+    // With --onto the side files and hf_model/ come from DIR (its config
+    // checked to be the build's), and the checkpoint is not read.
+    let (hf_dir, cfg, ckpt) = match onto {
+        Some(o) => (o.folder.dir.join(HF_MODEL_DIR), o.folder.cfg.clone(), None),
+        None => {
+            let (d, c, k) = build_checkpoint(build, a.hf_dir.as_deref())?;
+            (d, c, Some(k))
+        }
+    };
     let inputs = Inputs::of(options, check_paths(a, &hf_dir)?);
     let build_json_digest = hashing::hash_file(&a.build_dir.join("build.json"))?;
     let version = a
@@ -723,7 +747,14 @@ fn check<'b>(a: &PackageRequest, build: &'b Build) -> Result<Checked<'b>> {
 /// Copies the packages (hashing them in the same read) and `hf_model/` into
 /// `root`, writes the side files there, and checks each package against
 /// build.json.
-fn stage_files(a: &PackageRequest, build: &Build, c: &Checked, root: &Path) -> Result<Staged> {
+fn stage_files(
+    a: &PackageRequest,
+    build: &Build,
+    c: &Checked,
+    root: &Path,
+    onto: Option<&Onto>,
+) -> Result<Staged> {
+    let carried = |n: &str| onto.filter(|o| o.carries(n));
     let mut sources = c.inputs.hf_sources.clone();
     let mut dirs = vec![HF_MODEL_DIR.to_string()];
     let mut pkgs = Vec::new();
@@ -731,21 +762,36 @@ fn stage_files(a: &PackageRequest, build: &Build, c: &Checked, root: &Path) -> R
     // shared in from another package's, so the release holds it once.
     let planned = planned_shares(a, build)?;
     let mut held_back: Vec<(PathBuf, String)> = Vec::new();
+    // Blobs a carried package holds only through a share in DIR: their
+    // digests as DIR's manifest records them.
+    let mut held_known: Vec<(String, FileDigest)> = Vec::new();
+    let mut carried_paths: Vec<String> = Vec::new();
     for chunk in &c.chunks {
         let n = chunk.name();
         let pkg = chunk.file();
-        let (mut f, d) = package_files(&a.build_dir.join(format!("{n}.mlpackage")), &pkg)?;
+        let src = match carried(n) {
+            Some(o) => o.package_dir(n),
+            None => a.build_dir.join(format!("{n}.mlpackage")),
+        };
+        let (mut f, d) = package_files(&src, &pkg)?;
+        if carried(n).is_some() {
+            carried_paths.extend(f.iter().map(|(_, rel)| rel.clone()));
+        }
         if planned.iter().any(|s| s.package == n && !s.stored) {
             let blob = format!("{pkg}/{}", downloader::PACKAGE_BLOB);
-            let at = f.iter().position(|(_, rel)| *rel == blob).ok_or_else(|| {
-                ReleaseInputError::Build {
-                    path: a
-                        .build_dir
-                        .join(format!("{n}.mlpackage/{}", downloader::PACKAGE_BLOB)),
-                    message: "missing: every package holds its weight blob".into(),
-                }
-            })?;
-            held_back.push(f.remove(at));
+            match f.iter().position(|(_, rel)| *rel == blob) {
+                Some(at) => held_back.push(f.remove(at)),
+                None => match carried(n).and_then(|o| o.held_blob(n)) {
+                    Some(d) => held_known.push((blob, d)),
+                    None => {
+                        return Err(ReleaseInputError::Build {
+                            path: src.join(downloader::PACKAGE_BLOB),
+                            message: "missing: every package holds its weight blob".into(),
+                        }
+                        .into())
+                    }
+                },
+            }
         }
         dirs.push(pkg.clone());
         dirs.extend(d);
@@ -766,35 +812,70 @@ fn stage_files(a: &PackageRequest, build: &Build, c: &Checked, root: &Path) -> R
             a.build_dir.display()
         );
     }
+    if onto.is_some() {
+        carried_paths.extend(c.inputs.hf_sources.iter().map(|(_, rel)| rel.clone()));
+    }
     let mut files = copy_tree(root, &sources, &dirs)?;
-    let side_files = sidefiles::write_side_files(&SideFilesRequest {
-        hf_dir: &c.hf_dir,
-        cfg: &c.cfg,
-        checkpoint: &c.ckpt,
-        context_length: c.context_length,
-        rope_positions: c.inputs.rope_positions,
-        model_name: &c.inputs.model_id,
-        dest: root,
-        repository: true,
-    })?;
-    let side_digests: Vec<(String, FileDigest)> = side_files
-        .files
-        .par_iter()
-        .map(|f| {
-            let rel = f.path.to_string_lossy().into_owned();
-            Ok((rel.clone(), hashing::hash_file(&root.join(&rel))?))
-        })
-        .collect::<Result<_>>()?;
-    files.extend(side_digests);
+    let side_files = match (onto, &c.ckpt) {
+        (Some(o), _) => {
+            let t = std::time::Instant::now();
+            let side = o.side_files();
+            let copied = copy_tree(root, &side, &[])?;
+            carried_paths.extend(copied.iter().map(|(rel, _)| rel.clone()));
+            let report = SideFilesReport {
+                files: copied
+                    .iter()
+                    .map(|(rel, d)| sidefiles::SideFile {
+                        path: rel.into(),
+                        bytes: d.size,
+                        role: sidefiles::role_of(rel),
+                        seconds: 0.0,
+                    })
+                    .collect(),
+                bytes_read: copied.iter().map(|(_, d)| d.size).sum(),
+                seconds: t.elapsed().as_secs_f64(),
+            };
+            files.extend(copied);
+            report
+        }
+        (None, Some(ckpt)) => {
+            let side_files = sidefiles::write_side_files(&SideFilesRequest {
+                hf_dir: &c.hf_dir,
+                cfg: &c.cfg,
+                checkpoint: ckpt,
+                context_length: c.context_length,
+                rope_positions: c.inputs.rope_positions,
+                model_name: &c.inputs.model_id,
+                dest: root,
+                repository: true,
+            })?;
+            let side_digests: Vec<(String, FileDigest)> = side_files
+                .files
+                .par_iter()
+                .map(|f| {
+                    let rel = f.path.to_string_lossy().into_owned();
+                    Ok((rel.clone(), hashing::hash_file(&root.join(&rel))?))
+                })
+                .collect::<Result<_>>()?;
+            files.extend(side_digests);
+            side_files
+        }
+        (None, None) => unreachable!("check() opens the checkpoint without --onto"),
+    };
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     // The held-back blobs count in their packages' trees as built.
-    let held: Vec<(String, FileDigest)> = held_back
+    let mut held: Vec<(String, FileDigest)> = held_back
         .par_iter()
         .map(|(src, rel)| Ok((rel.clone(), hashing::hash_file(src)?)))
         .collect::<Result<_>>()?;
+    held.extend(held_known);
     let all: Vec<(String, FileDigest)> = files.iter().chain(&held).cloned().collect();
     for (n, pkg) in &pkgs {
-        let want = build.chunk_record(n).map_or("", |r| r.sha256_tree.as_str());
+        let recorded = match carried(n) {
+            Some(o) => o.chunk_record(n).0,
+            None => build.chunk_record(n).map(|r| r.sha256_tree.clone()),
+        };
+        let want = recorded.as_deref().unwrap_or("");
         let got = tree_digest(pkg, &all);
         if !want.is_empty() && want != got {
             bail!(
@@ -808,6 +889,7 @@ fn stage_files(a: &PackageRequest, build: &Build, c: &Checked, root: &Path) -> R
         side_files,
         held,
         planned,
+        carried: carried_paths,
     })
 }
 
@@ -821,6 +903,8 @@ struct Staged {
     held: Vec<(String, FileDigest)>,
     /// The shares of the entries the release serves.
     planned: Vec<downloader::PlannedShare>,
+    /// The release paths of the files carried from `--onto`'s release.
+    carried: Vec<String>,
 }
 
 /// The shares of the download entries a release of `a.layout` serves.
@@ -835,7 +919,16 @@ fn planned_shares(a: &PackageRequest, build: &Build) -> Result<Vec<downloader::P
 
 pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     let build = Build::load(&a.build_dir)?;
-    let c = check(a, &build)?;
+    let onto = a
+        .onto
+        .as_deref()
+        .map(|d| Onto::open(d, &build))
+        .transpose()?;
+    let build = match &onto {
+        Some(o) => o.augment(&build),
+        None => build,
+    };
+    let c = check(a, &build, onto.as_ref())?;
     let _lock = OutputLock::take(&a.output, a.on_locked)?;
     let staging = Staging::new(&c.inputs.parent)?;
     let root = staging.dir.join(&c.inputs.name);
@@ -845,7 +938,8 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         side_files,
         held,
         planned,
-    } = stage_files(a, &build, &c, &root)?;
+        carried,
+    } = stage_files(a, &build, &c, &root, onto.as_ref())?;
     let Checked {
         chunks,
         audit_errors,
@@ -878,6 +972,9 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     files.push(write_runbook(&root, &m)?);
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     m.list_files(&files, inputs.base_url);
+    if let Some(o) = &onto {
+        mark_carried(&mut m, o, &carried);
+    }
     let mut text = serde_json::to_string_pretty(&m)?;
     text.push('\n');
     fs::write(root.join(MANIFEST_FILE), &text)
@@ -920,6 +1017,20 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         audit_errors,
         audit_warnings,
     })
+}
+
+/// Records in `m` what came from `--onto`'s release: the release, each
+/// carried file, and the carried packages' digests as it recorded them.
+fn mark_carried(m: &mut Manifest, o: &Onto, carried: &[String]) {
+    m.onto = Some(o.record());
+    for f in &mut m.files {
+        f.carried = carried.contains(&f.path);
+    }
+    for ch in &mut m.chunks {
+        if o.carries(&ch.name) {
+            (ch.sha256_tree, ch.weight_bytes) = o.chunk_record(&ch.name);
+        }
+    }
 }
 
 /// The manifest's share records, each checked against the build: the

@@ -255,6 +255,19 @@ pub const SIDE_FILES: &[SideFileSpec] = &[
     },
 ];
 
+/// The side file at `path` in a release (its name, or its repository path).
+pub fn spec_of(path: &str) -> Option<&'static SideFileSpec> {
+    SIDE_FILES
+        .iter()
+        .find(|f| f.name == path || f.repository_path() == path)
+}
+
+/// The role of the side file at `path` (`model_config.json`'s for a path no
+/// row names).
+pub fn role_of(path: &str) -> Role {
+    spec_of(path).map_or(Role::Config, |f| f.role)
+}
+
 /// What to write, and where.
 #[derive(Clone, Copy, Debug)]
 pub struct SideFilesRequest<'a> {
