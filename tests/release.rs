@@ -1046,6 +1046,28 @@ fn rezip(r: &Release, first: &[(&str, &[u8])], last: &[(&str, &[u8])]) -> Vec<u8
     w.finish().unwrap().into_inner()
 }
 
+/// Rewrites the release's archive as `package --zip` wrote archives before
+/// every entry was stored: text entries deflated (verify still reads them).
+fn deflate_text_entries(r: &Release) {
+    let mut ar = zip::ZipArchive::new(fs::File::open(&r.zip).unwrap()).unwrap();
+    let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    for i in 0..ar.len() {
+        let mut f = ar.by_index(i).unwrap();
+        let name = f.name().to_string();
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut f, &mut data).unwrap();
+        let method = if name.ends_with(".bin") {
+            zip::CompressionMethod::Stored
+        } else {
+            zip::CompressionMethod::Deflated
+        };
+        let o = zip::write::SimpleFileOptions::default().compression_method(method);
+        w.start_file(name, o).unwrap();
+        std::io::Write::write_all(&mut w, &data).unwrap();
+    }
+    fs::write(&r.zip, w.finish().unwrap().into_inner()).unwrap();
+}
+
 /// Replaces every occurrence of `from` in `b` by `to` (same length).
 fn patch_all(b: &mut [u8], from: &[u8], to: &[u8]) {
     assert_eq!(from.len(), to.len());
@@ -1144,6 +1166,7 @@ fn verify_archive_refuses_directory_entries() {
 #[test]
 fn verify_archive_refuses_false_declared_sizes() {
     let r = release("zip-sizes");
+    deflate_text_entries(&r);
     let real = fs::read(&r.zip).unwrap();
     let (local, central) = headers_of(&r, "manifest.json");
     let size = u32::from_le_bytes(real[local + 22..local + 26].try_into().unwrap());
@@ -3212,4 +3235,73 @@ fn package_refuses_incomplete_folders() {
     assert!(!out.join("hf_model/tokenizer.json").exists());
     assert!(out.join("hf_model/config.json").exists());
     assert!(out.join("swa/cos_full.npy").exists());
+}
+
+/// Extracts `zip` the way the app's iOS extractor does
+/// (ModelDownloader.swift's `extractZipNative`): the end record found from
+/// the end, then per central directory record `uncompSize` raw bytes copied
+/// from its local header's data offset, never inflated. Returns (name,
+/// compression method, bytes) per entry.
+fn extract_the_apps_way(zip: &Path) -> Vec<(String, u16, Vec<u8>)> {
+    let data = fs::read(zip).unwrap();
+    let u16_at = |p: usize| u16::from_le_bytes([data[p], data[p + 1]]) as usize;
+    let u32_at = |p: usize| u32::from_le_bytes(data[p..p + 4].try_into().unwrap()) as usize;
+    let mut eocd = data.len() - 22;
+    while data[eocd..eocd + 4] != [0x50, 0x4B, 0x05, 0x06] {
+        eocd -= 1;
+    }
+    let (mut pos, count) = (u32_at(eocd + 16), u16_at(eocd + 10));
+    let mut out = Vec::new();
+    for _ in 0..count {
+        assert_eq!(data[pos..pos + 2], [0x50, 0x4B]);
+        let method = u16_at(pos + 10) as u16;
+        let size = u32_at(pos + 24);
+        let (name_len, extra_len, comment_len) =
+            (u16_at(pos + 28), u16_at(pos + 30), u16_at(pos + 32));
+        let local = u32_at(pos + 42);
+        let name = String::from_utf8(data[pos + 46..pos + 46 + name_len].to_vec()).unwrap();
+        let start = local + 30 + u16_at(local + 26) + u16_at(local + 28);
+        out.push((name, method, data[start..start + size].to_vec()));
+        pos += 46 + name_len + extra_len + comment_len;
+    }
+    out
+}
+
+/// `--zip` stores every entry: extracted the app's way (raw bytes, no
+/// inflate) the archive is the folder byte for byte, every file of it and
+/// nothing else, and model_signing still verifies the folder.
+#[test]
+fn zip_extracted_the_apps_way_is_the_release_folder() {
+    let r = release("zip-app");
+    let entries = extract_the_apps_way(&r.zip);
+    let mut on_disk: Vec<String> = walkdir::WalkDir::new(&r.dir)
+        .into_iter()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().is_file())
+        .map(|e| {
+            e.path()
+                .strip_prefix(&r.dir)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    on_disk.sort();
+    let mut names: Vec<String> = entries.iter().map(|(n, _, _)| n.clone()).collect();
+    names.sort();
+    assert_eq!(names, on_disk);
+    // Text files too (they deflate well, and were deflated before).
+    assert!(names.contains(&"manifest.json".to_string()));
+    assert!(names.contains(&"hf_model/tokenizer.json".to_string()));
+    for (name, method, bytes) in &entries {
+        assert_eq!(*method, 0, "{name}: not stored");
+        assert!(
+            *bytes == fs::read(r.dir.join(name)).unwrap(),
+            "{name}: differs from the folder once extracted the app's way"
+        );
+    }
+    let o = ms_verify(&r.dir, &r.public);
+    assert!(o.status.success(), "model_signing: {}", stderr(&o));
+    let o = cf_verify(&r.dir, &r.public);
+    assert!(o.status.success(), "verify: {}", stderr(&o));
 }

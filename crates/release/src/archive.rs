@@ -1,9 +1,12 @@
 //! The release as one deterministic zip: entries are the release's files
 //! (paths relative to the release folder, no directory entries) in path
-//! component order, every timestamp 1980-01-01 00:00:00, mode 0644; weight
-//! blobs are stored (they are palettized indices and LUTs that do not
-//! deflate, and stored entries can be served with range requests), the rest
-//! is deflated. Beside it, `FILE.sha256` in `sha256sum` format.
+//! component order, every timestamp 1980-01-01 00:00:00, mode 0644, every
+//! entry stored (method 0): the app's iOS extractor (ModelDownloader.swift's
+//! `extractZipNative`) copies each entry's `uncompSize` raw bytes from its
+//! local header's data offset without inflating, so a deflated entry would
+//! arrive corrupted. It reads sizes and offsets as 32-bit and the entry count
+//! as 16-bit (no zip64), so an archive it cannot read is refused
+//! ([`check_app_extractable`]). Beside it, `FILE.sha256` in `sha256sum` format.
 
 use std::fs::{self, File};
 use std::io::{self, BufWriter};
@@ -28,37 +31,94 @@ pub fn digest_line(digest: &str, file_name: &str) -> String {
     format!("{digest}  {file_name}\n")
 }
 
-/// Weight blobs are stored, not deflated.
-fn stored(rel: &str) -> bool {
-    rel.ends_with(".bin") || rel.split('/').any(|c| c == "weights")
-}
-
-/// The options of entry `rel` of `len` bytes: fixed time and mode, weights
-/// stored, zip64 fields only for a file that needs them.
-pub fn entry_options(rel: &str, len: u64) -> SimpleFileOptions {
+/// The options of an entry of `len` bytes: fixed time and mode, stored,
+/// zip64 fields only for a file that needs them (which
+/// [`check_app_extractable`] refuses first).
+pub fn entry_options(len: u64) -> SimpleFileOptions {
     SimpleFileOptions::default()
         .last_modified_time(DateTime::default()) // 1980-01-01 00:00:00, the zip format's epoch
         .unix_permissions(0o644)
         .large_file(len >= u32::MAX as u64)
-        .compression_method(if stored(rel) {
-            CompressionMethod::Stored
-        } else {
-            CompressionMethod::Deflated
-        })
+        .compression_method(CompressionMethod::Stored)
+}
+
+/// The largest archive, entry and entry count the app's extractor reads:
+/// 32-bit sizes and offsets, a 16-bit count (the end of central directory
+/// record's; no zip64).
+pub const APP_MAX_BYTES: u64 = u32::MAX as u64;
+pub const APP_MAX_ENTRIES: usize = u16::MAX as usize;
+
+/// Bytes a stored archive of `entries` (name, size) takes at the least:
+/// per entry a local header (30 bytes + name) and a central directory
+/// record (46 + name), then the end record (22).
+pub fn stored_size(entries: &[(String, u64)]) -> u64 {
+    let headers: u64 = entries.iter().map(|(n, _)| 76 + 2 * n.len() as u64).sum();
+    entries.iter().map(|(_, s)| s).sum::<u64>() + headers + 22
+}
+
+fn gib(bytes: u64) -> String {
+    format!(
+        "{:.2} GiB ({bytes} bytes)",
+        bytes as f64 / (1u64 << 30) as f64
+    )
+}
+
+/// Refuses an archive of `entries` (name, size), `bytes` long, that the app's
+/// iOS extractor could not unpack (32-bit sizes and offsets, 16-bit count),
+/// naming the size. Refused rather than warned: the app would fail or
+/// extract garbage, and a consumer that reads zip64 can take the folder.
+pub fn check_app_extractable(
+    zip: &Path,
+    entries: &[(String, u64)],
+    bytes: u64,
+) -> Result<(), String> {
+    let z = zip.display();
+    let advice = "publish the release folder file by file (distribution.json lists the files), or leave out --zip";
+    if let Some((n, s)) = entries.iter().find(|(_, s)| *s > APP_MAX_BYTES) {
+        return Err(format!(
+            "{z}: entry '{n}' is {}, over the {} the app's zip extractor reads (32-bit sizes, no zip64); {advice}",
+            gib(*s),
+            gib(APP_MAX_BYTES)
+        ));
+    }
+    if bytes > APP_MAX_BYTES {
+        return Err(format!(
+            "{z}: the archive would be {}, over the {} the app's zip extractor reads (32-bit offsets, no zip64); {advice}",
+            gib(bytes),
+            gib(APP_MAX_BYTES)
+        ));
+    }
+    if entries.len() > APP_MAX_ENTRIES {
+        return Err(format!(
+            "{z}: {} entries, over the {APP_MAX_ENTRIES} the app's zip extractor reads (a 16-bit count, no zip64); {advice}",
+            entries.len()
+        ));
+    }
+    Ok(())
 }
 
 /// Writes the zip of every regular file under `root` to `out`; returns the
-/// archive's SHA-256 (hex).
+/// archive's SHA-256 (hex). An archive the app could not extract is
+/// refused before a byte is written, and checked again once written.
 pub fn write(root: &Path, out: &Path) -> Result<String> {
     let tree = hashing::walk(root, &|_| false)?;
+    let sizes: Vec<(String, u64)> = tree
+        .files
+        .iter()
+        .map(|rel| {
+            let p = root.join(rel);
+            let len = fs::metadata(&p)
+                .with_context(|| format!("{}: cannot stat", p.display()))?
+                .len();
+            Ok((rel.clone(), len))
+        })
+        .collect::<Result<_>>()?;
+    check_app_extractable(out, &sizes, stored_size(&sizes)).map_err(anyhow::Error::msg)?;
     let f = File::create(out).with_context(|| format!("{}: cannot create", out.display()))?;
     let mut z = ZipWriter::new(BufWriter::with_capacity(1 << 20, f));
-    for rel in &tree.files {
+    for (rel, len) in &sizes {
         let src = root.join(rel);
-        let len = fs::metadata(&src)
-            .with_context(|| format!("{}: cannot stat", src.display()))?
-            .len();
-        z.start_file(rel.as_str(), entry_options(rel, len))
+        z.start_file(rel.as_str(), entry_options(*len))
             .with_context(|| format!("{}: cannot add {rel}", out.display()))?;
         let mut r = File::open(&src).with_context(|| format!("{}: cannot open", src.display()))?;
         io::copy(&mut r, &mut z).with_context(|| format!("{}: cannot add {rel}", out.display()))?;
@@ -70,6 +130,10 @@ pub fn write(root: &Path, out: &Path) -> Result<String> {
         .map_err(|e| e.into_error())
         .and_then(|f| f.sync_all())
         .with_context(|| format!("{}: write failed", out.display()))?;
+    let written = fs::metadata(out)
+        .with_context(|| format!("{}: cannot stat", out.display()))?
+        .len();
+    check_app_extractable(out, &sizes, written).map_err(anyhow::Error::msg)?;
     Ok(hashing::hash_file(out)?.hex())
 }
 
@@ -192,5 +256,33 @@ mod tests {
         assert_eq!(f.compression(), CompressionMethod::Stored);
         drop(f);
         fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn archives_the_apps_extractor_cannot_read_are_refused_naming_the_size() {
+        let z = Path::new("r.zip");
+        let small = vec![("a".to_string(), 10u64); 3];
+        assert!(check_app_extractable(z, &small, stored_size(&small)).is_ok());
+        // Just under the 32-bit limit with headers counted; one byte more is over.
+        let name = "swa/chunk1.mlpackage/weights/weight.bin".to_string();
+        let fits = APP_MAX_BYTES - 76 - 2 * name.len() as u64 - 22;
+        let one = vec![(name.clone(), fits)];
+        assert_eq!(stored_size(&one), APP_MAX_BYTES);
+        assert!(check_app_extractable(z, &one, stored_size(&one)).is_ok());
+        let over = vec![(name.clone(), fits), ("b".to_string(), 0)];
+        let e = check_app_extractable(z, &over, stored_size(&over)).unwrap_err();
+        assert!(
+            e.contains("r.zip: the archive would be 4.00 GiB (4294967373 bytes)"),
+            "{e}"
+        );
+        let big = vec![(name.clone(), APP_MAX_BYTES + 1)];
+        let e = check_app_extractable(z, &big, stored_size(&big)).unwrap_err();
+        assert!(
+            e.contains(&format!("entry '{name}' is 4.00 GiB (4294967296 bytes)")),
+            "{e}"
+        );
+        let many = vec![("x".to_string(), 0u64); APP_MAX_ENTRIES + 1];
+        let e = check_app_extractable(z, &many, stored_size(&many)).unwrap_err();
+        assert!(e.contains("65536 entries"), "{e}");
     }
 }
