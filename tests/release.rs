@@ -3305,3 +3305,107 @@ fn zip_extracted_the_apps_way_is_the_release_folder() {
     let o = cf_verify(&r.dir, &r.public);
     assert!(o.status.success(), "verify: {}", stderr(&o));
 }
+
+/// With `--base-url`, `distribution.json` (upstream build_hf_release.py's
+/// per-file format) lists every file of the folder at its repository path
+/// with its URL, size and SHA-256 (all but manifest.json, model.sig and
+/// itself, which cannot carry their own digests); it is listed in
+/// manifest.json, signed, and valid against its schema.
+#[test]
+fn distribution_json_agrees_with_the_folder() {
+    let work = tempdir("distribution");
+    let build = synthetic_build(&work.join("build"), &[], 0);
+    let (private, public) = keys(&work, "k");
+    let out = work.join("rel");
+    let base = "https://huggingface.co/org/gemma-coreml/resolve/main";
+    ok(&[
+        "package",
+        s(&build),
+        "--layout",
+        "two",
+        "--key",
+        s(&private),
+        "--output",
+        s(&out),
+        "--version",
+        "2.0.0",
+        "--model-id",
+        "gemma-e2b-test",
+        "--base-url",
+        &format!("{base}/"),
+    ]);
+    let d: Value =
+        serde_json::from_slice(&fs::read(out.join("distribution.json")).unwrap()).unwrap();
+    assert_eq!(d["mode"], "per-file");
+    assert_eq!(d["version"], "2.0.0");
+    assert_eq!(d["model_id"], "gemma-e2b-test");
+    assert_eq!(d["repo"], "org/gemma-coreml");
+    assert_eq!(d["branch"], "main");
+    let mut want: Vec<String> = walkdir::WalkDir::new(&out)
+        .into_iter()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().is_file())
+        .map(|e| {
+            e.path()
+                .strip_prefix(&out)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .filter(|p| !["manifest.json", "model.sig", "distribution.json"].contains(&p.as_str()))
+        .collect();
+    want.sort();
+    let files = d["files"].as_array().unwrap();
+    let mut listed: Vec<String> = files
+        .iter()
+        .map(|f| f["path"].as_str().unwrap().to_string())
+        .collect();
+    listed.sort();
+    assert_eq!(listed, want);
+    assert!(listed.contains(&"swa/chunk1.mlpackage/Manifest.json".to_string()));
+    assert!(listed.contains(&"swa/cos_full.npy".to_string()));
+    let mut total = 0;
+    for f in files {
+        let path = f["path"].as_str().unwrap();
+        let bytes = fs::read(out.join(path)).unwrap();
+        assert_eq!(f["size_bytes"], bytes.len(), "{path}");
+        assert_eq!(
+            f["sha256"],
+            format!("{:x}", Sha256::digest(&bytes)),
+            "{path}"
+        );
+        assert_eq!(f["url"], format!("{base}/{path}"), "{path}");
+        total += bytes.len();
+    }
+    assert_eq!(d["total_size"], total);
+    let m = manifest(&out);
+    let entry = m["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["path"] == "distribution.json")
+        .expect("manifest.json lists distribution.json");
+    assert_eq!(entry["roles"], json!(["distribution"]));
+    let o = validate_with(
+        "manifests/distribution.schema.json",
+        &out.join("distribution.json"),
+    );
+    assert!(o.status.success(), "schema: {}", stdout(&o));
+    let o = cf_verify(&out, &public);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = ms_verify(&out, &public);
+    assert!(o.status.success(), "model_signing: {}", stderr(&o));
+    // Without --base-url there are no URLs, so no distribution manifest.
+    let plain = work.join("plain");
+    ok(&[
+        "package",
+        s(&build),
+        "--layout",
+        "two",
+        "--key",
+        s(&private),
+        "--output",
+        s(&plain),
+    ]);
+    assert!(!plain.join("distribution.json").exists());
+}

@@ -7,6 +7,7 @@
 
 pub mod archive;
 pub mod bench;
+pub mod distribution;
 pub mod downloader;
 pub mod folder;
 pub mod hashing;

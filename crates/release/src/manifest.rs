@@ -303,6 +303,11 @@ fn url_path(p: &str) -> String {
     s
 }
 
+/// The URL of release path `p` served from `base_url`.
+pub fn file_url(base_url: &str, p: &str) -> String {
+    format!("{}/{}", base_url.trim_end_matches('/'), url_path(p))
+}
+
 /// Reads `--parity-report` and returns its `summary`, to be embedded.
 /// The report must be about the build's checkpoint (same `config.json`
 /// digest) and must have passed: `summary.ok` true and no failed step, oracle
@@ -567,6 +572,8 @@ chunkforge_model::named! {
         Tokenizer = "tokenizer",
         /// For people, not the runtime: `DEVICE_RUNBOOK.md`.
         Docs = "docs",
+        /// `distribution.json`, upstream's per-file distribution manifest.
+        Distribution = "distribution",
     }
 }
 
@@ -578,6 +585,9 @@ fn file_roles(path: &str, chunks: &[ManifestChunk]) -> Vec<FileRole> {
     }
     if path == crate::paths::RUNBOOK_FILE {
         return vec![FileRole::Docs];
+    }
+    if path == crate::distribution::DISTRIBUTION_FILE {
+        return vec![FileRole::Distribution];
     }
     let package = chunks.iter().find(|c| {
         path.strip_prefix(&c.file)
@@ -1010,7 +1020,7 @@ impl Manifest {
                 size: d.size,
                 sha256: d.hex(),
                 roles: file_roles(p, &self.chunks),
-                url: base.as_ref().map(|b| format!("{b}/{}", url_path(p))),
+                url: base.as_ref().map(|b| file_url(b, p)),
                 carried: false,
             })
             .collect();

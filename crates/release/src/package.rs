@@ -22,6 +22,7 @@ use sha2::{Digest, Sha256};
 use crate::archive;
 use crate::bench::runbook::{self, RunbookFacts};
 use crate::bench::runtime_layout;
+use crate::distribution::{Distribution, DISTRIBUTION_FILE};
 use crate::downloader;
 use crate::hashing::{self, FileDigest};
 pub use crate::manifest::Compiled;
@@ -971,6 +972,11 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     m.shares = check_shares(&a.build_dir, &m, &planned, &all)?;
     files.push(write_runbook(&root, &m)?);
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
+    if let Some(base) = inputs.base_url {
+        let d = Distribution::of(&files, base, &version, &model_id);
+        files.push(write_json(&root, DISTRIBUTION_FILE, &d)?);
+        files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
+    }
     m.list_files(&files, inputs.base_url);
     if let Some(o) = &onto {
         mark_carried(&mut m, o, &carried);
@@ -1099,11 +1105,31 @@ fn check_shares(
 /// run book reads no file list, so the manifest before its files are listed
 /// says the same); returns its path in the release and digest.
 fn write_runbook(root: &Path, m: &Manifest) -> Result<(String, FileDigest)> {
-    let text = runbook::render(&RunbookFacts::from_manifest(m));
-    let path = root.join(RUNBOOK_FILE);
-    fs::write(&path, &text).with_context(|| format!("{}: cannot write", path.display()))?;
+    write_text(
+        root,
+        RUNBOOK_FILE,
+        &runbook::render(&RunbookFacts::from_manifest(m)),
+    )
+}
+
+/// Writes `value` as pretty JSON to `root/name`; returns its path in the
+/// release and digest.
+fn write_json<T: serde::Serialize>(
+    root: &Path,
+    name: &str,
+    value: &T,
+) -> Result<(String, FileDigest)> {
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    write_text(root, name, &text)
+}
+
+/// Writes `text` to `root/name`; returns its path in the release and digest.
+fn write_text(root: &Path, name: &str, text: &str) -> Result<(String, FileDigest)> {
+    let path = root.join(name);
+    fs::write(&path, text).with_context(|| format!("{}: cannot write", path.display()))?;
     Ok((
-        RUNBOOK_FILE.to_string(),
+        name.to_string(),
         FileDigest {
             size: text.len() as u64,
             sha256: Sha256::digest(text.as_bytes()).into(),

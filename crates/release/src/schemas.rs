@@ -1,6 +1,7 @@
 //! The JSON schemas of the records chunkforge writes, generated from their
 //! types: `manifests/manifest.schema.json` from [`Manifest`] and
-//! `parity/report.schema.json` from [`ParityReport`]. The checked-in files
+//! `parity/report.schema.json` from [`ParityReport`],
+//! `manifests/distribution.schema.json` from [`Distribution`]. The checked-in files
 //! are these bytes; a test fails when they drift (and says how to write them
 //! again).
 
@@ -10,11 +11,13 @@ use serde_json::Value;
 
 use chunkforge_model::records::ParityReport;
 
+use crate::distribution::Distribution;
 use crate::manifest::Manifest;
 
 /// Where each schema is checked in (relative to the repository) and its `$id`.
 pub const MANIFEST_SCHEMA: &str = "manifests/manifest.schema.json";
 pub const PARITY_REPORT_SCHEMA: &str = "parity/report.schema.json";
+pub const DISTRIBUTION_SCHEMA: &str = "manifests/distribution.schema.json";
 
 /// The schema of `T` (JSON Schema 2020-12), as checked in at `path`.
 fn schema_of<T: JsonSchema>(path: &str) -> Value {
@@ -44,6 +47,10 @@ pub fn schemas() -> Vec<(&'static str, String)> {
         (
             PARITY_REPORT_SCHEMA,
             schema_of::<ParityReport>(PARITY_REPORT_SCHEMA),
+        ),
+        (
+            DISTRIBUTION_SCHEMA,
+            schema_of::<Distribution>(DISTRIBUTION_SCHEMA),
         ),
     ]
     .into_iter()
