@@ -3,7 +3,8 @@
 //! [`UPSTREAM`]; the facts are in RUNTIME.md, "The downloader"): which
 //! packages each entry fetches with their weight blob and which without, and
 //! the blobs its `finishDownload` then links or copies from one package into
-//! another. No code is copied.
+//! another, and the multimodal encoder files it fetches beside them. No code
+//! is copied.
 //!
 //! A release folder is the repository the app downloads from, so these rows
 //! decide which blobs a release must hold (`package`), which pairs must be
@@ -84,6 +85,112 @@ pub struct Entry {
     /// left out.
     pub shares: &'static [(&'static str, &'static str)],
     pub how: ShareHow,
+    /// The multimodal encoder files it fetches beside the text decoder
+    /// (`multimodalFiles`; on the branch, the tail of `extraFiles`).
+    pub multimodal: &'static [EncoderFile],
+    /// Whether the user can turn the multimodal files off (main's
+    /// `gemma4DownloadMultimodal`, default on); the branch always fetches them.
+    pub multimodal_toggle: bool,
+}
+
+chunkforge_model::named! {
+    /// What an encoder file serves, as the manifest records it.
+    pub enum EncoderRole {
+        /// The image (and video) encoders.
+        Vision = "vision",
+        /// The audio encoder, its mel filter bank, config and the Swift-side
+        /// projection weights.
+        Audio = "audio",
+    }
+}
+
+/// One multimodal file of a download entry, by its remote path (the same as
+/// its local one: they sit at the repository's root).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EncoderFile {
+    /// A compiled model folder (`vision.mlmodelc`: fetched as the files of
+    /// [`MODELC_FILES`]) or a plain file (`mel_filterbank.bin`).
+    pub path: &'static str,
+    pub role: EncoderRole,
+}
+
+impl EncoderFile {
+    /// A compiled model folder, fetched file by file.
+    pub fn is_model(&self) -> bool {
+        self.path.ends_with(".mlmodelc")
+    }
+
+    /// The paths the app requests for it.
+    pub fn requests(&self) -> Vec<String> {
+        if self.is_model() {
+            MODELC_FILES
+                .iter()
+                .map(|f| format!("{}/{f}", self.path))
+                .collect()
+        } else {
+            vec![self.path.to_string()]
+        }
+    }
+}
+
+/// The files the app requests inside every `.mlmodelc` it fetches, in its
+/// order (`mlc(...)`); a package fetched without its blob (`prefillMeta`)
+/// skips the first. What `chunkforge compile` lays out, no more.
+pub const MODELC_FILES: &[&str] = &[
+    COMPILED_BLOB,
+    "coremldata.bin",
+    "model.mil",
+    "metadata.json",
+    "analytics/coremldata.bin",
+];
+
+const fn enc(path: &'static str, role: EncoderRole) -> EncoderFile {
+    EncoderFile { path, role }
+}
+
+/// Main's `multimodalFiles` (ModelDownloader.swift at main 72178c6,
+/// `buildHuggingFaceFileList`, after `coreFiles`), in its order.
+const MULTIMODAL_MAIN: &[EncoderFile] = &[
+    enc("vision.mlmodelc", EncoderRole::Vision),
+    // The video encoder (64 tokens a frame); only main fetches it.
+    enc("vision_video.mlmodelc", EncoderRole::Vision),
+    enc("audio.mlmodelc", EncoderRole::Audio),
+    enc("mel_filterbank.bin", EncoderRole::Audio),
+    enc("audio_config.json", EncoderRole::Audio),
+    // "Audio projection weights (Swift-side float32 computation)".
+    enc("output_proj_weight.npy", EncoderRole::Audio),
+    enc("output_proj_bias.npy", EncoderRole::Audio),
+    enc("embed_proj_weight.npy", EncoderRole::Audio),
+];
+
+/// The branch's (ModelDownloader.swift at fix/2chunk-kv-prefill-transfer
+/// 4cd6c6c, `buildHuggingFaceFileList`, the tail of `extraFiles`): main's
+/// without `vision_video.mlmodelc`, not toggleable.
+const MULTIMODAL_BRANCH: &[EncoderFile] = &[
+    enc("vision.mlmodelc", EncoderRole::Vision),
+    enc("audio.mlmodelc", EncoderRole::Audio),
+    enc("mel_filterbank.bin", EncoderRole::Audio),
+    enc("audio_config.json", EncoderRole::Audio),
+    enc("output_proj_weight.npy", EncoderRole::Audio),
+    enc("output_proj_bias.npy", EncoderRole::Audio),
+    enc("embed_proj_weight.npy", EncoderRole::Audio),
+];
+
+/// Every multimodal file some entry fetches, once each, in entry order: the
+/// files `package --encoders-from` carries when a folder holds them.
+pub fn all_encoder_files() -> Vec<EncoderFile> {
+    let mut out: Vec<EncoderFile> = Vec::new();
+    for f in ENTRIES.iter().flat_map(|e| e.multimodal) {
+        if !out.contains(f) {
+            out.push(*f);
+        }
+    }
+    out
+}
+
+/// The encoder file at `path` (its remote path) of some entry's list.
+pub fn encoder_file(path: &str) -> Option<EncoderFile> {
+    all_encoder_files().into_iter().find(|f| f.path == path)
 }
 
 const FOUR: &[&str] = &["chunk1", "chunk2", "chunk3", "chunk4"];
@@ -112,6 +219,8 @@ pub const ENTRIES: &[Entry] = &[
         meta_only: PREFILL,
         shares: PREFILL_FROM_FOUR,
         how: ShareHow::Link,
+        multimodal: MULTIMODAL_MAIN,
+        multimodal_toggle: true,
     },
     Entry {
         client: Client::Main3Way,
@@ -133,6 +242,8 @@ pub const ENTRIES: &[Entry] = &[
             ("prefill_chunk4", "chunk3_3way"),
         ],
         how: ShareHow::Link,
+        multimodal: MULTIMODAL_MAIN,
+        multimodal_toggle: true,
     },
     Entry {
         client: Client::Branch,
@@ -143,6 +254,8 @@ pub const ENTRIES: &[Entry] = &[
         meta_only: PREFILL,
         shares: PREFILL_FROM_FOUR,
         how: ShareHow::Copy,
+        multimodal: MULTIMODAL_BRANCH,
+        multimodal_toggle: false,
     },
 ];
 
@@ -339,6 +452,31 @@ mod tests {
             ShareHow::Copy
         );
         assert_eq!(blob_in("prefill/chunk1.mlmodelc"), "weights/weight.bin");
+        // The encoders: main's eight entries with the video encoder, the
+        // branch's seven without, one role each; 5 requests per model folder.
+        let files = all_encoder_files();
+        assert_eq!(files.len(), 8);
+        assert_eq!(entry(Client::Branch).multimodal.len(), 7);
+        assert!(!entry(Client::Branch).multimodal_toggle);
+        assert!(entry(Client::Main3Way).multimodal_toggle);
+        let video = encoder_file("vision_video.mlmodelc").unwrap();
+        assert_eq!(video.role, EncoderRole::Vision);
+        assert_eq!(video.requests().len(), 5);
+        assert_eq!(
+            video.requests()[4],
+            "vision_video.mlmodelc/analytics/coremldata.bin"
+        );
+        assert_eq!(
+            encoder_file("embed_proj_weight.npy").unwrap().requests(),
+            ["embed_proj_weight.npy"]
+        );
+        assert_eq!(
+            files
+                .iter()
+                .filter(|f| f.role == EncoderRole::Vision)
+                .count(),
+            2
+        );
         assert_eq!(blob_in("prefill/chunk1.mlpackage"), PACKAGE_BLOB);
     }
 }
