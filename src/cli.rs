@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::args;
 use crate::bench::device_report::Level;
-use crate::downloader::RuntimeBuild;
+use crate::downloader::{Client, RuntimeBuild};
 use crate::fixture::{AttentionSharpness, Shape};
 use crate::layouts::{Choice, Mode, ReleaseLayout, RunLayout};
 use crate::names::Named;
@@ -176,6 +176,11 @@ pub enum Cmd {
     Run(RunCmd),
     /// Check a release folder's signature, files and manifest (and optionally its zip).
     Verify(VerifyCmd),
+    /// Replay the app's download of a release folder (ModelDownloader.swift's lists): every
+    /// request, the shared weight blobs, the context check, the hard-coded widths, the layout
+    /// the runtime picks, the multimodal files. Exit 1 when the download would abort or the
+    /// load fail.
+    ClientCheck(ClientCheckCmd),
     /// Turn device bench logs (the runtime's [Load], [ComputePlan], [Profile] lines) into a
     /// verdict per decode layout, by the release's DEVICE_RUNBOOK.md.
     DeviceReport(DeviceReportCmd),
@@ -689,6 +694,29 @@ pub struct VerifyCmd {
     /// Also check this zip of the release (and FILE.sha256 beside it).
     #[arg(long)]
     pub archive: Option<PathBuf>,
+}
+
+/// `chunkforge client-check`.
+#[derive(Args, Clone, Debug)]
+pub struct ClientCheckCmd {
+    /// Release folder (from `package` or `release`).
+    pub release_dir: PathBuf,
+    /// The app's download entry: main (gemma4-e2b, four chunks), main-3way (gemma4-e2b-3way),
+    /// branch (fix/2chunk-kv-prefill-transfer's gemma4-e2b).
+    #[arg(long, value_parser = named::<Client>())]
+    pub client: Client,
+    /// The app's "include multimodal" toggle (main's gemma4DownloadMultimodal, default on);
+    /// the branch always fetches the encoders.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub multimodal: String,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the model folder as it stands after the app's download (local names, shared
+    /// blobs linked or copied, RoPE tables at the root, plus manifest.json) to this new
+    /// folder: `chunkforge run DIR` runs it.
+    #[arg(long)]
+    pub materialize: Option<PathBuf>,
 }
 
 /// `chunkforge bench hash`.

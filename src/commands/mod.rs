@@ -4,6 +4,7 @@
 mod audit;
 mod bench;
 mod build;
+mod client_check;
 pub(crate) mod device_report;
 mod doctor;
 mod exec;
@@ -105,6 +106,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Release(args) => release::run(args, verbose),
         Cmd::Run(args) => run::run(args, verbose),
         Cmd::Verify(args) => verify::run(args),
+        Cmd::ClientCheck(args) => client_check::run(args),
         Cmd::DeviceReport(args) => device_report::run(args),
         Cmd::SelftestPython { args } => selftest::run(&args, verbose),
         Cmd::ConvertWorker => {

@@ -91,6 +91,79 @@ pub struct Entry {
     /// Whether the user can turn the multimodal files off (main's
     /// `gemma4DownloadMultimodal`, default on); the branch always fetches them.
     pub multimodal_toggle: bool,
+    /// Local-path prefixes whose 404 does not abort the download
+    /// (`isOptionalMlmodelcFile`), besides [`OPTIONAL_404_SUFFIXES`].
+    pub optional_404_prefixes: &'static [&'static str],
+}
+
+/// A 404 on a local path ending so does not abort any entry's download
+/// (`isOptionalMlmodelcFile`, main and the branch).
+pub const OPTIONAL_404_SUFFIXES: &[&str] = &[
+    ".mlmodelc/metadata.json",
+    ".mlmodelc/analytics/coremldata.bin",
+];
+
+/// Main's optional 3-way files (`optionalMlmodelcPrefixes`).
+const OPTIONAL_3WAY: &[&str] = &["chunk2_3way.mlmodelc/", "chunk3_3way.mlmodelc/"];
+
+/// The text decoder's side files every entry requests, (remote path, local
+/// path), in the app's order: main's `coreFiles`, the head of the branch's
+/// `extraFiles` (the same list).
+pub const CORE_FILES: &[(&str, &str)] = &[
+    ("model_config.json", "model_config.json"),
+    ("hf_model/tokenizer.json", "hf_model/tokenizer.json"),
+    (
+        "hf_model/tokenizer_config.json",
+        "hf_model/tokenizer_config.json",
+    ),
+    ("hf_model/config.json", "hf_model/config.json"),
+    ("embed_tokens_q8.bin", "embed_tokens_q8.bin"),
+    ("embed_tokens_scales.bin", "embed_tokens_scales.bin"),
+    (
+        "embed_tokens_per_layer_q8.bin",
+        "embed_tokens_per_layer_q8.bin",
+    ),
+    (
+        "embed_tokens_per_layer_scales.bin",
+        "embed_tokens_per_layer_scales.bin",
+    ),
+    ("per_layer_projection.bin", "per_layer_projection.bin"),
+    ("per_layer_norm_weight.bin", "per_layer_norm_weight.bin"),
+    ("swa/cos_sliding.npy", "cos_sliding.npy"),
+    ("swa/sin_sliding.npy", "sin_sliding.npy"),
+    ("swa/cos_full.npy", "cos_full.npy"),
+    ("swa/sin_full.npy", "sin_full.npy"),
+];
+
+/// Widths both runtime builds hard-code (ChunkedEngine.swift): the KV
+/// buffers' last dimension (`maxHd = 512`), the RoPE rows fed to sliding
+/// and full layers (`dim: 256` / `dim: 512`; verify's `slidingHd = 256`).
+pub const KV_WIDTH: usize = 512;
+pub const ROPE_SLIDING: usize = 256;
+pub const ROPE_FULL: usize = 512;
+
+/// The branch's hard-coded KV buffers (ChunkedEngine.swift at 4cd6c6c,
+/// `ioSurfaceArray(slots:)`): (package, sliding slots, full slots), with one
+/// KV head. Main reads them from the packages' shapes.
+pub const BRANCH_SLOTS: &[(&str, usize, usize)] = &[
+    ("chunk1", 7, 1),
+    ("chunk2", 5, 2),
+    ("merged_chunk1", 12, 3),
+    ("merged_full", 12, 3),
+];
+pub const BRANCH_KV_HEADS: usize = 1;
+
+/// One file the app requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Its path in the repository (a release folder).
+    pub remote: String,
+    /// Where the app saves it in the model folder.
+    pub local: String,
+    /// The package it belongs to (its local name), if any.
+    pub package: Option<&'static str>,
+    /// The encoder file it belongs to, if any.
+    pub encoder: Option<EncoderFile>,
 }
 
 chunkforge_model::named! {
@@ -221,6 +294,7 @@ pub const ENTRIES: &[Entry] = &[
         how: ShareHow::Link,
         multimodal: MULTIMODAL_MAIN,
         multimodal_toggle: true,
+        optional_404_prefixes: OPTIONAL_3WAY,
     },
     Entry {
         client: Client::Main3Way,
@@ -244,6 +318,7 @@ pub const ENTRIES: &[Entry] = &[
         how: ShareHow::Link,
         multimodal: MULTIMODAL_MAIN,
         multimodal_toggle: true,
+        optional_404_prefixes: OPTIONAL_3WAY,
     },
     Entry {
         client: Client::Branch,
@@ -256,6 +331,7 @@ pub const ENTRIES: &[Entry] = &[
         how: ShareHow::Copy,
         multimodal: MULTIMODAL_BRANCH,
         multimodal_toggle: false,
+        optional_404_prefixes: &[],
     },
 ];
 
@@ -288,6 +364,55 @@ pub fn entry_for(runtime: Runtime, decode: LayoutKind) -> &'static Entry {
 }
 
 impl Entry {
+    /// Every file this entry requests, in the app's order (packages fetched
+    /// whole, then without `weights/`, the core files, the multimodal files
+    /// when `multimodal`).
+    pub fn requests(&self, multimodal: bool) -> Vec<Request> {
+        let mut out = Vec::new();
+        let packages = self.whole.iter().map(|p| (p, true));
+        for (package, with_blob) in packages.chain(self.meta_only.iter().map(|p| (p, false))) {
+            let remote = crate::manifest::package_file(package, true);
+            for f in MODELC_FILES.iter().skip(usize::from(!with_blob)) {
+                out.push(Request {
+                    remote: format!("{remote}/{f}"),
+                    local: format!("{package}.mlmodelc/{f}"),
+                    package: Some(package),
+                    encoder: None,
+                });
+            }
+        }
+        for (remote, local) in CORE_FILES {
+            out.push(Request {
+                remote: remote.to_string(),
+                local: local.to_string(),
+                package: None,
+                encoder: None,
+            });
+        }
+        if multimodal || !self.multimodal_toggle {
+            for e in self.multimodal {
+                for r in e.requests() {
+                    out.push(Request {
+                        remote: r.clone(),
+                        local: r,
+                        package: None,
+                        encoder: Some(*e),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether a 404 on `local` leaves this entry's download going.
+    pub fn optional_404(&self, local: &str) -> bool {
+        OPTIONAL_404_SUFFIXES.iter().any(|s| local.ends_with(s))
+            || self
+                .optional_404_prefixes
+                .iter()
+                .any(|p| local.starts_with(p))
+    }
+
     /// The package whose blob `package` holds after this entry's download:
     /// a share's source when it is fetched without `weights/`, else its own.
     pub fn blob_of<'a>(&self, package: &'a str) -> &'a str {

@@ -7,6 +7,7 @@
 
 pub mod archive;
 pub mod bench;
+pub mod client_check;
 pub mod downloader;
 pub mod folder;
 pub mod hashing;
