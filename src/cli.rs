@@ -565,6 +565,11 @@ pub struct ReleaseArgs {
     /// Neural Engine layer ceiling (the branch runtime picks merged_full before anything else).
     #[arg(long)]
     pub allow_over_ceiling: bool,
+    /// Carry the app's multimodal encoder files (vision.mlmodelc, audio.mlmodelc, the audio
+    /// side files) from this existing bundle or release: chunkforge converts no encoders.
+    /// Checked against the app's lists, hashed and signed with the rest.
+    #[arg(long)]
+    pub encoders_from: Option<PathBuf>,
 }
 
 /// `chunkforge release`.

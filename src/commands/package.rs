@@ -112,6 +112,7 @@ pub(super) fn release_request(
         compiled,
         allow_audit_findings: r.allow_audit_findings,
         allow_over_ceiling: r.allow_over_ceiling,
+        encoders_from: r.encoders_from,
         audit: None,
     }
 }

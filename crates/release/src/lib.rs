@@ -9,6 +9,7 @@ pub mod archive;
 pub mod bench;
 pub mod client_check;
 pub mod downloader;
+pub mod encoders;
 pub mod folder;
 pub mod hashing;
 pub mod keykind;
