@@ -181,6 +181,10 @@ pub enum Cmd {
     /// the runtime picks, the multimodal files. Exit 1 when the download would abort or the
     /// load fail.
     ClientCheck(ClientCheckCmd),
+    /// Turn an uncompiled release into the repository the app downloads: each package compiled
+    /// with coremltools' get_compiled_model_path() (text MIL), the files the app requests laid
+    /// out, chunk1's context checked, re-signed. macOS only (exit 2 elsewhere).
+    Compile(CompileCmd),
     /// Turn device bench logs (the runtime's [Load], [ComputePlan], [Profile] lines) into a
     /// verdict per decode layout, by the release's DEVICE_RUNBOOK.md.
     DeviceReport(DeviceReportCmd),
@@ -593,8 +597,8 @@ pub struct ReleaseCmd {
     /// Parity decode steps.
     #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
     pub steps: usize,
-    /// Also compile each package to .mlmodelc (`xcrun coremlcompiler compile`; macOS only,
-    /// reported as skipped elsewhere).
+    /// Then compile the release to the .mlmodelc the app fetches, as `chunkforge compile` does
+    /// (macOS only: elsewhere refused with exit 2 before anything is built).
     #[arg(long)]
     pub compile: bool,
     /// Skip the build when --build-dir already holds a complete one of this checkpoint
@@ -699,6 +703,16 @@ pub struct VerifyCmd {
     /// Also check this zip of the release (and FILE.sha256 beside it).
     #[arg(long)]
     pub archive: Option<PathBuf>,
+}
+
+/// `chunkforge compile`.
+#[derive(Args, Clone, Debug)]
+pub struct CompileCmd {
+    /// Release folder (uncompiled, from `package` or `release`); replaced when complete.
+    pub release_dir: PathBuf,
+    /// ECDSA P-256 private key to re-sign it with.
+    #[arg(long)]
+    pub key: PathBuf,
 }
 
 /// `chunkforge client-check`.

@@ -7,7 +7,7 @@
 
 pub use chunkforge_model::{args, checkpoint, config, error, layouts, names, plan, records};
 pub use chunkforge_release::{
-    archive, bench, downloader, folder, hashing, keykind, manifest, package, paths, publish,
+    archive, bench, client_check, downloader, folder, hashing, keykind, manifest, package, paths, publish,
     sidefiles, sign, staging, strict_json, verify, zipwalk,
 };
 
@@ -17,6 +17,7 @@ pub mod build;
 pub mod cache_dir;
 pub mod cli;
 pub mod commands;
+pub mod compile;
 pub mod fixture;
 pub mod hashbench;
 pub mod heap;

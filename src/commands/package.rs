@@ -72,9 +72,12 @@ fn request(a: PackageCmd) -> PackageRequest {
             failed: a.allow_failed_parity,
             inconclusive: a.inconclusive.accept_inconclusive_parity,
         },
-        Compiled::not("not compiled: `chunkforge package` ships .mlpackage folders (compile with `chunkforge release --compile` on macOS)"),
+        Compiled::not(NOT_COMPILED),
     )
 }
+
+/// The manifest's note on an uncompiled release.
+pub(super) const NOT_COMPILED: &str = "not compiled: .mlpackage at the app's paths; `chunkforge compile RELEASE --key K` makes the .mlmodelc the app fetches (it needs macOS)";
 
 /// Which parity reports that did not pass may be signed.
 pub(super) struct ParityAcceptance {

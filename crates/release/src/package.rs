@@ -260,7 +260,7 @@ fn check_output(out: &Path) -> Result<()> {
 }
 
 /// The output's parent folder and its final name.
-fn split_output(out: &Path) -> Result<(PathBuf, String)> {
+pub fn split_output(out: &Path) -> Result<(PathBuf, String)> {
     split_path(out, "--output needs a folder name")
 }
 
