@@ -7,8 +7,8 @@
 
 pub use chunkforge_model::{args, checkpoint, config, error, layouts, names, plan, records};
 pub use chunkforge_release::{
-    archive, bench, client_check, downloader, folder, hashing, keykind, manifest, package, paths, publish,
-    sidefiles, sign, staging, strict_json, verify, zipwalk,
+    archive, bench, client_check, downloader, folder, hashing, keykind, manifest, package, paths,
+    publish, sidefiles, sign, staging, strict_json, verify, zipwalk,
 };
 
 pub mod audit;

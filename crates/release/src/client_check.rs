@@ -33,11 +33,11 @@ use serde::Serialize;
 use chunkforge_model::layouts::{spec, LayoutKind};
 use chunkforge_model::plan::ANE_LAYER_CEILING;
 
+use crate::bench::runtime_layout;
 use crate::downloader::{self, Client, Entry, Request, ShareHow, BRANCH_KV_HEADS, BRANCH_SLOTS};
 use crate::folder::ReleaseFolder;
 use crate::hashing;
 use crate::manifest::{self, Manifest, MANIFEST_FILE};
-use crate::runtime_layout;
 
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {message}", path.display())]
@@ -597,7 +597,7 @@ pub fn mil_context(text: &str) -> Option<usize> {
 /// The widths the runtime hard-codes, and on the branch its slot counts.
 fn widths(r: &Release, entry: &Entry, pick: &Option<Pick>, problems: &mut Vec<Problem>) {
     let d = &r.manifest.dims;
-    let config = format!("{}/config.json", crate::package::HF_MODEL_DIR);
+    let config = format!("{}/config.json", crate::paths::HF_MODEL_DIR);
     let rope = |names: [&str; 2]| -> Vec<String> {
         let mut v = vec![config.clone()];
         v.extend(names.iter().map(|n| format!("swa/{n}")));

@@ -371,7 +371,11 @@ impl Entry {
         let mut out = Vec::new();
         let packages = self.whole.iter().map(|p| (p, true));
         for (package, with_blob) in packages.chain(self.meta_only.iter().map(|p| (p, false))) {
-            let remote = crate::manifest::package_file(package, true);
+            let remote = format!(
+                "{}.mlmodelc",
+                chunkforge_model::layouts::repository_path(package)
+                    .unwrap_or_else(|| package.to_string())
+            );
             for f in MODELC_FILES.iter().skip(usize::from(!with_blob)) {
                 out.push(Request {
                     remote: format!("{remote}/{f}"),
