@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::args;
 use crate::bench::device_report::Level;
-use crate::downloader::RuntimeBuild;
+use crate::downloader::{Client, RuntimeBuild};
 use crate::fixture::{AttentionSharpness, Shape};
 use crate::layouts::{Choice, Mode, ReleaseLayout, RunLayout};
 use crate::names::Named;
@@ -176,6 +176,15 @@ pub enum Cmd {
     Run(RunCmd),
     /// Check a release folder's signature, files and manifest (and optionally its zip).
     Verify(VerifyCmd),
+    /// Replay the app's download of a release folder (ModelDownloader.swift's lists): every
+    /// request, the shared weight blobs, the context check, the hard-coded widths, the layout
+    /// the runtime picks, the multimodal files. Exit 1 when the download would abort or the
+    /// load fail.
+    ClientCheck(ClientCheckCmd),
+    /// Turn an uncompiled release into the repository the app downloads: each package compiled
+    /// with coremltools' get_compiled_model_path() (text MIL), the files the app requests laid
+    /// out, chunk1's context checked, re-signed. macOS only (exit 2 elsewhere).
+    Compile(CompileCmd),
     /// Turn device bench logs (the runtime's [Load], [ComputePlan], [Profile] lines) into a
     /// verdict per decode layout, by the release's DEVICE_RUNBOOK.md.
     DeviceReport(DeviceReportCmd),
@@ -567,6 +576,11 @@ pub struct ReleaseArgs {
     /// Neural Engine layer ceiling (the branch runtime picks merged_full before anything else).
     #[arg(long)]
     pub allow_over_ceiling: bool,
+    /// Carry the app's multimodal encoder files (vision.mlmodelc, audio.mlmodelc, the audio
+    /// side files) from this existing bundle or release: chunkforge converts no encoders.
+    /// Checked against the app's lists, hashed and signed with the rest.
+    #[arg(long)]
+    pub encoders_from: Option<PathBuf>,
 }
 
 /// `chunkforge release`.
@@ -590,8 +604,8 @@ pub struct ReleaseCmd {
     /// Parity decode steps.
     #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
     pub steps: usize,
-    /// Also compile each package to .mlmodelc (`xcrun coremlcompiler compile`; macOS only,
-    /// reported as skipped elsewhere).
+    /// Then compile the release to the .mlmodelc the app fetches, as `chunkforge compile` does
+    /// (macOS only: elsewhere refused with exit 2 before anything is built).
     #[arg(long)]
     pub compile: bool,
     /// Skip the build when --build-dir already holds a complete one of this checkpoint
@@ -696,6 +710,39 @@ pub struct VerifyCmd {
     /// Also check this zip of the release (and FILE.sha256 beside it).
     #[arg(long)]
     pub archive: Option<PathBuf>,
+}
+
+/// `chunkforge compile`.
+#[derive(Args, Clone, Debug)]
+pub struct CompileCmd {
+    /// Release folder (uncompiled, from `package` or `release`); replaced when complete.
+    pub release_dir: PathBuf,
+    /// ECDSA P-256 private key to re-sign it with.
+    #[arg(long)]
+    pub key: PathBuf,
+}
+
+/// `chunkforge client-check`.
+#[derive(Args, Clone, Debug)]
+pub struct ClientCheckCmd {
+    /// Release folder (from `package` or `release`).
+    pub release_dir: PathBuf,
+    /// The app's download entry: main (gemma4-e2b, four chunks), main-3way (gemma4-e2b-3way),
+    /// branch (fix/2chunk-kv-prefill-transfer's gemma4-e2b).
+    #[arg(long, value_parser = named::<Client>())]
+    pub client: Client,
+    /// The app's "include multimodal" toggle (main's gemma4DownloadMultimodal, default on);
+    /// the branch always fetches the encoders.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub multimodal: String,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the model folder as it stands after the app's download (local names, shared
+    /// blobs linked or copied, RoPE tables at the root, plus manifest.json) to this new
+    /// folder: `chunkforge run DIR` runs it.
+    #[arg(long)]
+    pub materialize: Option<PathBuf>,
 }
 
 /// `chunkforge bench hash`.

@@ -9,8 +9,8 @@ pub use chunkforge_model::{
     args, checkpoint, config, error, layouts, names, parity_checks, plan, records,
 };
 pub use chunkforge_release::{
-    archive, bench, downloader, folder, hashing, keykind, manifest, package, paths, publish,
-    sidefiles, sign, staging, strict_json, verify, zipwalk,
+    archive, bench, client_check, downloader, folder, hashing, keykind, manifest, package, paths,
+    publish, sidefiles, sign, staging, strict_json, verify, zipwalk,
 };
 
 pub mod audit;
@@ -19,6 +19,7 @@ pub mod build;
 pub mod cache_dir;
 pub mod cli;
 pub mod commands;
+pub mod compile;
 pub mod fixture;
 pub mod hashbench;
 pub mod heap;

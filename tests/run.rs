@@ -95,15 +95,10 @@ fn fp16_release() -> PathBuf {
             "--build-dir",
             s(&build),
             "--reuse-build",
-            "--compile",
         ]);
         let e = stderr(&o);
         assert!(o.status.success(), "release: {}\n{e}", stdout(&o));
         assert!(e.contains("release 3/3"), "{e}");
-        assert!(
-            e.contains("--compile skipped: compiling .mlmodelc needs macOS"),
-            "{e}"
-        );
         assert!(stdout(&o).contains("PARITY OK"), "{}", stdout(&o));
         // The gate ran every FP16 package's own program through the MIL
         // interpreter: in fp32 it computes the fp32 reference to 0.9999, token
@@ -668,4 +663,87 @@ fn package_onto_a_four_chunk_release_runs_the_branch_as_transformers() {
     fs::remove_file(&path).unwrap();
     fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
     refused(&both, &contract, &path, "chunk2's inputs is not what");
+}
+
+/// `client-check --materialize` writes each entry's model folder as the
+/// app's download leaves it (local names, shared blobs linked or copied,
+/// RoPE tables at the root), and `run` on that folder alone gives
+/// transformers' greedy tokens, with the layout that runtime picks there.
+#[test]
+fn materialized_downloads_generate_transformers_tokens() {
+    fp16_release();
+    let build = fp16_dir().join("build");
+    let (_, want) = transformers_greedy(&checkpoint_of(&build), SENTENCE, TOKENS);
+    // The app's default layouts, with an encoder bundle (the branch cannot
+    // skip the encoders).
+    let dir = tempdir("materialize");
+    let release = dir.join("release");
+    ok(&[
+        "package",
+        s(&build),
+        "--key",
+        s(&keys().0),
+        "--output",
+        s(&release),
+        "--encoders-from",
+        s(&common::encoder_bundle()),
+    ]);
+    for (client, layout, shared) in [
+        ("main", "four", "chunk1"),
+        ("main-3way", "three", "chunk1"),
+        ("branch", "four", "chunk1"),
+    ] {
+        let out = dir.join(client);
+        let o = run(&[
+            "client-check",
+            s(&release),
+            "--client",
+            client,
+            "--multimodal",
+            "off",
+            "--materialize",
+            s(&out),
+        ]);
+        // Exit 1: the default checkpoint's widths are not the runtime's.
+        assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+        assert!(out.join("cos_full.npy").is_file() && !out.join("swa").exists());
+        let blob = |p: &str| {
+            out.join(format!(
+                "{p}.mlpackage/Data/com.apple.CoreML/weights/weight.bin"
+            ))
+        };
+        assert_eq!(
+            fs::read(blob("prefill_chunk1")).unwrap(),
+            fs::read(blob(shared)).unwrap()
+        );
+        {
+            use std::os::unix::fs::MetadataExt;
+            let links = fs::metadata(blob("prefill_chunk1")).unwrap().nlink();
+            assert_eq!(
+                links,
+                if client == "branch" { 1 } else { 2 },
+                "{client}: link or copy"
+            );
+        }
+        assert_eq!(out.join("vision.mlmodelc").exists(), client == "branch");
+        let r = generate(&out, &["--prompt", SENTENCE]);
+        assert_eq!(r["layout"], layout, "{client}");
+        assert_eq!(
+            ids(&r["generated_ids"]),
+            want,
+            "{client}: tokens vs transformers"
+        );
+        // The folder is not written twice.
+        let o = run(&[
+            "client-check",
+            s(&release),
+            "--client",
+            client,
+            "--materialize",
+            s(&out),
+        ]);
+        assert_eq!(o.status.code(), Some(2));
+        assert!(stderr(&o).contains("already exists"), "{}", stderr(&o));
+    }
+    let _ = fs::remove_dir_all(&dir);
 }

@@ -970,3 +970,19 @@ class ExecResult(TypedDict):
     output: str
     load_seconds: float
     run_seconds: float
+
+
+class CompileRequest(TypedDict):
+    """compiled.compile_package: one .mlpackage to the .mlmodelc files the app requests."""
+
+    package: str
+    output: str
+    # Paths inside the compiled model to lay out (downloader.rs MODELC_FILES).
+    files: list[str]
+
+
+class CompileReply(TypedDict):
+    output: str
+    written: list[str]
+    absent: list[str]
+    coremltools: str

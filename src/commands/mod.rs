@@ -4,6 +4,7 @@
 mod audit;
 mod bench;
 mod build;
+mod client_check;
 pub(crate) mod device_report;
 mod doctor;
 mod exec;
@@ -105,6 +106,19 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Release(args) => release::run(args, verbose),
         Cmd::Run(args) => run::run(args, verbose),
         Cmd::Verify(args) => verify::run(args),
+        Cmd::ClientCheck(args) => client_check::run(args),
+        Cmd::Compile(args) => {
+            // Said before anything is read or written.
+            if let Some(why) = crate::compile::unsupported() {
+                anyhow::bail!("{}: {why}", args.release_dir.display());
+            }
+            let n = crate::compile::compile_release(&args.release_dir, &args.key, verbose)?;
+            println!(
+                "compiled {n} packages in {}, re-signed",
+                args.release_dir.display()
+            );
+            Ok(ExitStatus::Success)
+        }
         Cmd::DeviceReport(args) => device_report::run(args),
         Cmd::SelftestPython { args } => selftest::run(&args, verbose),
         Cmd::ConvertWorker => {

@@ -73,11 +73,14 @@ fn request(a: PackageCmd) -> PackageRequest {
             failed: a.allow_failed_parity,
             inconclusive: a.inconclusive.accept_inconclusive_parity,
         },
-        Compiled::not("not compiled: `chunkforge package` ships .mlpackage folders (compile with `chunkforge release --compile` on macOS)"),
+        Compiled::not(NOT_COMPILED),
     );
     r.onto = onto;
     r
 }
+
+/// The manifest's note on an uncompiled release.
+pub(super) const NOT_COMPILED: &str = "not compiled: .mlpackage at the app's paths; `chunkforge compile RELEASE --key K` makes the .mlmodelc the app fetches (it needs macOS)";
 
 /// Which parity reports that did not pass may be signed.
 pub(super) struct ParityAcceptance {
@@ -115,6 +118,7 @@ pub(super) fn release_request(
         compiled,
         allow_audit_findings: r.allow_audit_findings,
         allow_over_ceiling: r.allow_over_ceiling,
+        encoders_from: r.encoders_from,
         audit: None,
         onto: None,
     }

@@ -2,7 +2,6 @@
 //! failed parity stops it before anything is signed.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
@@ -18,6 +17,10 @@ use crate::settings::{BuildCommand, BuildSettings, Env, ParityCommand, ParitySet
 
 pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
     let output = &args.release.output;
+    // --compile runs on macOS only: said before anything is built.
+    if let Some(why) = crate::compile::unsupported().filter(|_| args.compile) {
+        bail!("--compile: {why}; without --compile, `release` makes the uncompiled release here");
+    }
     let build_dir = args.build_dir.clone().unwrap_or_else(|| {
         let mut p = output.clone().into_os_string();
         p.push(".build");
@@ -86,11 +89,7 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         }
     }
 
-    let compiled = if args.compile {
-        compile(&build_dir, &record)?
-    } else {
-        Compiled::not("not compiled (`release --compile` on macOS writes .mlmodelc)")
-    };
+    let compiled = Compiled::not(super::package::NOT_COMPILED);
     eprintln!("release 3/3: package and sign into {}", output.display());
     let mut request = release_request(
         build_dir,
@@ -106,6 +105,13 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
     super::package::audit_older_build(&mut request, verbose)?;
     let r = package(&request)?;
     eprintln!("{}", package_summary(&r, &request));
+    if args.compile {
+        let n = crate::compile::compile_release(&request.output, &request.key, verbose)?;
+        eprintln!(
+            "compiled {n} packages to .mlmodelc in {}, re-signed",
+            request.output.display()
+        );
+    }
     Ok(ExitStatus::Success)
 }
 
@@ -165,36 +171,4 @@ fn reusable(dir: &Path, hf_dir: &Path, settings: &BuildSettings) -> Result<Build
         );
     }
     Ok(record)
-}
-
-/// `xcrun coremlcompiler compile` of every package of the build into
-/// `<name>.mlmodelc` beside it, on macOS; elsewhere says it was skipped.
-fn compile(build_dir: &Path, record: &BuildRecord) -> Result<Compiled> {
-    if !cfg!(target_os = "macos") {
-        let why = format!(
-            "skipped: compiling .mlmodelc needs macOS (xcrun coremlcompiler); this is {}",
-            std::env::consts::OS
-        );
-        eprintln!("--compile {why}");
-        return Ok(Compiled::not(&why));
-    }
-    for c in &record.chunks {
-        let pkg = build_dir.join(&c.package);
-        let status = Command::new("xcrun")
-            .args(["coremlcompiler", "compile"])
-            .arg(&pkg)
-            .arg(build_dir)
-            .status()
-            .with_context(|| format!("{}: running xcrun coremlcompiler", pkg.display()))?;
-        if !status.success() {
-            bail!(
-                "{}: xcrun coremlcompiler compile failed ({status})",
-                pkg.display()
-            );
-        }
-    }
-    Ok(Compiled {
-        mlmodelc: true,
-        note: "compiled with xcrun coremlcompiler".into(),
-    })
 }

@@ -104,6 +104,10 @@ entry_points! {
     /// The INT4 kernel against coremltools (`bench palettize`).
     BenchPalettize = "convert.bench_palettize"."run"(Dict crate::bench_palettize::BenchArgs)
         -> crate::bench_palettize::BenchReport;
+    /// One package compiled to the `.mlmodelc` files the app requests
+    /// (`chunkforge compile`, macOS only).
+    CompilePackage = "convert.compiled"."compile_package"(Dict crate::compile::CompileRequest<'a>)
+        -> crate::compile::CompileReply;
     /// Text from a release folder alone (`chunkforge run`).
     Emulate = "emulate.release"."run"(Dict crate::run::RunRequest<'a>) -> crate::run::RunResult;
     /// The parity checks (`chunkforge parity`).
@@ -242,6 +246,14 @@ pub fn versions(verbose: bool) -> Result<Versions> {
         .map(|(name, _)| name.to_string())
         .collect();
     call::<VersionsOf>(&VersionsArgs { packages }, verbose)
+}
+
+/// One package compiled to the `.mlmodelc` files the app requests (macOS).
+pub fn compile_package(
+    request: &crate::compile::CompileRequest,
+    verbose: bool,
+) -> Result<crate::compile::CompileReply> {
+    call::<CompilePackage>(request, verbose)
 }
 
 /// What coremltools can and cannot do on this platform.

@@ -278,3 +278,44 @@ pub fn copy_tree(from: &Path, to: &Path) {
         }
     }
 }
+
+/// A stand-in for an upstream bundle's multimodal encoder files, as the
+/// app's lists name them (main's: vision, vision_video, audio and the audio
+/// side files), made once under the target dir: random bytes, text MIL.
+pub fn encoder_bundle() -> PathBuf {
+    let _guard = FIXTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures/encoder-bundle");
+    if dir.join("embed_proj_weight.npy").exists() {
+        return dir;
+    }
+    let models = ["vision.mlmodelc", "vision_video.mlmodelc", "audio.mlmodelc"];
+    let inner = [
+        "weights/weight.bin",
+        "coremldata.bin",
+        "model.mil",
+        "metadata.json",
+        "analytics/coremldata.bin",
+    ];
+    let plain = [
+        "mel_filterbank.bin",
+        "audio_config.json",
+        "output_proj_weight.npy",
+        "output_proj_bias.npy",
+        "embed_proj_weight.npy",
+    ];
+    let files = models
+        .iter()
+        .flat_map(|m| inner.iter().map(move |f| format!("{m}/{f}")))
+        .chain(plain.iter().map(|f| f.to_string()));
+    for (i, f) in files.enumerate() {
+        let p = dir.join(&f);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        let bytes = if f.ends_with("model.mil") {
+            b"program(1.3)\n{}\n".to_vec()
+        } else {
+            (0..64 + i).map(|b| (b * 31 + i) as u8).collect()
+        };
+        std::fs::write(p, bytes).unwrap();
+    }
+    dir
+}

@@ -3,7 +3,8 @@
 //! [`UPSTREAM`]; the facts are in RUNTIME.md, "The downloader"): which
 //! packages each entry fetches with their weight blob and which without, and
 //! the blobs its `finishDownload` then links or copies from one package into
-//! another. No code is copied.
+//! another, and the multimodal encoder files it fetches beside them. No code
+//! is copied.
 //!
 //! A release folder is the repository the app downloads from, so these rows
 //! decide which blobs a release must hold (`package`), which pairs must be
@@ -84,6 +85,185 @@ pub struct Entry {
     /// left out.
     pub shares: &'static [(&'static str, &'static str)],
     pub how: ShareHow,
+    /// The multimodal encoder files it fetches beside the text decoder
+    /// (`multimodalFiles`; on the branch, the tail of `extraFiles`).
+    pub multimodal: &'static [EncoderFile],
+    /// Whether the user can turn the multimodal files off (main's
+    /// `gemma4DownloadMultimodal`, default on); the branch always fetches them.
+    pub multimodal_toggle: bool,
+    /// Local-path prefixes whose 404 does not abort the download
+    /// (`isOptionalMlmodelcFile`), besides [`OPTIONAL_404_SUFFIXES`].
+    pub optional_404_prefixes: &'static [&'static str],
+}
+
+/// A 404 on a local path ending so does not abort any entry's download
+/// (`isOptionalMlmodelcFile`, main and the branch).
+pub const OPTIONAL_404_SUFFIXES: &[&str] = &[
+    ".mlmodelc/metadata.json",
+    ".mlmodelc/analytics/coremldata.bin",
+];
+
+/// Main's optional 3-way files (`optionalMlmodelcPrefixes`).
+const OPTIONAL_3WAY: &[&str] = &["chunk2_3way.mlmodelc/", "chunk3_3way.mlmodelc/"];
+
+/// The text decoder's side files every entry requests, (remote path, local
+/// path), in the app's order: main's `coreFiles`, the head of the branch's
+/// `extraFiles` (the same list).
+pub const CORE_FILES: &[(&str, &str)] = &[
+    ("model_config.json", "model_config.json"),
+    ("hf_model/tokenizer.json", "hf_model/tokenizer.json"),
+    (
+        "hf_model/tokenizer_config.json",
+        "hf_model/tokenizer_config.json",
+    ),
+    ("hf_model/config.json", "hf_model/config.json"),
+    ("embed_tokens_q8.bin", "embed_tokens_q8.bin"),
+    ("embed_tokens_scales.bin", "embed_tokens_scales.bin"),
+    (
+        "embed_tokens_per_layer_q8.bin",
+        "embed_tokens_per_layer_q8.bin",
+    ),
+    (
+        "embed_tokens_per_layer_scales.bin",
+        "embed_tokens_per_layer_scales.bin",
+    ),
+    ("per_layer_projection.bin", "per_layer_projection.bin"),
+    ("per_layer_norm_weight.bin", "per_layer_norm_weight.bin"),
+    ("swa/cos_sliding.npy", "cos_sliding.npy"),
+    ("swa/sin_sliding.npy", "sin_sliding.npy"),
+    ("swa/cos_full.npy", "cos_full.npy"),
+    ("swa/sin_full.npy", "sin_full.npy"),
+];
+
+/// Widths both runtime builds hard-code (ChunkedEngine.swift): the KV
+/// buffers' last dimension (`maxHd = 512`), the RoPE rows fed to sliding
+/// and full layers (`dim: 256` / `dim: 512`; verify's `slidingHd = 256`).
+pub const KV_WIDTH: usize = 512;
+pub const ROPE_SLIDING: usize = 256;
+pub const ROPE_FULL: usize = 512;
+
+/// The branch's hard-coded KV buffers (ChunkedEngine.swift at 4cd6c6c,
+/// `ioSurfaceArray(slots:)`): (package, sliding slots, full slots), with one
+/// KV head. Main reads them from the packages' shapes.
+pub const BRANCH_SLOTS: &[(&str, usize, usize)] = &[
+    ("chunk1", 7, 1),
+    ("chunk2", 5, 2),
+    ("merged_chunk1", 12, 3),
+    ("merged_full", 12, 3),
+];
+pub const BRANCH_KV_HEADS: usize = 1;
+
+/// One file the app requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Its path in the repository (a release folder).
+    pub remote: String,
+    /// Where the app saves it in the model folder.
+    pub local: String,
+    /// The package it belongs to (its local name), if any.
+    pub package: Option<&'static str>,
+    /// The encoder file it belongs to, if any.
+    pub encoder: Option<EncoderFile>,
+}
+
+chunkforge_model::named! {
+    /// What an encoder file serves, as the manifest records it.
+    pub enum EncoderRole {
+        /// The image (and video) encoders.
+        Vision = "vision",
+        /// The audio encoder, its mel filter bank, config and the Swift-side
+        /// projection weights.
+        Audio = "audio",
+    }
+}
+
+/// One multimodal file of a download entry, by its remote path (the same as
+/// its local one: they sit at the repository's root).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EncoderFile {
+    /// A compiled model folder (`vision.mlmodelc`: fetched as the files of
+    /// [`MODELC_FILES`]) or a plain file (`mel_filterbank.bin`).
+    pub path: &'static str,
+    pub role: EncoderRole,
+}
+
+impl EncoderFile {
+    /// A compiled model folder, fetched file by file.
+    pub fn is_model(&self) -> bool {
+        self.path.ends_with(".mlmodelc")
+    }
+
+    /// The paths the app requests for it.
+    pub fn requests(&self) -> Vec<String> {
+        if self.is_model() {
+            MODELC_FILES
+                .iter()
+                .map(|f| format!("{}/{f}", self.path))
+                .collect()
+        } else {
+            vec![self.path.to_string()]
+        }
+    }
+}
+
+/// The files the app requests inside every `.mlmodelc` it fetches, in its
+/// order (`mlc(...)`); a package fetched without its blob (`prefillMeta`)
+/// skips the first. What `chunkforge compile` lays out, no more.
+pub const MODELC_FILES: &[&str] = &[
+    COMPILED_BLOB,
+    "coremldata.bin",
+    "model.mil",
+    "metadata.json",
+    "analytics/coremldata.bin",
+];
+
+const fn enc(path: &'static str, role: EncoderRole) -> EncoderFile {
+    EncoderFile { path, role }
+}
+
+/// Main's `multimodalFiles` (ModelDownloader.swift at main 72178c6,
+/// `buildHuggingFaceFileList`, after `coreFiles`), in its order.
+const MULTIMODAL_MAIN: &[EncoderFile] = &[
+    enc("vision.mlmodelc", EncoderRole::Vision),
+    // The video encoder (64 tokens a frame); only main fetches it.
+    enc("vision_video.mlmodelc", EncoderRole::Vision),
+    enc("audio.mlmodelc", EncoderRole::Audio),
+    enc("mel_filterbank.bin", EncoderRole::Audio),
+    enc("audio_config.json", EncoderRole::Audio),
+    // "Audio projection weights (Swift-side float32 computation)".
+    enc("output_proj_weight.npy", EncoderRole::Audio),
+    enc("output_proj_bias.npy", EncoderRole::Audio),
+    enc("embed_proj_weight.npy", EncoderRole::Audio),
+];
+
+/// The branch's (ModelDownloader.swift at fix/2chunk-kv-prefill-transfer
+/// 4cd6c6c, `buildHuggingFaceFileList`, the tail of `extraFiles`): main's
+/// without `vision_video.mlmodelc`, not toggleable.
+const MULTIMODAL_BRANCH: &[EncoderFile] = &[
+    enc("vision.mlmodelc", EncoderRole::Vision),
+    enc("audio.mlmodelc", EncoderRole::Audio),
+    enc("mel_filterbank.bin", EncoderRole::Audio),
+    enc("audio_config.json", EncoderRole::Audio),
+    enc("output_proj_weight.npy", EncoderRole::Audio),
+    enc("output_proj_bias.npy", EncoderRole::Audio),
+    enc("embed_proj_weight.npy", EncoderRole::Audio),
+];
+
+/// Every multimodal file some entry fetches, once each, in entry order: the
+/// files `package --encoders-from` carries when a folder holds them.
+pub fn all_encoder_files() -> Vec<EncoderFile> {
+    let mut out: Vec<EncoderFile> = Vec::new();
+    for f in ENTRIES.iter().flat_map(|e| e.multimodal) {
+        if !out.contains(f) {
+            out.push(*f);
+        }
+    }
+    out
+}
+
+/// The encoder file at `path` (its remote path) of some entry's list.
+pub fn encoder_file(path: &str) -> Option<EncoderFile> {
+    all_encoder_files().into_iter().find(|f| f.path == path)
 }
 
 const FOUR: &[&str] = &["chunk1", "chunk2", "chunk3", "chunk4"];
@@ -112,6 +292,9 @@ pub const ENTRIES: &[Entry] = &[
         meta_only: PREFILL,
         shares: PREFILL_FROM_FOUR,
         how: ShareHow::Link,
+        multimodal: MULTIMODAL_MAIN,
+        multimodal_toggle: true,
+        optional_404_prefixes: OPTIONAL_3WAY,
     },
     Entry {
         client: Client::Main3Way,
@@ -133,6 +316,9 @@ pub const ENTRIES: &[Entry] = &[
             ("prefill_chunk4", "chunk3_3way"),
         ],
         how: ShareHow::Link,
+        multimodal: MULTIMODAL_MAIN,
+        multimodal_toggle: true,
+        optional_404_prefixes: OPTIONAL_3WAY,
     },
     Entry {
         client: Client::Branch,
@@ -143,6 +329,9 @@ pub const ENTRIES: &[Entry] = &[
         meta_only: PREFILL,
         shares: PREFILL_FROM_FOUR,
         how: ShareHow::Copy,
+        multimodal: MULTIMODAL_BRANCH,
+        multimodal_toggle: false,
+        optional_404_prefixes: &[],
     },
 ];
 
@@ -175,6 +364,59 @@ pub fn entry_for(runtime: Runtime, decode: LayoutKind) -> &'static Entry {
 }
 
 impl Entry {
+    /// Every file this entry requests, in the app's order (packages fetched
+    /// whole, then without `weights/`, the core files, the multimodal files
+    /// when `multimodal`).
+    pub fn requests(&self, multimodal: bool) -> Vec<Request> {
+        let mut out = Vec::new();
+        let packages = self.whole.iter().map(|p| (p, true));
+        for (package, with_blob) in packages.chain(self.meta_only.iter().map(|p| (p, false))) {
+            let remote = format!(
+                "{}.mlmodelc",
+                chunkforge_model::layouts::repository_path(package)
+                    .unwrap_or_else(|| package.to_string())
+            );
+            for f in MODELC_FILES.iter().skip(usize::from(!with_blob)) {
+                out.push(Request {
+                    remote: format!("{remote}/{f}"),
+                    local: format!("{package}.mlmodelc/{f}"),
+                    package: Some(package),
+                    encoder: None,
+                });
+            }
+        }
+        for (remote, local) in CORE_FILES {
+            out.push(Request {
+                remote: remote.to_string(),
+                local: local.to_string(),
+                package: None,
+                encoder: None,
+            });
+        }
+        if multimodal || !self.multimodal_toggle {
+            for e in self.multimodal {
+                for r in e.requests() {
+                    out.push(Request {
+                        remote: r.clone(),
+                        local: r,
+                        package: None,
+                        encoder: Some(*e),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether a 404 on `local` leaves this entry's download going.
+    pub fn optional_404(&self, local: &str) -> bool {
+        OPTIONAL_404_SUFFIXES.iter().any(|s| local.ends_with(s))
+            || self
+                .optional_404_prefixes
+                .iter()
+                .any(|p| local.starts_with(p))
+    }
+
     /// The package whose blob `package` holds after this entry's download:
     /// a share's source when it is fetched without `weights/`, else its own.
     pub fn blob_of<'a>(&self, package: &'a str) -> &'a str {
@@ -339,6 +581,31 @@ mod tests {
             ShareHow::Copy
         );
         assert_eq!(blob_in("prefill/chunk1.mlmodelc"), "weights/weight.bin");
+        // The encoders: main's eight entries with the video encoder, the
+        // branch's seven without, one role each; 5 requests per model folder.
+        let files = all_encoder_files();
+        assert_eq!(files.len(), 8);
+        assert_eq!(entry(Client::Branch).multimodal.len(), 7);
+        assert!(!entry(Client::Branch).multimodal_toggle);
+        assert!(entry(Client::Main3Way).multimodal_toggle);
+        let video = encoder_file("vision_video.mlmodelc").unwrap();
+        assert_eq!(video.role, EncoderRole::Vision);
+        assert_eq!(video.requests().len(), 5);
+        assert_eq!(
+            video.requests()[4],
+            "vision_video.mlmodelc/analytics/coremldata.bin"
+        );
+        assert_eq!(
+            encoder_file("embed_proj_weight.npy").unwrap().requests(),
+            ["embed_proj_weight.npy"]
+        );
+        assert_eq!(
+            files
+                .iter()
+                .filter(|f| f.role == EncoderRole::Vision)
+                .count(),
+            2
+        );
         assert_eq!(blob_in("prefill/chunk1.mlpackage"), PACKAGE_BLOB);
     }
 }

@@ -478,7 +478,10 @@ impl ReleaseFolder {
         let entry = downloader::entry_for(runtime, kind);
         let planned = self.planned(self.context_length)?;
         let mut packages = BTreeMap::new();
-        let mut layout = |k: LayoutKind| -> Result<Layout> {
+        // `need`: the packages must be there. The reference's are not when
+        // decoding with another layout (the plan still gives prefill's
+        // caches): the 3-way entry downloads no chunk2..4.
+        let mut layout = |k: LayoutKind, need: bool| -> Result<Layout> {
             let l = planned
                 .layouts
                 .iter()
@@ -487,6 +490,9 @@ impl ReleaseFolder {
                 .ok_or_else(|| err(&manifest, format!("no {k} layout in the plan")))?;
             for c in &l.chunks {
                 let pkg = self.package_dir(&c.name);
+                if !pkg.is_dir() && !need {
+                    continue;
+                }
                 if !pkg.is_dir() {
                     return Err(err(&pkg, format!("missing: the {k} layout needs it")));
                 }
@@ -495,9 +501,9 @@ impl ReleaseFolder {
             }
             Ok(l)
         };
-        let four = layout(REFERENCE)?;
-        let prefill = layout(LayoutKind::Prefill)?;
-        let mut decode = layout(kind)?;
+        let four = layout(REFERENCE, kind == REFERENCE)?;
+        let prefill = layout(LayoutKind::Prefill, true)?;
+        let mut decode = layout(kind, true)?;
         if kind != REFERENCE {
             decode.kv_slot_map = self.slot_map(&manifest, kind)?;
         }

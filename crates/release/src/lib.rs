@@ -7,8 +7,10 @@
 
 pub mod archive;
 pub mod bench;
+pub mod client_check;
 pub mod distribution;
 pub mod downloader;
+pub mod encoders;
 pub mod folder;
 pub mod hashing;
 pub mod keykind;

@@ -574,6 +574,11 @@ chunkforge_model::named! {
         Docs = "docs",
         /// `distribution.json`, upstream's per-file distribution manifest.
         Distribution = "distribution",
+        /// A multimodal encoder file of the image encoders (carried by
+        /// `package --encoders-from`).
+        Vision = "vision",
+        /// A file of the audio encoder and its side files (carried).
+        Audio = "audio",
     }
 }
 
@@ -588,6 +593,18 @@ fn file_roles(path: &str, chunks: &[ManifestChunk]) -> Vec<FileRole> {
     }
     if path == crate::distribution::DISTRIBUTION_FILE {
         return vec![FileRole::Distribution];
+    }
+    let encoder = downloader::all_encoder_files().into_iter().find(|e| {
+        path == e.path
+            || path
+                .strip_prefix(e.path)
+                .is_some_and(|r| r.starts_with('/'))
+    });
+    if let Some(e) = encoder {
+        return vec![match e.role {
+            downloader::EncoderRole::Vision => FileRole::Vision,
+            downloader::EncoderRole::Audio => FileRole::Audio,
+        }];
     }
     let package = chunks.iter().find(|c| {
         path.strip_prefix(&c.file)

@@ -72,6 +72,8 @@ pub struct PackageRequest {
     /// Ship even though a runtime would pick a layout with a function over
     /// the Neural Engine layer ceiling.
     pub allow_over_ceiling: bool,
+    /// The bundle whose multimodal encoder files the release carries.
+    pub encoders_from: Option<PathBuf>,
     /// The audit of the build's packages when its build.json has none (a
     /// build made before the audit existed; the caller runs it).
     pub audit: Option<AuditRecord>,
@@ -263,7 +265,7 @@ fn check_output(out: &Path) -> Result<()> {
 }
 
 /// The output's parent folder and its final name.
-fn split_output(out: &Path) -> Result<(PathBuf, String)> {
+pub fn split_output(out: &Path) -> Result<(PathBuf, String)> {
     split_path(out, "--output needs a folder name")
 }
 
@@ -608,6 +610,9 @@ fn check_paths(a: &PackageRequest, hf_dir: &Path) -> Result<Paths> {
     if let Some(z) = &a.zip {
         check_zip(z, &a.output, &a.build_dir)?;
     }
+    if let Some(d) = &a.encoders_from {
+        crate::encoders::encoder_sources(d)?;
+    }
     Ok((hf_sources, parent, name))
 }
 
@@ -805,6 +810,22 @@ fn stage_files(
             sources.extend(f);
         }
         pkgs.push((n.to_string(), pkg));
+    }
+    if let Some(d) = &a.encoders_from {
+        let enc = crate::encoders::encoder_sources(d)?;
+        for (e, clients) in &enc.absent {
+            eprintln!(
+                "note: {} has no {} ({} encoder): the {} download{} abort{} on it with multimodal on",
+                d.display(),
+                e.path,
+                e.role,
+                clients.join(", "),
+                if clients.len() == 1 { "" } else { "s" },
+                if clients.len() == 1 { "s" } else { "" }
+            );
+        }
+        dirs.extend(enc.dirs);
+        sources.extend(enc.files);
     }
     if let Some((x, y)) = manifest::case_collisions(sources.iter().map(|(_, r)| r.as_str())).first()
     {
