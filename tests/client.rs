@@ -245,6 +245,24 @@ fn linux_release_lists_compile_requests_widths_and_encoders() {
     ok(&["verify", s(rel), "--public-key", s(&pubkey)]);
 }
 
+/// `package --onto` a release that carries encoders carries them on, as
+/// `--encoders-from` that release would (the run book's workflow keeps the
+/// bundle's multimodal files); one without encoders adds none.
+#[test]
+fn onto_a_release_with_encoders_carries_them() {
+    let onto = release("onto-encoders", &["--onto", s(with_encoders())]);
+    let (_, r) = check(&onto, "branch", "on");
+    assert!(with_status(&r, "missing").is_empty(), "{r}");
+    assert!(
+        with_status(&r, "present").contains("audio.mlmodelc/model.mil"),
+        "{r}"
+    );
+    let bare = release("onto-plain", &["--onto", s(plain())]);
+    assert!(!bare.join("audio.mlmodelc").exists());
+    let pubkey = key().with_extension("pub");
+    ok(&["verify", s(&onto), "--public-key", s(&pubkey)]);
+}
+
 /// `--encoders-from` a folder missing a file every entry requires is
 /// refused naming it, before anything is written.
 #[test]

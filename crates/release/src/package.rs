@@ -610,10 +610,23 @@ fn check_paths(a: &PackageRequest, hf_dir: &Path) -> Result<Paths> {
     if let Some(z) = &a.zip {
         check_zip(z, &a.output, &a.build_dir)?;
     }
-    if let Some(d) = &a.encoders_from {
-        crate::encoders::encoder_sources(d)?;
+    if let Some(d) = encoders_dir(a) {
+        crate::encoders::encoder_sources(&d)?;
     }
     Ok((hf_sources, parent, name))
+}
+
+/// Where the encoder files come from: `--encoders-from`, else `--onto`'s
+/// release when it holds any of the app's encoder files (a release packaged
+/// with encoders carries them on).
+fn encoders_dir(a: &PackageRequest) -> Option<PathBuf> {
+    a.encoders_from.clone().or_else(|| {
+        a.onto.clone().filter(|d| {
+            crate::downloader::all_encoder_files()
+                .iter()
+                .any(|e| d.join(e.path).exists())
+        })
+    })
 }
 
 /// Refuses a release in which a runtime build would pick, by file presence, a
@@ -811,8 +824,8 @@ fn stage_files(
         }
         pkgs.push((n.to_string(), pkg));
     }
-    if let Some(d) = &a.encoders_from {
-        let enc = crate::encoders::encoder_sources(d)?;
+    if let Some(d) = encoders_dir(a) {
+        let enc = crate::encoders::encoder_sources(&d)?;
         for (e, clients) in &enc.absent {
             eprintln!(
                 "note: {} has no {} ({} encoder): the {} download{} abort{} on it with multimodal on",
