@@ -16,8 +16,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::hashing::FileDigest;
 
-pub const DISTRIBUTION_FILE: &str = "distribution.json";
-
 /// `distribution.json`. Members are written in this order.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[schemars(

@@ -591,7 +591,7 @@ fn file_roles(path: &str, chunks: &[ManifestChunk]) -> Vec<FileRole> {
     if path == crate::paths::RUNBOOK_FILE {
         return vec![FileRole::Docs];
     }
-    if path == crate::distribution::DISTRIBUTION_FILE {
+    if path == crate::paths::DISTRIBUTION_FILE {
         return vec![FileRole::Distribution];
     }
     let encoder = downloader::all_encoder_files().into_iter().find(|e| {

@@ -22,7 +22,7 @@ use sha2::{Digest, Sha256};
 use crate::archive;
 use crate::bench::runbook::{self, RunbookFacts};
 use crate::bench::runtime_layout;
-use crate::distribution::{Distribution, DISTRIBUTION_FILE};
+use crate::distribution::Distribution;
 use crate::downloader;
 use crate::hashing::{self, FileDigest};
 pub use crate::manifest::Compiled;
@@ -31,7 +31,7 @@ use crate::manifest::{
     ShareUse, WeightShare, MANIFEST_FILE,
 };
 use crate::onto::Onto;
-use crate::paths::{HF_MODEL_DIR, HF_MODEL_FILES, RUNBOOK_FILE, TOKENIZER_FILE};
+use crate::paths::{DISTRIBUTION_FILE, HF_MODEL_DIR, HF_MODEL_FILES, RUNBOOK_FILE, TOKENIZER_FILE};
 use crate::sidefiles::{self, SideFilesReport, SideFilesRequest};
 use crate::sign::{self, SIG_FILE};
 use crate::staging::Staging;

@@ -21,6 +21,9 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// The device bench's run book, at the release root.
 pub const RUNBOOK_FILE: &str = "DEVICE_RUNBOOK.md";
 
+/// Upstream's per-file distribution manifest, at the release root.
+pub const DISTRIBUTION_FILE: &str = "distribution.json";
+
 /// Why a relative path in a manifest, signature or archive is unsafe, if it is.
 pub fn check_rel_path(p: &str) -> Result<(), &'static str> {
     if p.is_empty() {
