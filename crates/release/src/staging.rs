@@ -253,18 +253,29 @@ impl Staging {
                 out.display()
             )
         };
-        fs::create_dir(&dir).with_context(cannot)?;
+        // Registered before it exists, so that a Ctrl-C between its creation
+        // and its registration cannot leave it behind.
+        if let Ok(mut live) = LIVE_STAGING.lock() {
+            live.push(dir.clone());
+        }
+        let forget = || {
+            if let Ok(mut live) = LIVE_STAGING.lock() {
+                live.retain(|d| d != &dir);
+            }
+        };
+        if let Err(e) = fs::create_dir(&dir) {
+            forget();
+            return Err(e).with_context(cannot);
+        }
         let owner = match FileLock::try_take(&dir.join(OWNER)) {
             Ok(Some(owner)) => owner,
             taken => {
                 let _ = fs::remove_dir_all(&dir);
+                forget();
                 taken.with_context(cannot)?;
                 bail!("{}: locked by another process", dir.join(OWNER).display());
             }
         };
-        if let Ok(mut live) = LIVE_STAGING.lock() {
-            live.push(dir.clone());
-        }
         Ok(Staging {
             out: out.to_path_buf(),
             dir,
