@@ -504,9 +504,10 @@ pub struct PackageCmd {
     /// checkpoint folder]; its config.json must be the one the build was made from.
     #[arg(long, conflicts_with = "onto")]
     pub hf_dir: Option<PathBuf>,
-    /// An existing chunkforge release of the same checkpoint: the build's packages go into
-    /// a new release beside every file the build lacks (chunk1..4, prefill_chunk1..4, the
-    /// side files, hf_model/), carried from it after each is checked against the build.
+    /// An existing chunkforge release of the same checkpoint, or an upstream bundle of it
+    /// (compiled .mlmodelc, swa/ or local layout): the build's packages go into a new
+    /// release beside every file the build lacks (chunk1..4, prefill_chunk1..4, the side
+    /// files, hf_model/), carried from it after each is checked against the build.
     #[arg(long, value_name = "DIR")]
     pub onto: Option<PathBuf>,
     /// Parity report JSON (`chunkforge parity --report`) of the build's checkpoint; its

@@ -83,8 +83,15 @@ pub fn compile_release(dir: &Path, key: &Path, verbose: bool) -> Result<usize> {
     let root = staging.dir.join(&name);
     fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
     let work = staging.dir.join("packages");
-    // Everything but the packages, the manifest and the signature, as is.
-    let packages: Vec<String> = m.chunks.iter().map(|c| c.file.clone()).collect();
+    // Everything but the packages to compile, the manifest and the
+    // signature, as is (packages carried compiled from an upstream bundle
+    // with the rest).
+    let packages: Vec<String> = m
+        .chunks
+        .iter()
+        .map(|c| c.file.clone())
+        .filter(|f| !f.ends_with(".mlmodelc"))
+        .collect();
     let tree = hashing::walk(dir, &|r| {
         r == MANIFEST_FILE
             || r == SIG_FILE
@@ -98,6 +105,9 @@ pub fn compile_release(dir: &Path, key: &Path, verbose: bool) -> Result<usize> {
     let mut files = copy_tree(&root, &sources, &[])?;
     let mut coremltools = String::new();
     for c in &mut m.chunks {
+        if c.file.ends_with(".mlmodelc") {
+            continue;
+        }
         let src = dir.join(&c.file);
         // A package the release holds without its blob (the app shares it
         // in) is compiled from a copy with the blob of the share's source.
@@ -211,7 +221,17 @@ pub fn compile_release(dir: &Path, key: &Path, verbose: bool) -> Result<usize> {
             .map(str::to_string)
     });
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
+    // Files carried from --onto's folder (and still there as they were) stay marked.
+    let carried: Vec<(String, String)> = m
+        .files
+        .iter()
+        .filter(|f| f.carried)
+        .map(|f| (f.path.clone(), f.sha256.clone()))
+        .collect();
     m.list_files(&files, base.as_deref());
+    for f in &mut m.files {
+        f.carried = carried.iter().any(|(p, h)| *p == f.path && *h == f.sha256);
+    }
     let mut text = serde_json::to_string_pretty(&m)?;
     text.push('\n');
     fs::write(root.join(MANIFEST_FILE), &text)?;

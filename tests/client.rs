@@ -398,3 +398,255 @@ fn compile_needs_macos() {
     assert!(stderr(&o).contains("--compile: compiling a release needs macOS"));
     assert!(!out.exists() && !out.with_extension("build").exists());
 }
+
+/// `model.mil` text as coremltools' `get_compiled_model_path()` writes it,
+/// stating `chunk`'s functions (a manifest entry): each signature, and each
+/// output declared by a statement. The test's stand-in for a compiled
+/// package: Core ML's compiler exists only on macOS.
+fn text_mil(chunk: &Value) -> String {
+    let tensor = |t: &Value| {
+        let dims: Vec<String> = t["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.to_string())
+            .collect();
+        format!(
+            "tensor<{}, [{}]>",
+            t["dtype"].as_str().unwrap(),
+            dims.join(", ")
+        )
+    };
+    let mut text = String::from(
+        "program(1.3)\n[buildInfo = dict<string, string>({{\"coremlc-component-MIL\", \"3500.14.1\"}})]\n{\n",
+    );
+    for f in chunk["functions"].as_array().unwrap() {
+        let inputs: Vec<String> = f["inputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| format!("{} {}", tensor(t), t["name"].as_str().unwrap()))
+            .collect();
+        text += &format!(
+            "    func {}<ios18>({}) {{\n",
+            f["name"].as_str().unwrap(),
+            inputs.join(", ")
+        );
+        let mut outs = Vec::new();
+        for t in f["outputs"].as_array().unwrap() {
+            let n = t["name"].as_str().unwrap();
+            text += &format!(
+                "            {} {n} = identity(x = var_0)[name = string(\"{n}\")];\n",
+                tensor(t)
+            );
+            outs.push(n.to_string());
+        }
+        text += &format!("    }} -> ({});\n", outs.join(", "));
+    }
+    text + "}\n"
+}
+
+/// An upstream bundle made from the chunkforge release `rel`: the app's
+/// repository with each package compiled (`text_mil`, the package's weight
+/// blob, stand-ins for the compiler's binary files) and no manifest or
+/// signature.
+fn upstream_bundle(rel: &Path, out: &Path) {
+    let m = json_file(&rel.join("manifest.json"));
+    let packages: Vec<&Value> = m["chunks"].as_array().unwrap().iter().collect();
+    for f in m["files"].as_array().unwrap() {
+        let path = f["path"].as_str().unwrap();
+        if path.contains(".mlpackage/")
+            || ["manifest.json", "model.sig", "DEVICE_RUNBOOK.md"].contains(&path)
+        {
+            continue;
+        }
+        let dst = out.join(path);
+        fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        fs::copy(rel.join(path), dst).unwrap();
+    }
+    for c in packages {
+        let file = c["file"].as_str().unwrap();
+        let compiled = out.join(file.replace(".mlpackage", ".mlmodelc"));
+        fs::create_dir_all(compiled.join("analytics")).unwrap();
+        fs::write(compiled.join("model.mil"), text_mil(c)).unwrap();
+        fs::write(compiled.join("coremldata.bin"), b"stand-in").unwrap();
+        fs::write(compiled.join("analytics/coremldata.bin"), b"stand-in").unwrap();
+        fs::write(compiled.join("metadata.json"), b"[]").unwrap();
+        // A package the release holds without its blob (shared in) is
+        // fetched without one from upstream too.
+        let blob = rel
+            .join(file)
+            .join("Data/com.apple.CoreML/weights/weight.bin");
+        if blob.is_file() {
+            fs::create_dir_all(compiled.join("weights")).unwrap();
+            fs::copy(blob, compiled.join("weights/weight.bin")).unwrap();
+        }
+    }
+}
+
+/// `package --onto` an upstream bundle (compiled packages, no manifest): its
+/// packages are checked against the plan through their `model.mil` and stay
+/// compiled in the release, signed with the rest; the app's main download
+/// of the result finds every file (no compile request, the context check
+/// read from chunk1's `model.mil`); `run` says it cannot execute compiled
+/// packages. A contract or config that disagrees is refused by name.
+#[test]
+fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
+    let build = common::built_all();
+    let hf = PathBuf::from(
+        json_file(&build.join("build.json"))["checkpoint"]["dir"]
+            .as_str()
+            .unwrap(),
+    );
+    // The builds tests/run.rs's --onto test shares.
+    let four_build = common::shared_build(
+        "default-four-fp16",
+        &hf,
+        &[
+            "--mode",
+            "four",
+            "--verify-k",
+            "3",
+            "--prefill-len",
+            "512",
+            "--no-quantize",
+        ],
+    );
+    let both = common::shared_build(
+        "default-both-fp16",
+        &hf,
+        &["--mode", "both", "--no-quantize"],
+    );
+    let work = tempdir("client-upstream");
+    let four = work.join("four");
+    ok(&[
+        "package",
+        s(&four_build),
+        "--layout",
+        "four",
+        "--key",
+        s(key()),
+        "--output",
+        s(&four),
+    ]);
+    let bundle = work.join("bundle");
+    upstream_bundle(&four, &bundle);
+    let onto = |dir: &Path, out: &Path| {
+        run(&[
+            "package",
+            s(&both),
+            "--layout",
+            "two",
+            "--onto",
+            s(dir),
+            "--key",
+            s(key()),
+            "--output",
+            s(out),
+        ])
+    };
+    let out = work.join("release");
+    let o = onto(&bundle, &out);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let pubkey = key().with_extension("pub");
+    ok(&["verify", s(&out), "--public-key", s(&pubkey)]);
+    let m = json_file(&out.join("manifest.json"));
+    assert_eq!(m["onto"]["upstream"], true);
+    assert_eq!(m["onto"]["layout"], "repository");
+    assert!(m["onto"].get("version").is_none());
+    assert_eq!(m["compiled"]["mlmodelc"], false);
+    for c in m["chunks"].as_array().unwrap() {
+        let (name, file) = (c["name"].as_str().unwrap(), c["file"].as_str().unwrap());
+        let carried = !name.starts_with("merged_");
+        assert_eq!(file.ends_with(".mlmodelc"), carried, "{name}: {file}");
+        assert!(c["sha256_tree"].is_string(), "{name}");
+    }
+    for f in m["files"].as_array().unwrap() {
+        let path = f["path"].as_str().unwrap();
+        let made = path.starts_with("merged_") || path == "DEVICE_RUNBOOK.md";
+        assert_eq!(f["carried"].as_bool().unwrap_or(false), !made, "{path}");
+    }
+    // The app's main download: every file there, chunk1's model.mil read
+    // by the downloader's context check; only the fixture's widths differ
+    // from the runtime's hard-coded ones.
+    let (_, r) = check(&out, "main", "off");
+    assert!(with_status(&r, "needs-compile").is_empty(), "{r}");
+    assert!(with_status(&r, "missing").is_empty(), "{r}");
+    assert!(with_status(&r, "present").contains("swa/chunk1.mlmodelc/model.mil"));
+    assert!(
+        problems(&r).iter().all(|(k, _)| k == "width"),
+        "{:?}",
+        problems(&r)
+    );
+    // The folder the app's download leaves (local names, blobs linked in)
+    // is an upstream bundle in the local layout.
+    let local = work.join("local");
+    let o = run(&[
+        "client-check",
+        s(&out),
+        "--client",
+        "main",
+        "--multimodal",
+        "off",
+        "--materialize",
+        s(&local),
+    ]);
+    assert!(
+        local
+            .join("prefill_chunk2.mlmodelc/weights/weight.bin")
+            .is_file(),
+        "{}",
+        stderr(&o)
+    );
+    // Upstream's folders record nothing.
+    fs::remove_file(local.join("manifest.json")).unwrap();
+    let again = work.join("again");
+    let o = onto(&local, &again);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m2 = json_file(&again.join("manifest.json"));
+    assert_eq!(m2["onto"]["layout"], "local");
+    assert_eq!(
+        m2["chunks"], m["chunks"],
+        "the same packages, whichever layout they came from"
+    );
+    let o = run(&["run", s(&out), "--prompt", "hi", "--max-tokens", "1"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains(".mlmodelc: compiled (.mlmodelc)"),
+        "{}",
+        stderr(&o)
+    );
+
+    // Refusals, naming the file; nothing written.
+    let refused = |dir: &Path, names: &Path, what: &str| {
+        let bad = work.join("bad");
+        let o = onto(dir, &bad);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{e}");
+        assert!(e.contains(&format!("{}: {what}", names.display())), "{e}");
+        assert!(!bad.exists());
+    };
+    let contract = work.join("contract");
+    copy_tree(&bundle, &contract);
+    let mil = contract.join("prefill/chunk3.mlmodelc/model.mil");
+    let text = fs::read_to_string(&mil).unwrap();
+    assert!(text.contains("tensor<fp16, [1, 512, "));
+    let widened = text.replacen("tensor<fp16, [1, 512, ", "tensor<fp16, [1, 513, ", 1);
+    fs::write(&mil, widened).unwrap();
+    refused(
+        &contract,
+        &mil,
+        "function prefill_b512's inputs are not what",
+    );
+    let no_config = work.join("no-config");
+    copy_tree(&bundle, &no_config);
+    fs::remove_file(no_config.join("hf_model/config.json")).unwrap();
+    refused(
+        &no_config,
+        &no_config.join("hf_model/config.json"),
+        "missing",
+    );
+    let empty = work.join("empty");
+    fs::create_dir_all(&empty).unwrap();
+    refused(&empty, &empty, "--onto takes a chunkforge release");
+}

@@ -315,7 +315,8 @@ fn request(r: &Release, entry: &Entry, q: &Request, o: &CheckOptions) -> Request
     }
     let optional = entry.optional_404(&q.local);
     // A compiled package's file, of a package the release holds uncompiled.
-    if let Some(package) = q.package.filter(|_| !r.compiled) {
+    let uncompiled = |p: &&str| !r.compiled && !r.package(p).ends_with(".mlmodelc");
+    if let Some(package) = q.package.filter(uncompiled) {
         let pkg = manifest::package_file(package, false);
         let inner = q.remote.split_once(".mlmodelc/").map_or("", |(_, f)| f);
         let source = if inner == downloader::COMPILED_BLOB {
@@ -752,11 +753,19 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
         }
         // finishDownload's shares: only where the package arrived and its
         // blob did not.
-        let ext = if compiled { "mlmodelc" } else { "mlpackage" };
+        // Each package as it arrived: compiled, or (not yet) an .mlpackage.
+        let local = |p: &str| {
+            let c = tmp.join(format!("{p}.mlmodelc"));
+            if compiled || c.is_dir() {
+                c
+            } else {
+                tmp.join(format!("{p}.mlpackage"))
+            }
+        };
         for &(package, from) in entry.shares {
-            let pkg = tmp.join(format!("{package}.{ext}"));
+            let pkg = local(package);
             let to = pkg.join(downloader::blob_in(&pkg.to_string_lossy()));
-            let src = tmp.join(format!("{from}.{ext}"));
+            let src = local(from);
             let src = src.join(downloader::blob_in(&src.to_string_lossy()));
             if !pkg.is_dir() || to.exists() || !src.is_file() {
                 continue;

@@ -223,45 +223,9 @@ impl ReleaseFolder {
                 .find(|k| self.files.contains_key(k))
                 .unwrap_or(rel);
             let listed = self.files.contains_key(&key);
-            if !path.exists() {
-                if spec.required || listed {
-                    return Err(err(
-                        &path,
-                        format!(
-                            "missing ({}; the app would {})",
-                            if listed {
-                                "manifest.json lists it"
-                            } else {
-                                "the runtime requires it"
-                            },
-                            if spec.required {
-                                "fail to load the model"
-                            } else {
-                                "silently compute wrong results without it"
-                            }
-                        ),
-                    ));
-                }
+            let Some(size) = check_side_file(&path, spec, c, self.context_length, listed)? else {
                 continue;
-            }
-            let size = fs::metadata(&path)
-                .map_err(|e| err(&path, format!("cannot read: {e}")))?
-                .len();
-            let expected = match spec.expected(c) {
-                Expected::Bytes(n) => Some(n),
-                Expected::Npy { head_dim } => Some(self.check_npy(&path, head_dim, size)?),
-                Expected::Contents => None,
             };
-            if let Some(want) = expected {
-                if size != want {
-                    return Err(err(
-                        &path,
-                        format!(
-                            "{size} bytes, hf_model/config.json's dimensions need {want} (truncated or from another model)"
-                        ),
-                    ));
-                }
-            }
             self.check_digest(&key, &path, size)?;
         }
         // Every dimension of the plan comes from hf_model/config.json.
@@ -321,57 +285,6 @@ impl ReleaseFolder {
             ));
         }
         Ok(())
-    }
-
-    /// A RoPE table's `.npy` header: little-endian fp16, C order, shape
-    /// (positions >= context length, head_dim); returns the file size it implies.
-    fn check_npy(&self, path: &Path, head_dim: usize, size: u64) -> Result<u64> {
-        let mut head = vec![0u8; 4096.min(size as usize)];
-        fs::File::open(path)
-            .and_then(|mut f| f.read_exact(&mut head))
-            .map_err(|e| err(path, format!("cannot read: {e}")))?;
-        let (header_len, text) = npy_header(&head).ok_or_else(|| {
-            err(
-                path,
-                "not a .npy file of format version 1.0 (what the runtime reads)",
-            )
-        })?;
-        let field = |key: &str| -> Option<&str> {
-            let at = text.find(&format!("'{key}':"))? + key.len() + 3;
-            Some(text[at..].trim_start())
-        };
-        let descr_ok = field("descr").is_some_and(|v| v.starts_with("'<f2'"));
-        let order_ok = field("fortran_order").is_some_and(|v| v.starts_with("False"));
-        let shape = field("shape").and_then(|v| {
-            let inner = v.strip_prefix('(')?.split(')').next()?;
-            inner
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(|s| s.parse::<usize>().ok())
-                .collect::<Option<Vec<usize>>>()
-        });
-        match shape {
-            Some(s) if descr_ok && order_ok && s.len() == 2 && s[1] == head_dim => {
-                if s[0] < self.context_length {
-                    return Err(err(
-                        path,
-                        format!(
-                            "{} positions, fewer than the context length {} (the runtime would feed rows of zeros past them)",
-                            s[0], self.context_length
-                        ),
-                    ));
-                }
-                Ok(header_len as u64 + (s[0] * s[1] * 2) as u64)
-            }
-            _ => Err(err(
-                path,
-                format!(
-                    "not an fp16 (positions, {head_dim}) table: header {}",
-                    text.trim()
-                ),
-            )),
-        }
     }
 
     /// The side file `name`'s path in the folder (under `swa/` for the
@@ -496,6 +409,12 @@ impl ReleaseFolder {
                 if !pkg.is_dir() {
                     return Err(err(&pkg, format!("missing: the {k} layout needs it")));
                 }
+                if pkg.extension().is_some_and(|e| e == "mlmodelc") {
+                    return Err(err(
+                        &pkg,
+                        format!("compiled (.mlmodelc): `run` executes the ML program of an .mlpackage, and a compiled model runs only in Core ML (macOS, iOS); the {k} layout needs it, so run this release on the device"),
+                    ));
+                }
                 self.check_chunk(&manifest, c)?;
                 packages.insert(c.name.clone(), self.package_files(&c.name, entry)?);
             }
@@ -616,8 +535,112 @@ impl ReleaseFolder {
     }
 }
 
+/// Side file `spec` at `path`, against the sizes `cfg` implies at
+/// `context_length`: missing is an error when the runtime requires it or
+/// `listed` (the manifest lists it); returns its size (None: absent and
+/// optional).
+pub fn check_side_file(
+    path: &Path,
+    spec: &sidefiles::SideFileSpec,
+    cfg: &TextConfig,
+    context_length: usize,
+    listed: bool,
+) -> Result<Option<u64>> {
+    if !path.exists() {
+        if spec.required || listed {
+            return Err(err(
+                path,
+                format!(
+                    "missing ({}; the app would {})",
+                    if listed {
+                        "manifest.json lists it"
+                    } else {
+                        "the runtime requires it"
+                    },
+                    if spec.required {
+                        "fail to load the model"
+                    } else {
+                        "silently compute wrong results without it"
+                    }
+                ),
+            ));
+        }
+        return Ok(None);
+    }
+    let size = fs::metadata(path)
+        .map_err(|e| err(path, format!("cannot read: {e}")))?
+        .len();
+    let expected = match spec.expected(cfg) {
+        Expected::Bytes(n) => Some(n),
+        Expected::Npy { head_dim } => Some(check_npy(path, head_dim, size, context_length)?),
+        Expected::Contents => None,
+    };
+    if let Some(want) = expected {
+        if size != want {
+            return Err(err(
+                path,
+                format!(
+                    "{size} bytes, hf_model/config.json's dimensions need {want} (truncated or from another model)"
+                ),
+            ));
+        }
+    }
+    Ok(Some(size))
+}
+
+/// A RoPE table's `.npy` header: little-endian fp16, C order, shape
+/// (positions >= context length, head_dim); returns the file size it implies.
+fn check_npy(path: &Path, head_dim: usize, size: u64, context_length: usize) -> Result<u64> {
+    let mut head = vec![0u8; 4096.min(size as usize)];
+    fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .map_err(|e| err(path, format!("cannot read: {e}")))?;
+    let (header_len, text) = npy_header(&head).ok_or_else(|| {
+        err(
+            path,
+            "not a .npy file of format version 1.0 (what the runtime reads)",
+        )
+    })?;
+    let field = |key: &str| -> Option<&str> {
+        let at = text.find(&format!("'{key}':"))? + key.len() + 3;
+        Some(text[at..].trim_start())
+    };
+    let descr_ok = field("descr").is_some_and(|v| v.starts_with("'<f2'"));
+    let order_ok = field("fortran_order").is_some_and(|v| v.starts_with("False"));
+    let shape = field("shape").and_then(|v| {
+        let inner = v.strip_prefix('(')?.split(')').next()?;
+        inner
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse::<usize>().ok())
+            .collect::<Option<Vec<usize>>>()
+    });
+    match shape {
+        Some(s) if descr_ok && order_ok && s.len() == 2 && s[1] == head_dim => {
+            if s[0] < context_length {
+                return Err(err(
+                    path,
+                    format!(
+                        "{} positions, fewer than the context length {} (the runtime would feed rows of zeros past them)",
+                        s[0], context_length
+                    ),
+                ));
+            }
+            Ok(header_len as u64 + (s[0] * s[1] * 2) as u64)
+        }
+        _ => Err(err(
+            path,
+            format!(
+                "not an fp16 (positions, {head_dim}) table: header {}",
+                text.trim()
+            ),
+        )),
+    }
+}
+
 /// Reads `model_config.json` through its type.
-fn read_model_config(path: &Path) -> Result<ModelConfig> {
+pub(crate) fn read_model_config(path: &Path) -> Result<ModelConfig> {
     let bytes = fs::read(path).map_err(|e| {
         err(
             path,
@@ -641,7 +664,11 @@ fn read_model_config(path: &Path) -> Result<ModelConfig> {
 /// `model_config.json` against the plan of `hf_model/config.json`: every key
 /// the runtime reads must agree (the app takes its dimensions and scales
 /// from this file, the packages were built from the other).
-fn check_model_config(config: &ModelConfig, path: &Path, cfg: &TextConfig) -> Result<()> {
+pub(crate) fn check_model_config(
+    config: &ModelConfig,
+    path: &Path,
+    cfg: &TextConfig,
+) -> Result<()> {
     let want = ModelConfig::of(
         cfg,
         config.context_length,

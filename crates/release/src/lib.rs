@@ -7,6 +7,7 @@
 
 pub mod archive;
 pub mod bench;
+pub mod bundle;
 pub mod client_check;
 pub mod distribution;
 pub mod downloader;

@@ -733,13 +733,17 @@ pub struct Manifest {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[schemars(deny_unknown_fields)]
 pub struct OntoRecord {
-    /// Its manifest's model id.
+    /// Its manifest's model id (an upstream bundle's `model_config.json` `model_name`).
     pub model_id: String,
-    /// Its manifest's release version.
-    pub version: String,
+    /// Its manifest's release version (an upstream bundle has none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
     /// Its layout: `repository` (the app's remote paths) or `local` (every file at the root).
     #[schemars(pattern("^(repository|local)$"))]
     pub layout: String,
+    /// An upstream bundle (compiled packages, no manifest), not a chunkforge release.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub upstream: bool,
     /// The packages carried from it.
     pub packages: Vec<String>,
 }

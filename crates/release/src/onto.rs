@@ -2,7 +2,8 @@
 //! them beside an existing four-chunk folder). The build's packages go into
 //! a new release; every file the build lacks (the reference's and the
 //! prefill packages, the side files, `hf_model/`) is carried from DIR, an
-//! existing chunkforge release (repository or local layout).
+//! existing chunkforge release (repository or local layout), or an upstream
+//! bundle ([`crate::bundle`]: compiled `.mlmodelc`, no manifest).
 //!
 //! Before anything is written, each carried file is checked against the
 //! build, in this order, and the first that disagrees is named:
@@ -13,24 +14,44 @@
 //! then each carried package (its contract as DIR's manifest states it,
 //! equal to the plan of the build's config at the build's context length;
 //! its files equal to DIR's manifest).
+//!
+//! An upstream bundle records nothing, so it is checked against what its
+//! files state: its `hf_model/config.json` must plan the build's model
+//! (the same dimensions; the same bytes are not required), `model_config.json`
+//! the build's context length, the side files the sizes that config
+//! implies, and every carried package's `model.mil` the plan's contract,
+//! function by function. Its packages stay compiled in the release (the
+//! manifest lists them as `.mlmodelc`); `chunkforge compile` on macOS
+//! compiles the build's packages beside them.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 
+use chunkforge_model::config::TextConfig;
 use chunkforge_model::layouts::{spec, REFERENCE};
-use chunkforge_model::plan::{Layout, LayoutKind};
+use chunkforge_model::plan::{self, FunctionPlan, Functions, Layout, LayoutKind, Mode};
 
+use crate::bundle::{Bundle, MilFunction};
+use crate::downloader;
 use crate::folder::{FolderKind, ReleaseFolder};
 use crate::hashing::{self, FileDigest};
-use crate::manifest::{Build, OntoRecord, MANIFEST_FILE};
+use crate::manifest::{self, Build, ContractTensor, OntoRecord, MANIFEST_FILE};
 use crate::paths::HF_MODEL_DIR;
 use crate::sidefiles::{self, SIDE_FILES};
 
+/// What DIR is.
+pub enum Source {
+    /// A chunkforge release: its manifest states every contract and digest.
+    Release(Box<ReleaseFolder>),
+    /// An upstream bundle: compiled packages, nothing recorded.
+    Upstream(Box<Bundle>),
+}
+
 /// DIR, checked against a build, and what it carries into the release.
 pub struct Onto {
-    pub folder: ReleaseFolder,
+    pub source: Source,
     /// The layouts the build lacks, planned from the build's config at its
     /// context length with DIR's verify K and prefill lengths.
     pub layouts: Vec<Layout>,
@@ -46,12 +67,46 @@ const CARRIED_LAYOUTS: [LayoutKind; 2] = [REFERENCE, LayoutKind::Prefill];
 impl Onto {
     /// Opens DIR and checks every file it would carry against `build`.
     pub fn open(dir: &Path, build: &Build) -> Result<Onto> {
-        if !dir.join(MANIFEST_FILE).is_file() {
-            bail!(
-                "{}: --onto takes a chunkforge release (no {MANIFEST_FILE} here); an upstream bundle is not read yet: package it from a chunkforge build instead",
-                dir.display()
-            );
+        if dir.join(MANIFEST_FILE).is_file() {
+            return Self::open_release(dir, build);
         }
+        match Bundle::detect(dir) {
+            Some(kind) => Self::open_bundle(Bundle::open(dir, kind)?, build),
+            None => bail!(
+                "{}: --onto takes a chunkforge release (it has no {MANIFEST_FILE}) or an upstream bundle (it has no {} or chunk1.mlmodelc)",
+                dir.display(),
+                manifest::package_file("chunk1", true)
+            ),
+        }
+    }
+
+    /// DIR's folder.
+    pub fn dir(&self) -> &Path {
+        match &self.source {
+            Source::Release(f) => &f.dir,
+            Source::Upstream(b) => &b.dir,
+        }
+    }
+
+    /// DIR's `hf_model/config.json`.
+    pub fn cfg(&self) -> &TextConfig {
+        match &self.source {
+            Source::Release(f) => &f.cfg,
+            Source::Upstream(b) => &b.cfg,
+        }
+    }
+
+    /// Whether the carried packages are compiled (an upstream bundle's).
+    pub fn compiled(&self) -> bool {
+        matches!(self.source, Source::Upstream(_))
+    }
+
+    /// Carried package `name`'s folder in the release.
+    pub fn release_file(&self, name: &str) -> String {
+        manifest::package_file(name, self.compiled())
+    }
+
+    fn open_release(dir: &Path, build: &Build) -> Result<Onto> {
         let folder = ReleaseFolder::open(dir)?;
         let config = dir.join(HF_MODEL_DIR).join("config.json");
         let want = &build.record.checkpoint.config_sha256;
@@ -129,7 +184,7 @@ impl Onto {
             layouts.push(l);
         }
         let onto = Onto {
-            folder,
+            source: Source::Release(Box::new(folder)),
             layouts,
             packages,
         };
@@ -139,19 +194,108 @@ impl Onto {
         Ok(onto)
     }
 
+    /// An upstream bundle against `build`: its config plans the build's
+    /// model at the build's context length, its side files have that
+    /// model's sizes, and each package it carries states the plan's
+    /// contract in its `model.mil`.
+    fn open_bundle(b: Bundle, build: &Build) -> Result<Onto> {
+        let ctx = build.record.settings.ctx;
+        let config = b.dir.join(HF_MODEL_DIR).join("config.json");
+        let model_config = b.dir.join(sidefiles::MODEL_CONFIG);
+        if b.context_length != ctx {
+            bail!(
+                "{}: context_length is {}, the build's is {ctx}; its packages would not fit the build's",
+                model_config.display(),
+                b.context_length
+            );
+        }
+        // The functions the bundle's packages carry, as the runtime reads
+        // them: verify K and prefill N from their hidden_states.
+        let reference = spec(REFERENCE).package_names();
+        let prefill = spec(LayoutKind::Prefill).package_names();
+        let tokens = |name: Option<&String>, kind: &str| -> Result<Vec<usize>> {
+            let Some(name) = name else {
+                return Ok(Vec::new());
+            };
+            if !b.package_dir(name).is_dir() {
+                return Ok(Vec::new());
+            }
+            Ok(b.functions(name)?
+                .iter()
+                .filter(|f| f.name.starts_with(kind))
+                .filter_map(|f| f.inputs.iter().find(|t| t.name == "hidden_states"))
+                .filter_map(|t| t.shape.get(1).copied())
+                .collect())
+        };
+        let functions = Functions {
+            verify_k: tokens(reference.first(), "verify_")?.first().copied(),
+            prefill_lens: tokens(prefill.first(), "prefill_")?,
+        };
+        let planned = plan::plan(&b.cfg, ctx, Mode::All, None, &functions)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))?;
+        if planned.dims != build.record.plan.dims {
+            bail!(
+                "{}: describes another model than the build's (its dimensions differ from build.json's plan); --onto needs a bundle of the same checkpoint",
+                config.display()
+            );
+        }
+        if hashing::sha256_file(&config)? != build.record.checkpoint.config_sha256 {
+            eprintln!(
+                "note: {}: not byte for byte the build's config.json, but it plans the same model",
+                config.display()
+            );
+        }
+        b.check_side_files()?;
+        let mut layouts = Vec::new();
+        let mut packages = Vec::new();
+        for kind in CARRIED_LAYOUTS {
+            if build.layout(kind).is_some() {
+                continue;
+            }
+            let l = planned
+                .layouts
+                .iter()
+                .find(|l| l.kind == kind)
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("no {kind} layout in the plan"))?;
+            for c in &l.chunks {
+                let pkg = b.package_dir(&c.name);
+                if !pkg.is_dir() {
+                    bail!(
+                        "{}: missing: the release needs {} ({}), which the build did not make",
+                        pkg.display(),
+                        c.name,
+                        spec(kind).range()
+                    );
+                }
+                let mil = pkg.join("model.mil");
+                check_functions(&mil, &c.functions, &b.functions(&c.name)?, ctx)?;
+                packages.push(c.name.clone());
+            }
+            layouts.push(l);
+        }
+        Ok(Onto {
+            source: Source::Upstream(Box::new(b)),
+            layouts,
+            packages,
+        })
+    }
+
     /// Every file of carried package `name` is the one DIR's manifest
     /// lists (its contract there is what was checked), and DIR's manifest
     /// lists no file of it that is missing.
     fn check_package_files(&self, name: &str) -> Result<()> {
+        let Source::Release(folder) = &self.source else {
+            return Ok(());
+        };
         let dir = self.package_dir(name);
         let rel = dir
-            .strip_prefix(&self.folder.dir)
+            .strip_prefix(&folder.dir)
             .unwrap_or(&dir)
             .to_string_lossy()
             .into_owned();
         let files = hashing::file_digests(&dir)?;
-        let listed: BTreeMap<&str, &crate::manifest::FileEntry> = self
-            .folder
+        let listed: BTreeMap<&str, &crate::manifest::FileEntry> = folder
             .manifest
             .files
             .iter()
@@ -173,12 +317,12 @@ impl Onto {
                 Some(_) => bail!(
                     "{}: differs from what {} lists (changed after packaging)",
                     dir.join(r).display(),
-                    self.folder.dir.join(MANIFEST_FILE).display()
+                    folder.dir.join(MANIFEST_FILE).display()
                 ),
                 None => bail!(
                     "{}: not listed in {}",
                     dir.join(r).display(),
-                    self.folder.dir.join(MANIFEST_FILE).display()
+                    folder.dir.join(MANIFEST_FILE).display()
                 ),
             }
         }
@@ -186,7 +330,7 @@ impl Onto {
             bail!(
                 "{}: missing ({} lists it)",
                 dir.join(r).display(),
-                self.folder.dir.join(MANIFEST_FILE).display()
+                folder.dir.join(MANIFEST_FILE).display()
             );
         }
         Ok(())
@@ -194,7 +338,10 @@ impl Onto {
 
     /// Carried package `name`'s folder in DIR.
     pub fn package_dir(&self, name: &str) -> PathBuf {
-        self.folder.package_dir(name)
+        match &self.source {
+            Source::Release(f) => f.package_dir(name),
+            Source::Upstream(b) => b.package_dir(name),
+        }
     }
 
     /// Whether the release's package `name` comes from DIR.
@@ -225,20 +372,30 @@ impl Onto {
     pub fn side_files(&self) -> Vec<(PathBuf, String)> {
         SIDE_FILES
             .iter()
-            .map(|s| (self.folder.side_file(s.name), s.repository_path()))
+            .map(|s| {
+                let src = match &self.source {
+                    Source::Release(f) => f.side_file(s.name),
+                    Source::Upstream(b) => b.side_file(s.name),
+                };
+                (src, s.repository_path())
+            })
             .filter(|(src, _)| src.is_file())
             .collect()
     }
 
     /// The blob of carried package `name` as built, when DIR holds it only
-    /// through a share (its manifest's record of the share).
-    pub fn held_blob(&self, name: &str) -> Option<FileDigest> {
-        let s = self
-            .folder
-            .manifest
-            .shares
-            .iter()
-            .find(|s| s.package == name)?;
+    /// through a share: a release's manifest records it; in an upstream
+    /// bundle it is the blob of `from`, the package the app's download
+    /// shares it from.
+    pub fn held_blob(&self, name: &str, from: &str) -> Option<FileDigest> {
+        let folder = match &self.source {
+            Source::Release(f) => f,
+            Source::Upstream(b) => {
+                let dir = b.package_dir(from);
+                return hashing::hash_file(&dir.join(downloader::COMPILED_BLOB)).ok();
+            }
+        };
+        let s = folder.manifest.shares.iter().find(|s| s.package == name)?;
         Some(FileDigest {
             size: s.size,
             sha256: hashing::parse_hex32(&s.sha256)?,
@@ -247,7 +404,10 @@ impl Onto {
 
     /// The sha256_tree and weight bytes DIR's manifest records for `name`.
     pub fn chunk_record(&self, name: &str) -> (Option<String>, Option<u64>) {
-        self.folder
+        let Source::Release(folder) = &self.source else {
+            return (None, None);
+        };
+        folder
             .manifest
             .chunk(name)
             .map_or((None, None), |c| (c.sha256_tree.clone(), c.weight_bytes))
@@ -255,15 +415,71 @@ impl Onto {
 
     /// What the manifest records about DIR.
     pub fn record(&self) -> OntoRecord {
-        let m = &self.folder.manifest;
-        OntoRecord {
-            model_id: m.model.id.clone(),
-            version: m.release.version.clone(),
-            layout: match self.folder.kind {
-                FolderKind::Repository => "repository".into(),
-                FolderKind::Local => "local".into(),
+        let layout = |kind: FolderKind| match kind {
+            FolderKind::Repository => "repository",
+            FolderKind::Local => "local",
+        };
+        match &self.source {
+            Source::Release(f) => OntoRecord {
+                model_id: f.manifest.model.id.clone(),
+                version: Some(f.manifest.release.version.clone()),
+                layout: layout(f.kind).into(),
+                upstream: false,
+                packages: self.packages.clone(),
             },
-            packages: self.packages.clone(),
+            Source::Upstream(b) => OntoRecord {
+                model_id: b.model_name.clone(),
+                version: None,
+                layout: layout(b.kind).into(),
+                upstream: true,
+                packages: self.packages.clone(),
+            },
         }
     }
+}
+
+/// A carried package's functions, as its `model.mil` states them, against
+/// the plan's: the same functions, each with the plan's contract.
+fn check_functions(
+    mil: &Path,
+    planned: &[FunctionPlan],
+    got: &[MilFunction],
+    ctx: usize,
+) -> Result<()> {
+    let names = |v: Vec<&str>| v.join(", ");
+    let want_names: Vec<&str> = planned.iter().map(|f| f.name.as_str()).collect();
+    let got_names: Vec<&str> = got.iter().map(|f| f.name.as_str()).collect();
+    let (mut w, mut g) = (want_names.clone(), got_names.clone());
+    w.sort_unstable();
+    g.sort_unstable();
+    if w != g {
+        bail!(
+            "{}: functions {}, the build's config plans {}",
+            mil.display(),
+            names(got_names),
+            names(want_names)
+        );
+    }
+    let show = |t: &ContractTensor| format!("{} {:?} {}", t.name, t.shape, t.dtype);
+    for f in planned {
+        let g = got.iter().find(|g| g.name == f.name).expect("same names");
+        for (what, want, got) in [
+            ("inputs", manifest::contract(&f.inputs), &g.inputs),
+            ("outputs", manifest::contract(&f.outputs), &g.outputs),
+        ] {
+            if want != *got {
+                let at = want.iter().zip(got.iter()).position(|(a, b)| a != b);
+                let detail = match at {
+                    Some(i) => format!("{} where the plan has {}", show(&got[i]), show(&want[i])),
+                    None => format!("{} tensors where the plan has {}", got.len(), want.len()),
+                };
+                bail!(
+                    "{}: function {}'s {what} are not what the build's config plans at context length {ctx}: {detail}",
+                    mil.display(),
+                    f.name
+                );
+            }
+        }
+    }
+    Ok(())
 }

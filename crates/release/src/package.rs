@@ -736,7 +736,7 @@ fn check<'b>(a: &PackageRequest, build: &'b Build, onto: Option<&Onto>) -> Resul
     // With --onto the side files and hf_model/ come from DIR (its config
     // checked to be the build's), and the checkpoint is not read.
     let (hf_dir, cfg, ckpt) = match onto {
-        Some(o) => (o.folder.dir.join(HF_MODEL_DIR), o.folder.cfg.clone(), None),
+        Some(o) => (o.dir().join(HF_MODEL_DIR), o.cfg().clone(), None),
         None => {
             let (d, c, k) = build_checkpoint(build, a.hf_dir.as_deref())?;
             (d, c, Some(k))
@@ -787,7 +787,8 @@ fn stage_files(
     let mut carried_paths: Vec<String> = Vec::new();
     for chunk in &c.chunks {
         let n = chunk.name();
-        let pkg = chunk.file();
+        // A package carried from an upstream bundle stays compiled.
+        let pkg = carried(n).map_or_else(|| chunk.file(), |o| o.release_file(n));
         let src = match carried(n) {
             Some(o) => o.package_dir(n),
             None => a.build_dir.join(format!("{n}.mlpackage")),
@@ -796,26 +797,41 @@ fn stage_files(
         if carried(n).is_some() {
             carried_paths.extend(f.iter().map(|(_, rel)| rel.clone()));
         }
-        if planned.iter().any(|s| s.package == n && !s.stored) {
-            let blob = format!("{pkg}/{}", downloader::PACKAGE_BLOB);
-            match f.iter().position(|(_, rel)| *rel == blob) {
+        let blob = format!("{pkg}/{}", downloader::blob_in(&pkg));
+        let has_blob = f.iter().any(|(_, rel)| *rel == blob);
+        match planned.iter().find(|s| s.package == n) {
+            Some(share) if !share.stored => match f.iter().position(|(_, rel)| *rel == blob) {
                 Some(at) => held_back.push(f.remove(at)),
-                None => match carried(n).and_then(|o| o.held_blob(n)) {
+                None => match carried(n).and_then(|o| o.held_blob(n, share.from)) {
                     Some(d) => held_known.push((blob, d)),
                     None => {
                         return Err(ReleaseInputError::Build {
-                            path: src.join(downloader::PACKAGE_BLOB),
+                            path: src.join(downloader::blob_in(&pkg)),
                             message: "missing: every package holds its weight blob".into(),
                         }
                         .into())
                     }
                 },
+            },
+            // An entry fetches this package with its blob: a bundle that
+            // holds it only through a share cannot serve that entry.
+            Some(share) if !has_blob && carried(n).is_some() => {
+                return Err(ReleaseInputError::Build {
+                    path: src.join(downloader::blob_in(&pkg)),
+                    message: format!(
+                        "missing: the app's {} download fetches {n} with its weights (the bundle shares {}'s in)",
+                        share.by.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>().join(", "),
+                        share.from
+                    ),
+                }
+                .into())
             }
+            _ => {}
         }
         dirs.push(pkg.clone());
         dirs.extend(d);
         sources.extend(f);
-        if a.compiled.mlmodelc {
+        if a.compiled.mlmodelc && !carried(n).is_some_and(|o| o.compiled()) {
             let compiled = manifest::package_file(n, true);
             let (f, d) = package_files(&a.build_dir.join(format!("{n}.mlmodelc")), &compiled)?;
             dirs.push(compiled);
@@ -1002,6 +1018,9 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         compiled: &a.compiled,
     };
     let mut m = Manifest::build(&inputs)?;
+    if let Some(o) = onto.as_ref().filter(|o| o.compiled()) {
+        mark_compiled(&mut m, o, &a.compiled);
+    }
     let all: Vec<(String, FileDigest)> = files.iter().chain(&held).cloned().collect();
     m.shares = check_shares(&a.build_dir, &m, &planned, &all)?;
     files.push(write_runbook(&root, &m)?);
@@ -1013,7 +1032,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     }
     m.list_files(&files, inputs.base_url);
     if let Some(o) = &onto {
-        mark_carried(&mut m, o, &carried);
+        mark_carried(&mut m, o, &carried, &all);
     }
     let mut text = serde_json::to_string_pretty(&m)?;
     text.push('\n');
@@ -1061,16 +1080,58 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
 
 /// Records in `m` what came from `--onto`'s release: the release, each
 /// carried file, and the carried packages' digests as it recorded them.
-fn mark_carried(m: &mut Manifest, o: &Onto, carried: &[String]) {
+fn mark_carried(m: &mut Manifest, o: &Onto, carried: &[String], all: &[(String, FileDigest)]) {
     m.onto = Some(o.record());
     for f in &mut m.files {
         f.carried = carried.contains(&f.path);
     }
+    let blobs: Vec<(String, Option<String>)> = m
+        .chunks
+        .iter()
+        .map(|c| (c.name.clone(), m.blob_path(&c.name)))
+        .collect();
     for ch in &mut m.chunks {
-        if o.carries(&ch.name) {
-            (ch.sha256_tree, ch.weight_bytes) = o.chunk_record(&ch.name);
+        if !o.carries(&ch.name) {
+            continue;
+        }
+        (ch.sha256_tree, ch.weight_bytes) = o.chunk_record(&ch.name);
+        if o.compiled() {
+            // Nothing recorded them: the package as carried.
+            let blob = blobs
+                .iter()
+                .find(|(n, _)| *n == ch.name)
+                .and_then(|(_, b)| b.as_ref());
+            ch.sha256_tree = Some(tree_digest(&ch.file, all));
+            ch.weight_bytes = all
+                .iter()
+                .find(|(p, _)| Some(p) == blob)
+                .map(|(_, d)| d.size);
         }
     }
+}
+
+/// Lists the packages carried from an upstream bundle as what they are,
+/// compiled, and says in `compiled.note` which ones `compile` still makes.
+fn mark_compiled(m: &mut Manifest, o: &Onto, compiled: &Compiled) {
+    let mut made = Vec::new();
+    for ch in &mut m.chunks {
+        if o.carries(&ch.name) {
+            ch.file = o.release_file(&ch.name);
+        } else {
+            made.push(ch.name.clone());
+        }
+    }
+    m.compiled.note = format!(
+        "{} carried compiled (.mlmodelc) from an upstream bundle; {} {}: {}",
+        o.packages.join(", "),
+        made.join(", "),
+        if made.len() == 1 {
+            "is an .mlpackage"
+        } else {
+            "are .mlpackage"
+        },
+        compiled.note
+    );
 }
 
 /// The manifest's share records, each checked against the build: the
