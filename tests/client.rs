@@ -617,6 +617,40 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
         stderr(&o)
     );
 
+    // RoPE tables other than the config's (upstream's generator rotates
+    // every pair of the full layers) or missing are made anew, not carried.
+    let rope = work.join("rope");
+    copy_tree(&bundle, &rope);
+    let cos = rope.join("swa/cos_full.npy");
+    let mut bytes = fs::read(&cos).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    fs::write(&cos, bytes).unwrap();
+    fs::remove_file(rope.join("swa/sin_sliding.npy")).unwrap();
+    let remade = work.join("remade");
+    let o = onto(&rope, &remade);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!("{}: row ", cos.display())) && e.contains("is not the RoPE"),
+        "{e}"
+    );
+    let m3 = json_file(&remade.join("manifest.json"));
+    for name in ["swa/cos_full.npy", "swa/sin_sliding.npy"] {
+        assert_eq!(
+            fs::read(remade.join(name)).unwrap(),
+            fs::read(four.join(name)).unwrap(),
+            "{name}"
+        );
+        let f = m3["files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["path"] == name)
+            .unwrap();
+        assert!(f.get("carried").is_none(), "{name}: {f}");
+    }
+
     // Refusals, naming the file; nothing written.
     let refused = |dir: &Path, names: &Path, what: &str| {
         let bad = work.join("bad");

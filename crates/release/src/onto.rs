@@ -39,7 +39,7 @@ use crate::folder::{FolderKind, ReleaseFolder};
 use crate::hashing::{self, FileDigest};
 use crate::manifest::{self, Build, ContractTensor, OntoRecord, MANIFEST_FILE};
 use crate::paths::HF_MODEL_DIR;
-use crate::sidefiles::{self, SIDE_FILES};
+use crate::sidefiles::{self, MadeFrom, SideFileSpec, SIDE_FILES};
 
 /// What DIR is.
 pub enum Source {
@@ -57,6 +57,10 @@ pub struct Onto {
     pub layouts: Vec<Layout>,
     /// The packages carried, by name.
     pub packages: Vec<String>,
+    /// RoPE tables an upstream bundle lacks or holds with other values than
+    /// its config gives, which the release gets made instead (with the
+    /// bundle's row count, if it has one).
+    pub remade: Vec<(&'static SideFileSpec, Option<usize>)>,
 }
 
 /// The layouts every release needs beside its decode layouts: the
@@ -187,6 +191,7 @@ impl Onto {
             source: Source::Release(Box::new(folder)),
             layouts,
             packages,
+            remade: Vec::new(),
         };
         for n in &onto.packages {
             onto.check_package_files(n)?;
@@ -246,6 +251,7 @@ impl Onto {
             );
         }
         b.check_side_files()?;
+        let remade = rope_to_remake(&b)?;
         let mut layouts = Vec::new();
         let mut packages = Vec::new();
         for kind in CARRIED_LAYOUTS {
@@ -278,6 +284,7 @@ impl Onto {
             source: Source::Upstream(Box::new(b)),
             layouts,
             packages,
+            remade,
         })
     }
 
@@ -379,7 +386,9 @@ impl Onto {
                 };
                 (src, s.repository_path())
             })
-            .filter(|(src, _)| src.is_file())
+            .filter(|(src, rel)| {
+                src.is_file() && !self.remade.iter().any(|(s, _)| s.repository_path() == *rel)
+            })
             .collect()
     }
 
@@ -482,4 +491,37 @@ fn check_functions(
         }
     }
     Ok(())
+}
+
+/// The RoPE tables of bundle `b` the release must not carry: missing (the
+/// runtime would read rows of zeros) or with other values than `b`'s config
+/// gives (upstream's main-branch generator rotates every pair of the full
+/// layers; transformers rotates the first `partial_rotary_factor` of them).
+/// Each is said in a note.
+fn rope_to_remake(b: &Bundle) -> Result<Vec<(&'static SideFileSpec, Option<usize>)>> {
+    let mut out = Vec::new();
+    for spec in SIDE_FILES
+        .iter()
+        .filter(|s| matches!(s.made_from, MadeFrom::Rope(..)))
+    {
+        let path = b.side_file(spec.name);
+        if !path.is_file() {
+            eprintln!(
+                "note: {}: missing (the runtime would read rows of zeros); the release gets the table hf_model/config.json gives",
+                path.display()
+            );
+            out.push((spec, None));
+            continue;
+        }
+        let (bad, rows) = sidefiles::rope_mismatch(&b.cfg, spec, &path)?;
+        if let Some(row) = bad {
+            eprintln!(
+                "note: {}: row {row} is not the RoPE hf_model/config.json gives (upstream's generator rotates every pair of the full-attention layers, transformers the first {}% of them); the release gets the config's table, {rows} rows, instead",
+                path.display(),
+                (b.cfg.partial_rotary_factor_full * 100.0).round()
+            );
+            out.push((spec, Some(rows)));
+        }
+    }
+    Ok(out)
 }

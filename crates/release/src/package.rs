@@ -871,8 +871,23 @@ fn stage_files(
         (Some(o), _) => {
             let t = std::time::Instant::now();
             let side = o.side_files();
-            let copied = copy_tree(root, &side, &[])?;
+            let mut copied = copy_tree(root, &side, &[])?;
             carried_paths.extend(copied.iter().map(|(rel, _)| rel.clone()));
+            for (spec, rows) in &o.remade {
+                let rel = spec.repository_path();
+                let target = root.join(&rel);
+                if let Some(p) = target.parent() {
+                    fs::create_dir_all(p)
+                        .with_context(|| format!("{}: cannot create", p.display()))?;
+                }
+                sidefiles::write_rope(
+                    &c.cfg,
+                    spec,
+                    rows.unwrap_or(c.inputs.rope_positions),
+                    &target,
+                )?;
+                copied.push((rel, hashing::hash_file(&target)?));
+            }
             let report = SideFilesReport {
                 files: copied
                     .iter()
