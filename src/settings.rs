@@ -361,14 +361,22 @@ impl ParitySettings {
             #[cfg(feature = "test-hooks")]
             sabotage: None,
         };
+        if let (ParityCommand::Parity(a), Some(b)) = (&cmd, build) {
+            if let Some(ctx) = a.ctx.filter(|&c| c != b.settings.ctx) {
+                bail!(
+                    "{}: the build's packages take context length {}, but --ctx {ctx} was given; parity --artifacts checks the packages as built (drop --ctx)",
+                    a.artifacts
+                        .as_deref()
+                        .map(|d| d.join("build.json").display().to_string())
+                        .unwrap_or_default(),
+                    b.settings.ctx
+                );
+            }
+        }
         Ok(match cmd {
             ParityCommand::Parity(a) => ParitySettings {
                 mode: a.mode,
-                functions: plan::Functions::resolve(
-                    a.mode,
-                    a.functions.verify_k,
-                    a.functions.prefill_len.as_deref(),
-                ),
+                functions: parity_functions(a, build)?,
                 split: a.split.clone(),
                 steps: a.steps,
                 tol_cos: a.tol_cos,
@@ -422,6 +430,66 @@ impl ParitySettings {
             },
         })
     }
+}
+
+/// The functions `parity` checks: as asked, except that with `--artifacts`
+/// the packages' own verify K and prefill lengths stand where none were
+/// asked for (the reference's packages are checked as built), and a
+/// request the packages cannot answer is refused before anything runs.
+fn parity_functions(a: &ParityCmd, build: Option<&BuildRecord>) -> Result<plan::Functions> {
+    let asked = plan::Functions::resolve(
+        a.mode,
+        a.functions.verify_k,
+        a.functions.prefill_len.as_deref(),
+    );
+    let Some(b) = build else {
+        return Ok(asked);
+    };
+    let function_tokens = |kind: plan::LayoutKind, f: plan::FunctionKind| -> Option<Vec<usize>> {
+        let layout = b.plan.layouts.iter().find(|l| l.kind == kind)?;
+        Some(
+            layout
+                .chunks
+                .first()?
+                .functions
+                .iter()
+                .filter(|g| g.kind == f)
+                .map(|g| g.tokens)
+                .collect(),
+        )
+    };
+    let json = a
+        .artifacts
+        .as_deref()
+        .map(|d| d.join("build.json").display().to_string())
+        .unwrap_or_else(|| "build.json".into());
+    let mut out = asked.clone();
+    if let Some(built) = function_tokens(crate::layouts::REFERENCE, plan::FunctionKind::Verify) {
+        let built = built.first().copied();
+        match (a.functions.verify_k, built) {
+            (None, _) => out.verify_k = built,
+            (Some(k), Some(b)) if k != b => bail!(
+                "{json}: the build's chunk1..4 carry verify_qK with K = {b}, but --verify-k {k} was given; parity --artifacts checks the packages as built (drop --verify-k)"
+            ),
+            (Some(k), None) => bail!(
+                "{json}: the build's chunk1..4 carry no verify_qK, but --verify-k {k} was given (drop --verify-k, or rebuild with it)"
+            ),
+            _ => {}
+        }
+    }
+    if let Some(built) = function_tokens(plan::LayoutKind::Prefill, plan::FunctionKind::Prefill) {
+        let mut built = built;
+        built.sort_unstable_by(|x, y| y.cmp(x));
+        match &a.functions.prefill_len {
+            None if !asked.prefill_lens.is_empty() => out.prefill_lens = built,
+            Some(_) if asked.prefill_lens != built => bail!(
+                "{json}: the build's prefill packages carry prefill lengths {built:?}, but --prefill-len asks for {:?}; parity --artifacts checks the packages as built (drop --prefill-len)",
+                asked.prefill_lens
+            ),
+            _ => {}
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

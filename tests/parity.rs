@@ -334,6 +334,50 @@ fn int4_artifacts_of_a_full_build_agree_and_are_reported() {
     assert!(r["tool"]["python"]["coremltools"].is_string());
 }
 
+/// With `--artifacts` the packages are checked as built: their verify K,
+/// prefill lengths and context length are parity's defaults (`--mode four`
+/// of a `--mode all` build checks its decode_q1 + verify_qK packages), and
+/// a request they cannot answer is refused before anything runs.
+#[test]
+fn artifacts_set_the_functions_and_refuse_others_up_front() {
+    let build = built_all();
+    let b = build.to_str().unwrap();
+    let (code, out) = parity(&[
+        "--mode",
+        "four",
+        "--steps",
+        "2",
+        "--no-oracle",
+        "--artifacts",
+        b,
+    ]);
+    assert_eq!(code, 0, "{out}");
+    for (args, says) in [
+        (
+            &["--verify-k", "2"][..],
+            "carry verify_qK with K = 3, but --verify-k 2",
+        ),
+        (
+            &["--ctx", "512"][..],
+            "take context length 2048, but --ctx 512",
+        ),
+        (
+            &["--prefill-len", "256"][..],
+            "prefill lengths [512], but --prefill-len asks for [256]",
+        ),
+    ] {
+        let mut all = vec!["parity", "--mode", "all", "--artifacts", b];
+        all.extend_from_slice(args);
+        let o = run(&all);
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let e = stderr(&o);
+        assert!(
+            e.contains(&format!("{b}/build.json: the build's")) && e.contains(says),
+            "{e}"
+        );
+    }
+}
+
 #[test]
 fn artifacts_from_an_unquantized_or_missing_build_are_refused() {
     let empty = tempdir("no-build");

@@ -46,10 +46,11 @@ pub(super) fn check(
 }
 
 pub fn run(args: ParityCmd, verbose: bool) -> Result<ExitStatus> {
-    // The build's context length is the default with --artifacts.
-    let build = match (args.ctx, &args.artifacts) {
-        (None, Some(dir)) => Some(artifacts_build(dir)?),
-        _ => None,
+    // With --artifacts, the build's context length and functions are the
+    // defaults.
+    let build = match &args.artifacts {
+        Some(dir) => Some(artifacts_build(dir)?),
+        None => None,
     };
     let settings = ParitySettings::resolve(ParityCommand::Parity(&args), build.as_ref())?;
     Ok(exit_status(check(
