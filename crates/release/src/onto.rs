@@ -160,33 +160,12 @@ impl Onto {
         // Side files: the sizes the config implies, DIR's manifest digests.
         folder.check_files()?;
         let planned = folder.planned(ctx)?;
-        let mut layouts = Vec::new();
-        let mut packages = Vec::new();
-        for kind in CARRIED_LAYOUTS {
-            if build.layout(kind).is_some() {
-                continue;
-            }
-            let l = planned
-                .layouts
-                .iter()
-                .find(|l| l.kind == kind)
-                .cloned()
-                .ok_or_else(|| anyhow::anyhow!("no {kind} layout in the plan"))?;
-            for c in &l.chunks {
-                let pkg = folder.package_dir(&c.name);
-                if !pkg.is_dir() {
-                    bail!(
-                        "{}: missing: the release needs {} ({}), which the build did not make",
-                        pkg.display(),
-                        c.name,
-                        spec(kind).range()
-                    );
-                }
-                folder.check_chunk(&dir.join(MANIFEST_FILE), c)?;
-                packages.push(c.name.clone());
-            }
-            layouts.push(l);
-        }
+        let manifest = dir.join(MANIFEST_FILE);
+        let (layouts, packages) = carried(build, &planned, |kind, c| {
+            let pkg = folder.package_dir(&c.name);
+            missing(&pkg, kind, c)?;
+            Ok(folder.check_chunk(&manifest, c)?)
+        })?;
         let onto = Onto {
             source: Source::Release(Box::new(folder)),
             layouts,
@@ -252,34 +231,16 @@ impl Onto {
         }
         b.check_side_files()?;
         let remade = rope_to_remake(&b)?;
-        let mut layouts = Vec::new();
-        let mut packages = Vec::new();
-        for kind in CARRIED_LAYOUTS {
-            if build.layout(kind).is_some() {
-                continue;
-            }
-            let l = planned
-                .layouts
-                .iter()
-                .find(|l| l.kind == kind)
-                .cloned()
-                .ok_or_else(|| anyhow::anyhow!("no {kind} layout in the plan"))?;
-            for c in &l.chunks {
-                let pkg = b.package_dir(&c.name);
-                if !pkg.is_dir() {
-                    bail!(
-                        "{}: missing: the release needs {} ({}), which the build did not make",
-                        pkg.display(),
-                        c.name,
-                        spec(kind).range()
-                    );
-                }
-                let mil = pkg.join("model.mil");
-                check_functions(&mil, &c.functions, &b.functions(&c.name)?, ctx)?;
-                packages.push(c.name.clone());
-            }
-            layouts.push(l);
-        }
+        let (layouts, packages) = carried(build, &planned, |kind, c| {
+            let pkg = b.package_dir(&c.name);
+            missing(&pkg, kind, c)?;
+            check_functions(
+                &pkg.join("model.mil"),
+                &c.functions,
+                &b.functions(&c.name)?,
+                ctx,
+            )
+        })?;
         Ok(Onto {
             source: Source::Upstream(Box::new(b)),
             layouts,
@@ -524,4 +485,45 @@ fn rope_to_remake(b: &Bundle) -> Result<Vec<(&'static SideFileSpec, Option<usize
         }
     }
     Ok(out)
+}
+
+/// The layouts of `planned` the build lacks and the release carries, and
+/// their packages by name, each chunk checked by `check` first.
+fn carried(
+    build: &Build,
+    planned: &plan::Plan,
+    mut check: impl FnMut(LayoutKind, &plan::ChunkPlan) -> Result<()>,
+) -> Result<(Vec<Layout>, Vec<String>)> {
+    let mut layouts = Vec::new();
+    let mut packages = Vec::new();
+    for kind in CARRIED_LAYOUTS {
+        if build.layout(kind).is_some() {
+            continue;
+        }
+        let l = planned
+            .layouts
+            .iter()
+            .find(|l| l.kind == kind)
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("no {kind} layout in the plan"))?;
+        for c in &l.chunks {
+            check(kind, c)?;
+            packages.push(c.name.clone());
+        }
+        layouts.push(l);
+    }
+    Ok((layouts, packages))
+}
+
+/// Refuses a carried package DIR does not have.
+fn missing(pkg: &Path, kind: LayoutKind, c: &plan::ChunkPlan) -> Result<()> {
+    if !pkg.is_dir() {
+        bail!(
+            "{}: missing: the release needs {} ({}), which the build did not make",
+            pkg.display(),
+            c.name,
+            spec(kind).range()
+        );
+    }
+    Ok(())
 }
