@@ -492,31 +492,7 @@ fn upstream_bundle(rel: &Path, out: &Path) {
 /// packages. A contract or config that disagrees is refused by name.
 #[test]
 fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
-    let build = common::built_all();
-    let hf = PathBuf::from(
-        json_file(&build.join("build.json"))["checkpoint"]["dir"]
-            .as_str()
-            .unwrap(),
-    );
-    // The builds tests/run.rs's --onto test shares.
-    let four_build = common::shared_build(
-        "default-four-fp16",
-        &hf,
-        &[
-            "--mode",
-            "four",
-            "--verify-k",
-            "3",
-            "--prefill-len",
-            "512",
-            "--no-quantize",
-        ],
-    );
-    let both = common::shared_build(
-        "default-both-fp16",
-        &hf,
-        &["--mode", "both", "--no-quantize"],
-    );
+    let (four_build, both) = common::onto_builds();
     let work = tempdir("client-upstream");
     let four = work.join("four");
     ok(&[

@@ -524,24 +524,7 @@ fn copy_dir(from: &Path, to: &Path) {
 #[test]
 fn package_onto_a_four_chunk_release_runs_the_branch_as_transformers() {
     let hf = checkpoint_of(&common::built_all());
-    let four_build = common::shared_build(
-        "default-four-fp16",
-        &hf,
-        &[
-            "--mode",
-            "four",
-            "--verify-k",
-            "3",
-            "--prefill-len",
-            "512",
-            "--no-quantize",
-        ],
-    );
-    let both = common::shared_build(
-        "default-both-fp16",
-        &hf,
-        &["--mode", "both", "--no-quantize"],
-    );
+    let (four_build, both) = common::onto_builds();
     let work = tempdir("onto");
     let four = work.join("four");
     let (private, public) = keys();

@@ -165,6 +165,36 @@ pub fn built_all() -> PathBuf {
     dir
 }
 
+/// The FP16 builds of the built-in checkpoint `package --onto` is tested
+/// with: (four-chunk with verify_q3 and prefill_b512, `--mode both`).
+pub fn onto_builds() -> (PathBuf, PathBuf) {
+    let build = built_all();
+    let hf = PathBuf::from(
+        json_file(&build.join("build.json"))["checkpoint"]["dir"]
+            .as_str()
+            .unwrap(),
+    );
+    let four = shared_build(
+        "default-four-fp16",
+        &hf,
+        &[
+            "--mode",
+            "four",
+            "--verify-k",
+            "3",
+            "--prefill-len",
+            "512",
+            "--no-quantize",
+        ],
+    );
+    let both = shared_build(
+        "default-both-fp16",
+        &hf,
+        &["--mode", "both", "--no-quantize"],
+    );
+    (four, both)
+}
+
 /// A build of `hf` with `args` shared by tests under
 /// target/tmp/builds/<generation>/<name>, made once.
 pub fn shared_build(name: &str, hf: &Path, args: &[&str]) -> PathBuf {
