@@ -215,7 +215,7 @@ pub fn run(
             ""
         }
     ));
-    let result = calls::call::<calls::Parity>(&req, verbose);
+    let result = calls::parity(&req, verbose, progress::phases(&sp, "parity"));
     sp.finish_and_clear();
     let mut report = result?;
     report.format = PARITY_FORMAT.into();

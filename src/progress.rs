@@ -17,6 +17,23 @@ pub fn spinner(msg: impl Into<String>) -> ProgressBar {
     pb
 }
 
+/// Tells each phase of a long Python call on `sp` as `prefix: phase`, with
+/// the process's resident memory; where stderr is not a terminal (a log
+/// file), each phase is a plain line with the seconds since the start.
+pub fn phases(sp: &ProgressBar, prefix: &str) -> impl Fn(&str) + Send + Sync + 'static {
+    let sp = sp.clone();
+    let prefix = prefix.to_string();
+    let start = std::time::Instant::now();
+    move |what: &str| {
+        let rss = rss_bytes() as f64 / f64::from(1u32 << 30);
+        let msg = format!("{prefix}: {what} ({rss:.1} GiB resident)");
+        if sp.is_hidden() {
+            eprintln!("[{:>6.0} s] {msg}", start.elapsed().as_secs_f64());
+        }
+        sp.set_message(msg);
+    }
+}
+
 /// The bar over all chunks of a build, with room for one phase spinner below it.
 #[derive(Clone)]
 pub struct BuildProgress {
@@ -65,10 +82,20 @@ impl BuildProgress {
 
 /// Peak resident memory of this process (which embeds Python) in bytes.
 pub fn peak_rss_bytes() -> u64 {
+    status_bytes("VmHWM:")
+}
+
+/// Resident memory of this process now, in bytes.
+pub fn rss_bytes() -> u64 {
+    status_bytes("VmRSS:")
+}
+
+/// A `kB` field of /proc/self/status in bytes (0 where there is none).
+fn status_bytes(field: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
 }

@@ -111,7 +111,8 @@ entry_points! {
     /// Text from a release folder alone (`chunkforge run`).
     Emulate = "emulate.release"."run"(Dict crate::run::RunRequest<'a>) -> crate::run::RunResult;
     /// The parity checks (`chunkforge parity`).
-    Parity = "parity.run"."run"(Dict crate::parity::ParityRequest<'a>) -> ParityReport;
+    Parity = "parity.run"."run"(Dict crate::parity::ParityRequest<'a>) -> ParityReport,
+        with ["progress"];
     /// The build's palettization cache (`WeightCache::new`).
     NewWeightCache = "convert.palettize"."WeightCache"(Keywords WeightCacheArgs) -> PyObjectReply;
     /// A task's conversions, together with `joint` (`convert_jobs`).
@@ -203,6 +204,33 @@ pub fn call<E: EntryPoint>(request: &E::Request<'_>, verbose: bool) -> Result<E:
         .map_err(|e| anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION))
 }
 
+/// `parity.run` with a `progress(what)` callback telling `on_phase` each
+/// phase of the run as it starts.
+pub fn parity(
+    request: &crate::parity::ParityRequest<'_>,
+    verbose: bool,
+    on_phase: impl Fn(&str) + Send + Sync + 'static,
+) -> Result<ParityReport> {
+    let reply = Python::attach(|py| {
+        let report = PyCFunction::new_closure(
+            py,
+            Some(c"progress"),
+            Some(c"Tells a parity phase as it starts: progress(what)."),
+            move |args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
+                let what: String = args.get_item(0)?.extract()?;
+                on_phase(&what);
+                Ok(())
+            },
+        )?;
+        let result = invoke::<Parity>(py, request, &[report.into_any()])?;
+        dumps(&result)
+    })
+    .map_err(|e| PythonError {
+        message: render_error(e, verbose),
+    })?;
+    serde_json::from_str(&reply).map_err(|e| anyhow!("bad reply from parity.run.run: {e}"))
+}
+
 /// `E(request)` with `objects` (its `OBJECTS`, in order) as keyword
 /// arguments besides; the result as a Python object.
 fn invoke<'py, E: EntryPoint>(
@@ -215,7 +243,14 @@ fn invoke<'py, E: EntryPoint>(
         .getattr(E::FUNCTION)?;
     match E::PASS {
         Pass::Nothing => f.call0(),
-        Pass::Dict => f.call1((to_py(py, request)?,)),
+        Pass::Dict if objects.is_empty() => f.call1((to_py(py, request)?,)),
+        Pass::Dict => {
+            let kwargs = PyDict::new(py);
+            for (name, object) in E::OBJECTS.iter().zip(objects) {
+                kwargs.set_item(name, object)?;
+            }
+            f.call((to_py(py, request)?,), Some(&kwargs))
+        }
         Pass::Keywords => {
             let kwargs = to_py(py, request)?.cast_into::<PyDict>()?;
             for (name, object) in E::OBJECTS.iter().zip(objects) {

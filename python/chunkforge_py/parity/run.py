@@ -7,7 +7,7 @@ Torch on CPU in fp32, teacher-forced decode: step t feeds prompt token t.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from functools import partial
 from typing import Any, get_args
 
@@ -422,7 +422,10 @@ def packaged(value: Any, shape: tuple[int, ...]) -> torch.Tensor:
     return value_of(value).reshape(shape)
 
 
-def run(req: ParityRequest) -> ParityReport:
+def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> ParityReport:
+    """Every parity check of ``req``; ``progress(what)`` is told each phase
+    as it starts (the command's spinner, or a log line)."""
+    say = progress or (lambda _what: None)
     started = time.perf_counter()
     torch.set_grad_enabled(False)
     plan = req["plan"]
@@ -465,6 +468,7 @@ def run(req: ParityRequest) -> ParityReport:
     # Set (non-empty) exactly when ``prefill``.
     prefilled: dict[str, Any] = {}
     if prefill:
+        say(f"prefill of {prefill} tokens")
         # The runtime's start of a prompt: one batched prefill call writes every
         # layer's K/V into the four-chunk caches; merged layouts copy those by
         # the slot map before their first decode step.
@@ -474,6 +478,7 @@ def run(req: ParityRequest) -> ParityReport:
             prefilled, pf = run_prefill(req, dims, ckpt, emb, prompt[:prefill], ref_layout, ref, pf)
         runners = {reference: prefilled["runner"], **runners}
     for t in range(steps):
+        say(f"decode step {t + 1}/{steps}: the reference and {len(runners)} layouts")
         token = prompt[t]
         if t == prefill and prefill:
             prefill_record(records, localisation, prefilled, ref, ref_results, ref_layout, tol)
@@ -508,6 +513,7 @@ def run(req: ParityRequest) -> ParityReport:
 
     verify_k = next((f["tokens"] for f in ref_layout["chunks"][0]["functions"] if f["kind"] == "verify"), None)
     if verify_k:
+        say(f"verify_q{verify_k}")
         vr = LayoutRunner(dims, ref_layout, ckpt, modules=ref.modules)
         vr.verify_modules(ckpt)
         if corrupt_function == "verify" and corrupt_layer is not None:
@@ -519,11 +525,14 @@ def run(req: ParityRequest) -> ParityReport:
     if req.get("oracle", True):
         from .oracle import SECOND_ATTENTION, Oracle
 
+        say("transformers (eager attention)")
         model = Oracle(req["config_path"], ckpt)
         hf = model.teacher_forced(prompt[:steps], emb)
         # transformers against itself: another attention kernel, and float64.
+        say(f"transformers ({SECOND_ATTENTION} attention), its noise floor")
         opinions = [model.teacher_forced(prompt[:steps], emb, SECOND_ATTENTION)]
         del model
+        say("transformers (float64), its noise floor")
         opinions.append(Oracle(req["config_path"], ckpt, torch.float64).teacher_forced(prompt[:steps], emb))
         for t in range(steps):
             oracle.append(oracle_record(t, ref_results[t], hf, opinions, tol))
@@ -539,6 +548,7 @@ def run(req: ParityRequest) -> ParityReport:
         programs = Programs(build_dir)
         first_tokens: list[int] | None = None
         for name, layout in req["artifact_layouts"].items():
+            say(f"{name}: the packages' weights read back")
             q = LayoutRunner(dims, layout, ckpt)
             replaced, worst = load_artifacts(q, programs)
             agree = 0
@@ -575,6 +585,7 @@ def run(req: ParityRequest) -> ParityReport:
                 and tokens == first_tokens
             )
             # The packages' own programs against these read-back modules.
+            say(f"{name}: the packages' own programs (MIL interpreter)")
             summ, recs = check_layout(programs, name, layout, dims, emb, prompt, ref_results[:steps], hf, tol, ill)
             program_summary[name] = summ
             program_records += recs
