@@ -18,6 +18,7 @@ weight holds the same values, so streaming changes no result.
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -49,6 +50,9 @@ class Resident:
         self.budget = budget
         self.used = 0
         self.set = 0
+        # Weights made (kept or not) and their bytes, over the process.
+        self.makes = 0
+        self.made_bytes = 0
         # In order of last use, oldest first, with the working set of that use.
         self._held: OrderedDict[Hashable, tuple[torch.Tensor, int]] = OrderedDict()
 
@@ -60,6 +64,8 @@ class Resident:
             return held[0]
         value = make()
         size = nbytes(value)
+        self.makes += 1
+        self.made_bytes += size
         if self.used + size > self.budget:
             self._make_room(size)
         if self.used + size <= self.budget:
@@ -106,6 +112,20 @@ def budget_from_env() -> int:
     if not value.isdigit():
         raise ChunkforgeError(f"{RESIDENT_ENV}={value}: expected a number of bytes")
     return int(value)
+
+
+# Where `write_stats` puts what the budget made (`bench parity --order-baseline`).
+STATS_ENV = "CHUNKFORGE_WEIGHT_STATS"
+
+
+def write_stats() -> None:
+    """``{"makes", "made_bytes", "budget"}`` of `RESIDENT` into the file
+    ``$CHUNKFORGE_WEIGHT_STATS`` names, if set."""
+    path = os.environ.get(STATS_ENV)
+    if path:
+        stats = {"makes": RESIDENT.makes, "made_bytes": RESIDENT.made_bytes, "budget": RESIDENT.budget}
+        with open(path, "w") as f:
+            json.dump(stats, f)
 
 
 # The process's one budget: parity's modules, its read-back packages and the

@@ -104,18 +104,28 @@ fn bench_parity_order() -> Result<()> {
     let runs = parity_orders(&exe, &argv, &tmp);
     let _ = fs::remove_dir_all(&tmp);
     let runs = runs?;
-    println!("{:<26} {:>9} {:>11}  verdict", "parity", "wall", "peak RSS");
-    for (label, run, _) in &runs {
+    println!(
+        "{:<26} {:>9} {:>11} {:>15} {:>8}  verdict",
+        "parity", "wall", "peak RSS", "weights made", "makes"
+    );
+    for (label, run, made, _) in &runs {
         println!(
-            "{label:<26} {:>8.1}s {:>7.0} MiB  {}",
+            "{label:<26} {:>8.1}s {:>7.0} MiB {:>11.1} MiB {:>8}  {}",
             run.seconds,
             run.peak_rss_bytes as f64 / MIB,
+            made.bytes as f64 / MIB,
+            made.makes,
             run.verdict
         );
     }
+    println!(
+        "(weights made: projections and program constants made from the checkpoint or the \
+         packages through the resident budget of {:.1} MiB, kept or not)",
+        runs[0].2.budget as f64 / MIB
+    );
     let (before, after) = (&runs[0], &runs[1]);
     let mut diff = ReportDiff::default();
-    diff.walk("", &before.2, &after.2);
+    diff.walk("", &before.3, &after.3);
     if let Some(first) = diff.mismatches.first() {
         bail!(
             "the two orders' reports differ in {} value(s), first {first}",
@@ -123,9 +133,10 @@ fn bench_parity_order() -> Result<()> {
         );
     }
     println!(
-        "chunk by chunk vs step by step: {:.2}x faster wall, {:.2}x the peak RSS; reports agree ({} values, {} floats differ, by at most {:.1e})",
+        "chunk by chunk vs step by step: {:.2}x faster wall, {:.2}x the peak RSS, {:.2}x the weights made; reports agree ({} values, {} floats differ, by at most {:.1e})",
         before.1.seconds / after.1.seconds.max(1e-9),
         after.1.peak_rss_bytes as f64 / (before.1.peak_rss_bytes as f64).max(1.0),
+        after.2.bytes as f64 / (before.2.bytes as f64).max(1.0),
         diff.values,
         diff.floats_differing,
         diff.largest
@@ -138,13 +149,14 @@ fn parity_orders(
     exe: &Path,
     argv: &[std::ffi::OsString],
     tmp: &Path,
-) -> Result<Vec<(&'static str, ParityRun, serde_json::Value)>> {
+) -> Result<Vec<(&'static str, ParityRun, WeightsMade, serde_json::Value)>> {
     let mut runs = Vec::new();
     for (label, order) in [
         ("step by step (before)", "step"),
         ("chunk by chunk (default)", "chunk"),
     ] {
         let report = tmp.join(format!("{order}.json"));
+        let stats = tmp.join(format!("{order}-weights.json"));
         eprintln!("bench parity --order-baseline: {PARITY_ORDER_ENV}={order}");
         let out = Command::new(exe)
             .args(argv)
@@ -152,6 +164,7 @@ fn parity_orders(
             .arg("--report")
             .arg(&report)
             .env(PARITY_ORDER_ENV, order)
+            .env(WEIGHT_STATS_ENV, &stats)
             .stderr(std::process::Stdio::inherit())
             .output()
             .with_context(|| format!("{}: cannot run", exe.display()))?;
@@ -164,16 +177,32 @@ fn parity_orders(
         let text = String::from_utf8_lossy(&out.stdout);
         let run: ParityRun = serde_json::from_str(text.lines().last().unwrap_or(""))
             .with_context(|| format!("bench parity {PARITY_ORDER_ENV}={order}: no figures"))?;
-        let report: serde_json::Value = serde_json::from_slice(
-            &fs::read(&report).with_context(|| format!("reading {}", report.display()))?,
-        )?;
-        runs.push((label, run, report));
+        let read = |path: &Path| -> Result<serde_json::Value> {
+            let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_slice(&bytes).with_context(|| format!("reading {}", path.display()))
+        };
+        let (report, stats) = (read(&report)?, read(&stats)?);
+        let made = WeightsMade {
+            makes: stats["makes"].as_u64().unwrap_or(0),
+            bytes: stats["made_bytes"].as_u64().unwrap_or(0),
+            budget: stats["budget"].as_u64().unwrap_or(0),
+        };
+        runs.push((label, run, made, report));
     }
     Ok(runs)
 }
 
 /// See `python/chunkforge_py/emulate/stepper.py` (`ORDER_ENV`).
 const PARITY_ORDER_ENV: &str = "CHUNKFORGE_PARITY_ORDER";
+/// See `python/chunkforge_py/weights.py` (`STATS_ENV`).
+const WEIGHT_STATS_ENV: &str = "CHUNKFORGE_WEIGHT_STATS";
+
+/// What a parity child made through `weights.RESIDENT`.
+struct WeightsMade {
+    makes: u64,
+    bytes: u64,
+    budget: u64,
+}
 
 /// Two parity reports compared value by value: floats within 1e-9, the
 /// run's `seconds` left out, everything else equal.

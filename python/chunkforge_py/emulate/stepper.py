@@ -197,11 +197,15 @@ class LayoutRunner:
         ``feeds``, which takes what it hands on; ``result`` collects the
         call's trace and, from the last chunk, its outputs and logits."""
         out, trace = call_chunk(c, modules[c["name"]], feeds, self.caches.get(c["name"], {}))
-        hand_on(feeds, out)
         result.setdefault("trace", {}).update(trace)
         if c["name"] == self.chunks[-1]["name"]:
-            result["out"] = out
+            # Not its caches: every step's would be kept until the records.
+            result["out"] = {key: v for key, v in out.items() if key.role not in CACHE_ROLES}
             result["logits"] = modules[c["name"]].last_logits.detach().float()
+            # Nothing is handed on from the last chunk: the call's inputs go.
+            feeds.clear()
+        else:
+            hand_on(feeds, out)
         return out
 
     def decode_call(self, c: ChunkPlan, feeds: Tensors, result: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from typing import Any, get_args
 
 import torch
 
+from .. import weights
 from ..checkpoint import Checkpoint
 from ..contract import (
     ArtifactRecord,
@@ -655,4 +656,5 @@ def run(req: ParityRequest) -> ParityReport:
     }
     summary["verdict"] = verdicts.of_report(report)
     summary["ok"] = summary["verdict"] == "ok"
+    weights.write_stats()
     return report
