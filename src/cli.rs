@@ -207,17 +207,8 @@ pub enum Cmd {
 
 #[derive(Subcommand)]
 pub enum BenchCmd {
-    /// Time `parity` (wall time, peak RSS) with default settings.
-    Parity {
-        #[command(flatten)]
-        model: ModelArgs,
-        /// Layouts to check, as `parity --mode`.
-        #[arg(long, default_value = "all", value_parser = choice::<Mode>())]
-        mode: Mode,
-        /// Decode steps, as `parity --steps`.
-        #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
-        steps: usize,
-    },
+    /// Time `parity` (wall time, peak RSS); options not given here at `parity`'s defaults.
+    Parity(BenchParityCmd),
     /// Time `build` (wall time per phase, peak RSS) into a temporary folder.
     Build(BenchBuildCmd),
     /// Time `side-files` (seconds, MiB/s, peak RSS of its own process) next to a plain write of
@@ -413,6 +404,37 @@ pub struct SideFilesArgs {
     /// model_config.json's model_name [default: the checkpoint folder's name].
     #[arg(long)]
     pub model_name: Option<String>,
+}
+
+/// `chunkforge bench parity`.
+#[derive(Args, Clone)]
+pub struct BenchParityCmd {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Layouts to check, as `parity --mode`.
+    #[arg(long, default_value = "all", value_parser = choice::<Mode>())]
+    pub mode: Mode,
+    /// Decode steps, as `parity --steps`.
+    #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
+    pub steps: usize,
+    /// Prompt tokens prefilled, as `parity --prefill`.
+    #[arg(long, default_value_t = 0)]
+    pub prefill: usize,
+    /// The build whose packages are checked too, as `parity --artifacts`.
+    #[arg(long)]
+    pub artifacts: Option<PathBuf>,
+    /// Run it twice, each in a child process of its own: every layout step by step
+    /// (each step through all its chunks, before this order) and chunk by chunk (each
+    /// chunk over all steps: the default), side by side; fails unless the reports agree.
+    #[arg(long)]
+    pub order_baseline: bool,
+    /// Write the parity report here (`--order-baseline`'s children).
+    #[arg(long, hide = true)]
+    pub report: Option<PathBuf>,
+    /// Print the wall time, peak RSS and verdict as JSON on the last line
+    /// (`--order-baseline`'s children).
+    #[arg(long, hide = true)]
+    pub json: bool,
 }
 
 /// `chunkforge bench side-files`.

@@ -10,7 +10,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 
 use crate::build::{Jobs, Layout};
-use crate::cli::{BenchBuildCmd, BuildCmd, ParityCmd, ReleaseCmd};
+use crate::cli::{BenchBuildCmd, BenchParityCmd, BuildCmd, ParityCmd, ReleaseCmd};
 use crate::names::Named;
 use crate::parity;
 #[cfg(feature = "test-hooks")]
@@ -306,8 +306,8 @@ pub enum ParityCommand<'a> {
     Parity(&'a ParityCmd),
     /// `release`'s gate on the build in this folder.
     Release(&'a ReleaseCmd, &'a Path),
-    /// `bench parity`: every option but these at `parity`'s defaults.
-    Bench { mode: Mode, steps: usize },
+    /// `bench parity`: every option but its own at `parity`'s defaults.
+    Bench(&'a BenchParityCmd),
 }
 
 /// One parity run, resolved.
@@ -422,10 +422,13 @@ impl ParitySettings {
                 sabotage: a.sabotage.sabotage(),
                 ..defaults
             },
-            ParityCommand::Bench { mode, steps } => ParitySettings {
-                mode,
-                functions: plan::Functions::resolve(mode, None, None),
-                steps,
+            ParityCommand::Bench(a) => ParitySettings {
+                mode: a.mode,
+                functions: plan::Functions::resolve(a.mode, None, None),
+                steps: a.steps,
+                prefill: a.prefill,
+                artifacts: a.artifacts.clone(),
+                report: a.report.clone(),
                 ..defaults
             },
         })

@@ -664,3 +664,40 @@ fn interpreter_parity_holds_past_the_window_and_on_e4b() {
         }
     }
 }
+
+/// Parity runs each layout chunk by chunk over every step; step by step
+/// (`CHUNKFORGE_PARITY_ORDER=step`, the runtime's order) must give the same
+/// report, every check of `--mode all --artifacts` included (the bench fails
+/// on any difference), with a resident budget so small that the chunks'
+/// weights take each other's room, and chunk by chunk must make fewer of them.
+#[test]
+fn chunk_by_chunk_and_step_by_step_parity_reports_agree() {
+    let build = built_all();
+    let o = run_env(
+        &[
+            "bench",
+            "parity",
+            "--mode",
+            "all",
+            "--steps",
+            "6",
+            "--prefill",
+            "3",
+            "--artifacts",
+            build.to_str().unwrap(),
+            "--order-baseline",
+        ],
+        &[("CHUNKFORGE_RESIDENT_BYTES", "2378000")],
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    let last = last_line(&out);
+    assert!(last.contains("reports agree"), "{out}");
+    let ratio: f64 = last
+        .split("x the weights made")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no weights-made ratio:\n{out}"));
+    assert!(ratio < 0.8, "{out}");
+}

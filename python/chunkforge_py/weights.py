@@ -18,11 +18,15 @@ weight holds the same values, so streaming changes no result.
 
 from __future__ import annotations
 
+import json
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+
+from .runtime import ChunkforgeError
 
 # Bytes of weights kept between uses, by every source together (`Resident`):
 # 2.5 GiB, what parity can spare at E2B size within 8 GiB (README, "Memory").
@@ -30,37 +34,103 @@ RESIDENT_BYTES = 5 << 29
 
 
 class Resident:
-    """Weights kept between uses, up to ``budget`` bytes. A weight that
-    does not fit is made again at each use; the ones held stay (a decode
-    step reads every weight once, in the same order, so evicting the oldest
-    for the newest would keep none of them until its next use)."""
+    """Weights kept between uses, up to ``budget`` bytes, in working sets.
+
+    Within one working set nothing is let go: a weight that does not fit is
+    made again at each use and the ones held stay (a decode step reads every
+    weight once, in the same order, so evicting the oldest for the newest
+    would keep none of them until its next use). `next_set` starts a new
+    working set (parity runs one chunk over all its steps, then the next:
+    `stepper.schedule`); a weight of the new set that does not fit then
+    takes the room of weights no use has touched since, least recently used
+    first. Without `next_set` (one step at a time) it is first come, never
+    evicted."""
 
     def __init__(self, budget: int = RESIDENT_BYTES):
         self.budget = budget
         self.used = 0
-        self._held: dict[Hashable, torch.Tensor] = {}
+        self.set = 0
+        # Weights made (kept or not) and their bytes, over the process.
+        self.makes = 0
+        self.made_bytes = 0
+        # In order of last use, oldest first, with the working set of that use.
+        self._held: OrderedDict[Hashable, tuple[torch.Tensor, int]] = OrderedDict()
 
     def get(self, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         held = self._held.get(key)
         if held is not None:
-            return held
+            self._held[key] = (held[0], self.set)
+            self._held.move_to_end(key)
+            return held[0]
         value = make()
-        size = value.numel() * value.element_size()
+        size = nbytes(value)
+        self.makes += 1
+        self.made_bytes += size
+        if self.used + size > self.budget:
+            self._make_room(size)
         if self.used + size <= self.budget:
-            self._held[key] = value
+            self._held[key] = (value, self.set)
             self.used += size
         return value
+
+    def next_set(self) -> None:
+        """A new working set starts: the weights held so far may make room for it."""
+        self.set += 1
+
+    def _make_room(self, size: int) -> None:
+        """Lets go of the least recently used weights of earlier working
+        sets, if that leaves room for ``size`` bytes (else of none)."""
+        older = [k for k, (_, s) in self._held.items() if s < self.set]
+        if self.used - sum(nbytes(self._held[k][0]) for k in older) + size > self.budget:
+            return
+        for key in older:
+            if self.used + size <= self.budget:
+                break
+            self.used -= nbytes(self._held.pop(key)[0])
 
     def release(self, keep: Callable[[Hashable], bool]) -> None:
         """Let go of every held weight whose key ``keep`` rejects."""
         for key in [k for k in self._held if not keep(k)]:
-            value = self._held.pop(key)
-            self.used -= value.numel() * value.element_size()
+            self.used -= nbytes(self._held.pop(key)[0])
+
+
+def nbytes(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
+
+
+# Another budget, in bytes, for benchmarks (`bench parity --order-baseline`
+# on a small checkpoint with a budget as much smaller than its model as
+# 2.5 GiB is than a real-size one's, docs/benchmarks.md).
+RESIDENT_ENV = "CHUNKFORGE_RESIDENT_BYTES"
+
+
+def budget_from_env() -> int:
+    """`RESIDENT_BYTES`, or the budget ``$CHUNKFORGE_RESIDENT_BYTES`` gives."""
+    value = os.environ.get(RESIDENT_ENV)
+    if not value:
+        return RESIDENT_BYTES
+    if not value.isdigit():
+        raise ChunkforgeError(f"{RESIDENT_ENV}={value}: expected a number of bytes")
+    return int(value)
+
+
+# Where `write_stats` puts what the budget made (`bench parity --order-baseline`).
+STATS_ENV = "CHUNKFORGE_WEIGHT_STATS"
+
+
+def write_stats() -> None:
+    """``{"makes", "made_bytes", "budget"}`` of `RESIDENT` into the file
+    ``$CHUNKFORGE_WEIGHT_STATS`` names, if set."""
+    path = os.environ.get(STATS_ENV)
+    if path:
+        stats = {"makes": RESIDENT.makes, "made_bytes": RESIDENT.made_bytes, "budget": RESIDENT.budget}
+        with open(path, "w") as f:
+            json.dump(stats, f)
 
 
 # The process's one budget: parity's modules, its read-back packages and the
 # interpreter's programs all draw on it.
-RESIDENT = Resident()
+RESIDENT = Resident(budget_from_env())
 
 
 class Lazy:

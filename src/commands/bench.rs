@@ -16,7 +16,7 @@ use super::build::summary;
 use super::side_files::{rate, rope_positions, Outcome, MIB};
 use super::{resolve_checkpoint, ExitStatus};
 use crate::checkpoint::{Checkpoint, TensorInfo};
-use crate::cli::{BenchBuildCmd, BenchCmd, BenchSideFilesCmd};
+use crate::cli::{BenchBuildCmd, BenchCmd, BenchParityCmd, BenchSideFilesCmd};
 use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
 use crate::records::{BuildRecord, FunctionRecord, PassStat, Seconds, Verdict};
@@ -29,22 +29,8 @@ use crate::{bench_palettize, hashbench, heap, sidefiles};
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
     match what {
         BenchCmd::Hash(args) => hashbench::run(&args)?,
-        BenchCmd::Parity { model, mode, steps } => {
-            let started = std::time::Instant::now();
-            // Every other option at `parity`'s own defaults.
-            let settings = ParitySettings::resolve(ParityCommand::Bench { mode, steps }, None)?;
-            let verdict = super::parity::check(model.hf_dir.as_deref(), &settings, verbose)?;
-            println!(
-                "bench parity --mode {mode} --steps {steps}: wall {:.1}s (including interpreter start and imports), peak RSS {:.0} MiB, {}",
-                started.elapsed().as_secs_f64(),
-                peak_rss_bytes() as f64 / (1024.0 * 1024.0),
-                match verdict {
-                    Verdict::Ok => "passed",
-                    Verdict::Inconclusive => "INCONCLUSIVE",
-                    Verdict::Fail => "FAILED",
-                }
-            );
-        }
+        BenchCmd::Parity(args) if args.order_baseline => bench_parity_order()?,
+        BenchCmd::Parity(args) => bench_parity(&args, verbose)?,
         BenchCmd::Build(args) => bench_build(args, verbose)?,
         BenchCmd::SideFiles(args) => bench_side_files(args, verbose)?,
         BenchCmd::Palettize { json, quick, seed } => {
@@ -52,6 +38,219 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
         }
     }
     Ok(ExitStatus::Success)
+}
+
+/// `bench parity`: one parity run, its wall time and peak RSS.
+fn bench_parity(args: &BenchParityCmd, verbose: bool) -> Result<()> {
+    let started = Instant::now();
+    // The build's context length, as `parity --artifacts` takes it.
+    let build = args
+        .artifacts
+        .as_deref()
+        .map(super::parity::artifacts_build)
+        .transpose()?;
+    let settings = ParitySettings::resolve(ParityCommand::Bench(args), build.as_ref())?;
+    let verdict = super::parity::check(args.model.hf_dir.as_deref(), &settings, verbose)?;
+    let run = ParityRun {
+        seconds: started.elapsed().as_secs_f64(),
+        peak_rss_bytes: peak_rss_bytes(),
+        verdict: match verdict {
+            Verdict::Ok => "passed",
+            Verdict::Inconclusive => "INCONCLUSIVE",
+            Verdict::Fail => "FAILED",
+        }
+        .into(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&run)?);
+    } else {
+        println!(
+            "bench parity --mode {} --steps {} --prefill {}{}: wall {:.1}s (including interpreter start and imports), peak RSS {:.0} MiB, {}",
+            args.mode,
+            args.steps,
+            args.prefill,
+            if args.artifacts.is_some() { " --artifacts" } else { "" },
+            run.seconds,
+            run.peak_rss_bytes as f64 / MIB,
+            run.verdict
+        );
+    }
+    Ok(())
+}
+
+/// One `bench parity --json` child's figures.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ParityRun {
+    seconds: f64,
+    peak_rss_bytes: u64,
+    verdict: String,
+}
+
+/// `bench parity --order-baseline`: the same parity run step by step
+/// (`CHUNKFORGE_PARITY_ORDER=step`: each layout's steps one after another,
+/// each through every chunk, as before) and chunk by chunk (the default:
+/// each chunk over every step, `stepper.schedule`), each in a child process
+/// of its own, side by side. Fails unless the two reports agree: the same
+/// values, every float within 1e-9 (the cache cosines of the packages'
+/// programs are summed chunk by chunk, so their last bits may differ).
+fn bench_parity_order() -> Result<()> {
+    let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
+    let argv: Vec<std::ffi::OsString> = std::env::args_os()
+        .skip(1)
+        .filter(|a| a != "--order-baseline")
+        .collect();
+    let tmp = std::env::temp_dir().join(format!("chunkforge-bench-parity-{}", std::process::id()));
+    fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let runs = parity_orders(&exe, &argv, &tmp);
+    let _ = fs::remove_dir_all(&tmp);
+    let runs = runs?;
+    println!(
+        "{:<26} {:>9} {:>11} {:>15} {:>8}  verdict",
+        "parity", "wall", "peak RSS", "weights made", "makes"
+    );
+    for (label, run, made, _) in &runs {
+        println!(
+            "{label:<26} {:>8.1}s {:>7.0} MiB {:>11.1} MiB {:>8}  {}",
+            run.seconds,
+            run.peak_rss_bytes as f64 / MIB,
+            made.bytes as f64 / MIB,
+            made.makes,
+            run.verdict
+        );
+    }
+    println!(
+        "(weights made: projections and program constants made from the checkpoint or the \
+         packages through the resident budget of {:.1} MiB, kept or not)",
+        runs[0].2.budget as f64 / MIB
+    );
+    let (before, after) = (&runs[0], &runs[1]);
+    let mut diff = ReportDiff::default();
+    diff.walk("", &before.3, &after.3);
+    if let Some(first) = diff.mismatches.first() {
+        bail!(
+            "the two orders' reports differ in {} value(s), first {first}",
+            diff.mismatches.len()
+        );
+    }
+    println!(
+        "chunk by chunk vs step by step: {:.2}x faster wall, {:.2}x the peak RSS, {:.2}x the weights made; reports agree ({} values, {} floats differ, by at most {:.1e})",
+        before.1.seconds / after.1.seconds.max(1e-9),
+        after.1.peak_rss_bytes as f64 / (before.1.peak_rss_bytes as f64).max(1.0),
+        after.2.bytes as f64 / (before.2.bytes as f64).max(1.0),
+        diff.values,
+        diff.floats_differing,
+        diff.largest
+    );
+    Ok(())
+}
+
+/// The two children of `bench parity --order-baseline`, their reports in `tmp`.
+fn parity_orders(
+    exe: &Path,
+    argv: &[std::ffi::OsString],
+    tmp: &Path,
+) -> Result<Vec<(&'static str, ParityRun, WeightsMade, serde_json::Value)>> {
+    let mut runs = Vec::new();
+    for (label, order) in [
+        ("step by step (before)", "step"),
+        ("chunk by chunk (default)", "chunk"),
+    ] {
+        let report = tmp.join(format!("{order}.json"));
+        let stats = tmp.join(format!("{order}-weights.json"));
+        eprintln!("bench parity --order-baseline: {PARITY_ORDER_ENV}={order}");
+        let out = Command::new(exe)
+            .args(argv)
+            .arg("--json")
+            .arg("--report")
+            .arg(&report)
+            .env(PARITY_ORDER_ENV, order)
+            .env(WEIGHT_STATS_ENV, &stats)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("{}: cannot run", exe.display()))?;
+        if !out.status.success() {
+            bail!(
+                "bench parity {PARITY_ORDER_ENV}={order} failed ({})",
+                out.status
+            );
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let run: ParityRun = serde_json::from_str(text.lines().last().unwrap_or(""))
+            .with_context(|| format!("bench parity {PARITY_ORDER_ENV}={order}: no figures"))?;
+        let read = |path: &Path| -> Result<serde_json::Value> {
+            let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_slice(&bytes).with_context(|| format!("reading {}", path.display()))
+        };
+        let (report, stats) = (read(&report)?, read(&stats)?);
+        let made = WeightsMade {
+            makes: stats["makes"].as_u64().unwrap_or(0),
+            bytes: stats["made_bytes"].as_u64().unwrap_or(0),
+            budget: stats["budget"].as_u64().unwrap_or(0),
+        };
+        runs.push((label, run, made, report));
+    }
+    Ok(runs)
+}
+
+/// See `python/chunkforge_py/emulate/stepper.py` (`ORDER_ENV`).
+const PARITY_ORDER_ENV: &str = "CHUNKFORGE_PARITY_ORDER";
+/// See `python/chunkforge_py/weights.py` (`STATS_ENV`).
+const WEIGHT_STATS_ENV: &str = "CHUNKFORGE_WEIGHT_STATS";
+
+/// What a parity child made through `weights.RESIDENT`.
+struct WeightsMade {
+    makes: u64,
+    bytes: u64,
+    budget: u64,
+}
+
+/// Two parity reports compared value by value: floats within 1e-9, the
+/// run's `seconds` left out, everything else equal.
+#[derive(Default)]
+struct ReportDiff {
+    values: usize,
+    floats_differing: usize,
+    largest: f64,
+    mismatches: Vec<String>,
+}
+
+impl ReportDiff {
+    fn walk(&mut self, path: &str, a: &serde_json::Value, b: &serde_json::Value) {
+        use serde_json::Value;
+        match (a, b) {
+            (Value::Object(x), Value::Object(y)) => {
+                if x.len() != y.len() || x.keys().any(|k| !y.contains_key(k)) {
+                    self.mismatches.push(format!("{path}: other fields"));
+                    return;
+                }
+                for (k, v) in x.iter().filter(|(k, _)| k.as_str() != "seconds") {
+                    self.walk(&format!("{path}.{k}"), v, &y[k]);
+                }
+            }
+            (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+                for (i, (u, v)) in x.iter().zip(y).enumerate() {
+                    self.walk(&format!("{path}[{i}]"), u, v);
+                }
+            }
+            (Value::Number(x), Value::Number(y)) if x.is_f64() || y.is_f64() => {
+                self.values += 1;
+                let d = (x.as_f64().unwrap_or(f64::NAN) - y.as_f64().unwrap_or(f64::NAN)).abs();
+                if d > 0.0 {
+                    self.floats_differing += 1;
+                    self.largest = self.largest.max(d);
+                }
+                if d.is_nan() || d > 1e-9 {
+                    self.mismatches.push(format!("{path}: {x} vs {y}"));
+                }
+            }
+            _ => {
+                self.values += 1;
+                if a != b {
+                    self.mismatches.push(format!("{path}: {a} vs {b}"));
+                }
+            }
+        }
+    }
 }
 
 fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {

@@ -16,7 +16,7 @@ use crate::records::{BuildRecord, ParityReport, Verdict};
 use crate::settings::{ParityCommand, ParitySettings};
 
 /// The build a `--artifacts` folder holds (its `build.json`).
-fn artifacts_build(build_dir: &Path) -> Result<BuildRecord> {
+pub(super) fn artifacts_build(build_dir: &Path) -> Result<BuildRecord> {
     let path = build_dir.join("build.json");
     let text = std::fs::read_to_string(&path).map_err(|e| {
         anyhow::anyhow!(

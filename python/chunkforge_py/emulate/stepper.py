@@ -4,15 +4,18 @@ layout, exactly as the Swift runtime does with the Core ML packages."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 
+from .. import weights
 from ..checkpoint import Checkpoint
 from ..contract import ChunkPlan, Dims, FunctionKind, FunctionPlan, Layout, ParityLayout, SlotCopy
 from ..model import MASK_MIN, Chunk, Tensors, build_chunk
 from ..roles import CACHE, CACHE_ROLES, NEW_ROW_ROLES, NEW_ROWS, ROPE, Key, bind, in_order
+from ..runtime import ChunkforgeError
 
 # Each chunk's own caches, by chunk name (the cache tensors of its inputs).
 Caches = dict[str, Tensors]
@@ -159,6 +162,35 @@ class LayoutRunner:
 
     def step(self, emb: EmbeddingSource, token: int, pos: int) -> dict[str, Any]:
         """One decode step at position ``pos``; returns token, logits, normed hidden, per-layer trace."""
+        return self.steps(emb, [token], pos)[0]
+
+    def steps(
+        self,
+        emb: EmbeddingSource,
+        tokens: list[int],
+        pos: int,
+        keep_caches_after: int | None = None,
+        progress: Callable[[str, int], None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Decode steps of ``tokens`` at positions pos, pos+1, ..., each as
+        `step` gives it. Teacher forcing makes every step's input known, so
+        they run chunk by chunk (`schedule`): each chunk's weights are read
+        once for all the steps, not once per step. With ``keep_caches_after``
+        = i, ``kept_caches`` holds the caches as they stood after step i.
+        ``progress(chunk, n)`` is told as each chunk starts its n steps."""
+        feeds = [self.step_feeds(emb, token, pos + i) for i, token in enumerate(tokens)]
+        results: list[dict[str, Any]] = [{} for _ in tokens]
+        self.kept_caches: Caches = {}
+        for i, c in schedule(self.chunks, len(tokens)):
+            if progress and i == 0:
+                progress(c["name"], len(tokens))
+            self.decode_call(c, feeds[i], results[i])
+            if i == keep_caches_after:
+                self.kept_caches[c["name"]] = dict(self.caches[c["name"]])
+        return [self.decoded(r) for r in results]
+
+    def step_feeds(self, emb: EmbeddingSource, token: int, pos: int) -> Tensors:
+        """What the runtime feeds a decode call at ``pos``."""
         d, dt = self.dims, self.dtype
         ctx, w = d["ctx"], d["sliding_window"]
         if pos >= ctx:
@@ -166,20 +198,42 @@ class LayoutRunner:
         full_mask, sliding_mask, update = step_masks(ctx, w, pos, dt)
         feeds = self._rows(emb, [token], pos)
         feeds.update({Key("mask_full"): full_mask, Key("mask_sliding"): sliding_mask, Key("update_mask"): update})
-        outs, trace = chain(self.chunks, self.modules, feeds, self.caches)
-        for c in self.chunks:
-            # A decode call returns its caches updated, under the roles they came in with.
-            cache = self.caches[c["name"]]
-            for key, value in outs[c["name"]].items():
-                if key.role in CACHE_ROLES:
-                    cache[key] = value
-        last = self.chunks[-1]
-        head = outs[last["name"]]
+        return feeds
+
+    def call(self, c: ChunkPlan, modules: dict[str, Chunk], feeds: Tensors, result: dict[str, Any]) -> Tensors:
+        """Chunk ``c`` of one call, on its own caches (not written) and
+        ``feeds``, which takes what it hands on; ``result`` collects the
+        call's trace and, from the last chunk, its outputs and logits."""
+        out, trace = call_chunk(c, modules[c["name"]], feeds, self.caches.get(c["name"], {}))
+        result.setdefault("trace", {}).update(trace)
+        if c["name"] == self.chunks[-1]["name"]:
+            # Not its caches: every step's would be kept until the records.
+            result["out"] = {key: v for key, v in out.items() if key.role not in CACHE_ROLES}
+            result["logits"] = modules[c["name"]].last_logits.detach().float()
+            # Nothing is handed on from the last chunk: the call's inputs go.
+            feeds.clear()
+        else:
+            hand_on(feeds, out)
+        return out
+
+    def decode_call(self, c: ChunkPlan, feeds: Tensors, result: dict[str, Any]) -> None:
+        """Chunk ``c`` of one decode call (`call`), its caches updated."""
+        out = self.call(c, self.modules, feeds, result)
+        # A decode call returns its caches updated, under the roles they came in with.
+        cache = self.caches[c["name"]]
+        for key, value in out.items():
+            if key.role in CACHE_ROLES:
+                cache[key] = value
+
+    @staticmethod
+    def decoded(result: dict[str, Any]) -> dict[str, Any]:
+        """A decode call's token, logits, normed hidden state and per-layer trace."""
+        head = result["out"]
         return {
             "token": int(head[Key("token_id")][0]),
-            "logits": self.modules[last["name"]].last_logits.detach().float(),
+            "logits": result["logits"],
             "hidden": head[Key("hidden_out")].detach().float().view(-1),
-            "trace": {layer: h.view(-1) for layer, h in trace.items()},
+            "trace": {layer: h.view(-1) for layer, h in result["trace"].items()},
         }
 
     def _rows(self, emb: EmbeddingSource, tokens: list[int], pos: int) -> Tensors:
@@ -208,6 +262,26 @@ class LayoutRunner:
         """``verify_qK`` on K draft tokens at pos..pos+K-1 against the caches as
         they stand (not written): per position token, logits, pre-norm hidden,
         per-layer trace, and each chunk's new K/V rows for ``commit``."""
+        feeds = self.verify_feeds(emb, tokens, pos)
+        result: dict[str, Any] = {}
+        for c in self.chunks:
+            self.verify_call(c, feeds, result)
+        return self.verified(result, len(tokens))
+
+    def verify_blocks(self, emb: EmbeddingSource, prompt: list[int], steps: int, k: int) -> list[dict[str, Any]]:
+        """Speculative decode of ``prompt[:steps]`` with every draft accepted:
+        `verify` on each whole block of K tokens from position 0, its rows
+        committed before the next; chunk by chunk (`schedule`), as `steps`."""
+        starts = list(range(0, steps - k + 1, k))
+        feeds = [self.verify_feeds(emb, prompt[pos : pos + k], pos) for pos in starts]
+        results: list[dict[str, Any]] = [{} for _ in starts]
+        for i, c in schedule(self.chunks, len(starts)):
+            self.verify_call(c, feeds[i], results[i])
+            self.commit({c["name"]: results[i]["new"][c["name"]]}, starts[i], k, [c])
+        return [self.verified(r, k) for r in results]
+
+    def verify_feeds(self, emb: EmbeddingSource, tokens: list[int], pos: int) -> Tensors:
+        """What the runtime feeds a ``verify_qK`` call on ``tokens`` at pos.."""
         d, dt, k = self.dims, self.dtype, len(tokens)
         if pos + k > d["ctx"]:
             raise ValueError(f"positions {pos}..{pos + k - 1} are beyond the full-attention context ({d['ctx']})")
@@ -216,25 +290,31 @@ class LayoutRunner:
         feeds.update(
             {Key("mask_full"): full_mask, Key("mask_sliding"): sliding_mask, Key("update_indicator"): indicator}
         )
-        modules = self.verify_modules()
-        outs, trace = chain(self.chunks, modules, feeds, self.caches)
-        last = self.chunks[-1]
-        head = outs[last["name"]]
+        return feeds
+
+    def verify_call(self, c: ChunkPlan, feeds: Tensors, result: dict[str, Any]) -> None:
+        """Chunk ``c`` of one ``verify_qK`` call (`call`), its new K/V rows kept."""
+        out = self.call(c, self.verify_modules(), feeds, result)
+        result.setdefault("new", {})[c["name"]] = {key: v for key, v in out.items() if key.role in NEW_ROW_ROLES}
+
+    @staticmethod
+    def verified(result: dict[str, Any], k: int) -> dict[str, Any]:
+        head = result["out"]
         return {
             "tokens": [int(x) for x in head[Key("token_ids")].view(-1)],
-            "logits": modules[last["name"]].last_logits.detach().float(),
+            "logits": result["logits"],
             "hidden": head[Key("hidden_out")].detach().float().view(k, -1),
-            "trace": {layer: h.view(k, -1) for layer, h in trace.items()},
-            "new": {name: {key: v for key, v in o.items() if key.role in NEW_ROW_ROLES} for name, o in outs.items()},
+            "trace": {layer: h.view(k, -1) for layer, h in result["trace"].items()},
+            "new": result["new"],
         }
 
-    def commit(self, new: Caches, pos: int, k: int) -> None:
-        """Write accepted verify rows into the caches, as the runtime does after
-        acceptance: window caches shift by k and take the rows at their end,
-        full caches take them at positions pos..pos+k-1 (rows padded to the
-        caches' head dim)."""
+    def commit(self, new: Caches, pos: int, k: int, chunks: list[ChunkPlan] | None = None) -> None:
+        """Write accepted verify rows into the caches (of ``chunks``, default
+        all), as the runtime does after acceptance: window caches shift by k
+        and take the rows at their end, full caches take them at positions
+        pos..pos+k-1 (rows padded to the caches' head dim)."""
         mhd = self.dims["max_head_dim"]
-        for c in self.chunks:
+        for c in chunks or self.chunks:
             cache = self.caches[c["name"]]
             for kind, cache_roles in CACHE.items():
                 for cache_role, new_role in zip(cache_roles, NEW_ROWS[kind], strict=True):
@@ -340,23 +420,63 @@ def chain(
     outs: dict[str, Tensors] = {}
     trace: dict[int, torch.Tensor] = {}
     for c in chunks:
-        mod = modules[c["name"]]
-        cache = (caches or {}).get(c["name"], {})
-        # The function's inputs in contract order, its own caches first.
-        args = in_order(mod.function["inputs"], {**feeds, **cache})
-        with torch.no_grad():
-            out = bind(mod.function["outputs"], mod(*args))
-        for spec, h in zip(c["layers"], mod.trace_layers or [], strict=False):
-            trace[spec["index"]] = h.detach().float()[0]
-        for key, value in out.items():
-            if key.role in ("shared_k", "shared_v"):
-                feeds[key] = value
-            elif key.role == "per_layer_combined_out":
-                feeds[Key("per_layer_combined")] = value
-            elif key.role == "hidden_out":
-                feeds[Key("hidden")] = value
+        out, layers = call_chunk(c, modules[c["name"]], feeds, (caches or {}).get(c["name"], {}))
+        trace.update(layers)
+        hand_on(feeds, out)
         outs[c["name"]] = out
     return outs, trace
+
+
+def call_chunk(c: ChunkPlan, mod: Chunk, feeds: Tensors, cache: Tensors) -> tuple[Tensors, dict[int, torch.Tensor]]:
+    """One chunk's call on its own caches and the call's ``feeds``: its
+    outputs by role and the hidden state after each of its layers."""
+    # The function's inputs in contract order, its own caches first.
+    args = in_order(mod.function["inputs"], {**feeds, **cache})
+    with torch.no_grad():
+        out = bind(mod.function["outputs"], mod(*args))
+    trace = {spec["index"]: h.detach().float()[0] for spec, h in zip(c["layers"], mod.trace_layers or [], strict=False)}
+    return out, trace
+
+
+def hand_on(feeds: Tensors, out: Tensors) -> None:
+    """What a chunk hands on to the next through the call's ``feeds``: its
+    hidden states, combined per-layer inputs and shared KV."""
+    for key, value in out.items():
+        if key.role in ("shared_k", "shared_v"):
+            feeds[key] = value
+        elif key.role == "per_layer_combined_out":
+            feeds[Key("per_layer_combined")] = value
+        elif key.role == "hidden_out":
+            feeds[Key("hidden")] = value
+
+
+# `schedule`'s order: chunk-major (the default), or step-major
+# (CHUNKFORGE_PARITY_ORDER=step: each call through every chunk before the
+# next, as the runtime runs them; `bench parity --order-baseline` compares).
+ORDER_ENV = "CHUNKFORGE_PARITY_ORDER"
+
+
+def schedule(chunks: list[ChunkPlan], calls: int) -> Iterator[tuple[int, ChunkPlan]]:
+    """The (call, chunk) pairs of ``calls`` calls through ``chunks`` whose
+    inputs are all known beforehand (teacher forcing): chunk by chunk, each
+    over every call (chunk-major), so each chunk's weights are made once and
+    reused while `weights.RESIDENT` holds them (each chunk is a working set
+    of its own: `Resident.next_set`), instead of once per call when the
+    model is larger than the budget. A chunk reads only its own caches and
+    what the chunks before it handed on in the same call, so each pair
+    computes exactly what it does call by call (step-major). One call is run
+    step-major: a new working set per chunk would evict, at each step, what
+    the generation loop of `run` keeps between steps."""
+    order = os.environ.get(ORDER_ENV) or "chunk"
+    if order not in ("chunk", "step"):
+        raise ChunkforgeError(f"{ORDER_ENV}={order}: expected chunk or step")
+    if order == "step" or calls == 1:
+        yield from ((i, c) for i in range(calls) for c in chunks)
+        return
+    for c in chunks:
+        weights.RESIDENT.next_set()
+        for i in range(calls):
+            yield i, c
 
 
 class PrefillRunner:

@@ -25,7 +25,7 @@ import torch
 
 from ..contract import ChunkPlan, Dims, FunctionKind, ParityLayout, ProgramRecord, ProgramSummary
 from ..emulate.release import SCALAR_DROPPED_AT_ONE
-from ..emulate.stepper import EmbeddingSource, LayoutRunner, PrefillRunner, function_of
+from ..emulate.stepper import EmbeddingSource, LayoutRunner, PrefillRunner, function_of, schedule
 from ..mil.chunk import ProgramChunk
 from ..mil.inspect import const_key
 from ..mil.interp import Interpreter
@@ -146,6 +146,31 @@ def caches_cosine(a: Any, b: Any) -> float:
     return cosine(torch.cat([a[c][k].reshape(-1) for c, k in keys]), torch.cat([b[c][k].reshape(-1) for c, k in keys]))
 
 
+class CosineSums:
+    """`caches_cosine` of a layout's caches summed chunk by chunk (`add`),
+    for calls run chunk by chunk: the same cosine up to float64 rounding of
+    the sums' order (1e-15)."""
+
+    def __init__(self) -> None:
+        self.dot = self.aa = self.bb = 0.0
+        self.finite = True
+
+    def add(self, a: Any, b: Any) -> None:
+        """One chunk's caches (tensors by role)."""
+        for key in a:
+            x, y = a[key].double().reshape(-1), b[key].double().reshape(-1)
+            self.finite = self.finite and bool(torch.isfinite(x).all() and torch.isfinite(y).all())
+            self.dot += float(x @ y)
+            self.aa += float(x @ x)
+            self.bb += float(y @ y)
+
+    def cosine(self) -> float:
+        """As `cosine` (torch's cosine_similarity: eps 1e-8 on each norm)."""
+        if not self.finite:
+            return -1.0
+        return self.dot / (max(self.aa**0.5, 1e-8) * max(self.bb**0.5, 1e-8))
+
+
 def summarize(records: list[ProgramRecord], tol: float, gated: bool, ill: Collection[int]) -> ProgramSummary:
     """A program's records in one precision; fp32 (``gated``) must compute
     what the read-back modules compute, at every step that is not
@@ -210,33 +235,50 @@ def check_layout(
     hf: dict[str, Any] | None,
     tol: float,
     ill: Collection[int],
+    progress: Callable[[str, int], None] | None = None,
 ) -> tuple[dict[str, ProgramSummary], list[ProgramRecord]]:
-    """The layout's decode programs, step by step, in both precisions.
+    """The layout's decode programs, over every step, in both precisions.
     The comparison is our modules with every weight read back from the
     packages (``Programs.read_back``), stepped first; every program step
     reads the caches that module step read, so each step compares one call of
     the program with one call of the modules on identical inputs: a random-weight model amplifies the last
     ulp over steps (on the E4B-shaped fixture fp16 weight rounding alone moves
     the 16th step's cosine by 3e-4), and that drift is the model's, not the
-    program's. One step at a time: the modules' step, then the programs'
-    from the same caches (only one step's caches are held)."""
+    program's. Each chunk's call of the modules, then the programs' from the
+    same caches (only one version of each chunk's caches is held);
+    ``progress(chunk, n)`` is told as each chunk starts its n steps."""
     modules = LayoutRunner(dims, layout, None, modules=programs.read_back(dims, layout["chunks"], "decode"))
     runners = {
         precision: LayoutRunner(dims, layout, None, modules=programs.modules(layout["chunks"], "decode", fp16))
         for precision, fp16 in PRECISIONS
     }
-    recs: dict[Precision, list[ProgramRecord]] = {precision: [] for precision, _ in PRECISIONS}
-    for t in range(len(ref_results)):
-        # Calls replace cache tensors, so a shallow copy keeps what this step read.
-        before = modules.snapshot()
-        rb = modules.step(emb, prompt[t], t)
-        after = modules.snapshot()
+    steps = len(ref_results)
+    # Every call's feeds, results and cache cosine sums, by runner; the
+    # modules' caches are those of ``modules``, each program call's the
+    # ones the modules' call of the same chunk and step read.
+    feeds = {who: [modules.step_feeds(emb, prompt[t], t) for t in range(steps)] for who in ["readback", *runners]}
+    results: dict[str, list[dict[str, Any]]] = {who: [{} for _ in range(steps)] for who in feeds}
+    sums = {precision: [CosineSums() for _ in range(steps)] for precision in runners}
+    # Chunk by chunk, as `LayoutRunner.steps` (the chunk's package is read
+    # once for its steps, not once per step and program).
+    for t, c in schedule(layout["chunks"], steps):
+        if progress and t == 0:
+            progress(c["name"], steps)
+        # Calls replace cache tensors, so a shallow copy keeps what this call read.
+        before = dict(modules.caches[c["name"]])
+        modules.decode_call(c, feeds["readback"][t], results["readback"][t])
         for precision, runner in runners.items():
-            runner.caches = {name: dict(c) for name, c in before.items()}
-            got = runner.step(emb, prompt[t], t)
+            runner.caches[c["name"]] = dict(before)
+            runner.decode_call(c, feeds[precision][t], results[precision][t])
+            sums[precision][t].add(runner.caches[c["name"]], modules.caches[c["name"]])
+    recs: dict[Precision, list[ProgramRecord]] = {precision: [] for precision, _ in PRECISIONS}
+    for t in range(steps):
+        rb = LayoutRunner.decoded(results["readback"][t])
+        for precision in runners:
+            got = LayoutRunner.decoded(results[precision][t])
             rec = record(name, precision, t, got["token"], got["hidden"], rb, rb["hidden"], ref_results[t], hf)
             # The caches the program wrote count too: the worse of the two cosines.
-            rec["cos_readback"] = min(rec["cos_readback"], caches_cosine(runner.caches, after))
+            rec["cos_readback"] = min(rec["cos_readback"], sums[precision][t].cosine())
             recs[precision].append(rec)
     summaries: dict[str, ProgramSummary] = {
         precision: summarize(recs[precision], tol, not fp16, ill) for precision, fp16 in PRECISIONS
@@ -271,8 +313,8 @@ def check_verify(
             verify=programs.modules(chunks, "verify", fp16),
         )
         recs = []
-        for pos in range(0, len(readback) - k + 1, k):
-            got = vr.verify(emb, prompt[pos : pos + k], pos)
+        for block, got in enumerate(vr.verify_blocks(emb, prompt, len(readback), k)):
+            pos = block * k
             for i in range(k):
                 rb = readback[pos + i]
                 recs.append(
@@ -281,7 +323,6 @@ def check_verify(
                         rb["trace"][last_layer], None, None,
                     )
                 )  # fmt: skip
-            vr.commit(got["new"], pos, k)
         summaries[precision] = summarize(recs, tol, not fp16, ill)
         all_records += recs
     return summaries, all_records

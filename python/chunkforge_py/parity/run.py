@@ -13,6 +13,7 @@ from typing import Any, get_args
 
 import torch
 
+from .. import weights
 from ..checkpoint import Checkpoint
 from ..contract import (
     ArtifactRecord,
@@ -33,7 +34,7 @@ from ..contract import (
     StepRecord,
     WorstWeight,
 )
-from ..emulate.stepper import Embeddings, LayoutRunner, PrefillRunner
+from ..emulate.stepper import Caches, Embeddings, LayoutRunner, PrefillRunner
 from ..model import Projection
 from ..runtime import ChunkforgeError
 from ..weights import value_of
@@ -172,16 +173,17 @@ def prefill_record(
     records: list[StepRecord],
     localisation: dict[str, Localisation],
     prefilled: dict[str, Any],
-    ref: LayoutRunner,
+    ref_caches: Caches,
     ref_results: list[dict[str, Any]],
     four: ParityLayout,
     tol: float,
 ) -> None:
     """Prefill of n tokens against n reference decode steps: the caches it
-    leaves (all slots, cosine) and the token it predicts after the prompt."""
+    leaves (all slots, cosine) against the reference's after those steps
+    (``ref_caches``), and the token it predicts after the prompt."""
     n = len(ref_results)
     last = ref_results[-1]
-    c = caches_cosine(prefilled["runner"].caches, ref.caches)
+    c = caches_cosine(prefilled["runner"].caches, ref_caches)
     ok = c >= tol and prefilled["token"] == last["token"]
     records.append(
         {
@@ -224,8 +226,8 @@ def verify_records(
     reference's sequential decode step."""
     name = "verify_qK"
     last_layer = max(ref_results[0]["trace"])
-    for pos in range(0, steps - k + 1, k):
-        got = vr.verify(emb, prompt[pos : pos + k], pos)
+    for block, got in enumerate(vr.verify_blocks(emb, prompt, steps, k)):
+        pos = block * k
         for i in range(k):
             ref = ref_results[pos + i]
             c = cosine(ref["trace"][last_layer], got["hidden"][i])
@@ -245,7 +247,6 @@ def verify_records(
             if not ok and name not in localisation:
                 at = {layer: h[i] for layer, h in got["trace"].items()}
                 localisation[name] = {"step": pos + i, **first_divergence(ref["trace"], at, four["chunks"], tol)}
-        vr.commit(got["new"], pos, k)
 
 
 def artifact_functions(
@@ -277,14 +278,13 @@ def artifact_functions(
     pf_layout = req.get("prefill_layout")
     if n and pf_layout:
         again = LayoutRunner(dims, four, ckpt, modules=q.modules)
-        for t in range(n):
-            again.step(emb, prompt[t], t)
+        again.steps(emb, prompt[:n], 0)
         fits = sorted(f["tokens"] for f in pf_layout["chunks"][0]["functions"] if f["tokens"] >= n)
         pf = PrefillRunner(dims, pf_layout, ckpt, fits[0])
         replaced, _ = load_artifacts_into(pf.modules, pf_layout["chunks"], programs)
         prefilled, _ = run_prefill(req, dims, ckpt, emb, prompt[:n], four, again, pf)
         recs = []
-        prefill_record(recs, {}, prefilled, again, q_results[:n], four, tol)
+        prefill_record(recs, {}, prefilled, again.caches, q_results[:n], four, tol)
         out[prefilled["function"]] = function_summary(recs, replaced, ill)
     return out
 
@@ -315,8 +315,7 @@ def program_functions(
     pf_layout = req.get("prefill_layout")
     if n and pf_layout:
         again = LayoutRunner(dims, four, ckpt, modules=q.modules)
-        for t in range(n):
-            again.step(emb, prompt[t], t)
+        again.steps(emb, prompt[:n], 0)
         function, by, recs = check_prefill(
             programs, pf_layout, four, n, dims, emb, prompt, q_results, again.caches, tol, ill
         )
@@ -422,6 +421,11 @@ def packaged(value: Any, shape: tuple[int, ...]) -> torch.Tensor:
     return value_of(value).reshape(shape)
 
 
+def chunk_say(say: Callable[[str], None], layout: str) -> Callable[[str, int], None]:
+    """`LayoutRunner.steps`' progress as parity phases: ``layout: chunk over n steps``."""
+    return lambda chunk, n: say(f"{layout}: {chunk} over {n} decode steps")
+
+
 def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> ParityReport:
     """Every parity check of ``req``; ``progress(what)`` is told each phase
     as it starts (the command's spinner, or a log line)."""
@@ -463,7 +467,6 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
         raise ChunkforgeError(f"--prefill {prefill} leaves no decode steps (--steps {steps})")
 
     records: list[StepRecord] = []
-    ref_results: list[dict[str, Any]] = []
     localisation: dict[str, Localisation] = {}
     # Set (non-empty) exactly when ``prefill``.
     prefilled: dict[str, Any] = {}
@@ -477,23 +480,24 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
             corrupted = corrupt_modules(pf.modules, int(corrupt_layer))
             prefilled, pf = run_prefill(req, dims, ckpt, emb, prompt[:prefill], ref_layout, ref, pf)
         runners = {reference: prefilled["runner"], **runners}
-    for t in range(steps):
-        say(f"decode step {t + 1}/{steps}: the reference and {len(runners)} layouts")
-        token = prompt[t]
-        if t == prefill and prefill:
-            prefill_record(records, localisation, prefilled, ref, ref_results, ref_layout, tol)
-            if not req.get("skip_prefill_copy"):
-                for name, r in runners.items():
-                    if name != reference:
-                        r.load_prefill(prefilled["runner"], layouts[name]["kv_slot_map"])
-        r_ref = ref.step(emb, token, t)
-        ref_results.append(
-            {"token": r_ref["token"], "hidden": r_ref["hidden"], "logits": r_ref["logits"], "trace": r_ref["trace"]}
-        )
-        if t < prefill:
-            continue
-        for name, r in runners.items():
-            got = r.step(emb, token, t)
+    # Teacher forcing: every layout runs all its steps chunk by chunk
+    # (`LayoutRunner.steps`), then the records are made step by step.
+    ref_results = ref.steps(
+        emb, prompt[:steps], 0, keep_caches_after=prefill - 1 if prefill else None, progress=chunk_say(say, reference)
+    )
+    if prefill:
+        prefill_record(records, localisation, prefilled, ref.kept_caches, ref_results[:prefill], ref_layout, tol)
+        if not req.get("skip_prefill_copy"):
+            for name, r in runners.items():
+                if name != reference:
+                    r.load_prefill(prefilled["runner"], layouts[name]["kv_slot_map"])
+    decoded = {}
+    for name, r in runners.items():
+        decoded[name] = r.steps(emb, prompt[prefill:steps], prefill, progress=chunk_say(say, name))
+    for t in range(prefill, steps):
+        r_ref = ref_results[t]
+        for name in runners:
+            got = decoded[name][t - prefill]
             c = cosine(r_ref["hidden"], got["hidden"])
             ok = c >= tol and got["token"] == r_ref["token"]
             records.append(
@@ -510,6 +514,7 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
             )
             if not ok and name not in localisation:
                 localisation[name] = {"step": t, **localise(r_ref, got, layouts.get(name, ref_layout)["chunks"], tol)}
+    del decoded
 
     verify_k = next((f["tokens"] for f in ref_layout["chunks"][0]["functions"] if f["kind"] == "verify"), None)
     if verify_k:
@@ -554,10 +559,8 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
             agree = 0
             coss = []
             tokens = []
-            q_results = []
-            for t in range(steps):
-                got = q.step(emb, prompt[t], t)
-                q_results.append(got)
+            q_results = q.steps(emb, prompt[:steps], 0, progress=chunk_say(say, f"{name} read back"))
+            for t, got in enumerate(q_results):
                 c = cosine(ref_results[t]["hidden"], got["hidden"])
                 same = got["token"] == ref_results[t]["token"]
                 agree += same
@@ -585,8 +588,19 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
                 and tokens == first_tokens
             )
             # The packages' own programs against these read-back modules.
-            say(f"{name}: the packages' own programs (MIL interpreter)")
-            summ, recs = check_layout(programs, name, layout, dims, emb, prompt, ref_results[:steps], hf, tol, ill)
+            summ, recs = check_layout(
+                programs,
+                name,
+                layout,
+                dims,
+                emb,
+                prompt,
+                ref_results[:steps],
+                hf,
+                tol,
+                ill,
+                chunk_say(say, f"{name} programs (MIL interpreter)"),
+            )
             program_summary[name] = summ
             program_records += recs
             if name == reference:
@@ -672,4 +686,5 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
     }
     summary["verdict"] = verdicts.of_report(report)
     summary["ok"] = summary["verdict"] == "ok"
+    weights.write_stats()
     return report
