@@ -470,7 +470,10 @@ fn parity_functions(a: &ParityCmd, build: Option<&BuildRecord>) -> Result<plan::
     if let Some(built) = function_tokens(crate::layouts::REFERENCE, plan::FunctionKind::Verify) {
         let built = built.first().copied();
         match (a.functions.verify_k, built) {
-            (None, _) => out.verify_k = built,
+            // Only where the mode checks chunk1..4, whose functions they are.
+            (None, _) if a.mode.kinds().contains(&crate::layouts::REFERENCE) => {
+                out.verify_k = built
+            }
             (Some(k), Some(b)) if k != b => bail!(
                 "{json}: the build's chunk1..4 carry verify_qK with K = {b}, but --verify-k {k} was given; parity --artifacts checks the packages as built (drop --verify-k)"
             ),
