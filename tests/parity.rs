@@ -111,15 +111,25 @@ fn corrupted_merged_layer_fails_at_step_0_and_names_the_layer() {
     );
 }
 
-/// A deliberately sharp small checkpoint (transformers' own initialisation
-/// with unit-ish q/k norm weights) is ill-conditioned at step 12: transformers
-/// moves from itself there (sdpa attention, float64) by more than the
-/// tolerance, and so do the reference and verify_qK. Parity says
-/// INCONCLUSIVE (exit 3) and names the step, with the layouts still held to
-/// the reference; a corrupted layer there still fails.
+/// A deliberately sharp small checkpoint (transformers' own initialisation,
+/// seed 1, with its unit-ish q/k norm weights doubled) is ill-conditioned at
+/// step 15: transformers moves from itself there (sdpa attention, float64)
+/// by 1-cos 0.15, three orders past the tolerance, and the reference, as
+/// any other fp32 implementation, lands elsewhere (cos 0.85, another
+/// token); every other step's floor is under a sixth of the tolerance. Parity
+/// says INCONCLUSIVE (exit 3) and names the step; a corrupted layer still
+/// fails. (The undoubled checkpoint's one ill-conditioned step moves
+/// transformers by 2e-4, so whether the reference lands past the tolerance
+/// there depends on the CPU's kernels: it did on one machine, not another.)
 #[test]
 fn sharp_checkpoint_is_inconclusive_and_a_corrupted_layer_still_fails() {
-    let ck = fixture("e2b-sharp-seed1", &["--attention", "sharp", "--seed", "1"]);
+    let base = fixture("e2b-sharp-seed1", &["--attention", "sharp", "--seed", "1"]);
+    let ck = edited_fixture(
+        "e2b-sharp-seed1-qk2",
+        &base,
+        &["q_norm.weight", "k_norm.weight"],
+        |w| 2.0 * w,
+    );
     let ck = ck.to_str().unwrap();
     let (code, out) = parity(&[
         "--hf-dir",
@@ -134,36 +144,29 @@ fn sharp_checkpoint_is_inconclusive_and_a_corrupted_layer_still_fails() {
     assert_eq!(code, 3, "{out}");
     assert!(
         last_line(&out).starts_with(
-            "PARITY INCONCLUSIVE: checks disagree only at ill-conditioned step(s) 12, where"
+            "PARITY INCONCLUSIVE: checks disagree only at ill-conditioned step(s) 15, where"
         ),
         "{out}"
     );
     assert!(
-        out.contains("step 12 is ill-conditioned: transformers against itself"),
+        out.contains("step 15 is ill-conditioned: transformers against itself"),
         "{out}"
     );
-    let at_12: Vec<&str> = out.lines().filter(|l| l.contains("step  12 ")).collect();
     assert!(
-        at_12
-            .iter()
-            .any(|l| l.starts_with("reference vs transformers")
+        out.lines()
+            .any(|l| l.starts_with("reference vs transformers step  15 ")
                 && l.ends_with("ILL-CONDITIONED  INCONCLUSIVE")),
         "{out}"
     );
-    for layout in ["three ", "two ", "one "] {
-        assert!(
-            at_12
-                .iter()
-                .any(|l| l.starts_with(layout) && l.ends_with(" OK")),
-            "{layout}: {out}"
-        );
-    }
-    // Nothing fails, and only step 12 is inconclusive.
+    // Nothing fails, and only step 15 is inconclusive.
     assert!(!out.lines().any(|l| l.ends_with("FAIL")), "{out}");
+    let inconclusive: Vec<&str> = out
+        .lines()
+        .filter(|l| l.ends_with("INCONCLUSIVE"))
+        .collect();
+    assert!(!inconclusive.is_empty(), "{out}");
     assert!(
-        out.lines()
-            .filter(|l| l.ends_with("INCONCLUSIVE"))
-            .all(|l| l.contains("step  12 ")),
+        inconclusive.iter().all(|l| l.contains("step  15 ")),
         "{out}"
     );
     let (code, out) = parity(&["--hf-dir", ck, "--mode", "both", "--corrupt-layer", "20"]);

@@ -97,6 +97,18 @@ pub fn fixture(name: &str, extra: &[&str]) -> PathBuf {
 /// cached beside it as `name` (transformers' own default, and what bf16
 /// rounds a scalar within 0.4 % of 1 to).
 pub fn unit_scalar_fixture(name: &str, base: &Path) -> PathBuf {
+    edited_fixture(name, base, &["layer_scalar"], |_| 1.0)
+}
+
+/// The cached fixture `base` with every F32 value of the tensors whose
+/// names end with one of `suffixes` replaced by `edit(value)`, cached
+/// beside it as `name`.
+pub fn edited_fixture(
+    name: &str,
+    base: &Path,
+    suffixes: &[&str],
+    edit: impl Fn(f32) -> f32,
+) -> PathBuf {
     let _guard = FIXTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let dir = base.with_file_name(name);
     if dir.join("config.json").exists() {
@@ -113,14 +125,24 @@ pub fn unit_scalar_fixture(name: &str, base: &Path) -> PathBuf {
     let (header, mut data) = read_safetensors(&file);
     let mut set = 0;
     for (key, t) in header.as_object().unwrap() {
-        if key.ends_with("layer_scalar") {
+        if suffixes.iter().any(|s| key.ends_with(s)) {
             assert_eq!(t["dtype"], "F32", "{key}");
-            let at = t["data_offsets"][0].as_u64().unwrap() as usize;
-            data[at..at + 4].copy_from_slice(&1.0f32.to_le_bytes());
+            let (from, to) = (
+                t["data_offsets"][0].as_u64().unwrap() as usize,
+                t["data_offsets"][1].as_u64().unwrap() as usize,
+            );
+            for v in data[from..to].chunks_exact_mut(4) {
+                let x = f32::from_le_bytes(v.try_into().unwrap());
+                v.copy_from_slice(&edit(x).to_le_bytes());
+            }
             set += 1;
         }
     }
-    assert!(set > 0, "{}: no layer_scalar tensors", file.display());
+    assert!(
+        set > 0,
+        "{}: no tensor ends with {suffixes:?}",
+        file.display()
+    );
     write_safetensors(&file, &header, &data);
     std::fs::rename(&staging, &dir).unwrap();
     dir
