@@ -85,7 +85,7 @@ for shape in "${shapes[@]}"; do
     step "$shape" parity "$cf" parity --hf-dir "$dir/ckpt" --mode all --steps 16 --prefill 8 \
         --artifacts "$dir/build" --report "$scratch/$shape-parity.json"
     if [ -d "$dir/release" ]; then
-        step "$shape" run "$cf" run "$dir/release" --max-tokens 16
+        step "$shape" run "$cf" run "$dir/release" --prompt "$prompt" --max-tokens 16
     fi
     if [ "${FP16:-1}" = 1 ]; then
         # The INT4 build and release make room for the FP16 ones.
