@@ -428,11 +428,17 @@ pub struct BenchParityCmd {
     /// chunk over all steps: the default), side by side; fails unless the reports agree.
     #[arg(long)]
     pub order_baseline: bool,
-    /// Write the parity report here (`--order-baseline`'s children).
+    /// Run it twice, each in a child process of its own: with glibc's heap defaults
+    /// (the default, CHUNKFORGE_HEAP=release) and with CHUNKFORGE_HEAP=keep (freed
+    /// memory kept for the next allocation: weights past the resident budget are made
+    /// again into memory the process holds), side by side; fails unless the reports agree.
+    #[arg(long, conflicts_with = "order_baseline")]
+    pub heap_baseline: bool,
+    /// Write the parity report here (the children of --order-baseline and --heap-baseline).
     #[arg(long, hide = true)]
     pub report: Option<PathBuf>,
     /// Print the wall time, peak RSS and verdict as JSON on the last line
-    /// (`--order-baseline`'s children).
+    /// (the children of --order-baseline and --heap-baseline).
     #[arg(long, hide = true)]
     pub json: bool,
 }

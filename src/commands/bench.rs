@@ -29,7 +29,8 @@ use crate::{bench_palettize, hashbench, heap, sidefiles};
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
     match what {
         BenchCmd::Hash(args) => hashbench::run(&args)?,
-        BenchCmd::Parity(args) if args.order_baseline => bench_parity_order()?,
+        BenchCmd::Parity(args) if args.order_baseline => bench_parity_pair(ParityPair::Order)?,
+        BenchCmd::Parity(args) if args.heap_baseline => bench_parity_pair(ParityPair::Heap)?,
         BenchCmd::Parity(args) => bench_parity(&args, verbose)?,
         BenchCmd::Build(args) => bench_build(args, verbose)?,
         BenchCmd::SideFiles(args) => bench_side_files(args, verbose)?,
@@ -86,31 +87,84 @@ struct ParityRun {
     verdict: String,
 }
 
-/// `bench parity --order-baseline`: the same parity run step by step
-/// (`CHUNKFORGE_PARITY_ORDER=step`: each layout's steps one after another,
-/// each through every chunk, as before) and chunk by chunk (the default:
-/// each chunk over every step, `stepper.schedule`), each in a child process
-/// of its own, side by side. Fails unless the two reports agree: the same
-/// values, every float within 1e-9 (the cache cosines of the packages'
-/// programs are summed chunk by chunk, so their last bits may differ).
-fn bench_parity_order() -> Result<()> {
+/// What `bench parity` compares in two child processes: the environment
+/// variable the two differ by, and its value and label in each.
+#[derive(Clone, Copy)]
+enum ParityPair {
+    /// `--order-baseline`: step by step (`CHUNKFORGE_PARITY_ORDER=step`: each
+    /// layout's steps one after another, each through every chunk, as
+    /// before) and chunk by chunk (the default: each chunk over every step,
+    /// `stepper.schedule`).
+    Order,
+    /// `--heap-baseline`: glibc's heap defaults and the heap kept (heap.rs):
+    /// weights past the resident budget are made again at each use, into
+    /// fresh pages or into memory the process already holds.
+    Heap,
+}
+
+impl ParityPair {
+    fn flag(self) -> &'static str {
+        match self {
+            ParityPair::Order => "--order-baseline",
+            ParityPair::Heap => "--heap-baseline",
+        }
+    }
+
+    fn env(self) -> &'static str {
+        match self {
+            ParityPair::Order => PARITY_ORDER_ENV,
+            ParityPair::Heap => heap::ENV,
+        }
+    }
+
+    /// (label, value) of the baseline, then of the other run.
+    fn runs(self) -> [(&'static str, &'static str); 2] {
+        match self {
+            ParityPair::Order => [
+                ("step by step (before)", "step"),
+                ("chunk by chunk (default)", "chunk"),
+            ],
+            ParityPair::Heap => [
+                ("heap released (default)", heap::Policy::Release.name()),
+                (
+                    "heap kept (CHUNKFORGE_HEAP=keep)",
+                    heap::Policy::Keep.name(),
+                ),
+            ],
+        }
+    }
+
+    fn versus(self) -> &'static str {
+        match self {
+            ParityPair::Order => "chunk by chunk vs step by step",
+            ParityPair::Heap => "heap kept vs released",
+        }
+    }
+}
+
+/// `bench parity --order-baseline` or `--heap-baseline`: the same parity
+/// run twice, each in a child process of its own (`ParityPair`), side by
+/// side. Fails unless the two reports agree: the same values, every float
+/// within 1e-9 (the cache cosines of the packages' programs are summed chunk
+/// by chunk, so their last bits may differ between orders).
+fn bench_parity_pair(pair: ParityPair) -> Result<()> {
     let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
     let argv: Vec<std::ffi::OsString> = std::env::args_os()
         .skip(1)
-        .filter(|a| a != "--order-baseline")
+        .filter(|a| a != pair.flag())
         .collect();
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-parity-{}", std::process::id()));
     fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let runs = parity_orders(&exe, &argv, &tmp);
+    let runs = parity_children(pair, &exe, &argv, &tmp);
     let _ = fs::remove_dir_all(&tmp);
     let runs = runs?;
     println!(
-        "{:<26} {:>9} {:>11} {:>15} {:>8}  verdict",
+        "{:<32} {:>9} {:>11} {:>15} {:>8}  verdict",
         "parity", "wall", "peak RSS", "weights made", "makes"
     );
     for (label, run, made, _) in &runs {
         println!(
-            "{label:<26} {:>8.1}s {:>7.0} MiB {:>11.1} MiB {:>8}  {}",
+            "{label:<32} {:>8.1}s {:>7.0} MiB {:>11.1} MiB {:>8}  {}",
             run.seconds,
             run.peak_rss_bytes as f64 / MIB,
             made.bytes as f64 / MIB,
@@ -128,12 +182,13 @@ fn bench_parity_order() -> Result<()> {
     diff.walk("", &before.3, &after.3);
     if let Some(first) = diff.mismatches.first() {
         bail!(
-            "the two orders' reports differ in {} value(s), first {first}",
+            "the two runs' reports differ in {} value(s), first {first}",
             diff.mismatches.len()
         );
     }
     println!(
-        "chunk by chunk vs step by step: {:.2}x faster wall, {:.2}x the peak RSS, {:.2}x the weights made; reports agree ({} values, {} floats differ, by at most {:.1e})",
+        "{}: {:.2}x faster wall, {:.2}x the peak RSS, {:.2}x the weights made; reports agree ({} values, {} floats differ, by at most {:.1e})",
+        pair.versus(),
         before.1.seconds / after.1.seconds.max(1e-9),
         after.1.peak_rss_bytes as f64 / (before.1.peak_rss_bytes as f64).max(1.0),
         after.2.bytes as f64 / (before.2.bytes as f64).max(1.0),
@@ -144,39 +199,35 @@ fn bench_parity_order() -> Result<()> {
     Ok(())
 }
 
-/// The two children of `bench parity --order-baseline`, their reports in `tmp`.
-fn parity_orders(
+/// The two children of `bench parity` for `pair`, their reports in `tmp`.
+fn parity_children(
+    pair: ParityPair,
     exe: &Path,
     argv: &[std::ffi::OsString],
     tmp: &Path,
 ) -> Result<Vec<(&'static str, ParityRun, WeightsMade, serde_json::Value)>> {
     let mut runs = Vec::new();
-    for (label, order) in [
-        ("step by step (before)", "step"),
-        ("chunk by chunk (default)", "chunk"),
-    ] {
-        let report = tmp.join(format!("{order}.json"));
-        let stats = tmp.join(format!("{order}-weights.json"));
-        eprintln!("bench parity --order-baseline: {PARITY_ORDER_ENV}={order}");
+    let env = pair.env();
+    for (i, (label, value)) in pair.runs().into_iter().enumerate() {
+        let report = tmp.join(format!("{i}.json"));
+        let stats = tmp.join(format!("{i}-weights.json"));
+        eprintln!("bench parity {}: {env}={value}", pair.flag());
         let out = Command::new(exe)
             .args(argv)
             .arg("--json")
             .arg("--report")
             .arg(&report)
-            .env(PARITY_ORDER_ENV, order)
+            .env(env, value)
             .env(WEIGHT_STATS_ENV, &stats)
             .stderr(std::process::Stdio::inherit())
             .output()
             .with_context(|| format!("{}: cannot run", exe.display()))?;
         if !out.status.success() {
-            bail!(
-                "bench parity {PARITY_ORDER_ENV}={order} failed ({})",
-                out.status
-            );
+            bail!("bench parity {env}={value} failed ({})", out.status);
         }
         let text = String::from_utf8_lossy(&out.stdout);
         let run: ParityRun = serde_json::from_str(text.lines().last().unwrap_or(""))
-            .with_context(|| format!("bench parity {PARITY_ORDER_ENV}={order}: no figures"))?;
+            .with_context(|| format!("bench parity {env}={value}: no figures"))?;
         let read = |path: &Path| -> Result<serde_json::Value> {
             let bytes = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
             serde_json::from_slice(&bytes).with_context(|| format!("reading {}", path.display()))
