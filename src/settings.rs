@@ -376,7 +376,13 @@ impl ParitySettings {
         Ok(match cmd {
             ParityCommand::Parity(a) => ParitySettings {
                 mode: a.mode,
-                functions: parity_functions(a, build)?,
+                functions: parity_functions(
+                    a.mode,
+                    a.functions.verify_k,
+                    a.functions.prefill_len.as_deref(),
+                    a.artifacts.as_deref(),
+                    build,
+                )?,
                 split: a.split.clone(),
                 steps: a.steps,
                 tol_cos: a.tol_cos,
@@ -424,7 +430,7 @@ impl ParitySettings {
             },
             ParityCommand::Bench(a) => ParitySettings {
                 mode: a.mode,
-                functions: plan::Functions::resolve(a.mode, None, None),
+                functions: parity_functions(a.mode, None, None, a.artifacts.as_deref(), build)?,
                 steps: a.steps,
                 prefill: a.prefill,
                 artifacts: a.artifacts.clone(),
@@ -439,12 +445,15 @@ impl ParitySettings {
 /// the packages' own verify K and prefill lengths stand where none were
 /// asked for (the reference's packages are checked as built), and a
 /// request the packages cannot answer is refused before anything runs.
-fn parity_functions(a: &ParityCmd, build: Option<&BuildRecord>) -> Result<plan::Functions> {
-    let asked = plan::Functions::resolve(
-        a.mode,
-        a.functions.verify_k,
-        a.functions.prefill_len.as_deref(),
-    );
+/// (`bench parity --artifacts` too: it asks for nothing.)
+fn parity_functions(
+    mode: Mode,
+    verify_k: Option<usize>,
+    prefill_len: Option<&[usize]>,
+    artifacts: Option<&Path>,
+    build: Option<&BuildRecord>,
+) -> Result<plan::Functions> {
+    let asked = plan::Functions::resolve(mode, verify_k, prefill_len);
     let Some(b) = build else {
         return Ok(asked);
     };
@@ -461,17 +470,15 @@ fn parity_functions(a: &ParityCmd, build: Option<&BuildRecord>) -> Result<plan::
                 .collect(),
         )
     };
-    let json = a
-        .artifacts
-        .as_deref()
+    let json = artifacts
         .map(|d| d.join("build.json").display().to_string())
         .unwrap_or_else(|| "build.json".into());
     let mut out = asked.clone();
     if let Some(built) = function_tokens(crate::layouts::REFERENCE, plan::FunctionKind::Verify) {
         let built = built.first().copied();
-        match (a.functions.verify_k, built) {
+        match (verify_k, built) {
             // Only where the mode checks chunk1..4, whose functions they are.
-            (None, _) if a.mode.kinds().contains(&crate::layouts::REFERENCE) => {
+            (None, _) if mode.kinds().contains(&crate::layouts::REFERENCE) => {
                 out.verify_k = built
             }
             (Some(k), Some(b)) if k != b => bail!(
@@ -486,7 +493,7 @@ fn parity_functions(a: &ParityCmd, build: Option<&BuildRecord>) -> Result<plan::
     if let Some(built) = function_tokens(plan::LayoutKind::Prefill, plan::FunctionKind::Prefill) {
         let mut built = built;
         built.sort_unstable_by(|x, y| y.cmp(x));
-        match &a.functions.prefill_len {
+        match prefill_len {
             None if !asked.prefill_lens.is_empty() => out.prefill_lens = built,
             Some(_) if asked.prefill_lens != built => bail!(
                 "{json}: the build's prefill packages carry prefill lengths {built:?}, but --prefill-len asks for {:?}; parity --artifacts checks the packages as built (drop --prefill-len)",
