@@ -18,15 +18,19 @@ pub fn spinner(msg: impl Into<String>) -> ProgressBar {
 }
 
 /// Tells each phase of a long Python call on `sp` as `prefix: phase`, with
-/// the process's resident memory; where stderr is not a terminal (a log
+/// the process's resident memory now and at its peak so far; where stderr is not a terminal (a log
 /// file), each phase is a plain line with the seconds since the start.
 pub fn phases(sp: &ProgressBar, prefix: &str) -> impl Fn(&str) + Send + Sync + 'static {
     let sp = sp.clone();
     let prefix = prefix.to_string();
     let start = std::time::Instant::now();
     move |what: &str| {
-        let rss = rss_bytes() as f64 / f64::from(1u32 << 30);
-        let msg = format!("{prefix}: {what} ({rss:.1} GiB resident)");
+        let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+        let msg = format!(
+            "{prefix}: {what} ({:.1} GiB resident, {:.1} GiB peak so far)",
+            gib(rss_bytes()),
+            gib(peak_rss_bytes())
+        );
         if sp.is_hidden() {
             eprintln!("[{:>6.0} s] {msg}", start.elapsed().as_secs_f64());
         }

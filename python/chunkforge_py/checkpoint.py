@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,13 +136,31 @@ class Checkpoint:
             flat[at : at + part.numel()].copy_(part)
         return out
 
-    def fetcher(self, name: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    def fetcher(self, name: str, dtype: torch.dtype) -> Fetcher:
         """A function that gives the tensor in ``dtype`` each time it is
         called, kept between calls as the resident budget allows
         (weights.RESIDENT); never modify what it returns."""
+        return Fetcher(self, name, dtype)
+
+    def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows start..stop-1 (along the first axis) of the tensor in
+        ``dtype``, read as `read` reads the whole: the bytes of those rows alone."""
         full = self.prefix + name
-        key = ("checkpoint", self.files.get(full), full, dtype)
-        return lambda: RESIDENT.get(key, lambda: self.read(name, dtype))
+        path = self.files.get(full)
+        if path is None:
+            raise KeyError(f"tensor {full} is not in the checkpoint")
+        fd, header, begin = self._file(path)
+        entry = header[full]
+        stored = STORED[entry["dtype"]]
+        shape = list(entry["shape"])
+        stop = min(stop, shape[0])
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        size = torch.empty(0, dtype=stored).element_size()
+        part = torch.empty([stop - start, *shape[1:]], dtype=stored)
+        read_at(fd, begin + entry["data_offsets"][0] + start * row * size, part, f"{path}: {full}")
+        return part if stored == dtype else part.to(dtype)
 
     def close(self) -> None:
         self._handles.clear()
@@ -151,3 +168,27 @@ class Checkpoint:
         for fd, _, _ in self._files.values():
             os.close(fd)
         self._files.clear()
+
+
+class Fetcher:
+    """A checkpoint tensor in one dtype, made on use (`Checkpoint.fetcher`):
+    called, the whole tensor through the resident budget; `rows`, a block
+    of its rows (held whole if the budget holds it, else read alone)."""
+
+    __slots__ = ("ckpt", "dtype", "key", "name")
+
+    def __init__(self, ckpt: Checkpoint, name: str, dtype: torch.dtype):
+        self.ckpt = ckpt
+        self.name = name
+        self.dtype = dtype
+        full = ckpt.prefix + name
+        self.key = ("checkpoint", ckpt.files.get(full), full, dtype)
+
+    def __call__(self) -> torch.Tensor:
+        return RESIDENT.get(self.key, lambda: self.ckpt.read(self.name, self.dtype))
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        held = RESIDENT.held(self.key)
+        if held is not None:
+            return held[start:stop]
+        return self.ckpt.read_rows(self.name, start, stop, self.dtype)

@@ -9,7 +9,7 @@ order of its inputs and outputs) comes from the plan computed in Rust.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -97,6 +97,9 @@ class Projection(nn.Conv2d):
         # Where the weight comes from when the module does not hold it
         # (`load_streamed`): called each time the projection runs.
         self.fetch: Callable[[], torch.Tensor] | None = None
+        # What ``fetch`` reads from, for those who want part of the weight
+        # (`load_streamed`: a `checkpoint.Fetcher` or a package's weight).
+        self.source: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fetch is None:
@@ -567,6 +570,7 @@ def load_streamed(
         if name in projections:
             source = fetch(name, shape)
             projections[name].fetch = lambda source=source, shape=shape: source().view(shape)
+            projections[name].source = source
         else:
             state[name] = get(name).view(shape)
     # assign=True adopts the tensors as they are; the projections' own

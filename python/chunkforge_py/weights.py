@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ class Resident:
         self.made_bytes = 0
         # In order of last use, oldest first, with the working set of that use.
         self._held: OrderedDict[Hashable, tuple[torch.Tensor, int]] = OrderedDict()
+        self._keeping = True
 
     def get(self, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         held = self._held.get(key)
@@ -66,12 +68,19 @@ class Resident:
         size = nbytes(value)
         self.makes += 1
         self.made_bytes += size
+        if not self._keeping:
+            return value
         if self.used + size > self.budget:
             self._make_room(size)
         if self.used + size <= self.budget:
             self._held[key] = (value, self.set)
             self.used += size
         return value
+
+    def held(self, key: Hashable) -> torch.Tensor | None:
+        """The weight held under ``key``, if any (not counted as a use)."""
+        held = self._held.get(key)
+        return held[0] if held is not None else None
 
     def next_set(self) -> None:
         """A new working set starts: the weights held so far may make room for it."""
@@ -87,6 +96,16 @@ class Resident:
             if self.used + size <= self.budget:
                 break
             self.used -= nbytes(self._held.pop(key)[0])
+
+    @contextmanager
+    def passing(self) -> Iterator[None]:
+        """Within it, weights not held are made for the use at hand and not
+        kept (a weight read once, whose room later uses need)."""
+        keeping, self._keeping = self._keeping, False
+        try:
+            yield
+        finally:
+            self._keeping = keeping
 
     def release(self, keep: Callable[[Hashable], bool]) -> None:
         """Let go of every held weight whose key ``keep`` rejects."""

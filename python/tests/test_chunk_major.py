@@ -49,6 +49,30 @@ def test_a_new_working_set_takes_the_room_of_earlier_ones_least_recently_used_fi
     assert sorted(str(k) for k in r._held) == ["a", "c", "d"]
 
 
+def test_a_weight_made_while_passing_is_not_kept_and_release_lets_go_by_key() -> None:
+    r = Resident(budget=1000)
+    made: list[str] = []
+
+    def make(name: str) -> torch.Tensor:
+        made.append(name)
+        return torch.zeros(10)
+
+    def use(name: str) -> None:
+        r.get(name, partial(make, name))
+
+    use("a")
+    with r.passing():
+        # Held weights are still given; new ones are made for this use only.
+        use("a")
+        use("b")
+        use("b")
+    assert made == ["a", "b", "b"] and r.used == 40
+    use("b")
+    assert made[-1] == "b" and r.used == 80
+    r.release(lambda key: key != "a")
+    assert r.used == 40 and list(r._held) == ["b"]
+
+
 def checkpoint_of(built: dict[str, Any]) -> Checkpoint:
     """The shared build's checkpoint, as Rust hands it to Python."""
     info = built["checkpoint"]
@@ -154,3 +178,28 @@ def assert_equal(x: Any, y: Any) -> None:
         assert_same(x, y)
     else:
         assert x == y
+
+
+def test_checkpoint_rows_are_the_whole_tensors_rows_and_give_the_same_relative_mse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from chunkforge_py.checkpoint import Checkpoint as Ckpt
+    from chunkforge_py.parity import run as parity_run
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    path = tmp_path / "model.safetensors"
+    save_file({"model.w": torch.randn(70, 9).to(torch.bfloat16)}, str(path))
+    ckpt = Ckpt({"prefix": "model.", "files": {"model.w": str(path)}})
+    whole = ckpt.read("w", torch.float32)
+    assert torch.equal(ckpt.read_rows("w", 10, 31, torch.float32), whole[10:31])
+    fetch = ckpt.fetcher("w", torch.float32)
+    got = whole + 0.01 * torch.randn(70, 9)
+    direct = parity_run.relative_mse(got, whole)
+    assert parity_run.relative_mse(got, fetch.rows) == direct
+    # The blockwise sum over rows, from the file and from the tensor.
+    monkeypatch.setattr(parity_run, "RELATIVE_MSE_BLOCK", 100)
+    monkeypatch.setattr(parity_run, "RELATIVE_MSE_ROWS", 40)
+    blocks = parity_run.relative_mse(got, whole)
+    assert parity_run.relative_mse(got, fetch.rows) == blocks
+    assert abs(blocks - direct) < 1e-6 * direct

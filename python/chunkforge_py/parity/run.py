@@ -14,7 +14,7 @@ from typing import Any, get_args
 import torch
 
 from .. import weights
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, Fetcher
 from ..contract import (
     ArtifactRecord,
     ArtifactSummary,
@@ -36,7 +36,7 @@ from ..contract import (
 )
 from ..emulate.stepper import Caches, Embeddings, LayoutRunner, PrefillRunner
 from ..model import Projection
-from ..runtime import ChunkforgeError
+from ..runtime import ChunkforgeError, release_memory
 from ..weights import value_of
 from . import verdicts
 from .programs import Programs, caches_cosine, check_layout, check_prefill, check_verify, cosine
@@ -380,7 +380,10 @@ def load_artifacts_into(
             # are gone before the checkpoint's weight is read.
             packed = value_of(dense[key]).reshape(shape)
             assert proj.fetch is not None, "parity's modules are streamed"
-            rel = relative_mse(packed, proj.fetch())
+            # The checkpoint's weight a block of rows at a time where it can
+            # be read so (an E2B head is 1.6 GB in fp32 beside its read-back).
+            source = proj.source
+            rel = relative_mse(packed, source.rows if isinstance(source, Fetcher) else proj.fetch())
             del packed
             if rel > worst["rel_mse"]:
                 worst = {"weight": f"{chunk['name']}:{pname}", "rel_mse": rel}
@@ -390,19 +393,26 @@ def load_artifacts_into(
     return counts, worst
 
 
-def relative_mse(got: torch.Tensor, want: torch.Tensor) -> float:
-    """mean((got - want)^2) / mean(want^2). A weight of more than
-    `RELATIVE_MSE_BLOCK` values (the head of a real-size model is
-    gigabytes) is summed in float64 over blocks of rows of about
-    `RELATIVE_MSE_ROWS` values instead of through temporaries its own
-    size; smaller ones take the direct formula (the figures the fixtures
-    have always reported)."""
+def relative_mse(got: torch.Tensor, want: torch.Tensor | Callable[[int, int], torch.Tensor]) -> float:
+    """mean((got - want)^2) / mean(want^2). ``want`` is a tensor, or gives
+    rows start..stop-1 of one (`checkpoint.Fetcher.rows`), of ``got``'s
+    values. A weight of more than `RELATIVE_MSE_BLOCK` values (the head of
+    a real-size model is gigabytes) is summed in float64 over blocks of
+    rows of about `RELATIVE_MSE_ROWS` values instead of through
+    temporaries its own size; smaller ones take the direct formula (the
+    figures the fixtures have always reported)."""
+
+    def rows_of(start: int, stop: int) -> torch.Tensor:
+        part = want[start:stop] if isinstance(want, torch.Tensor) else want(start, stop)
+        return part.reshape(got[start:stop].shape)
+
     if got.numel() <= RELATIVE_MSE_BLOCK:
-        return float(((got - want) ** 2).mean() / (want**2).mean().clamp_min(1e-30))
+        w = rows_of(0, got.shape[0])
+        return float(((got - w) ** 2).mean() / (w**2).mean().clamp_min(1e-30))
     rows = max(1, RELATIVE_MSE_ROWS // max(1, got[0].numel()))
     err = ref = 0.0
     for r in range(0, got.shape[0], rows):
-        g, w = got[r : r + rows].double(), want[r : r + rows].double()
+        g, w = got[r : r + rows].double(), rows_of(r, r + rows).double()
         err += float(((g - w) ** 2).sum())
         ref += float((w**2).sum())
     return (err / got.numel()) / max(ref / got.numel(), 1e-30)
@@ -550,6 +560,10 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
     program_summary: dict[str, dict[str, ProgramSummary]] = {}
     build_dir = req.get("artifacts")
     if build_dir:
+        # The checkpoint's projections are read once each from here on (each
+        # read-back weight's relative MSE): the budget goes to the packages'.
+        weights.RESIDENT.release(lambda key: not (isinstance(key, tuple) and key[:1] == ("checkpoint",)))
+        release_memory()
         programs = Programs(build_dir)
         first_tokens: list[int] | None = None
         for name, layout in req["artifact_layouts"].items():
@@ -606,9 +620,11 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
             if name == reference:
                 # The packages' own verify and prefill weights against the same
                 # INT4 model's sequential decode: equal up to fp32 rounding.
+                say(f"{name}: the packages' verify and prefill functions, read back")
                 artifact_summary.update(
                     artifact_functions(req, dims, ckpt, emb, prompt, steps, layout, q, q_results, programs, tol, ill)
                 )
+                say(f"{name}: the packages' verify and prefill programs (MIL interpreter)")
                 program_functions(
                     req,
                     programs,
