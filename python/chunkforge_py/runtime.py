@@ -3,6 +3,7 @@ message reaches the user verbatim (no exception class name, no traceback)."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.abc
 import importlib.machinery
@@ -231,17 +232,32 @@ def release_memory() -> None:
     (`heap_kept`) they stay: the next conversion reuses them instead of
     faulting fresh pages in, which costs seconds per GB here, for a higher
     peak (src/heap.rs)."""
+    gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's freed heap pages back to the system (`malloc_trim`), unless
+    the heap is kept (`CHUNKFORGE_HEAP=keep`); cheap enough to call after
+    every chunk call of a parity run (`stepper.schedule`)."""
+    if heap_kept():
+        return
+    trim = malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def malloc_trim() -> Any:
+    """glibc's `malloc_trim`, or None where there is none (looked up once:
+    `find_library` runs a program)."""
     import ctypes
     import ctypes.util
 
-    gc.collect()
-    if heap_kept():
-        return
     libc = ctypes.util.find_library("c")
-    if libc is not None and sys.platform.startswith("linux"):
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
+    if libc is None or not sys.platform.startswith("linux"):
+        return None
+    return getattr(ctypes.CDLL(libc), "malloc_trim", None)
 
 
 def versions(packages: list[str]) -> dict[str, str]:
