@@ -105,6 +105,17 @@ class Checkpoint:
             self._files[path] = (fd, json.loads(os.pread(fd, n, 8)), 8 + n)
         return self._files[path]
 
+    def _entry(self, name: str) -> tuple[int, dict[str, Any], int, str]:
+        """The open file of tensor ``name``, its header entry, where its
+        bytes start in the file, and its path and name for errors."""
+        full = self.prefix + name
+        path = self.files.get(full)
+        if path is None:
+            raise KeyError(f"tensor {full} is not in the checkpoint")
+        fd, header, start = self._file(path)
+        entry = header[full]
+        return fd, entry, start + entry["data_offsets"][0], f"{path}: {full}"
+
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor in ``dtype``. Converted (a bf16 checkpoint's weights in
         fp32) it is read with positioned reads into memory of its own: the
@@ -114,12 +125,7 @@ class Checkpoint:
         the file's mapped bytes, as `get` gives them: there is no copy to
         make, and kernels see the very tensor they saw before streaming (their
         results depend on its alignment in the last bit)."""
-        full = self.prefix + name
-        path = self.files.get(full)
-        if path is None:
-            raise KeyError(f"tensor {full} is not in the checkpoint")
-        fd, header, start = self._file(path)
-        entry = header[full]
+        fd, entry, start, what = self._entry(name)
         stored = STORED[entry["dtype"]]
         if stored == dtype:
             return self.get(name, None)
@@ -132,7 +138,7 @@ class Checkpoint:
         buffer = torch.empty(block, dtype=stored)
         for at in range(0, flat.numel(), block):
             part = buffer[: min(block, flat.numel() - at)]
-            read_at(fd, start + entry["data_offsets"][0] + at * size, part, f"{path}: {full}")
+            read_at(fd, start + at * size, part, what)
             flat[at : at + part.numel()].copy_(part)
         return out
 
@@ -145,12 +151,7 @@ class Checkpoint:
     def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start..stop-1 (along the first axis) of the tensor in
         ``dtype``, read as `read` reads the whole: the bytes of those rows alone."""
-        full = self.prefix + name
-        path = self.files.get(full)
-        if path is None:
-            raise KeyError(f"tensor {full} is not in the checkpoint")
-        fd, header, begin = self._file(path)
-        entry = header[full]
+        fd, entry, begin, what = self._entry(name)
         stored = STORED[entry["dtype"]]
         shape = list(entry["shape"])
         stop = min(stop, shape[0])
@@ -159,7 +160,7 @@ class Checkpoint:
             row *= d
         size = torch.empty(0, dtype=stored).element_size()
         part = torch.empty([stop - start, *shape[1:]], dtype=stored)
-        read_at(fd, begin + entry["data_offsets"][0] + start * row * size, part, f"{path}: {full}")
+        read_at(fd, begin + start * row * size, part, what)
         return part if stored == dtype else part.to(dtype)
 
     def close(self) -> None:
