@@ -434,6 +434,12 @@ pub struct BenchParityCmd {
     /// again into memory the process holds), side by side; fails unless the reports agree.
     #[arg(long, conflicts_with = "order_baseline")]
     pub heap_baseline: bool,
+    /// Run it twice, each in a child process of its own: the packages' 4-bit weights
+    /// dequantized by unpacking their indices and gathering (CHUNKFORGE_DEQUANT=unpack,
+    /// before) and straight from the stored bytes, a table of value pairs per palette
+    /// (the default), side by side; fails unless the reports agree.
+    #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline"])]
+    pub dequant_baseline: bool,
     /// Write the parity report here (the children of --order-baseline and --heap-baseline).
     #[arg(long, hide = true)]
     pub report: Option<PathBuf>,

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from chunkforge_py.mil import ops as mil_ops
 from chunkforge_py.mil.interp import Interpreter
 from chunkforge_py.mil.program import BlobFile, TensorType
 from chunkforge_py.runtime import ChunkforgeError
@@ -576,6 +577,17 @@ def test_lut_to_dense_matches_coremltools(tmp_path: Path, monkeypatch: pytest.Mo
     from chunkforge_py.mil import interp as mil_interp
     from chunkforge_py.mil.inspect import read_package
 
+    # The 4-bit weights made straight from their stored bytes (lazy only).
+    nibbles: list[tuple[int, ...]] = []
+    made_from_bytes = mil_ops.lut_nibbles_to_dense
+
+    def spy(packed: np.ndarray, shape: list[int], lut: torch.Tensor) -> torch.Tensor | None:
+        made = made_from_bytes(packed, shape, lut)
+        if made is not None:
+            nibbles.append(tuple(shape))
+        return made
+
+    monkeypatch.setattr(mil_ops, "lut_nibbles_to_dense", spy)
     if lazy:
         monkeypatch.setattr(mil_interp, "LAZY_ELEMENTS", 1)
         monkeypatch.setattr(weights, "RESIDENT", weights.Resident(budget=0))
@@ -609,6 +621,7 @@ def test_lut_to_dense_matches_coremltools(tmp_path: Path, monkeypatch: pytest.Mo
         assert isinstance(fn.consts[name], weights.Lazy) == lazy
         assert torch.equal(weights.value_of(fn.consts[name]), w), name
     assert tuple(fn.consts["w2"].shape) == (8, 6)
+    assert sorted(nibbles) == ([(64, 24), (64, 24, 1, 1)] if lazy else [])
     got = fn.run({"x": x.astype(np.float16), "img": img.astype(np.float16)})
     expected = {
         "y": F.linear(t(x).half().float(), want["w4"]),

@@ -135,6 +135,29 @@ def test_lut_to_dense_in_blocks_is_the_whole_gather(monkeypatch: pytest.MonkeyPa
         assert float(whole[40, 5, 0, 0]) == float(lut[1, g1, 0, 0, int(indices[40, 5, 0, 0]), 0])
 
 
+@pytest.mark.parametrize("shape", [[64, 12], [96, 5, 1, 1], [32, 1]])
+def test_palettes_made_from_stored_nibbles_are_the_unpacked_gather(shape: list[int]) -> None:
+    # INT4 per_grouped_channel (palettes along the first axis), indices as the
+    # weight file stores them: two a byte, the low nibble first.
+    groups = shape[0] // 16
+    count = int(np.prod(shape))
+    values = RNG.integers(0, 16, count).astype(np.uint8)
+    packed = (values[0::2] | (values[1::2] << 4)).astype(np.uint8)
+    lut = torch.randn(groups, *[1] * (len(shape) - 1), 16, 1).half().float()
+    indices = torch.from_numpy(mil_program.unpack_bits(packed, 4, False, count).reshape(shape))
+    made = mil_ops.lut_nibbles_to_dense(packed, shape, lut)
+    assert made is not None and made.dtype == torch.float32
+    assert torch.equal(made, mil_ops.lut_to_dense(indices, lut, None))
+    # Not 16 palettes, a group not starting on a byte, palettes along another
+    # axis: not this path (None), the op's own gather runs.
+    assert mil_ops.lut_nibbles_to_dense(packed, shape, lut[..., :8, :]) is None
+    odd = [3 * groups, 3, *[1] * (len(shape) - 2)]
+    assert mil_ops.lut_nibbles_to_dense(packed, odd, lut) is None
+    if len(shape) > 2:
+        across = torch.randn(groups, 5, 1, 1, 16, 1)
+        assert mil_ops.lut_nibbles_to_dense(packed, shape, across) is None
+
+
 def test_lazy_weights_are_made_through_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(weights, "RESIDENT", Resident(budget=0))
     made: list[int] = []

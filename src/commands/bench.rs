@@ -31,6 +31,7 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
         BenchCmd::Hash(args) => hashbench::run(&args)?,
         BenchCmd::Parity(args) if args.order_baseline => bench_parity_pair(ParityPair::Order)?,
         BenchCmd::Parity(args) if args.heap_baseline => bench_parity_pair(ParityPair::Heap)?,
+        BenchCmd::Parity(args) if args.dequant_baseline => bench_parity_pair(ParityPair::Dequant)?,
         BenchCmd::Parity(args) => bench_parity(&args, verbose)?,
         BenchCmd::Build(args) => bench_build(args, verbose)?,
         BenchCmd::SideFiles(args) => bench_side_files(args, verbose)?,
@@ -100,6 +101,10 @@ enum ParityPair {
     /// weights past the resident budget are made again at each use, into
     /// fresh pages or into memory the process already holds.
     Heap,
+    /// `--dequant-baseline`: the packages' 4-bit weights dequantized from
+    /// unpacked indices (before) or from their stored bytes (the default,
+    /// `ops.lut_nibbles_to_dense`).
+    Dequant,
 }
 
 impl ParityPair {
@@ -107,6 +112,7 @@ impl ParityPair {
         match self {
             ParityPair::Order => "--order-baseline",
             ParityPair::Heap => "--heap-baseline",
+            ParityPair::Dequant => "--dequant-baseline",
         }
     }
 
@@ -114,6 +120,7 @@ impl ParityPair {
         match self {
             ParityPair::Order => PARITY_ORDER_ENV,
             ParityPair::Heap => heap::ENV,
+            ParityPair::Dequant => DEQUANT_ENV,
         }
     }
 
@@ -131,6 +138,10 @@ impl ParityPair {
                     heap::Policy::Keep.name(),
                 ),
             ],
+            ParityPair::Dequant => [
+                ("indices unpacked (before)", "unpack"),
+                ("from the stored bytes (default)", "nibbles"),
+            ],
         }
     }
 
@@ -138,6 +149,7 @@ impl ParityPair {
         match self {
             ParityPair::Order => "chunk by chunk vs step by step",
             ParityPair::Heap => "heap kept vs released",
+            ParityPair::Dequant => "stored bytes vs unpacked",
         }
     }
 }
@@ -245,6 +257,8 @@ fn parity_children(
 
 /// See `python/chunkforge_py/emulate/stepper.py` (`ORDER_ENV`).
 const PARITY_ORDER_ENV: &str = "CHUNKFORGE_PARITY_ORDER";
+/// How the interpreter dequantizes 4-bit weights (python/chunkforge_py/mil/interp.py).
+const DEQUANT_ENV: &str = "CHUNKFORGE_DEQUANT";
 /// See `python/chunkforge_py/weights.py` (`STATS_ENV`).
 const WEIGHT_STATS_ENV: &str = "CHUNKFORGE_WEIGHT_STATS";
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,7 @@ import torch
 from ..contract import ExecRequest, ExecResult
 from ..runtime import ChunkforgeError
 from ..weights import Lazy, value_of
+from . import ops
 from .ops import CONSTEXPR, OPS, Impl, OpError
 from .program import FLOATS, MLPackage, TensorType, tensor_type
 
@@ -235,11 +236,11 @@ class Function:
             if any(isinstance(v, Lazy) for v in static.values()) or (
                 all(d is not None for d in shape) and count(shape) >= LAZY_ELEMENTS
             ):
-                value = self.interp.lazy(
-                    key,
-                    lambda: self._run_static(impl, {k: value_of(v) for k, v in static.items()}, outputs, what),
-                    tuple(int(d) for d in shape if d is not None),
+                dense = tuple(int(d) for d in shape if d is not None)
+                make = self._nibbles(op.type, static, dense, outputs, what) or (
+                    lambda: self._run_static(impl, {k: value_of(v) for k, v in static.items()}, outputs, what)
                 )
+                value = self.interp.lazy(key, make, dense)
             else:
                 value = self.interp.constexpr(key, lambda: self._run_static(impl, static, outputs, what))
             self.consts[name] = value
@@ -256,6 +257,36 @@ class Function:
                 [(self._slot(n), t) for n, t in outputs],
             )
         )
+
+    def _nibbles(
+        self,
+        op_type: str,
+        static: dict[str, Any],
+        shape: tuple[int, ...],
+        outputs: list[tuple[str, TensorType]],
+        what: str,
+    ) -> Callable[[], torch.Tensor] | None:
+        """How to make a palettized weight straight from its 4-bit indices as
+        the weight file stores them (`ops.lut_nibbles_to_dense`), or None
+        where that does not apply (the op's own implementation runs)."""
+        indices, lut = static.get("indices"), static.get("lut")
+        if op_type != "constexpr_lut_to_dense" or set(static) - {"indices", "lut", "vector_axis"}:
+            return None
+        if dequant_mode() == "unpack":
+            return None
+        if not isinstance(indices, Lazy) or tuple(indices.shape) != shape or not isinstance(lut, Lazy | torch.Tensor):
+            return None
+        read = self.interp.packed_reader(indices)
+        if read is None or ops.lut_of_rows(list(shape), torch.empty(tuple(lut.shape), device="meta")) is None:
+            return None
+
+        def nibbles(a: dict[str, Any]) -> torch.Tensor:
+            palettes = value_of(a["lut"])
+            raw = read()
+            made = ops.lut_nibbles_to_dense(raw, list(shape), palettes) if raw is not None else None
+            return made if made is not None else ops.lut_to_dense(value_of(indices), palettes, None)
+
+        return lambda: self._run_static(nibbles, {"lut": lut}, outputs, what)
 
     def _run_static(
         self, impl: Impl, static: dict[str, Any], outputs: list[tuple[str, TensorType]], what: str
@@ -376,6 +407,19 @@ class Function:
         return result
 
 
+# How 4-bit palettized weights are made: "nibbles" (the default: from the
+# stored bytes, `ops.lut_nibbles_to_dense`) or "unpack" (indices unpacked,
+# then gathered: the baseline of `bench parity --dequant-baseline`).
+DEQUANT_ENV = "CHUNKFORGE_DEQUANT"
+
+
+def dequant_mode() -> str:
+    mode = os.environ.get(DEQUANT_ENV) or "nibbles"
+    if mode not in ("nibbles", "unpack"):
+        raise ChunkforgeError(f"{DEQUANT_ENV}={mode}: expected nibbles or unpack")
+    return mode
+
+
 def count(shape: tuple[int | None, ...]) -> int:
     """Values in a tensor of a fully known ``shape``."""
     n = 1
@@ -410,6 +454,8 @@ class Interpreter:
         self.path = package_path
         self._functions: dict[str, Function] = {}
         self._consts: dict[bytes, Any] = {}
+        # Readers of the 4-bit weights' stored bytes, by constant key.
+        self._packed: dict[bytes, Callable[[], np.ndarray | None]] = {}
 
     @property
     def functions(self) -> list[str]:
@@ -440,6 +486,8 @@ class Interpreter:
                 self._consts[key] = self.lazy(
                     key, lambda: self.weight(value, what), tuple(int(d or 0) for d in t.shape)
                 )
+                if t.dtype == "uint4":
+                    self._packed[key] = lambda: self.package.packed(value, what)
             else:
                 v = self.package.value(value, what)
                 self._consts[key] = v if isinstance(v, str) else to_torch(v)
@@ -457,6 +505,14 @@ class Interpreter:
         if key not in self._consts:
             self._consts[key] = compute()
         return self._consts[key]
+
+    def packed_reader(self, weight: Lazy) -> Callable[[], np.ndarray | None] | None:
+        """A reader of the bytes the weight file stores for ``weight``, a
+        4-bit constant of this package (None for any other)."""
+        key = weight.key
+        if not (isinstance(key, tuple) and len(key) == 3 and key[:2] == ("mil", self.path)):
+            return None
+        return self._packed.get(key[2])
 
     def lazy(self, key: bytes, make: Any, shape: tuple[int, ...]) -> Lazy:
         """A weight of this package made on use (one `Lazy` per value, shared by its functions)."""

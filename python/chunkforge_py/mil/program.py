@@ -183,10 +183,11 @@ class BlobFile:
             data += more
         return data
 
-    def read(self, offset: int, t: TensorType, what: str) -> np.ndarray:
+    def read(self, offset: int, t: TensorType, what: str, packed: bool = False) -> np.ndarray:
         """The blob whose metadata record is at ``offset``, as ``t`` (checked
         against the record's own data type and size). Whole-byte types are
-        read-only arrays over the bytes read; sub-byte types are unpacked."""
+        read-only arrays over the bytes read; sub-byte types are unpacked,
+        or with ``packed`` the bytes as stored (flat uint8)."""
         if offset < BLOB_HEADER or offset + BLOB_METADATA > self.size:
             raise ChunkforgeError(f"{self.path}: {what}: blob offset {offset} is outside the file")
         sentinel, blob_type, size, data_offset = struct.unpack_from("<IIQQ", self._bytes(offset, 24))
@@ -209,6 +210,8 @@ class BlobFile:
                     f"{self.path}: {what}: blob at {offset} has {size} bytes, {shape} {t.dtype} needs "
                     f"{(count * nbits + 7) // 8}"
                 )
+            if packed:
+                return raw
             return unpack_bits(np.asarray(raw), nbits, signed, count).reshape(shape)
         np_type = np.uint16 if t.dtype == "bf16" else NUMPY.get(t.dtype)
         if np_type is None:
@@ -314,6 +317,15 @@ class MLPackage:
         if base not in self._blobs:
             self._blobs[base] = BlobFile(os.path.join(self.weights_dir, base))
         return self._blobs[base]
+
+    def packed(self, v: Any, what: str) -> np.ndarray | None:
+        """The bytes of a sub-byte weight ``v`` as its weight file stores
+        them (flat uint8, least significant bits first), or None if ``v`` is
+        not a sub-byte blob."""
+        t = tensor_type(v.type, what)
+        if v.WhichOneof("value") != "blobFileValue" or t.dtype not in SUB_BYTE:
+            return None
+        return self.blob(v.blobFileValue.fileName, what).read(int(v.blobFileValue.offset), t, what, packed=True)
 
     def value(self, v: Any, what: str) -> np.ndarray | str:
         """A MIL_pb2.Value: a numpy array of its type and shape (weights as
