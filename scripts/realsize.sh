@@ -10,7 +10,9 @@
 # removed as each shape is done. Too big for CI: an E2B pass takes about an
 # hour on 2 cores, E4B longer. Options, as environment variables:
 #   CHUNKFORGE          the binary            [target/release/chunkforge]
-#   LAYOUT              package --layout      [two]
+#   LAYOUT              package --layout      [none: package's default, app,
+#                       every layout within the 20-layer ceiling; E4B's
+#                       merged_chunk1 holds 24 layers, so two is refused there]
 #   AUDIT_FLAGS         extra package flags   [none: the audit finds nothing in
 #                       E2B-size packages, so package must pass it as it stands]
 #   FP16                0 skips the FP16 pass [1]: build --no-quantize, package,
@@ -22,14 +24,15 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-    sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 scratch=$1
 shift
 if [ $# -gt 0 ]; then shapes=("$@"); else shapes=(e2b e4b); fi
 cf=${CHUNKFORGE:-target/release/chunkforge}
-layout=${LAYOUT:-two}
+layout_flags=()
+if [ -n "${LAYOUT:-}" ]; then layout_flags=(--layout "$LAYOUT"); fi
 audit_flags=${AUDIT_FLAGS:-}
 prompt=${PROMPT:-The quick brown fox}
 if [ ! -x "$cf" ]; then
@@ -80,7 +83,7 @@ for shape in "${shapes[@]}"; do
     step "$shape" build "$cf" build --hf-dir "$dir/ckpt" --mode all --output "$dir/build" || continue
     step "$shape" audit "$cf" audit "$dir/build"
     "$cf" keygen --out "$dir/key" >/dev/null 2>&1
-    step "$shape" package "$cf" package "$dir/build" --layout "$layout" --key "$dir/key.pem" \
+    step "$shape" package "$cf" package "$dir/build" "${layout_flags[@]}" --key "$dir/key.pem" \
         --output "$dir/release" $audit_flags
     step "$shape" parity "$cf" parity --hf-dir "$dir/ckpt" --mode all --steps 16 --prefill 8 \
         --artifacts "$dir/build" --report "$scratch/$shape-parity.json"
@@ -92,7 +95,7 @@ for shape in "${shapes[@]}"; do
         rm -rf "$dir/build" "$dir/release"
         step "$shape" build-fp16 "$cf" build --hf-dir "$dir/ckpt" --mode all --no-quantize \
             --output "$dir/build-fp16" &&
-            step "$shape" package-fp16 "$cf" package "$dir/build-fp16" --layout "$layout" \
+            step "$shape" package-fp16 "$cf" package "$dir/build-fp16" "${layout_flags[@]}" \
                 --key "$dir/key.pem" --output "$dir/release-fp16" $audit_flags &&
             step "$shape" run-fp16 "$cf" run "$dir/release-fp16" --prompt "$prompt" --max-tokens 16 --json &&
             step "$shape" oracle "$("$cf" doctor --venv-python)" "$(dirname "$0")/oracle_greedy.py" \

@@ -405,3 +405,24 @@ fn unit_layer_scalars_and_a_prefill_past_the_window_audit_clean_and_package() {
     let audit = &common::json_file(&e4b_two.join("build.json"))["audit"];
     assert_eq!(audit["total"], 0, "{audit}");
 }
+
+/// E4B's verify_qK: 4 query heads per KV head (2 at the fixture's widths)
+/// fold into the rows of one attention matmul, and its mask with them.
+/// Repeated, that mask was a `tile` of chunk3's only full layer, L29, which
+/// shares its KV: an op type the device-proven graphs have in no KV-sharing
+/// layer, so the full-size E4B build's audit refused it. Concatenated, it
+/// audits clean.
+#[test]
+fn e4b_verify_groups_query_heads_without_tile() {
+    let e4b = fixture(
+        "e4b-mm",
+        &["--shape", "e4b", "--multimodal", "--shards", "3"],
+    );
+    let four = shared_build(
+        "e4b-four-verify-fp16",
+        &e4b,
+        &["--mode", "four", "--verify-k", "3", "--no-quantize"],
+    );
+    let build = common::json_file(&four.join("build.json"));
+    assert_eq!(build["audit"]["total"], 0, "{}", build["audit"]);
+}

@@ -134,11 +134,16 @@ PUBLISHED_MAX_POSITIONS = 131_072
 TINY_WIDTHS = {
     "hidden_size": 64,
     "intermediate_size": 128,
-    "num_attention_heads": 2,
     "head_dim": 32,
     "global_head_dim": 64,
     "hidden_size_per_layer_input": 32,
 }
+# Query heads per KV head at tiny widths: 2, so attention is grouped-query
+# as in the released shapes (E2B 8 per KV head, E4B 4), and a graph that
+# repeats anything per group has it at tiny widths too (E4B's once had 2
+# query heads over 2 KV heads, and only the full-size build showed the
+# `tile` its verify attention made).
+TINY_GROUPS = 2
 
 
 def text_config_dict(
@@ -148,7 +153,11 @@ def text_config_dict(
     s = SHAPES[shape]
     n = s["num_hidden_layers"]
     every = s["full_every"]
-    widths = FULL_WIDTHS[shape] if full_width else TINY_WIDTHS
+    widths = (
+        FULL_WIDTHS[shape]
+        if full_width
+        else {**TINY_WIDTHS, "num_attention_heads": TINY_GROUPS * s["num_key_value_heads"]}
+    )
     return {
         **widths,
         "vocab_size": vocab_size,

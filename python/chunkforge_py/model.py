@@ -194,7 +194,11 @@ class Attention(nn.Module):
         else:
             q = q.transpose(1, 2).reshape(1, self.kv_heads, groups * t, self.head_dim)
             if groups > 1:
-                mask = mask.repeat(1, 1, groups, 1)
+                # Concatenated, not repeated: `repeat` becomes MIL's `tile`,
+                # which the device-proven graphs have in no KV-sharing layer,
+                # and where a chunk's only full layer shares KV (E4B's
+                # chunk3, L29) its verify mask would be tiled there.
+                mask = torch.cat([mask] * groups, dim=2)
         scores = torch.matmul(q, keys.transpose(2, 3))  # Gemma 4 attention scale is 1.0
         probs = softmax(scores + mask.to(scores.dtype))
         out = torch.matmul(probs, values)
