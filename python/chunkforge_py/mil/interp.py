@@ -454,8 +454,8 @@ class Interpreter:
         self.path = package_path
         self._functions: dict[str, Function] = {}
         self._consts: dict[bytes, Any] = {}
-        # Readers of the 4-bit weights' stored bytes, by constant key.
-        self._packed: dict[bytes, Callable[[], np.ndarray | None]] = {}
+        # Readers of the 4-bit weights' stored bytes, by their `Lazy`.
+        self._packed: dict[Lazy, Callable[[], np.ndarray | None]] = {}
 
     @property
     def functions(self) -> list[str]:
@@ -483,11 +483,10 @@ class Interpreter:
                 and all(d is not None for d in t.shape)
                 and count(t.shape) >= LAZY_ELEMENTS
             ):
-                self._consts[key] = self.lazy(
-                    key, lambda: self.weight(value, what), tuple(int(d or 0) for d in t.shape)
-                )
+                weight = self.lazy(key, lambda: self.weight(value, what), tuple(int(d or 0) for d in t.shape))
+                self._consts[key] = weight
                 if t.dtype == "uint4":
-                    self._packed[key] = lambda: self.package.packed(value, what)
+                    self._packed[weight] = lambda: self.package.packed(value, what)
             else:
                 v = self.package.value(value, what)
                 self._consts[key] = v if isinstance(v, str) else to_torch(v)
@@ -509,10 +508,7 @@ class Interpreter:
     def packed_reader(self, weight: Lazy) -> Callable[[], np.ndarray | None] | None:
         """A reader of the bytes the weight file stores for ``weight``, a
         4-bit constant of this package (None for any other)."""
-        key = weight.key
-        if not (isinstance(key, tuple) and len(key) == 3 and key[:2] == ("mil", self.path)):
-            return None
-        return self._packed.get(key[2])
+        return self._packed.get(weight)
 
     def lazy(self, key: bytes, make: Any, shape: tuple[int, ...]) -> Lazy:
         """A weight of this package made on use (one `Lazy` per value, shared by its functions)."""
