@@ -215,7 +215,8 @@ pub fn run(
             ""
         }
     ));
-    let result = calls::parity(&req, verbose, progress::phases(&sp, "parity"));
+    let result =
+        calls::with_progress::<calls::Parity>(&req, verbose, progress::phases(&sp, "parity"));
     sp.finish_and_clear();
     let mut report = result?;
     report.format = PARITY_FORMAT.into();

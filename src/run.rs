@@ -211,7 +211,24 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
     };
     // Python starts only once the folder has passed every check above.
     crate::py::env::activate(o.verbose)?;
-    let mut result: RunResult = calls::call::<calls::Emulate>(&req, o.verbose)?;
+    let sp = crate::progress::spinner(format!(
+        "run: {} layout ({}), {} new tokens at most",
+        decode.kind.as_str(),
+        decode
+            .chunks
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+        o.max_tokens
+    ));
+    let result = calls::with_progress::<calls::Emulate>(
+        &req,
+        o.verbose,
+        crate::progress::phases(&sp, "run"),
+    );
+    sp.finish_and_clear();
+    let mut result: RunResult = result?;
     result.picked_by = if o.speculate.is_some() && o.layout == RunLayout::Auto {
         format!("--speculate (verify_qK lives in {})", reference.range())
     } else {

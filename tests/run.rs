@@ -344,8 +344,30 @@ fn fp16_release_generates_transformers_tokens_in_every_layout() {
         .map(i64::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    let r = generate(&release, &["--prompt-ids", &joined, "--layout", "two"]);
+    let o = run(&[
+        "run",
+        s(&release),
+        "--max-tokens",
+        "16",
+        "--json",
+        "--prompt-ids",
+        &joined,
+        "--layout",
+        "two",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: Value = serde_json::from_str(&stdout(&o)).expect("run --json prints JSON");
     assert_eq!(ids(&r["generated_ids"]), want);
+    // Progress on stderr (a log here, not a terminal): the prefill call, then
+    // each decode step, with the resident memory; stdout stays the JSON.
+    let e = stderr(&o);
+    let told = |what: &str| e.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(told("run: prefill: "), 1, "{e}");
+    assert_eq!(told("run: decode: token "), TOKENS - 1, "{e}");
+    assert!(
+        e.contains("of at most 16 (position ") && e.contains("GiB peak so far"),
+        "{e}"
+    );
 }
 
 /// The INT4 release against transformers: the agreement is measured, and the

@@ -109,7 +109,8 @@ entry_points! {
     CompilePackage = "convert.compiled"."compile_package"(Dict crate::compile::CompileRequest<'a>)
         -> crate::compile::CompileReply;
     /// Text from a release folder alone (`chunkforge run`).
-    Emulate = "emulate.release"."run"(Dict crate::run::RunRequest<'a>) -> crate::run::RunResult;
+    Emulate = "emulate.release"."run"(Dict crate::run::RunRequest<'a>) -> crate::run::RunResult,
+        with ["progress"];
     /// The parity checks (`chunkforge parity`).
     Parity = "parity.run"."run"(Dict crate::parity::ParityRequest<'a>) -> ParityReport,
         with ["progress"];
@@ -204,31 +205,33 @@ pub fn call<E: EntryPoint>(request: &E::Request<'_>, verbose: bool) -> Result<E:
         .map_err(|e| anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION))
 }
 
-/// `parity.run` with a `progress(what)` callback telling `on_phase` each
-/// phase of the run as it starts.
-pub fn parity(
-    request: &crate::parity::ParityRequest<'_>,
+/// `E(request)` with a `progress(what)` callback (its one object) telling
+/// `on_phase` each phase of the call as it starts: `parity`, `run`.
+pub fn with_progress<E: EntryPoint>(
+    request: &E::Request<'_>,
     verbose: bool,
     on_phase: impl Fn(&str) + Send + Sync + 'static,
-) -> Result<ParityReport> {
+) -> Result<E::Reply> {
+    debug_assert_eq!(E::OBJECTS, ["progress"]);
     let reply = Python::attach(|py| {
         let report = PyCFunction::new_closure(
             py,
             Some(c"progress"),
-            Some(c"Tells a parity phase as it starts: progress(what)."),
+            Some(c"Tells a phase as it starts: progress(what)."),
             move |args: &Bound<'_, PyTuple>, _kwargs: Option<&Bound<'_, PyDict>>| -> PyResult<()> {
                 let what: String = args.get_item(0)?.extract()?;
                 on_phase(&what);
                 Ok(())
             },
         )?;
-        let result = invoke::<Parity>(py, request, &[report.into_any()])?;
+        let result = invoke::<E>(py, request, &[report.into_any()])?;
         dumps(&result)
     })
     .map_err(|e| PythonError {
         message: render_error(e, verbose),
     })?;
-    serde_json::from_str(&reply).map_err(|e| anyhow!("bad reply from parity.run.run: {e}"))
+    serde_json::from_str(&reply)
+        .map_err(|e| anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION))
 }
 
 /// `E(request)` with `objects` (its `OBJECTS`, in order) as keyword

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -222,7 +223,11 @@ def prompt_lookup(history: list[int], k: int, ngram: int = 3) -> list[int]:
     return [history[-1]] * k
 
 
-def run(req: RunRequest) -> RunResult:
+def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunResult:
+    """Generate from the release folder; ``progress(what)`` is told each phase
+    as it starts (the prefill call, each decode step), for the command's
+    spinner or log lines: at E4B size a token takes half a minute here."""
+    tell = progress or (lambda _what: None)
     torch.set_grad_enabled(False)
     dims = req["dims"]
     ctx = dims["ctx"]
@@ -286,6 +291,8 @@ def run(req: RunRequest) -> RunResult:
 
     # Prefill into the reference's caches, then the decode layout's by the slot map.
     t0 = time.perf_counter()
+    prefill_names = ", ".join(c["name"] for c in req["prefill"]["chunks"])
+    tell(f"prefill: {n_prefill} of the prompt's {len(prompt)} tokens, one prefill_b{n_call} call ({prefill_names})")
     pre = prefill.run(emb, prompt[:n_prefill])
     margin = top_margin(prefill.modules[req["prefill"]["chunks"][-1]["name"]].last_logits)
     # The runtime calls prefill once per prompt: let go of its programs.
@@ -303,6 +310,7 @@ def run(req: RunRequest) -> RunResult:
     token = pre["token"]
     # Prompt tokens past the prefill length go through decode, one by one.
     for pos in range(n_prefill, len(prompt)):
+        tell(f"prompt token {pos + 1} of {len(prompt)} through decode")
         step = runner.step(emb, prompt[pos], pos)
         token, margin = step["token"], top_margin(step["logits"])
     prefill_seconds = time.perf_counter() - t0
@@ -321,6 +329,7 @@ def run(req: RunRequest) -> RunResult:
         if pos >= ctx:
             stopped = "context"
             break
+        tell(f"decode: token {len(generated) + 1} of at most {req['max_tokens']} (position {pos})")
         if speculate and pos + speculate <= ctx:
             drafts = prompt_lookup(prompt + generated, speculate - 1)
             tokens = [generated[-1], *drafts]
