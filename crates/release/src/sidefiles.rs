@@ -2025,6 +2025,7 @@ mod tests {
         assert_eq!(mc["num_layers"], 2);
         assert_eq!(mc["per_layer_dim"], 4);
         fs::remove_dir_all(&dir).unwrap();
+        fs::remove_dir_all(&dir2).unwrap();
     }
 
     /// Each row's size rule is what its writer writes (so `run`'s size
