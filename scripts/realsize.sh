@@ -21,10 +21,13 @@
 #                       layer by layer); the run's ids must equal them
 #   PROMPT              the FP16 pass's prompt [The quick brown fox]
 #   KEEP                1 keeps SCRATCH/<shape> instead of removing it
+# Each shape starts only if SCRATCH's disk has the room its pass needs
+# (E2B about NN GiB, E4B about 80 with FP16, 23 and 33 without); the exit
+# status is 1 when a step failed, a shape was skipped or the ids differ.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 scratch=$1
@@ -76,8 +79,31 @@ print(json.JSONDecoder().raw_decode(text[start.start():])[0][sys.argv[2]] if sta
 PY
 }
 
+# need_gib SHAPE: the scratch space a shape's pass needs at its fullest
+# (measured: E2B's INT4 pass holds checkpoint, build and release, 8.7 + 5.4 +
+# 6.2 GB, its FP16 pass the checkpoint, FP16 build and release, 8.7 + NN +
+# 11.4 GB; E4B's INT4 pass 14.0 + 11 + 5.6 GB, its FP16 pass estimated from
+# the FP16 package sizes at 14 + 44 + 20 GB), with 2 GiB to spare.
+need_gib() {
+    case "$1:${FP16:-1}" in
+    e2b:1) echo 43 ;;
+    e2b:*) echo 23 ;;
+    e4b:1) echo 80 ;;
+    *) echo 33 ;;
+    esac
+}
+
+failed=0
 for shape in "${shapes[@]}"; do
     dir=$scratch/$shape
+    need=$(need_gib "$shape")
+    free=$(df --output=avail -BG "$scratch" | tail -n 1 | tr -dc 0-9)
+    if [ "$free" -lt "$need" ]; then
+        echo "error: $scratch has ${free} GiB free; the $shape pass needs about ${need} GiB$([ "${FP16:-1}" = 1 ] && echo " (FP16=0 needs less)"): skipping $shape" >&2
+        printf '%s\tfixture\t0\t0\tdisk\n' "$shape" >>"$table"
+        failed=1
+        continue
+    fi
     mkdir -p "$dir"
     step "$shape" fixture "$cf" fixture --shape "$shape" --full-size --out "$dir/ckpt" || continue
     step "$shape" build "$cf" build --hf-dir "$dir/ckpt" --mode all --output "$dir/build" || continue
@@ -102,8 +128,14 @@ for shape in "${shapes[@]}"; do
                 "$dir/ckpt" "$prompt" 16
         got=$(ids_in "$scratch/$shape-run-fp16.log" generated_ids)
         want=$(ids_in "$scratch/$shape-oracle.log" generated)
-        verdict="differ"
-        [ -n "$got" ] && [ "$got" = "$want" ] && verdict="equal"
+        if [ -z "$got" ] || [ -z "$want" ]; then
+            verdict="not compared: a step before it failed (its log is in $scratch)"
+        elif [ "$got" = "$want" ]; then
+            verdict="equal"
+        else
+            verdict="differ"
+        fi
+        [ "$verdict" = equal ] || failed=1
         printf '%s FP16 run: %s\n%s transformers: %s\n%s FP16 run vs transformers greedy ids: %s\n' \
             "${shape^^}" "$got" "${shape^^}" "$want" "${shape^^}" "$verdict" >>"$scratch/ids.txt"
     fi
@@ -127,6 +159,10 @@ for name in fixture build audit package parity run build-fp16 package-fp16 run-f
             printf ' – | – |'
         else
             IFS=$'\t' read -r _ _ wall mib code <<<"$row"
+            if [ "$code" = disk ]; then
+                printf ' not run: too little disk | – |'
+                continue
+            fi
             note=""
             [ "$code" != 0 ] && note=" (exit $code)"
             printf ' %s s%s | %s MiB |' "$wall" "$note" "$mib"
@@ -139,3 +175,6 @@ for shape in "${shapes[@]}"; do
     grep -h '^PARITY' "$scratch/$shape-parity.log" 2>/dev/null | sed "s/^/${shape^^} parity: /"
 done
 cat "$scratch/ids.txt" 2>/dev/null
+# Non-zero when a step failed, a shape was not run, or the FP16 ids differ.
+awk -F'\t' '$5 != 0 { bad = 1 } END { exit bad }' "$table" || failed=1
+exit "$failed"
