@@ -17,7 +17,12 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+# The chunkforge_py package: where the binary finds it ($CHUNKFORGE_PYTHON_DIR),
+# else this clone's python/ folder.
+sys.path.insert(
+    0,
+    os.environ.get("CHUNKFORGE_PYTHON_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"),
+)
 
 from chunkforge_py.checkpoint import Checkpoint  # noqa: E402
 from chunkforge_py.contract import CheckpointInfo  # noqa: E402

@@ -22,7 +22,7 @@
 #   PROMPT              the FP16 pass's prompt [The quick brown fox]
 #   KEEP                1 keeps SCRATCH/<shape> instead of removing it
 # Each shape starts only if SCRATCH's disk has the room its pass needs
-# (E2B about NN GiB, E4B about 80 with FP16, 23 and 33 without); the exit
+# (E2B about 49 GiB, E4B about 88 with FP16, 23 and 33 without); the exit
 # status is 1 when a step failed, a shape was skipped or the ids differ.
 set -uo pipefail
 
@@ -80,15 +80,15 @@ PY
 }
 
 # need_gib SHAPE: the scratch space a shape's pass needs at its fullest
-# (measured: E2B's INT4 pass holds checkpoint, build and release, 8.7 + 5.4 +
-# 6.2 GB, its FP16 pass the checkpoint, FP16 build and release, 8.7 + NN +
-# 11.4 GB; E4B's INT4 pass 14.0 + 11 + 5.6 GB, its FP16 pass estimated from
-# the FP16 package sizes at 14 + 44 + 20 GB), with 2 GiB to spare.
+# (measured with du: E2B's INT4 pass holds checkpoint, build and release,
+# 8.7 + 5.4 + 6.2 GiB, its FP16 pass the checkpoint, FP16 build and release,
+# 8.7 + 21 + 17 GiB; E4B's INT4 pass 14 + 11 + 5.6 GiB, its FP16 pass
+# estimated from E2B's at 14 + 44 + 28 GiB), with 2 GiB to spare.
 need_gib() {
     case "$1:${FP16:-1}" in
-    e2b:1) echo 43 ;;
+    e2b:1) echo 49 ;;
     e2b:*) echo 23 ;;
-    e4b:1) echo 80 ;;
+    e4b:1) echo 88 ;;
     *) echo 33 ;;
     esac
 }
