@@ -176,9 +176,17 @@ fn release_refuses_to_sign_when_parity_fails() {
 
 /// `run --json` of `release` with `args`.
 fn generate(release: &Path, args: &[&str]) -> Value {
+    generate_logged(release, args).0
+}
+
+/// `run --json` of `release` with `args`: its JSON and its stderr.
+fn generate_logged(release: &Path, args: &[&str]) -> (Value, String) {
     let mut a = vec!["run", s(release), "--max-tokens", "16", "--json"];
     a.extend_from_slice(args);
-    serde_json::from_str(&ok(&a)).expect("run --json prints JSON")
+    let o = run(&a);
+    assert!(o.status.success(), "{a:?}: {}", stderr(&o));
+    let json = serde_json::from_str(&stdout(&o)).expect("run --json prints JSON");
+    (json, stderr(&o))
 }
 
 fn ids(v: &Value) -> Vec<i64> {
@@ -344,23 +352,10 @@ fn fp16_release_generates_transformers_tokens_in_every_layout() {
         .map(i64::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    let o = run(&[
-        "run",
-        s(&release),
-        "--max-tokens",
-        "16",
-        "--json",
-        "--prompt-ids",
-        &joined,
-        "--layout",
-        "two",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let r: Value = serde_json::from_str(&stdout(&o)).expect("run --json prints JSON");
+    let (r, e) = generate_logged(&release, &["--prompt-ids", &joined, "--layout", "two"]);
     assert_eq!(ids(&r["generated_ids"]), want);
     // Progress on stderr (a log here, not a terminal): the prefill call, then
     // each decode step, with the resident memory; stdout stays the JSON.
-    let e = stderr(&o);
     let told = |what: &str| e.lines().filter(|l| l.contains(what)).count();
     assert_eq!(told("run: prefill: "), 1, "{e}");
     assert_eq!(told("run: decode: token "), TOKENS - 1, "{e}");
