@@ -381,6 +381,59 @@ fn artifacts_set_the_functions_and_refuse_others_up_front() {
     }
 }
 
+/// An INT4 check failing thresholds stricter than INT4 can meet, where the
+/// fp32 model with weight noise of the palettization's size fails them too,
+/// is inconclusive (exit 3): the noise's figures are on its line and in the
+/// report, and the verdict says why. A weight past --max-weight-rel-mse
+/// still fails, the noise not consulted.
+#[test]
+fn int4_check_no_worse_than_weight_noise_is_inconclusive_and_a_bad_weight_still_fails() {
+    let build = built_all();
+    let b = build.to_str().unwrap();
+    let report = tempdir("parity-weight-noise").join("report.json");
+    let r = report.to_str().unwrap();
+    let args = [
+        "--mode",
+        "four",
+        "--steps",
+        "4",
+        "--no-oracle",
+        "--artifacts",
+        b,
+    ];
+    let strict = [&args[..], &["--tol-cos-int4", "0.9999999", "--report", r]].concat();
+    let (code, out) = parity(&strict);
+    assert_eq!(code, 3, "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("INT4 artifacts four "))
+        .unwrap();
+    assert!(
+        line.contains("| weight noise of that size: min cos") && line.ends_with("INCONCLUSIVE"),
+        "{line}"
+    );
+    assert!(
+        last_line(&out)
+            .starts_with("PARITY INCONCLUSIVE: the INT4 artifact check of four (min cos"),
+        "{out}"
+    );
+    let four = &json_file(&report)["summary"]["artifacts"]["four"];
+    assert_eq!(four["verdict"], "inconclusive", "{four}");
+    let noise = four["weight_noise"]["min_cos"].as_f64().unwrap();
+    assert!(noise < 0.9999999 && noise > 0.9, "{four}");
+    let bad_weight = [&args[..], &["--max-weight-rel-mse", "1e-9"]].concat();
+    let (code, out) = parity(&bad_weight);
+    assert_eq!(code, 1, "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("INT4 artifacts four "))
+        .unwrap();
+    assert!(
+        line.ends_with("FAIL") && !line.contains("weight noise"),
+        "{line}"
+    );
+}
+
 #[test]
 fn artifacts_from_an_unquantized_or_missing_build_are_refused() {
     let empty = tempdir("no-build");

@@ -469,6 +469,15 @@ class WorstWeight(TypedDict):
     rel_mse: float
 
 
+class WeightNoise(TypedDict):
+    """The fp32 model with each projection's weight plus Gaussian noise of
+    its palettization's relative MSE, against the reference (parity/noise.py)."""
+
+    min_cos: float
+    mean_cos: float
+    top1_agreement: float
+
+
 class LayoutArtifactSummary(TypedDict):
     """A decode layout with its packages' INT4 weights, over every step."""
 
@@ -478,8 +487,10 @@ class LayoutArtifactSummary(TypedDict):
     mean_cos: float
     top1_agreement: float
     tokens_match_other_layouts: bool
+    # Measured where the thresholds failed and the weights held (noise.py).
+    weight_noise: WeightNoise | None
     ok: bool
-    # verdicts.py: what a failure here means.
+    # verdicts.py and noise.py: what a failure here means.
     verdict: Verdict
 
 

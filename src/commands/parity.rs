@@ -12,7 +12,7 @@ use crate::config::TextConfig;
 use crate::parity;
 use crate::parity_checks::Thresholds;
 use crate::py::env as pyenv;
-use crate::records::{BuildRecord, ParityReport, Verdict};
+use crate::records::{BuildRecord, OracleRecord, ParityReport, Verdict};
 use crate::settings::{ParityCommand, ParitySettings};
 
 /// The build a `--artifacts` folder holds (its `build.json`).
@@ -86,6 +86,45 @@ fn thresholds(opts: &ParitySettings) -> Thresholds {
     }
 }
 
+/// What makes each inconclusive check so: the ill-conditioned steps its
+/// disagreements sit at, or, for an INT4 check, weight noise of the
+/// palettization's size failing the same thresholds.
+fn inconclusive_reasons(report: &ParityReport, ill: &[&OracleRecord]) -> Vec<String> {
+    let noise_bound = report.noise_bound_artifacts();
+    let int4: Vec<String> = noise_bound
+        .iter()
+        .map(|(name, ..)| format!("the INT4 artifact check of {name}"))
+        .collect();
+    let at_steps: Vec<String> = report
+        .inconclusive_checks()
+        .into_iter()
+        .filter(|c| !int4.contains(c))
+        .collect();
+    let mut reasons = Vec::new();
+    if !at_steps.is_empty() {
+        let steps: Vec<String> = ill.iter().map(|o| o.step.to_string()).collect();
+        reasons.push(format!(
+            "checks disagree only at ill-conditioned step(s) {}, where transformers disagrees with \
+             itself beyond the tolerance: {}",
+            steps.join(", "),
+            at_steps.join("; ")
+        ));
+    }
+    for (name, l, n) in noise_bound {
+        reasons.push(format!(
+            "the INT4 artifact check of {name} (min cos {:.4}, top-1 {:.1}% against the fp32 \
+             reference) fails no threshold that the fp32 model with Gaussian weight noise of the \
+             palettization's size does not fail too (min cos {:.4}, top-1 {:.1}%): this checkpoint \
+             moves that far under any change of its weights that size",
+            l.min_cos,
+            100.0 * l.top1_agreement,
+            n.min_cos,
+            100.0 * n.top1_agreement
+        ));
+    }
+    reasons
+}
+
 /// The verdict, and for a failure where it starts. Ill-conditioned steps
 /// are named with transformers' noise floor and the reference's distance
 /// whatever the verdict.
@@ -114,15 +153,12 @@ pub(super) fn print_verdict(report: &ParityReport, opts: &ParitySettings) {
             return;
         }
         Verdict::Inconclusive => {
-            let steps: Vec<String> = ill.iter().map(|o| o.step.to_string()).collect();
             println!(
-                "PARITY INCONCLUSIVE: checks disagree only at ill-conditioned step(s) {}, where \
-                 transformers disagrees with itself beyond the tolerance: {}. Every other check held, \
-                 and the decode layouts are held to the reference exactly at every step. The \
-                 checkpoint, not the conversion, decides those steps; check with a well-conditioned \
-                 one (trained weights, or `fixture --attention soft`).",
-                steps.join(", "),
-                report.inconclusive_checks().join("; ")
+                "PARITY INCONCLUSIVE: {}. Every other check held, and the decode layouts are held \
+                 to the reference exactly at every step. The checkpoint, not the conversion, decides \
+                 these checks; check with a well-conditioned one (trained weights, or `fixture \
+                 --attention soft`).",
+                inconclusive_reasons(report, &ill).join("; ")
             );
             return;
         }

@@ -72,7 +72,7 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         ),
         Verdict::Inconclusive => {
             eprintln!(
-                "error: parity INCONCLUSIVE (ill-conditioned steps); nothing was signed (report: {}, build kept in {}); \
+                "error: parity INCONCLUSIVE (the checkpoint decides some checks: see its report); nothing was signed (report: {}, build kept in {}); \
                  --accept-inconclusive-parity signs it, recorded as inconclusive",
                 report_path.display(),
                 build_dir.display()

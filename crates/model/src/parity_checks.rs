@@ -248,12 +248,17 @@ pub const ARTIFACTS: Check = Check {
                     row.shown()
                 ),
                 ArtifactSummary::Layout(l) => format!(
-                    "{p} artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({replaced} weights read back, worst relative MSE {:.2e} in {})  {}",
+                    "{p} artifacts {name:<6} min cos {:.6}  mean cos {:.6}  top-1 agreement {:.1}%  ({replaced} weights read back, worst relative MSE {:.2e} in {}){}  {}",
                     l.min_cos,
                     l.mean_cos,
                     100.0 * l.top1_agreement,
                     l.worst_weight.rel_mse,
                     l.worst_weight.weight.as_deref().unwrap_or("-"),
+                    l.weight_noise.as_ref().map(|n| format!(
+                        "  | weight noise of that size: min cos {:.6}  top-1 agreement {:.1}%",
+                        n.min_cos,
+                        100.0 * n.top1_agreement
+                    )).unwrap_or_default(),
                     row.shown()
                 ),
             }

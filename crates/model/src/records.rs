@@ -680,6 +680,16 @@ pub struct WorstWeight {
     pub rel_mse: f64,
 }
 
+/// The fp32 model with each projection's weight plus Gaussian noise of its
+/// palettization's relative MSE, against the reference: the INT4 check's
+/// noise floor (`parity/noise.py`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct WeightNoise {
+    pub min_cos: f64,
+    pub mean_cos: f64,
+    pub top1_agreement: f64,
+}
+
 /// A decode layout with its packages' INT4 weights, over every step.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct LayoutArtifacts {
@@ -689,6 +699,10 @@ pub struct LayoutArtifacts {
     pub mean_cos: f64,
     pub top1_agreement: f64,
     pub tokens_match_other_layouts: bool,
+    /// Measured where the thresholds failed and the weights held; the check
+    /// is inconclusive when this fails every threshold INT4 failed.
+    #[serde(default)]
+    pub weight_noise: Option<WeightNoise>,
     pub ok: bool,
     /// What a failure here means (`parity/verdicts.py`); reports older than
     /// verdicts have none, and a failure there fails.
@@ -911,10 +925,24 @@ impl ParityReport {
         self.checks_with(Verdict::Fail)
     }
 
-    /// Every check that is inconclusive (a disagreement with transformers at
-    /// an ill-conditioned step), named.
+    /// Every check that is inconclusive (a disagreement at an ill-conditioned
+    /// step, or an INT4 check weight noise of its size fails too), named.
     pub fn inconclusive_checks(&self) -> Vec<String> {
         self.checks_with(Verdict::Inconclusive)
+    }
+
+    /// The layouts whose INT4 check is inconclusive by its noise floor (weight
+    /// noise of the palettization's size fails its thresholds too), with it.
+    pub fn noise_bound_artifacts(&self) -> Vec<(&String, &LayoutArtifacts, &WeightNoise)> {
+        let layouts = self.summary.artifacts.iter().flatten();
+        layouts
+            .filter_map(|(name, s)| match s {
+                ArtifactSummary::Layout(l) if l.verdict == Some(Verdict::Inconclusive) => {
+                    l.weight_noise.as_ref().map(|n| (name, l, n))
+                }
+                _ => None,
+            })
+            .collect()
     }
 
     fn checks_with(&self, verdict: Verdict) -> Vec<String> {
