@@ -280,9 +280,15 @@ pub const ARTIFACTS: Check = Check {
                     t.tol_cos
                 ),
                 ArtifactSummary::Layout(l) => format!(
-                    "{p} artifacts of {name} fail: thresholds {}; tokens match the other layouts' INT4 models: {}",
+                    "{p} artifacts of {name} {}: thresholds {}; tokens match the other layouts' INT4 models: {}{}",
+                    if l.verdict == Some(Verdict::Inconclusive) { "inconclusive" } else { "fail" },
                     t.text(ARTIFACTS.thresholds),
-                    l.tokens_match_other_layouts
+                    l.tokens_match_other_layouts,
+                    l.weight_noise.as_ref().map(|n| format!(
+                        "; weight noise of the palettization's size: min cos {:.6}, top-1 agreement {:.1}%",
+                        n.min_cos,
+                        100.0 * n.top1_agreement
+                    )).unwrap_or_default()
                 ),
             })
             .collect()
