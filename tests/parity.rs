@@ -414,7 +414,7 @@ fn int4_check_no_worse_than_weight_noise_is_inconclusive_and_a_bad_weight_still_
     );
     assert!(
         last_line(&out)
-            .starts_with("PARITY INCONCLUSIVE: the INT4 artifact check of four (min cos"),
+            .starts_with("PARITY INCONCLUSIVE: the INT4 artifact check of four (against the fp32 reference: min cos"),
         "{out}"
     );
     let four = &json_file(&report)["summary"]["artifacts"]["four"];
