@@ -402,19 +402,22 @@ fn int4_check_no_worse_than_weight_noise_is_inconclusive_and_a_bad_weight_still_
         b,
     ];
     let strict = [&args[..], &["--tol-cos-int4", "0.9999999", "--report", r]].concat();
+    let four_line = |out: &str| {
+        let line = out.lines().find(|l| l.starts_with("INT4 artifacts four "));
+        line.unwrap_or_default().to_string()
+    };
     let (code, out) = parity(&strict);
     assert_eq!(code, 3, "{out}");
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("INT4 artifacts four "))
-        .unwrap();
+    let line = four_line(&out);
     assert!(
         line.contains("| weight noise of that size: min cos") && line.ends_with("INCONCLUSIVE"),
         "{line}"
     );
     assert!(
-        last_line(&out)
-            .starts_with("PARITY INCONCLUSIVE: the INT4 artifact check of four (against the fp32 reference: min cos"),
+        last_line(&out).starts_with(
+            "PARITY INCONCLUSIVE: the INT4 artifact check of four (against the fp32 reference: \
+             min cos"
+        ),
         "{out}"
     );
     let four = &json_file(&report)["summary"]["artifacts"]["four"];
@@ -424,10 +427,7 @@ fn int4_check_no_worse_than_weight_noise_is_inconclusive_and_a_bad_weight_still_
     let bad_weight = [&args[..], &["--max-weight-rel-mse", "1e-9"]].concat();
     let (code, out) = parity(&bad_weight);
     assert_eq!(code, 1, "{out}");
-    let line = out
-        .lines()
-        .find(|l| l.starts_with("INT4 artifacts four "))
-        .unwrap();
+    let line = four_line(&out);
     assert!(
         line.ends_with("FAIL") && !line.contains("weight noise"),
         "{line}"
