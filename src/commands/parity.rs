@@ -10,7 +10,7 @@ use crate::checkpoint::Checkpoint;
 use crate::cli::ParityCmd;
 use crate::config::TextConfig;
 use crate::parity;
-use crate::parity_checks::Thresholds;
+use crate::parity_checks::{artifact_check_name, Thresholds};
 use crate::py::env as pyenv;
 use crate::records::{BuildRecord, LayoutArtifacts, OracleRecord, ParityReport, Verdict};
 use crate::settings::{ParityCommand, ParitySettings};
@@ -93,7 +93,7 @@ fn inconclusive_reasons(report: &ParityReport, ill: &[&OracleRecord]) -> Vec<Str
     let noise_bound = report.noise_bound_artifacts();
     let int4: Vec<String> = noise_bound
         .iter()
-        .map(|(name, ..)| format!("the INT4 artifact check of {name}"))
+        .map(|(name, ..)| artifact_check_name(name))
         .collect();
     let at_steps: Vec<String> = report
         .inconclusive_checks()

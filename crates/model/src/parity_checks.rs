@@ -218,6 +218,11 @@ fn precision(r: &ParityReport) -> &str {
     r.summary.artifacts_precision.as_deref().unwrap_or("INT4")
 }
 
+/// How the artifact check of a layout or function is named in verdicts.
+pub fn artifact_check_name(name: &str) -> String {
+    format!("the INT4 artifact check of {name}")
+}
+
 /// Each decode layout with its packages' weights read back, and verify_qK and
 /// the prefill function with theirs, against the same build's four-chunk decode.
 pub const ARTIFACTS: Check = Check {
@@ -226,7 +231,7 @@ pub const ARTIFACTS: Check = Check {
     thresholds: &["--tol-cos-int4", "--min-top1-int4", "--max-weight-rel-mse"],
     rows: |r| {
         let at = |(name, a): (&String, &ArtifactSummary)| Row {
-            name: format!("the INT4 artifact check of {name}"),
+            name: artifact_check_name(name),
             ok: a.ok(),
             recorded: a.verdict(),
         };
