@@ -382,6 +382,8 @@ class ParityRequest(TypedDict):
     plan: PlanDims
     # The layout every other one is compared against (the four-chunk one).
     reference: LayoutKind
+    # The decode layouts, the reference first (Rust takes them from the
+    # layout table); every other step record is a function's.
     layouts: list[ParityLayout]
     checkpoint: CheckpointInfo
     config_path: str
