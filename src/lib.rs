@@ -23,6 +23,7 @@ pub mod compile;
 pub mod fixture;
 pub mod hashbench;
 pub mod heap;
+pub mod matmul;
 pub mod palette;
 pub mod parity;
 pub mod progress;

@@ -18,6 +18,7 @@ from .checkpoint import Checkpoint
 from .contract import Attention as AttentionKind
 from .contract import ChunkPlan, Dims, FunctionPlan, LayerPlan
 from .roles import CACHE, MASK, NEW_ROWS, ROPE, Key, bind, in_order
+from .weights import Stored, kernels, shaped
 
 # Blocked positions of the additive masks, as the runtime writes them: fp16
 # -inf (0xFC00). Every row keeps at least one visible position, so softmax
@@ -95,8 +96,10 @@ class Projection(nn.Conv2d):
     def __init__(self, inp: int, out: int):
         super().__init__(inp, out, kernel_size=1, bias=False)
         # Where the weight comes from when the module does not hold it
-        # (`load_streamed`): called each time the projection runs.
-        self.fetch: Callable[[], torch.Tensor] | None = None
+        # (`load_streamed`): called each time the projection runs; a
+        # float32 tensor, or the weight in its stored form (`weights.Stored`,
+        # multiplied there by the native kernels).
+        self.fetch: Callable[[], Any] | None = None
         # What ``fetch`` reads from, for those who want part of the weight
         # (`load_streamed`: a `checkpoint.Fetcher` or a package's weight).
         self.source: Any = None
@@ -104,7 +107,10 @@ class Projection(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fetch is None:
             return super().forward(x)
-        return self._conv_forward(x, self.fetch(), None)
+        w = self.fetch()
+        if isinstance(w, Stored):
+            return w.conv(x)
+        return self._conv_forward(x, w, None)
 
     def tokens(self, x: torch.Tensor, t: int) -> torch.Tensor:
         """The projection of token-major ``[1, t, in]`` as ``[1, t, out]``."""
@@ -305,9 +311,11 @@ class Chunk(nn.Module):
         that dtype first (`Checkpoint.get`). With ``stream`` the projections'
         weights are read when they run (`load_streamed`)."""
         if stream:
+            # float32 projections multiply the checkpoint's stored rows natively.
+            stored = dtype == torch.float32 and rounded_to is None and kernels()
             load_streamed(
                 self,
-                lambda n, shape: ckpt.fetcher(self.checkpoint_name(n), dtype),
+                lambda n, shape: ckpt.fetcher(self.checkpoint_name(n), dtype, stored=stored),
                 lambda n: ckpt.get(self.checkpoint_name(n), dtype, share=share),
             )
             return
@@ -564,7 +572,8 @@ def load_streamed(
 ) -> None:
     """Loads a module built on the meta device without holding its
     projections' weights: each `Projection` calls ``fetch(name, shape)``'s
-    function for its weight whenever it runs (weights.py says why), every
+    function for its weight whenever it runs (weights.py says why: a
+    tensor, or a `weights.Stored` weight the kernels multiply), every
     other parameter and buffer (norms, scalars: small) is ``get(name)`` now.
     Names are the module's own (``layers.3.mlp.up_proj.weight``)."""
     projections = {f"{n}.weight": m for n, m in module.named_modules() if isinstance(m, Projection)}
@@ -573,7 +582,7 @@ def load_streamed(
         shape = tuple(like.shape)
         if name in projections:
             source = fetch(name, shape)
-            projections[name].fetch = lambda source=source, shape=shape: source().view(shape)
+            projections[name].fetch = lambda source=source, shape=shape: shaped(source(), shape)
             projections[name].source = source
         else:
             state[name] = get(name).view(shape)

@@ -42,11 +42,13 @@ the weights that budget holds plus one at a time.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -54,7 +56,7 @@ import torch
 
 from ..contract import ExecRequest, ExecResult
 from ..runtime import ChunkforgeError
-from ..weights import Lazy, value_of
+from ..weights import Lazy, Stored, kernels, value_of
 from . import ops
 from .ops import CONSTEXPR, OPS, Impl, OpError
 from .program import FLOATS, MLPackage, TensorType, tensor_type
@@ -214,9 +216,12 @@ class Function:
         dynamic: list[tuple[str, int]] = []
         lists: list[tuple[str, list[Binding]]] = []
         key_parts = [op.type.encode()]
+        weight_key = b""
         for arg in sorted(op.inputs):
             bindings = [self._binding(b, f"{what} input {arg}") for b in op.inputs[arg].arguments]
             key_parts += [arg.encode()] + [k for _, k in bindings]
+            if arg == "weight" and len(bindings) == 1:
+                weight_key = bindings[0][1]
             resolved = [r for r, _ in bindings]
             # Variadic inputs (concat's values) are lists even with one element.
             if arg == "values" and op.type in ("concat", "stack"):
@@ -228,6 +233,9 @@ class Function:
             else:
                 static[arg] = resolved[0][1]
         outputs = [(o.name, tensor_type(o.type, f"{self.where}: {what} output {o.name}")) for o in op.outputs]
+        if op.type in STORED_OPS and "weight" in static and kernels():
+            # A projection reads its fp16 (or fp32) constant as stored.
+            static["weight"] = self.interp.stored_const(weight_key, static["weight"])
         if op.type in CONSTEXPR:
             if dynamic or any(s >= 0 for _, items in lists for s, _ in items):
                 raise ChunkforgeError(f"{self.where}: {what}: a compile-time op reads a runtime value")
@@ -265,20 +273,23 @@ class Function:
         shape: tuple[int, ...],
         outputs: list[tuple[str, TensorType]],
         what: str,
-    ) -> Callable[[], torch.Tensor] | None:
+    ) -> Callable[[], Any] | None:
         """How to make a palettized weight straight from its 4-bit indices as
-        the weight file stores them (`ops.lut_nibbles_to_dense`), or None
+        the weight file stores them: as they are, for the native kernels
+        (`weights.Stored`), or dense (`ops.lut_nibbles_to_dense`); None
         where that does not apply (the op's own implementation runs)."""
         indices, lut = static.get("indices"), static.get("lut")
         if op_type != "constexpr_lut_to_dense" or set(static) - {"indices", "lut", "vector_axis"}:
             return None
-        if dequant_mode() == "unpack":
+        if not kernels() and dequant_mode() == "unpack":
             return None
         if not isinstance(indices, Lazy) or tuple(indices.shape) != shape or not isinstance(lut, Lazy | torch.Tensor):
             return None
         read = self.interp.packed_reader(indices)
         if read is None or ops.lut_of_rows(list(shape), torch.empty(tuple(lut.shape), device="meta")) is None:
             return None
+        if kernels() and len(shape) >= 2:
+            return partial(self._stored_lut4, read, lut, shape, what)
 
         def nibbles(a: dict[str, Any]) -> torch.Tensor:
             palettes = value_of(a["lut"])
@@ -287,6 +298,26 @@ class Function:
             return made if made is not None else ops.lut_to_dense(value_of(indices), palettes, None)
 
         return lambda: self._run_static(nibbles, {"lut": lut}, outputs, what)
+
+    def _stored_lut4(
+        self, read: Callable[[], np.ndarray | None], lut: Any, shape: tuple[int, ...], what: str
+    ) -> Stored:
+        """A 4-bit palettized weight as its weight file stores it, with its
+        LUT widened to float32 (exactly): `weights.Stored`."""
+        rows_lut = ops.lut_of_rows(list(shape), value_of(lut))
+        raw = read()
+        if rows_lut is None or raw is None:
+            raise ChunkforgeError(f"{self.where}: {what}: not a 4-bit per-row-group palettized weight")
+        groups = int(rows_lut.shape[0])
+        count = math.prod(shape)
+        return Stored(
+            "lut4",
+            np.ascontiguousarray(raw[: (count + 1) // 2]),
+            shape,
+            f"{self.where}: {what}",
+            lut=np.ascontiguousarray(rows_lut.float().numpy()),
+            group_rows=shape[0] // groups,
+        )
 
     def _run_static(
         self, impl: Impl, static: dict[str, Any], outputs: list[tuple[str, TensorType]], what: str
@@ -356,7 +387,7 @@ class Function:
         tapped: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for step in self.steps:
-                args = {k: value_of(v) for k, v in step.static.items()}
+                args = {k: served(step.op_type, k, value_of(v)) for k, v in step.static.items()}
                 for k, s in step.dynamic:
                     args[k] = env[s]
                 for k, items in step.lists:
@@ -405,6 +436,19 @@ class Function:
                 value = value.astype(np.int32)
             result[spec.name] = value
         return result
+
+
+# Ops that multiply a `weights.Stored` weight (their ``weight`` input) with
+# the native kernels; any other op reading one gets it dense.
+STORED_OPS = frozenset({"conv", "linear"})
+
+
+def served(op_type: str, arg: str, value: Any) -> Any:
+    """An op's constant input as the op takes it: a `weights.Stored` weight
+    stays stored for a projection's weight, else is made dense."""
+    if isinstance(value, Stored) and not (op_type in STORED_OPS and arg == "weight"):
+        return value.dense()
+    return value
 
 
 # How 4-bit palettized weights are made: "nibbles" (the default: from the
@@ -456,6 +500,11 @@ class Interpreter:
         self._consts: dict[bytes, Any] = {}
         # Readers of the 4-bit weights' stored bytes, by their `Lazy`.
         self._packed: dict[Lazy, Callable[[], np.ndarray | None]] = {}
+        # Constants of the weight file, by const key: (value, type, what).
+        self._blob_consts: dict[bytes, tuple[Any, TensorType, str]] = {}
+        # Weights are keyed by the weight file they come from: packages
+        # that read one blob (a release's prefill_chunkN and chunkN) share them.
+        self.weights_key = os.path.realpath(self.package.weights_dir)
 
     @property
     def functions(self) -> list[str]:
@@ -474,15 +523,16 @@ class Interpreter:
 
     def constant(self, key: bytes, value: Any, what: str) -> Any:
         """A program value (a string, or a tensor), read once per package;
-        a weight read from the weight file is `Lazy`."""
+        a weight read from the weight file is `Lazy` (4-bit indices always:
+        the kernels read them as stored, whatever their size)."""
         if key not in self._consts:
             t = tensor_type(value.type, what) if value.type.WhichOneof("type") == "tensorType" else None
-            if (
-                value.WhichOneof("value") == "blobFileValue"
-                and t is not None
-                and all(d is not None for d in t.shape)
-                and count(t.shape) >= LAZY_ELEMENTS
-            ):
+            blob = (
+                value.WhichOneof("value") == "blobFileValue" and t is not None and all(d is not None for d in t.shape)
+            )
+            if blob and t is not None:
+                self._blob_consts[key] = (value, t, what)
+            if blob and t is not None and (count(t.shape) >= LAZY_ELEMENTS or (t.dtype == "uint4" and kernels())):
                 weight = self.lazy(key, lambda: self.weight(value, what), tuple(int(d or 0) for d in t.shape))
                 self._consts[key] = weight
                 if t.dtype == "uint4":
@@ -491,6 +541,30 @@ class Interpreter:
                 v = self.package.value(value, what)
                 self._consts[key] = v if isinstance(v, str) else to_torch(v)
         return self._consts[key]
+
+    def stored_const(self, key: bytes, current: Any) -> Any:
+        """A projection's weight constant ``current`` (const key ``key``) as
+        the kernels read it: an fp16 or fp32 constant of the weight file as
+        its stored values (`weights.Stored`, `Lazy`); anything else as it is
+        (a palettized weight is stored already)."""
+        meta = self._blob_consts.get(key)
+        if meta is None:
+            return current
+        value, t, what = meta
+        if t.dtype not in ("fp16", "fp32") or len(t.shape) < 2:
+            return current
+        skey = key + b"\0stored"
+        if skey not in self._consts:
+            shape = tuple(int(d or 0) for d in t.shape)
+
+            def make() -> Stored:
+                v = self.package.value(value, what)
+                assert not isinstance(v, str)
+                data = v.view(np.uint16) if t.dtype == "fp16" else np.ascontiguousarray(v, dtype=np.float32)
+                return Stored(t.dtype, data.reshape(shape[0], -1), shape, f"{self.path}: {what}")
+
+            self._consts[skey] = Lazy(("mil", self.weights_key, skey), make, shape)
+        return self._consts[skey]
 
     def weight(self, value: Any, what: str) -> torch.Tensor:
         """A tensor value read from the weight file."""
@@ -513,7 +587,7 @@ class Interpreter:
     def lazy(self, key: bytes, make: Any, shape: tuple[int, ...]) -> Lazy:
         """A weight of this package made on use (one `Lazy` per value, shared by its functions)."""
         if key not in self._consts:
-            self._consts[key] = Lazy(("mil", self.path, key), make, shape)
+            self._consts[key] = Lazy(("mil", self.weights_key, key), make, shape)
         value: Lazy = self._consts[key]
         return value
 

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..weights import Stored
+
 Args = dict[str, Any]
 Result = torch.Tensor | tuple[torch.Tensor, ...]
 Impl = Callable[[Args], Result]
@@ -250,7 +252,11 @@ def cast(a: Args) -> Result:
 
 @op("linear")
 def linear(a: Args) -> Result:
-    return F.linear(a["x"], a["weight"], a.get("bias"))
+    w = a["weight"]
+    if isinstance(w, Stored):
+        y = w.linear(a["x"])
+        return y + a["bias"] if a.get("bias") is not None else y
+    return F.linear(a["x"], w, a.get("bias"))
 
 
 @op("matmul")
@@ -279,6 +285,12 @@ def same_pads(size: list[int], kernel: list[int], strides: list[int], dilations:
 @op("conv")
 def conv(a: Args) -> Result:
     x, w = a["x"], a["weight"]
+    if isinstance(w, Stored):
+        if pointwise(a, x, w):
+            y = w.conv(x)
+            bias = a.get("bias")
+            return y + bias.reshape([1, -1] + [1] * (x.dim() - 2)) if bias is not None else y
+        w = w.dense()
     spatial = x.dim() - 2
     if spatial not in (1, 2, 3) or w.dim() != x.dim():
         raise OpError(f"conv of a rank-{x.dim()} input with a rank-{w.dim()} weight")
@@ -301,6 +313,27 @@ def conv(a: Args) -> Result:
         x = F.pad(x, [p for i in reversed(range(spatial)) for p in pads[2 * i : 2 * i + 2]])
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spatial]
     return fn(x, w, a.get("bias"), stride=strides, dilation=dilations, groups=groups)
+
+
+def pointwise(a: Args, x: torch.Tensor, w: Stored) -> bool:
+    """Whether a conv of ``w`` is a projection of every position (1x1
+    kernel, stride 1, no padding, one group): the kernels' product."""
+    spatial = x.dim() - 2
+    if spatial not in (1, 2, 3) or len(w.shape) != x.dim() or any(d != 1 for d in w.shape[2:]):
+        return False
+    if int(x.shape[1]) != w.cols:
+        return False
+    strides = ints(a["strides"]) if a.get("strides") is not None else [1] * spatial
+    groups = one_int(a["groups"]) if a.get("groups") is not None else 1
+    pad_type = text(a["pad_type"]) if a.get("pad_type") is not None else "valid"
+    pads = ints(a["pad"]) if pad_type == "custom" and a.get("pad") is not None else [0]
+    # A 1x1 kernel needs no padding for "same"; "custom" must pad nothing.
+    return (
+        groups == 1
+        and all(s == 1 for s in strides)
+        and pad_type in ("valid", "same", "same_lower", "custom")
+        and not any(pads)
+    )
 
 
 # ---- normalization ---------------------------------------------------------------

@@ -51,7 +51,8 @@ def noisy_weight(
             flat[r : r + rows] = source.rows(r, r + rows).reshape(flat[r : r + rows].shape)
     else:
         with weights.RESIDENT.passing():
-            out = fetch().reshape(shape).clone()
+            w = fetch()
+            out = (w.dense() if isinstance(w, weights.Stored) else w).reshape(shape).clone()
         flat = out.view(shape[0], -1)
         rows = max(1, NOISE_BLOCK // max(1, flat[0].numel()))
     square = sum(float((flat[r : r + rows].double() ** 2).sum()) for r in range(0, shape[0], rows))
