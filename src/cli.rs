@@ -216,6 +216,19 @@ pub enum BenchCmd {
     SideFiles(BenchSideFilesCmd),
     /// Time hashing + signing a release (1 big file, 8 smaller ones) against openssl and model_signing.
     Hash(HashBenchArgs),
+    /// The product kernels on E2B's decode step: GB/s of stored weight read (4-bit LUT and
+    /// bf16) beside the machine's copy bandwidth in the same run, and few-token GFLOP/s.
+    Matmul {
+        /// Print the figures as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// A tenth of the layers and of the head (seconds; for tests).
+        #[arg(long)]
+        quick: bool,
+        /// The build to run (portable, avx2, avx512) [default: the fastest this CPU runs].
+        #[arg(long)]
+        isa: Option<String>,
+    },
     /// INT4 g=32 palettization: the Rust kernel vs coremltools 9.0 (kmeans1d and scikit-learn,
     /// 1 and 2 workers) on E2B-width matrices; seconds and MSE side by side.
     Palettize {
@@ -440,6 +453,12 @@ pub struct BenchParityCmd {
     /// (the default), side by side; fails unless the reports agree.
     #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline"])]
     pub dequant_baseline: bool,
+    /// Run it twice, each in a child process of its own: every weight made dense in
+    /// float32 and multiplied by torch (CHUNKFORGE_MATMUL=dense, before) and read as
+    /// stored and multiplied by the native kernels (the default), side by side; fails
+    /// unless the reports agree in every value but the last bits of their floats.
+    #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline", "dequant_baseline"])]
+    pub matmul_baseline: bool,
     /// Write the parity report here (the children of --order-baseline and --heap-baseline).
     #[arg(long, hide = true)]
     pub report: Option<PathBuf>,

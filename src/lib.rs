@@ -14,6 +14,7 @@ pub use chunkforge_release::{
 };
 
 pub mod audit;
+pub mod bench_matmul;
 pub mod bench_palettize;
 pub mod build;
 pub mod cache_dir;

@@ -151,12 +151,17 @@ class Checkpoint:
         the weight as the file stores it instead (`stored`)."""
         return Fetcher(self, name, dtype, stored)
 
+    def stored_kind(self, name: str) -> str:
+        """How the file stores a tensor: "bf16", "fp16" or "fp32" (`stored`)."""
+        _, entry, _, _ = self._entry(name)
+        return {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[entry["dtype"]]
+
     def stored(self, name: str) -> Stored:
         """A 2-D weight as the file stores it (`weights.Stored`): bf16 or
         fp16 bits read with positioned reads into memory of its own, or a
         float32 file's mapped values (no copy to make, as `read`)."""
         fd, entry, start, what = self._entry(name)
-        kind = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[entry["dtype"]]
+        kind = self.stored_kind(name)
         shape = tuple(int(d) for d in entry["shape"])
         if kind == "fp32":
             return Stored(kind, self.get(name, None).numpy(), shape, what)

@@ -471,13 +471,23 @@ class WorstWeight(TypedDict):
     rel_mse: float
 
 
-class WeightNoise(TypedDict):
-    """The fp32 model with each projection's weight plus Gaussian noise of
-    its palettization's relative MSE, against the reference (parity/noise.py)."""
+class NoiseDraw(TypedDict):
+    """One draw of `WeightNoise`."""
 
     min_cos: float
     mean_cos: float
     top1_agreement: float
+
+
+class WeightNoise(TypedDict):
+    """The fp32 model with each projection's weight plus Gaussian noise of
+    its palettization's relative MSE, against the reference (parity/noise.py):
+    the lowest min cos and top-1 and the mean cos over its draws, and each draw."""
+
+    min_cos: float
+    mean_cos: float
+    top1_agreement: float
+    draws: list[NoiseDraw]
 
 
 class LayoutArtifactSummary(TypedDict):

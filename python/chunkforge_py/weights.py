@@ -82,6 +82,7 @@ class Resident:
         size = nbytes(value)
         self.makes += 1
         self.made_bytes += size
+        tally(SOURCES.get(key[0], "other") if isinstance(key, tuple) and key else "other", form_of(value), size)
         if not self._keeping:
             return value
         if self.used + size > self.budget:
@@ -154,13 +155,54 @@ STATS_ENV = "CHUNKFORGE_WEIGHT_STATS"
 
 
 def write_stats() -> None:
-    """``{"makes", "made_bytes", "budget"}`` of `RESIDENT` into the file
-    ``$CHUNKFORGE_WEIGHT_STATS`` names, if set."""
+    """``{"makes", "made_bytes", "budget", "made"}`` into the file
+    ``$CHUNKFORGE_WEIGHT_STATS`` names, if set: what `RESIDENT` made, and
+    every weight made by source and form (`tally`)."""
     path = os.environ.get(STATS_ENV)
     if path:
-        stats = {"makes": RESIDENT.makes, "made_bytes": RESIDENT.made_bytes, "budget": RESIDENT.budget}
+        made = [
+            {"source": source, "form": form, "makes": n, "bytes": size}
+            for (source, form), (n, size) in sorted(MADE.items())
+        ]
+        stats = {"makes": RESIDENT.makes, "made_bytes": RESIDENT.made_bytes, "budget": RESIDENT.budget, "made": made}
         with open(path, "w") as f:
             json.dump(stats, f)
+
+
+# Weights made over the process, by (source, form): makes and bytes. A
+# source is what the weight is for: parity's modules reading the checkpoint
+# ("checkpoint"), the packages' weights ("packages"), the INT4 noise floor's
+# noisy weights ("noise"), transformers' layers ("transformers": it
+# multiplies float tensors, so each is made for the call that reads it),
+# and values made dense for an op the kernels do not serve ("dense"). A
+# form is a `Stored` kind (lut4, bf16, fp16, fp32 as stored) or, for a
+# tensor made from a stored weight, "float32" / "float64".
+MADE: dict[tuple[str, str], tuple[int, int]] = {}
+SOURCES = {"checkpoint": "checkpoint", "mil": "packages", "weight-noise": "noise"}
+# The source of the dense values `Stored.rows_f32` makes (`making`).
+_purpose = "dense"
+
+
+def tally(source: str, form: str, size: int) -> None:
+    n, total = MADE.get((source, form), (0, 0))
+    MADE[(source, form)] = (n + 1, total + size)
+
+
+def form_of(value: Any) -> str:
+    if isinstance(value, Stored):
+        return value.kind
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+@contextmanager
+def making(source: str) -> Iterator[None]:
+    """Within it, dense values made from stored weights count for ``source``."""
+    global _purpose
+    before, _purpose = _purpose, source
+    try:
+        yield
+    finally:
+        _purpose = before
 
 
 # The process's one budget: parity's modules, its read-back packages and the
@@ -331,6 +373,7 @@ class Stored:
         the products use)."""
         stop = min(stop, self.rows)
         out = torch.from_numpy(native().dense_rows(self.spec(), self.rows, self.cols, start, stop, self.name))
+        tally(_purpose, "float32", out.numel() * 4)
         return -out if self.sign < 0 else out
 
     def dense(self) -> torch.Tensor:

@@ -583,9 +583,7 @@ mod x86 {
         #[inline(always)]
         unsafe fn bf16(p: *const u16, n: usize) -> (Z, Z) {
             let (a, b) = halves16(p, n);
-            let widen =
-                |h: __m256i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
-            (Z(widen(a)), Z(widen(b)))
+            (Z(widen_bf16(a)), Z(widen_bf16(b)))
         }
         #[inline(always)]
         unsafe fn f16(p: *const u16, n: usize) -> (Z, Z) {
@@ -603,6 +601,14 @@ mod x86 {
                 Z(_mm512_maskz_loadu_ps((m >> LANES) as u16, p.add(LANES))),
             )
         }
+    }
+
+    /// 16 bfloat16 values as float32: their bits moved to the top half.
+    /// (Helpers, not closures: a closure does not take the enabled features,
+    /// and its intrinsics would be calls.)
+    #[inline(always)]
+    unsafe fn widen_bf16(h: __m256i) -> __m512 {
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
     }
 
     /// 32 sixteen-bit values (`n` readable) as two halves.
@@ -643,6 +649,19 @@ mod x86 {
         let mut out = [E::default(); N];
         std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), n.min(N));
         out
+    }
+
+    /// 8 bfloat16 values at `p` as float32.
+    #[inline(always)]
+    unsafe fn bf16x8(p: *const u16) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+
+    /// 8 float16 values at `p` as float32.
+    #[inline(always)]
+    unsafe fn f16x8(p: *const u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
     }
 
     /// One nibble index per lane through a 16-entry table held as two halves.
@@ -718,11 +737,10 @@ mod x86 {
                 spilled = spill::<u16, { 2 * LANES }>(p, n);
                 spilled.as_ptr()
             };
-            let w = |k: usize| {
-                let h = _mm_loadu_si128(p.add(8 * k) as *const __m128i);
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-            };
-            (Y(w(0), w(1)), Y(w(2), w(3)))
+            (
+                Y(bf16x8(p), bf16x8(p.add(8))),
+                Y(bf16x8(p.add(16)), bf16x8(p.add(24))),
+            )
         }
         #[inline(always)]
         unsafe fn f16(p: *const u16, n: usize) -> (Y, Y) {
@@ -733,8 +751,10 @@ mod x86 {
                 spilled = spill::<u16, { 2 * LANES }>(p, n);
                 spilled.as_ptr()
             };
-            let w = |k: usize| _mm256_cvtph_ps(_mm_loadu_si128(p.add(8 * k) as *const __m128i));
-            (Y(w(0), w(1)), Y(w(2), w(3)))
+            (
+                Y(f16x8(p), f16x8(p.add(8))),
+                Y(f16x8(p.add(16)), f16x8(p.add(24))),
+            )
         }
         #[inline(always)]
         unsafe fn f32(p: *const f32, n: usize) -> (Y, Y) {

@@ -128,6 +128,12 @@ class Step:
     lists: list[tuple[str, list[tuple[int, Any]]]]
     outputs: list[tuple[int, TensorType]]
     free: list[int] = field(default_factory=list)
+    # What `Function.run_torch` reads, prepared once: the constant inputs
+    # as the op takes them, those made on use (`Lazy`), and each output's
+    # declared shape (None when not fully known) and type.
+    fixed: dict[str, Any] = field(default_factory=dict)
+    made: list[tuple[str, Lazy]] = field(default_factory=list)
+    checks: list[tuple[int, tuple[int, ...] | None, str]] = field(default_factory=list)
 
 
 # What one binding of an op input resolves to: a slot (>= 0) or a constant.
@@ -155,6 +161,7 @@ class Function:
             self.inputs.append(IoSpec(inp.name, t.dtype, tuple(int(d) for d in t.shape if d is not None)))
             self._slot(inp.name)
         self.steps: list[Step] = []
+        self._taps: dict[tuple[str, ...], dict[int, list[tuple[str, int]]]] = {}
         self.op_types: dict[str, int] = {}
         for op in block.operations:
             self.op_types[op.type] = self.op_types.get(op.type, 0) + 1
@@ -254,17 +261,13 @@ class Function:
             self.consts[name] = value
             self.const_keys[name] = key
             return
-        self.steps.append(
-            Step(
-                op.type,
-                name,
-                impl,
-                static,
-                dynamic,
-                lists,
-                [(self._slot(n), t) for n, t in outputs],
-            )
-        )
+        step = Step(op.type, name, impl, static, dynamic, lists, [(self._slot(n), t) for n, t in outputs])
+        step.fixed = {
+            k: ops.parameter(op.type, k, served(op.type, k, v)) for k, v in static.items() if not isinstance(v, Lazy)
+        }
+        step.made = [(k, v) for k, v in static.items() if isinstance(v, Lazy)]
+        step.checks = [(slot, known(t.shape), t.dtype) for slot, t in step.outputs]
+        self.steps.append(step)
 
     def _nibbles(
         self,
@@ -380,14 +383,17 @@ class Function:
         env: list[Any] = [None] * len(self.slots)
         for spec in self.inputs:
             env[self.slots[spec.name]] = settle(inputs[spec.name], spec.dtype, fp16)
-        tap_slots = {n: self.slots[n] for n in taps if n in self.slots}
         missing = [n for n in taps if n not in self.slots and n not in self.consts]
         if missing:
             raise ChunkforgeError(f"{self.where}: no value named {', '.join(missing)}")
+        tap_at = self._tap_steps(taps)
         tapped: dict[str, torch.Tensor] = {}
+        where = self.where
         with torch.no_grad():
-            for step in self.steps:
-                args = {k: served(step.op_type, k, value_of(v)) for k, v in step.static.items()}
+            for i, step in enumerate(self.steps):
+                args = dict(step.fixed)
+                for k, lazy in step.made:
+                    args[k] = served(step.op_type, k, lazy.get())
                 for k, s in step.dynamic:
                     args[k] = env[s]
                 for k, items in step.lists:
@@ -395,22 +401,22 @@ class Function:
                 try:
                     res = step.impl(args)
                 except (OpError, RuntimeError, ValueError, IndexError, TypeError) as e:
-                    raise ChunkforgeError(f"{self.where}: op {step.op_type} {step.name} failed: {e}") from e
+                    raise ChunkforgeError(f"{where}: op {step.op_type} {step.name} failed: {e}") from e
                 outs = (res,) if isinstance(res, torch.Tensor) else res
-                if len(outs) != len(step.outputs):
+                if len(outs) != len(step.checks):
                     raise ChunkforgeError(
-                        f"{self.where}: op {step.op_type} {step.name} gave {len(outs)} outputs, "
-                        f"the program declares {len(step.outputs)}"
+                        f"{where}: op {step.op_type} {step.name} gave {len(outs)} outputs, "
+                        f"the program declares {len(step.checks)}"
                     )
-                for (slot, t), value in zip(step.outputs, outs, strict=True):
-                    if all(d is not None for d in t.shape) and tuple(value.shape) != t.shape:
+                for (slot, shape, dtype), value in zip(step.checks, outs, strict=True):
+                    if shape is not None and value.shape != shape:
                         raise ChunkforgeError(
-                            f"{self.where}: op {step.op_type} {step.name} gave shape {list(value.shape)}, "
-                            f"the program declares {list(t.shape)}"
+                            f"{where}: op {step.op_type} {step.name} gave shape {list(value.shape)}, "
+                            f"the program declares {list(shape)}"
                         )
-                    env[slot] = settle(value, t.dtype, fp16)
-                for n, s in tap_slots.items():
-                    if env[s] is not None and n not in tapped:
+                    env[slot] = settle(value, dtype, fp16)
+                if i in tap_at:
+                    for n, s in tap_at[i]:
                         tapped[n] = env[s]
                 for s in step.free:
                     env[s] = None
@@ -420,6 +426,17 @@ class Function:
         for n in taps:
             out[n] = tapped[n] if n in tapped else value_of(self.consts.get(n))
         return out
+
+    def _tap_steps(self, taps: tuple[str, ...]) -> dict[int, list[tuple[str, int]]]:
+        """Each tap by the step that writes it: taken when that step has run."""
+        if taps not in self._taps:
+            writer = {s: i for i, st in enumerate(self.steps) for s, _ in st.outputs}
+            at: dict[int, list[tuple[str, int]]] = {}
+            for n in taps:
+                if n in self.slots and self.slots[n] in writer:
+                    at.setdefault(writer[self.slots[n]], []).append((n, self.slots[n]))
+            self._taps[taps] = at
+        return self._taps[taps]
 
     def run(self, inputs: Mapping[str, np.ndarray], fp16: bool = False) -> dict[str, np.ndarray]:
         """The function on numpy arrays; outputs by name (fp16 outputs as float16
@@ -462,6 +479,12 @@ def dequant_mode() -> str:
     if mode not in ("nibbles", "unpack"):
         raise ChunkforgeError(f"{DEQUANT_ENV}={mode}: expected nibbles or unpack")
     return mode
+
+
+def known(shape: tuple[int | None, ...]) -> tuple[int, ...] | None:
+    """A shape whose every dimension is known, else None."""
+    dims = [d for d in shape if d is not None]
+    return tuple(dims) if len(dims) == len(shape) else None
 
 
 def count(shape: tuple[int | None, ...]) -> int:

@@ -46,6 +46,8 @@ class OpError(ValueError):
 
 
 def ints(v: Any) -> list[int]:
+    if isinstance(v, tuple):
+        return list(v)
     if isinstance(v, torch.Tensor):
         return [int(x) for x in v.reshape(-1).tolist()]
     return [int(x) for x in np.asarray(v).reshape(-1).tolist()]
@@ -59,17 +61,51 @@ def one_int(v: Any) -> int:
 
 
 def flag(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return bool(v[0])
     return bool(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else bool(v)
 
 
 def flags(v: Any, rank: int) -> list[bool]:
     if v is None:
         return [False] * rank
+    if isinstance(v, tuple):
+        return [bool(x) for x in v]
     return [bool(x) for x in v.reshape(-1).tolist()]
 
 
 def number(v: Any) -> float:
     return float(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else float(v)
+
+
+# Constant inputs that only parameterize an op (axes, shapes, slices,
+# flags; small integers or bools), and scalar float ones (eps, bounds): the
+# interpreter hands them to the op as a tuple or a float once read, not as
+# a tensor to read again at every run (`parameter`). Every helper above
+# takes either form.
+INT_PARAMS = frozenset(
+    {
+        "axis", "axes", "perm", "shape", "begin", "end", "stride", "begin_mask", "end_mask", "squeeze_mask",
+        "keep_dims", "transpose_x", "transpose_y", "split_sizes", "num_splits", "reps", "pad", "strides",
+        "dilations", "groups", "interleave", "k", "batch_dims", "ascending", "sort", "return_indices",
+        "exclusive", "reverse", "lower", "upper", "size", "vector_axis",
+    }
+)  # fmt: skip
+FLOAT_PARAMS = frozenset({"epsilon", "alpha", "constant_val"})
+# Ops that read one of those names as a tensor.
+TENSOR_PARAMS = frozenset({"range_1d"})
+
+
+def parameter(op_type: str, arg: str, value: Any) -> Any:
+    """A constant input as `Function` hands it to the op on every run."""
+    if op_type in TENSOR_PARAMS or not isinstance(value, torch.Tensor) or value.numel() > 64:
+        return value
+    if arg in INT_PARAMS and not value.dtype.is_floating_point:
+        return tuple(int(x) if value.dtype != torch.bool else bool(x) for x in value.reshape(-1).tolist())
+    floats = arg in FLOAT_PARAMS or (op_type == "clip" and arg == "beta")
+    if floats and value.dtype.is_floating_point and value.numel() == 1:
+        return float(value.reshape(-1)[0])
+    return value
 
 
 def text(v: Any) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..checkpoint import Checkpoint
+from ..weights import Stored, kernels, making, tally
 
 if TYPE_CHECKING:
     from ..emulate.stepper import Embeddings
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
 # eager attention in float64 (parity.py `oracle_record`).
 ORACLE_ATTENTION = "eager"
 SECOND_ATTENTION = "sdpa"
-# Head rows a float64 forward multiplies at a time (its fp64 copy of the
-# whole tied head would be 3.2 GB at E2B).
+# Head rows a forward multiplies at a time (a whole fp32 copy of the tied
+# head would be 1.6 GB at E2B, fp64 3.2 GB).
 HEAD_BLOCK = 1 << 15
 
 
@@ -87,8 +88,23 @@ class Oracle:
     def weight(self, key: str) -> torch.Tensor:
         """A parameter or buffer of the model (``model.layers.3...``) from the
         checkpoint, in the model's dtype (through fp32: the values every
-        other module of parity sees)."""
-        return self.ckpt.fetcher(key[len("model.") :], torch.float32)().to(self.dtype)
+        other module of parity sees). transformers multiplies tensors, so
+        each is made for the call that reads it; what the resident budget
+        keeps between calls is the checkpoint's stored form, the one
+        parity's own modules read (`weights.Stored`)."""
+        w = self.ckpt.fetcher(key[len("model.") :], torch.float32, stored=kernels())()
+        with making("transformers"):
+            dense = w.dense() if isinstance(w, Stored) else w
+        if self.dtype != dense.dtype:
+            tally("transformers", str(self.dtype).removeprefix("torch."), dense.numel() * self.dtype.itemsize)
+        return dense.to(self.dtype)
+
+    def head_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of the tied head (the embedding table) in float32."""
+        fetch = self.ckpt.fetcher("embed_tokens.weight", torch.float32, stored=kernels())
+        w = fetch()
+        with making("transformers"):
+            return w.rows_f32(start, stop) if isinstance(w, Stored) else w[start:stop]
 
     def _bring(self, index: int, own: list[str]) -> Any:
         def bring(module: torch.nn.Module, args: Any) -> None:
@@ -162,19 +178,15 @@ class Oracle:
                     use_cache=True,
                 )
                 hidden = out.last_hidden_state
-                # The tied head: lm_head is embed_tokens.
-                head = self.ckpt.fetcher("embed_tokens.weight", torch.float32)()
-                if self.dtype == torch.float32:
-                    logits = torch.nn.functional.linear(hidden, head)[0]
-                else:
-                    logits = torch.cat(
-                        [
-                            torch.nn.functional.linear(hidden[0], head[r : r + HEAD_BLOCK].to(self.dtype))
-                            for r in range(0, head.shape[0], HEAD_BLOCK)
-                        ],
-                        dim=-1,
-                    )
-                del head
+                # The tied head: lm_head is embed_tokens, a block of rows at a time.
+                vocab = model.config.vocab_size
+                logits = torch.cat(
+                    [
+                        torch.nn.functional.linear(hidden[0], self.head_rows(r, r + HEAD_BLOCK).to(self.dtype))
+                        for r in range(0, vocab, HEAD_BLOCK)
+                    ],
+                    dim=-1,
+                )
                 cap = model.config.final_logit_softcapping
                 if cap:
                     logits = torch.tanh(logits / cap) * cap
