@@ -216,6 +216,10 @@ pub enum BenchCmd {
     SideFiles(BenchSideFilesCmd),
     /// Time hashing + signing a release (1 big file, 8 smaller ones) against openssl and model_signing.
     Hash(HashBenchArgs),
+    /// `run` side by side with `run` before the native kernels (CHUNKFORGE_MATMUL=dense) and
+    /// transformers' own generate on the source checkpoint (bf16, sdpa), each a child process:
+    /// prefill and decode tokens per second, peak RSS.
+    Run(BenchRunCmd),
     /// The product kernels on E2B's decode step: GB/s of stored weight read (4-bit LUT and
     /// bf16) beside the machine's copy bandwidth in the same run, and few-token GFLOP/s.
     Matmul {
@@ -465,6 +469,33 @@ pub struct BenchParityCmd {
     /// Print the wall time, peak RSS and verdict as JSON on the last line
     /// (the children of --order-baseline and --heap-baseline).
     #[arg(long, hide = true)]
+    pub json: bool,
+}
+
+/// `chunkforge bench run`.
+#[derive(Args, Clone)]
+pub struct BenchRunCmd {
+    /// Release folder (from `package` or `release`).
+    pub release_dir: PathBuf,
+    /// The checkpoint the release was built from, for transformers' side (without it,
+    /// and without GEMMA4_HF_DIR, transformers is not run).
+    #[arg(long, env = "GEMMA4_HF_DIR")]
+    pub hf_dir: Option<PathBuf>,
+    /// Prompt text, tokenized with the release's tokenizer and its ids repeated to
+    /// --prompt-tokens.
+    #[arg(long, default_value = "The quick brown fox")]
+    pub prompt: String,
+    /// Tokens of the prompt every side prefills.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_tokens: usize,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Leave out `run` before the kernels (at real size it takes seconds a token).
+    #[arg(long)]
+    pub no_baseline: bool,
+    /// Print the figures as JSON.
+    #[arg(long)]
     pub json: bool,
 }
 

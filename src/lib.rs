@@ -16,6 +16,7 @@ pub use chunkforge_release::{
 pub mod audit;
 pub mod bench_matmul;
 pub mod bench_palettize;
+pub mod bench_run;
 pub mod build;
 pub mod cache_dir;
 pub mod cli;

@@ -24,7 +24,7 @@ use crate::settings::{
     BuildCommand, BuildSettings, Env, ParityCommand, ParitySettings, JOINT_ENV, SHORTCUTS_ENV,
     WRITER_ENV,
 };
-use crate::{bench_matmul, bench_palettize, hashbench, heap, sidefiles};
+use crate::{bench_matmul, bench_palettize, bench_run, hashbench, heap, sidefiles};
 
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
     match what {
@@ -37,6 +37,15 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
         BenchCmd::Build(args) => bench_build(args, verbose)?,
         BenchCmd::SideFiles(args) => bench_side_files(args, verbose)?,
         BenchCmd::Matmul { json, quick, isa } => bench_matmul::run(json, quick, isa.as_deref())?,
+        BenchCmd::Run(args) => bench_run::run(&bench_run::BenchRunOptions {
+            release: &args.release_dir,
+            checkpoint: args.hf_dir.clone(),
+            prompt: &args.prompt,
+            prompt_tokens: args.prompt_tokens,
+            max_tokens: args.max_tokens,
+            baseline: !args.no_baseline,
+            json: args.json,
+        })?,
         BenchCmd::Palettize { json, quick, seed } => {
             bench_palettize::run(json, quick, seed, verbose)?
         }
