@@ -357,6 +357,9 @@ class Stored:
         them is skipped (`live_tokens`)."""
         n, c, spatial = int(x.shape[0]), int(x.shape[1]), tuple(int(d) for d in x.shape[2:])
         positions = math.prod(spatial)
+        if n == 1 and positions == 1:
+            # One token (decode): [1, c, 1, 1] is the token's row as it is.
+            return self.matmul(x.reshape(1, c)).reshape(1, self.rows, *spatial)
         if n == 1:
             y = self.matmul(x.reshape(c, positions).t(), live_of(spatial), channels_first=True)
             return y.reshape(1, self.rows, *spatial)

@@ -56,6 +56,10 @@ mod tests;
 
 pub use simd::{available_isas, best_isa, Isa};
 
+/// Below this many bytes of stored weight (times live tokens) a product
+/// runs on the calling thread alone.
+pub const SERIAL_BYTES: usize = 1 << 20;
+
 /// Values of one block of columns.
 pub const BLOCK: usize = 32;
 /// Lanes of one block's accumulator.
@@ -259,13 +263,19 @@ pub fn matmul(
         row_step,
         token_step,
     };
-    (0..rows.div_ceil(per_task))
-        .into_par_iter()
-        .for_each(|task| {
-            let start = task * per_task;
-            let stop = (start + per_task).min(rows);
-            kernels::rows(isa, w, cols, &prepared, start, stop, &dst);
-        });
+    let task = |task: usize| {
+        let start = task * per_task;
+        let stop = (start + per_task).min(rows);
+        kernels::rows(isa, w, cols, &prepared, start, stop, &dst);
+    };
+    let tasks = rows.div_ceil(per_task);
+    // A small product runs on the calling thread: waking the pool costs
+    // more than it saves (an E2B k_proj is 0.2 MB of indices, 20 µs).
+    if w.stored_bytes().saturating_mul(live) < SERIAL_BYTES {
+        (0..tasks).for_each(task);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
     Ok(out)
 }
 
