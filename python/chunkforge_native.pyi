@@ -45,6 +45,11 @@ def dense_rows(
 ) -> NDArray[np.float32]:
     """Rows ``start..stop`` of the weight as float32."""
 
+def dense_rows_into(
+    weight: WeightSpec, rows: int, cols: int, start: int, out: NDArray[np.float32], name: str | None = None
+) -> None:
+    """Rows ``start..start + len(out)`` of the weight into ``out`` (float32 [n, cols], C-contiguous)."""
+
 def squared_error(a: WeightSpec, b: WeightSpec, rows: int, cols: int, name: str | None = None) -> tuple[float, float]:
     """``(sum((a - b)**2), sum(b**2))`` in float64."""
 

@@ -379,6 +379,15 @@ class Stored:
         tally(_purpose, "float32", out.numel() * 4)
         return -out if self.sign < 0 else out
 
+    def dense_into(self, out: torch.Tensor) -> torch.Tensor:
+        """The whole weight's float32 values written into ``out`` (a
+        contiguous float32 tensor of its size, memory the caller reuses)."""
+        native().dense_rows_into(self.spec(), self.rows, self.cols, 0, out.view(self.rows, self.cols).numpy(), self.name)
+        tally(_purpose, "float32", out.numel() * 4)
+        if self.sign < 0:
+            out.neg_()
+        return out.view(self.shape)
+
     def dense(self) -> torch.Tensor:
         """The whole weight in float32, in its shape: the general path, for
         an op the kernels do not serve."""

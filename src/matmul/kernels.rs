@@ -274,7 +274,7 @@ unsafe fn rows_of<L: Lanes, const RM: usize, const TM: usize>(
             let row = |r: usize, slot: usize| -> Row<u8, L::Table> {
                 let table = L::table(lut.as_ptr().add((r / group_rows) * LUT_ENTRIES));
                 let nibble = r * cols;
-                if nibble % 2 == 0 {
+                if nibble.is_multiple_of(2) {
                     return Row {
                         ptr: packed.as_ptr().add(nibble / 2),
                         table,
@@ -407,7 +407,7 @@ pub(super) fn row_values(w: &Weights, cols: usize, r: usize, out: &mut [f32]) {
             for (c, o) in out.iter_mut().enumerate() {
                 let at = r * cols + c;
                 let byte = packed[at / 2];
-                let ix = if at % 2 == 0 { byte & 15 } else { byte >> 4 };
+                let ix = if at.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
                 *o = table[ix as usize];
             }
         }

@@ -334,15 +334,32 @@ pub fn dense_rows(
     start: usize,
     stop: usize,
 ) -> Result<Vec<f32>, MatmulError> {
-    check(w, rows, cols)?;
     if start > stop || stop > rows {
         return Err(MatmulError::RowRange { start, stop, rows });
     }
-    let mut out = vec![0f32; (stop - start) * cols];
+    let mut out = vec![0f32; stop.saturating_sub(start) * cols];
+    dense_rows_into(w, rows, cols, start, &mut out)?;
+    Ok(out)
+}
+
+/// `dense_rows` into `out` (`out.len() / cols` rows from `start`): memory
+/// the caller reuses, so no fresh pages are faulted in.
+pub fn dense_rows_into(
+    w: &Weights,
+    rows: usize,
+    cols: usize,
+    start: usize,
+    out: &mut [f32],
+) -> Result<(), MatmulError> {
+    check(w, rows, cols)?;
+    let stop = start + out.len() / cols.max(1);
+    if stop > rows || out.len() != (stop - start) * cols {
+        return Err(MatmulError::RowRange { start, stop, rows });
+    }
     out.par_chunks_mut(cols.max(1))
         .enumerate()
         .for_each(|(i, row)| kernels::row_values(w, cols, start + i, row));
-    Ok(out)
+    Ok(())
 }
 
 /// `(Σ (a − b)², Σ b²)` over every value of two weights of one shape, in

@@ -11,7 +11,7 @@ pub mod chunkforge_native {
     use half::f16;
     use numpy::{
         PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadonlyArrayDyn,
-        PyUntypedArrayMethods,
+        PyReadwriteArray2, PyUntypedArrayMethods,
     };
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
@@ -251,6 +251,31 @@ pub mod chunkforge_native {
             .detach(|| kernels::dense_rows(&w, rows, cols, start, stop))
             .map_err(|e| PyValueError::new_err(format!("{label}: {e}")))?;
         PyArray1::from_vec(py, out).reshape([stop - start, cols])
+    }
+
+    /// dense_rows_into(weight, rows, cols, start, out, name=None)
+    ///
+    /// `dense_rows` into ``out`` (float32 [n, cols], C-contiguous): rows
+    /// `start..start + n`, written into memory the caller reuses.
+    #[pyfunction]
+    #[pyo3(signature = (weight, rows, cols, start, out, name = None))]
+    fn dense_rows_into<'py>(
+        py: Python<'py>,
+        weight: SpecArgs<'py>,
+        rows: usize,
+        cols: usize,
+        start: usize,
+        mut out: PyReadwriteArray2<'py, f32>,
+        name: Option<&str>,
+    ) -> PyResult<()> {
+        let label = name.unwrap_or("weight");
+        let spec = spec(weight, label)?;
+        let w = spec.weights(label)?;
+        let dst = out.as_slice_mut().map_err(|_| {
+            PyValueError::new_err(format!("{label}: the output must be C-contiguous"))
+        })?;
+        py.detach(|| kernels::dense_rows_into(&w, rows, cols, start, dst))
+            .map_err(|e| PyValueError::new_err(format!("{label}: {e}")))
     }
 
     /// squared_error(a, b, rows, cols, name=None) -> (float, float)
