@@ -16,7 +16,8 @@ published fixtures (``python/tests/test_mlmodelc.py`` holds them to it):
 - ``analytics/coremldata.bin``: length-prefixed (uint64) strings:
   ``NeuralNetworkModelDetails`` with two entries (``containsCustomLayer`` 0,
   ``modelDimension`` 0), ``SpecificationDetails`` with ``modelHash`` (base64
-  of the spec file's SHA-256) and ``modelName``.
+  of the spec file's SHA-256) and ``modelName`` (a pipeline's sub-model: the
+  first part alone).
 - ``metadata.json``: the model's schemas, function list, op histogram,
   precisions and availability, as Core ML's ``MLModel.modelDescription`` shows them.
 
@@ -36,7 +37,9 @@ from typing import Any
 
 from ..runtime import ChunkforgeError
 from . import text
-from .program import DATA_TYPES, parse_spec
+import re
+
+from .program import DATA_TYPES, parse_spec, read_model_spec
 
 ML_PROGRAM = 502  # Model.mlProgram's field number: the model type coremldata.bin records
 SPEC_VERSION = 9
@@ -124,8 +127,10 @@ def raw_fields(data: bytes) -> list[tuple[int, int, bytes | int]]:
     return out
 
 
-def description_bytes(raw: bytes, where: str) -> bytes:
-    """The ``description`` (field 2) of a Model, byte for byte."""
+def description_bytes(raw: bytes, where: str, top_level: bool = True) -> bytes:
+    """The ``description`` (field 2) of a Model, byte for byte (with an empty
+    ``metadata`` field added to a top-level model's, as Apple's compiler
+    does; a pipeline's sub-model keeps its own as it is)."""
     try:
         found = [v for n, w, v in raw_fields(raw) if n == 2 and w == 2]
     except ValueError as e:
@@ -133,7 +138,7 @@ def description_bytes(raw: bytes, where: str) -> bytes:
     if len(found) != 1 or not isinstance(found[0], bytes):
         raise ChunkforgeError(f"{where}: the spec has {len(found)} descriptions")
     desc = found[0]
-    if not any(n == 100 for n, _, _ in raw_fields(desc)):
+    if top_level and not any(n == 100 for n, _, _ in raw_fields(desc)):
         desc += b"\xa2\x06\x00"  # an empty metadata field, as Apple's compiler adds it
     return desc
 
@@ -154,10 +159,14 @@ def lp(s: str) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def analytics(spec_file: bytes, model_name: str) -> bytes:
+def analytics(spec_file: bytes, model_name: str, top_level: bool = True) -> bytes:
+    """A top-level model's analytics, or a pipeline sub-model's (no
+    ``SpecificationDetails``, as in Apple's fixtures)."""
     digest = base64.b64encode(hashlib.sha256(spec_file).digest()).decode()
     out = lp("NeuralNetworkModelDetails") + struct.pack("<Q", 2)
     out += lp("containsCustomLayer") + lp("0") + lp("modelDimension") + lp("0")
+    if not top_level:
+        return out
     out += lp("SpecificationDetails") + struct.pack("<Q", 2)
     out += lp("modelHash") + lp(digest) + lp("modelName") + lp(model_name)
     return out
@@ -340,11 +349,12 @@ def flexible_info(spec: Any) -> Any:
     return of
 
 
-def compiled_files(spec_file: bytes, where: str, class_name: str) -> dict[str, bytes]:
+def compiled_files(spec_file: bytes, where: str, class_name: str, top_level: bool = True) -> dict[str, bytes]:
     """Every file of the compiled model but the weights, from the bytes of a
     package's spec file: ``model.mil``, ``coremldata.bin``, ``metadata.json``,
     ``analytics/coremldata.bin``. The text is parsed back and must be the
-    package's program exactly, or nothing is returned."""
+    package's program exactly, or nothing is returned. ``top_level=False``:
+    a pipeline's sub-model (Apple's fixtures: its description kept as is)."""
     spec = parse_spec(where, "model spec", spec_file)
     w = text.Where(where)
     if spec.WhichOneof("Type") != "mlProgram":
@@ -357,14 +367,14 @@ def compiled_files(spec_file: bytes, where: str, class_name: str) -> dict[str, b
     diff = text.first_difference(program, back, where)
     if diff:
         raise text.UnsupportedMil(diff)
-    desc = description_bytes(spec_file, where)
+    desc = description_bytes(spec_file, where, top_level)
     n = len(spec.description.functions)
     meta = metadata(spec, class_name, w)
     return {
         "model.mil": mil.encode(),
         "coremldata.bin": coremldata(spec.specificationVersion, desc, n),
         "metadata.json": metadata_text(meta).encode(),
-        "analytics/coremldata.bin": analytics(spec_file, class_name),
+        "analytics/coremldata.bin": analytics(spec_file, class_name, top_level),
     }
 
 
@@ -372,8 +382,6 @@ def write_compiled(package: str, output: str, class_name: str) -> list[str]:
     """Writes the compiled files of ``package`` (an .mlpackage folder or a
     bare spec file) into the folder ``output`` (made; must not exist).
     Returns the files written; the weights are the caller's."""
-    from .program import read_model_spec
-
     if os.path.isdir(package):
         _, spec_path = read_model_spec(package)
     else:
@@ -440,3 +448,82 @@ def read_compiled(path: str) -> tuple[Any, str]:
         raise ChunkforgeError(f"{path}/coremldata.bin: the model description does not parse ({e})") from e
     spec.mlProgram.CopyFrom(text.parse(source, mil_path))
     return spec, mil_path
+
+
+# ---------------------------------------------------------------- compare
+
+BUILD_VERSIONS = re.compile(rb'\{"(coremlc-component-MIL|coremlc-version)", "[^"]*"\}')
+
+
+def mil_without_versions(data: bytes) -> bytes:
+    """``model.mil`` with the compiler's version strings blanked (they say
+    which compiler wrote it, not what the program is)."""
+    return BUILD_VERSIONS.sub(lambda m: b'{"' + m.group(1) + b'", ""}', data)
+
+
+def first_json_difference(a: Any, b: Any, at: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                return f"{at}/{k} only in {'theirs' if k not in a else 'ours'}"
+            d = first_json_difference(a[k], b[k], f"{at}/{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{at}: {len(a)} entries against {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            d = first_json_difference(x, y, f"{at}/{i}")
+            if d:
+                return d
+        return None
+    return None if a == b else f"{at}: {a!r} against {b!r}"
+
+
+def first_byte_difference(a: str, b: str) -> int | None:
+    """The offset of the first byte where files ``a`` and ``b`` differ
+    (read in 1 MiB pieces), or None."""
+    offset = 0
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                n = min(len(x), len(y))
+                return offset + next((i for i in range(n) if x[i] != y[i]), n)
+            if not x:
+                return None
+            offset += len(x)
+
+
+def compare_dirs(ours: str, theirs: str, files: list[str], substitutes: dict[str, str] | None = None) -> str | None:
+    """The first difference between two compiled models, file by file (in
+    ``files``' order): ``model.mil`` byte for byte but the compiler's version
+    strings, ``metadata.json`` as JSON, everything else byte for byte.
+    ``substitutes`` names where one of ours really is (the package's blob)."""
+    for rel in files:
+        a = (substitutes or {}).get(rel, os.path.join(ours, rel))
+        b = os.path.join(theirs, rel)
+        if not os.path.isfile(a) or not os.path.isfile(b):
+            if os.path.isfile(a) != os.path.isfile(b):
+                return f"{rel}: only {'ours' if os.path.isfile(a) else 'theirs'} has it"
+            continue
+        if rel == "model.mil":
+            with open(a, "rb") as fa, open(b, "rb") as fb:
+                x, y = mil_without_versions(fa.read()), mil_without_versions(fb.read())
+            if x != y:
+                lx, ly = x.split(b"\n"), y.split(b"\n")
+                line = next((i for i, (p, q) in enumerate(zip(lx, ly, strict=False)) if p != q), min(len(lx), len(ly)))
+                got = lx[line][:160].decode(errors="replace") if line < len(lx) else "(end)"
+                want = ly[line][:160].decode(errors="replace") if line < len(ly) else "(end)"
+                return f"model.mil line {line + 1}: ours {got!r}, theirs {want!r}"
+        elif rel == "metadata.json":
+            with open(a, "rb") as fa, open(b, "rb") as fb:
+                d = first_json_difference(json.load(fa), json.load(fb))
+            if d:
+                return f"metadata.json {d}"
+        else:
+            at = first_byte_difference(a, b)
+            if at is not None:
+                return f"{rel}: first differing byte at offset {at} ({os.path.getsize(a)} bytes against {os.path.getsize(b)})"
+    return None
