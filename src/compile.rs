@@ -42,11 +42,11 @@ use crate::downloader::{self, COMPILED_BLOB, PACKAGE_BLOB};
 use crate::folder::ReleaseFolder;
 use crate::hashing::{self, FileDigest};
 use crate::manifest::{self, Compiled, Manifest, PredicateSummary, MANIFEST_FILE};
-use chunkforge_release::distribution::Distribution;
 use crate::package::{copy_tree, sign_into, split_output, write_json, write_runbook};
 use crate::paths::{DISTRIBUTION_FILE, RUNBOOK_FILE};
 use crate::sign::{self, SIG_FILE};
 use crate::staging::Staging;
+use chunkforge_release::distribution::Distribution;
 
 /// `compiled.compile_package`'s request.
 #[derive(Serialize, JsonSchema)]
@@ -135,6 +135,22 @@ pub fn check_unsupported() -> Option<String> {
     })
 }
 
+/// Whether the release file `rel` (digest `d`) is in the manifest as it is:
+/// `compile` signs again only what the release signed.
+fn as_listed(m: &Manifest, dir: &Path, rel: &str, d: &FileDigest) -> Result<()> {
+    match m.files.iter().find(|f| f.path == rel) {
+        Some(f) if f.size == d.size && f.sha256 == d.hex() => Ok(()),
+        Some(_) => bail!(
+            "{}: differs from manifest.json's digest: compile signs the release again, so it takes only the files the release signed (`chunkforge verify` names every difference)",
+            dir.join(rel).display()
+        ),
+        None => bail!(
+            "{}: not in manifest.json: compile signs the release again, so it takes only the files the release signed",
+            dir.join(rel).display()
+        ),
+    }
+}
+
 /// `path`'s blob as `to`: a hard link, or where none can be made (another
 /// file system) a copy the kernel streams; never read into memory here.
 fn link_or_stream(from: &Path, to: &Path) -> Result<()> {
@@ -142,9 +158,8 @@ fn link_or_stream(from: &Path, to: &Path) -> Result<()> {
         fs::create_dir_all(p).with_context(|| format!("{}: cannot create", p.display()))?;
     }
     if fs::hard_link(from, to).is_err() {
-        fs::copy(from, to).with_context(|| {
-            format!("{}: cannot copy to {}", from.display(), to.display())
-        })?;
+        fs::copy(from, to)
+            .with_context(|| format!("{}: cannot copy to {}", from.display(), to.display()))?;
     }
     Ok(())
 }
@@ -196,6 +211,17 @@ pub fn compile_release(dir: &Path, key: &Path, writer: Writer, verbose: bool) ->
         .map(|r| (dir.join(r), r.clone()))
         .collect();
     let mut files = copy_tree(&root, &sources, &[])?;
+    // compile re-signs: only what the release's manifest lists, as it lists it.
+    for (rel, d) in &files {
+        as_listed(&m, dir, rel, d)?;
+    }
+    for c in m.chunks.iter().filter(|c| !c.file.ends_with(".mlmodelc")) {
+        let pkg = dir.join(&c.file);
+        for rel in hashing::walk(&pkg, &|_| false)?.files {
+            let path = format!("{}/{rel}", c.file);
+            as_listed(&m, dir, &path, &hashing::hash_file(&dir.join(&path))?)?;
+        }
+    }
     let mut coremltools = String::new();
     for c in &mut m.chunks {
         if c.file.ends_with(".mlmodelc") {
@@ -248,7 +274,9 @@ pub fn compile_release(dir: &Path, key: &Path, writer: Writer, verbose: bool) ->
             reply.written.push(COMPILED_BLOB.to_string());
         }
         for required in [COMPILED_BLOB, "coremldata.bin", "model.mil"] {
-            if reply.absent.iter().any(|a| a == required) && !(held.is_some() && required == COMPILED_BLOB) {
+            if reply.absent.iter().any(|a| a == required)
+                && !(held.is_some() && required == COMPILED_BLOB)
+            {
                 bail!(
                     "{}: coremltools' compiled model has no {required}, which the app requests",
                     src.display()

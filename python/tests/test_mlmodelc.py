@@ -195,6 +195,11 @@ def test_what_the_text_cannot_hold_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(text.UnsupportedMil, match=rf"function decode_q1: op {label}: data type bf16"):
         text.emit(program, "chunk1")
     op.outputs[0].type.tensorType.dataType = 10
+    # An op type nothing here has run or seen compiled.
+    op.type = "frobnicate"
+    with pytest.raises(text.UnsupportedMil, match=r"function decode_q1: op frobnicate .*: op type 'frobnicate'"):
+        text.emit(program, "chunk1", known_ops=modelc.known_ops())
+    op.type = "add"
     # A state input.
     fn = program.functions["decode_q1"]
     fn.inputs[0].type.stateType.wrappedType.tensorType.dataType = 10

@@ -113,8 +113,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
                 anyhow::bail!("{}: {why}", args.release_dir.display());
             }
             let writer = crate::compile::Writer::for_platform(args.check);
-            let n =
-                crate::compile::compile_release(&args.release_dir, &args.key, writer, verbose)?;
+            let n = crate::compile::compile_release(&args.release_dir, &args.key, writer, verbose)?;
             println!(
                 "compiled {n} packages in {} with {}, re-signed{}",
                 args.release_dir.display(),

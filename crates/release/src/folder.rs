@@ -339,7 +339,8 @@ impl ReleaseFolder {
                     "missing: the app's {} download gives {name} this blob ({} {})",
                     entry.client,
                     entry.how,
-                    path.join(downloader::blob_in(&path.to_string_lossy())).display()
+                    path.join(downloader::blob_in(&path.to_string_lossy()))
+                        .display()
                 )
             };
             return Err(err(&blob, why));

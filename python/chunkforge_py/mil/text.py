@@ -326,8 +326,13 @@ def op_label(op: Any) -> str:
     return f"{op.type} {name or outs!s}" if (name or outs) else op.type
 
 
-def op_text(op: Any, where: Where) -> str:
+def op_text(op: Any, where: Where, known_ops: frozenset[str] | None) -> str:
     where = Where(where.package, where.function, op_label(op))
+    if known_ops is not None and op.type not in known_ops:
+        raise where(
+            f"op type {op.type!r} is neither one the MIL interpreter runs (so the compiled program could not be "
+            "proven by running it) nor one seen in Apple's compiled fixtures"
+        )
     if op.blocks:
         raise where("an op with nested blocks (control flow)")
     if not op.outputs:
@@ -355,10 +360,16 @@ def op_text(op: Any, where: Where) -> str:
     return text + ";\n"
 
 
-def emit(program: Any, package: str, flexible: Callable[[str], str] | None = None) -> str:
+def emit(
+    program: Any,
+    package: str,
+    flexible: Callable[[str], str] | None = None,
+    known_ops: frozenset[str] | None = None,
+) -> str:
     """``program`` (MIL_pb2.Program) as text MIL. ``flexible(function)``
     gives a function's ``FlexibleShapeInformation`` attribute text (from the
-    model description), or ""."""
+    model description), or "". ``known_ops``: the op types allowed (None:
+    any)."""
     where = Where(package)
     if program.version != 1:
         raise where(f"program version {program.version} (coremltools writes 1)")
@@ -385,7 +396,7 @@ def emit(program: Any, package: str, flexible: Callable[[str], str] | None = Non
         flex = flexible(name) if flexible else ""
         lines.append(f"{INDENT_FUNC}func {name}<{OPSETS[f.opset]}>({params}){flex} {{\n")
         for op in block.operations:
-            lines.append(op_text(op, fw))
+            lines.append(op_text(op, fw, known_ops))
         lines.append(f"{INDENT_END}}} -> ({', '.join(block.outputs)});\n")
     lines.append("}")
     return "".join(lines)

@@ -32,7 +32,10 @@ pub fn render(m: &Manifest) -> Option<String> {
         let functions: Vec<String> = if c.functions.is_empty() {
             vec!["main".into()]
         } else {
-            c.functions.iter().map(|f| format!("`{}`", f.name)).collect()
+            c.functions
+                .iter()
+                .map(|f| format!("`{}`", f.name))
+                .collect()
         };
         line(&format!(
             "| {} | `{}.mlmodelc` | {} |",
