@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from chunkforge_py.mil import modelc, text
 from chunkforge_py.mil.interp import Function, Interpreter
 from chunkforge_py.mil.program import MLPackage, read_model_spec
@@ -91,7 +90,9 @@ def test_every_apple_compiled_fixture_is_matched(tmp_path: Path) -> None:
             files = modelc.compiled_files(child, f"{name}/model{i}", "input", top_level=False)
             ours = written(files, tmp_path / f"{name}-{i}")
             theirs = expected / f"model{i}"
-            diff = modelc.compare_dirs(str(ours), str(theirs), ["model.mil", "coremldata.bin", "analytics/coremldata.bin"])
+            diff = modelc.compare_dirs(
+                str(ours), str(theirs), ["model.mil", "coremldata.bin", "analytics/coremldata.bin"]
+            )
             assert diff is None, f"{name}/model{i}: {diff}"
             matched += 1
     assert matched == 7 + 15

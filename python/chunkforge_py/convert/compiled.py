@@ -52,7 +52,9 @@ def compile_package(req: contract.CompileRequest) -> contract.CompileReply:
             blob = os.path.join(os.path.dirname(spec_path), WEIGHTS)
             diff = modelc.compare_dirs(ours, req["output"], req["files"], {WEIGHTS: blob})
         if diff:
-            raise ChunkforgeError(f"compile --check: {req['package']}: chunkforge's compiled files differ from Core ML's: {diff}")
+            raise ChunkforgeError(
+                f"compile --check: {req['package']}: chunkforge's compiled files differ from Core ML's: {diff}"
+            )
     return reply
 
 

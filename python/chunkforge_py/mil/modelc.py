@@ -31,14 +31,13 @@ import base64
 import hashlib
 import json
 import os
+import re
 import struct
 from collections import Counter
 from typing import Any
 
 from ..runtime import ChunkforgeError
 from . import text
-import re
-
 from .program import DATA_TYPES, parse_spec, read_model_spec
 
 ML_PROGRAM = 502  # Model.mlProgram's field number: the model type coremldata.bin records
@@ -351,11 +350,11 @@ def flexible_info(spec: Any) -> Any:
         if not flex:
             return ""
         defaults = ", ".join(f'{{"{n}", [{", ".join(map(str, s))}]}}' for n, s, _ in flex)
-        ranges = ", ".join(f'{{"{n}", [{", ".join(f"[{lo}, {hi}]" for lo, hi in r)}]}}' for n, _, r in flex)
+        dims = ", ".join(f'{{"{n}", [{", ".join(f"[{lo}, {hi}]" for lo, hi in r)}]}}' for n, _, r in flex)
         return (
             " [FlexibleShapeInformation = tuple<tuple<string, dict<string, tensor<int32, [?]>>>, "
             "tuple<string, dict<string, list<tensor<int32, [2]>, ?>>>>"
-            f'((("DefaultShapes", {{{defaults}}}), ("RangeDims", {{{ranges}}})))]'
+            f'((("DefaultShapes", {{{defaults}}}), ("RangeDims", {{{dims}}})))]'
         )
 
     return of
@@ -372,7 +371,10 @@ def compiled_files(spec_file: bytes, where: str, class_name: str, top_level: boo
     if spec.WhichOneof("Type") != "mlProgram":
         raise w(f"a {spec.WhichOneof('Type')} model (only ML programs are compiled here)")
     if spec.specificationVersion != SPEC_VERSION:
-        raise w(f"specification version {spec.specificationVersion} (only {SPEC_VERSION}, iOS 18, is matched against Apple's compiler)")
+        raise w(
+            f"specification version {spec.specificationVersion} "
+            f"(only {SPEC_VERSION}, iOS 18, is matched against Apple's compiler)"
+        )
     program = spec.mlProgram
     mil = text.emit(program, where, flexible_info(spec), known_ops())
     back = text.parse(mil, where)
@@ -537,5 +539,6 @@ def compare_dirs(ours: str, theirs: str, files: list[str], substitutes: dict[str
         else:
             at = first_byte_difference(a, b)
             if at is not None:
-                return f"{rel}: first differing byte at offset {at} ({os.path.getsize(a)} bytes against {os.path.getsize(b)})"
+                sizes = f"{os.path.getsize(a)} bytes against {os.path.getsize(b)}"
+                return f"{rel}: first differing byte at offset {at} ({sizes})"
     return None

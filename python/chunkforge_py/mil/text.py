@@ -377,9 +377,7 @@ def emit(
         raise where("a program docstring")
     info = build_info(program, where)
     lines = ["program(1.3)\n"]
-    lines.append(
-        "[buildInfo = dict<string, string>({" + ", ".join(f'{{"{k}", "{v}"}}' for k, v in info) + "})]\n{\n"
-    )
+    lines.append("[buildInfo = dict<string, string>({" + ", ".join(f'{{"{k}", "{v}"}}' for k, v in info) + "})]\n{\n")
     for name in sorted(program.functions):
         f = program.functions[name]
         fw = Where(package, name)
@@ -761,7 +759,8 @@ def first_difference(source: Any, parsed: Any, package: str) -> str | None:
         for i, (oa, ob) in enumerate(zip(ba.operations, bb.operations, strict=False)):
             if oa != ob:
                 fields = [fd.name for fd in oa.DESCRIPTOR.fields if getattr(oa, fd.name) != getattr(ob, fd.name)]
-                return f"{package}: function {name}: op {i} ({op_label(oa)}): {', '.join(fields) or 'fields'} differ after the round trip"
+                what = ", ".join(fields) or "fields"
+                return f"{package}: function {name}: op {i} ({op_label(oa)}): {what} differ after the round trip"
         if len(ba.operations) != len(bb.operations):
             return f"{package}: function {name}: {len(ba.operations)} ops read back as {len(bb.operations)}"
         return f"{package}: function {name}: block outputs differ after the round trip"
