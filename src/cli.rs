@@ -135,8 +135,8 @@ pub enum Cmd {
     Exec(ExecCmd),
     /// Describe a built .mlpackage: spec version, inputs/outputs, palettized weights, layers (no model load; works on Linux).
     Inspect {
-        /// One .mlpackage folder (e.g. out/default/merged_chunk1.mlpackage), not the build
-        /// or release folder that holds it.
+        /// One .mlpackage folder (e.g. out/default/merged_chunk1.mlpackage), or a compiled
+        /// .mlmodelc with text MIL, not the build or release folder that holds it.
         package: PathBuf,
         /// Print JSON.
         #[arg(long)]
@@ -698,7 +698,7 @@ pub struct RunCmd {
 /// `chunkforge exec`.
 #[derive(Args, Clone, Debug)]
 pub struct ExecCmd {
-    /// The .mlpackage to run.
+    /// The .mlpackage (or a compiled .mlmodelc with text MIL) to run.
     pub package: PathBuf,
     /// Function to run (default: the package's default function).
     #[arg(long)]

@@ -244,6 +244,65 @@ fn linux_compile_completes_the_default_release() {
             "{notes}"
         );
     }
+    // `inspect` and `exec` read a compiled package as the package it came from.
+    let chunk1 = rel.join("swa/chunk1.mlmodelc");
+    let source = build.join("chunk1.mlpackage");
+    let described = |p: &Path| {
+        let mut v: Value = serde_json::from_str(&ok(&["inspect", s(p), "--json"])).unwrap();
+        v.as_object_mut().unwrap().remove("path");
+        v
+    };
+    assert_eq!(described(&chunk1), described(&source));
+    let work = tempdir("compile-exec");
+    let python = ok(&["doctor", "--venv-python"]).trim().to_string();
+    let inputs = work.join("in.npz");
+    let io = described(&source)["functions"][0]["inputs"].to_string();
+    let made = Command::new(&python)
+        .args([
+            "-c",
+            "import json, sys, numpy as np\n\
+             rng = np.random.default_rng(0)\n\
+             ins = json.loads(sys.argv[2])\n\
+             np.savez(sys.argv[1], **{t['name']: (rng.standard_normal(t['shape']) * 0.5).astype(np.float16) for t in ins})",
+            s(&inputs),
+            &io,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    for (p, out) in [(&chunk1, "a.npz"), (&source, "b.npz")] {
+        ok(&[
+            "exec",
+            s(p),
+            "--inputs",
+            s(&inputs),
+            "--output",
+            s(&work.join(out)),
+            "--fp16",
+        ]);
+    }
+    let same = Command::new(&python)
+        .args([
+            "-c",
+            "import sys, numpy as np\n\
+             a, b = np.load(sys.argv[1]), np.load(sys.argv[2])\n\
+             assert sorted(a.files) == sorted(b.files) and a.files\n\
+             assert all(a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes() for k in a.files)",
+            s(&work.join("a.npz")),
+            s(&work.join("b.npz")),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        same.status.success(),
+        "exec outputs differ: {}",
+        String::from_utf8_lossy(&same.stderr)
+    );
+
     let again = run(&["compile", s(&rel), "--key", s(key())]);
     assert_eq!(again.status.code(), Some(2));
     assert!(

@@ -155,7 +155,10 @@ fn resolve_checkpoint(hf_dir: Option<&Path>, verbose: bool) -> Result<PathBuf> {
 /// `exec`) that is not one `.mlpackage` folder; a build or release folder is
 /// answered with the packages inside it.
 fn require_package(path: &Path, command: &str) -> Result<()> {
-    if path.join("Manifest.json").is_file() {
+    // An .mlpackage, or a compiled model with text MIL (read back as the same program).
+    if path.join("Manifest.json").is_file()
+        || (path.join("model.mil").is_file() && path.join("coremldata.bin").is_file())
+    {
         return Ok(());
     }
     if !path.exists() {
