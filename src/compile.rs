@@ -228,28 +228,31 @@ pub fn compile_release(dir: &Path, key: &Path, writer: Writer, verbose: bool) ->
             continue;
         }
         let src = dir.join(&c.file);
-        // A package the release holds without its blob (the app shares it
-        // in) is compiled by Core ML from a copy with the blob of the
-        // share's source; chunkforge's writer reads the spec alone.
+        // chunkforge's writer reads the spec alone, from the release. Core
+        // ML's compiler gets a copy (coremltools' MLModel(path) rewrites the
+        // package's Manifest.json, and the release stays untouched until the
+        // new one is published) with the blob linked in: its own, or for a
+        // package the release holds without one, its share source's.
         let held = m.shares.iter().find(|s| s.package == c.name && !s.stored);
-        let package = match held {
-            None => src.clone(),
-            Some(_) if writer == Writer::Chunkforge => src.clone(),
-            Some(s) => {
-                let from = dir
+        let package = if writer == Writer::Chunkforge {
+            src.clone()
+        } else {
+            let from = match held {
+                Some(s) => dir
                     .join(manifest::package_file(&s.from, false))
-                    .join(PACKAGE_BLOB);
-                let tmp = work.join(format!("{}.mlpackage", c.name));
-                let pkg_tree = hashing::walk(&src, &|_| false)?;
-                let mut pairs: Vec<(PathBuf, String)> = pkg_tree
-                    .files
-                    .iter()
-                    .map(|r| (src.join(r), r.clone()))
-                    .collect();
-                pairs.push((from, PACKAGE_BLOB.to_string()));
-                copy_tree(&tmp, &pairs, &[])?;
-                tmp
-            }
+                    .join(PACKAGE_BLOB),
+                None => src.join(PACKAGE_BLOB),
+            };
+            let tmp = work.join(format!("{}.mlpackage", c.name));
+            let pkg_tree = hashing::walk(&src, &|r| r == PACKAGE_BLOB)?;
+            let pairs: Vec<(PathBuf, String)> = pkg_tree
+                .files
+                .iter()
+                .map(|r| (src.join(r), r.clone()))
+                .collect();
+            copy_tree(&tmp, &pairs, &[])?;
+            link_or_stream(&from, &tmp.join(PACKAGE_BLOB))?;
+            tmp
         };
         let file = manifest::package_file(&c.name, true);
         let out = root.join(&file);
