@@ -1000,6 +1000,10 @@ class CompileRequest(TypedDict):
     output: str
     # Paths inside the compiled model to lay out (downloader.rs MODELC_FILES).
     files: list[str]
+    # chunkforge (any platform), coremltools or check (both, compared; macOS).
+    writer: str
+    # The model's name (metadata.json's generatedClassName, analytics' modelName).
+    name: str
 
 
 class CompileReply(TypedDict):
