@@ -382,7 +382,9 @@ class Stored:
     def dense_into(self, out: torch.Tensor) -> torch.Tensor:
         """The whole weight's float32 values written into ``out`` (a
         contiguous float32 tensor of its size, memory the caller reuses)."""
-        native().dense_rows_into(self.spec(), self.rows, self.cols, 0, out.view(self.rows, self.cols).numpy(), self.name)
+        native().dense_rows_into(
+            self.spec(), self.rows, self.cols, 0, out.view(self.rows, self.cols).numpy(), self.name
+        )
         tally(_purpose, "float32", out.numel() * 4)
         if self.sign < 0:
             out.neg_()

@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import weights
 from ..contract import ChunkPlan, Dims, FunctionPlan, RunLayout, RunRequest, RunResult, Speculation
 from ..mil.chunk import ProgramChunk
 from ..mil.inspect import const_key, function_descriptions, io, read_package
 from ..mil.interp import Interpreter
 from ..model import Chunk
 from ..roles import ROPE, Key
-from ..runtime import ChunkforgeError
+from ..runtime import ChunkforgeError, release_memory
 from .stepper import Caches, LayoutRunner, PrefillRunner, copy_slots, empty_caches, write_prefill_kv
 from .stepper import function_of as find_function
 
@@ -295,10 +296,15 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
     tell(f"prefill: {n_prefill} of the prompt's {len(prompt)} tokens, one prefill_b{n_call} call ({prefill_names})")
     pre = prefill.run(emb, prompt[:n_prefill])
     margin = top_margin(prefill.modules[req["prefill"]["chunks"][-1]["name"]].last_logits)
-    # The runtime calls prefill once per prompt: let go of its programs.
+    # The runtime calls prefill once per prompt: let go of its programs, and
+    # of its weights in the resident budget, which the decode layout's need
+    # (at E4B size each holds about 2 GB of INT4 weights; those both read,
+    # from one blob, are read again once).
     del prefill, prefill_modules
     for c in req["prefill"]["chunks"]:
         programs.pop(c["name"], None)
+    weights.RESIDENT.release(lambda key: False)
+    release_memory()
     caches: Caches = empty_caches(reference["chunks"], torch.float32)
     write_prefill_kv(caches, reference["chunks"], pre["kv"], n_prefill, dims["sliding_window"])
     del pre["kv"]
