@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests: run the binary, make fixtures.
 #![allow(dead_code)]
 
+pub mod synthetic;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Mutex;
@@ -27,6 +29,37 @@ pub fn run_env(args: &[&str], env: &[(&str, &str)]) -> Output {
         .envs(env.iter().copied())
         .output()
         .expect("spawn chunkforge")
+}
+
+/// Runs chunkforge with `args` where only the folders `writable` (and
+/// `/dev`, `/proc`) can be written: a private mount namespace (`unshare
+/// -rm`) in which each of them is bound over itself and the root then
+/// remounted read-only, so a write anywhere else fails with EROFS instead
+/// of happening. TMPDIR is the first of them. Panics, naming the reason,
+/// when the namespace cannot be made (a kernel without user namespaces).
+pub fn run_confined(args: &[&str], writable: &[&Path]) -> Output {
+    const SCRIPT: &str = r#"set -e
+while [ "$1" != "--" ]; do mount --bind "$1" "$1"; shift; done
+shift
+mount -o remount,bind,ro /
+exec "$@""#;
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-rm", "--propagation", "private", "sh", "-c", SCRIPT, "sh"]);
+    cmd.args(writable);
+    cmd.arg("--")
+        .arg(bin())
+        .args(args)
+        .env_remove("GEMMA4_HF_DIR");
+    if let Some(t) = writable.first() {
+        cmd.env("TMPDIR", t);
+    }
+    let o = cmd.output().expect("spawn unshare");
+    let err = stderr(&o);
+    assert!(
+        !(err.starts_with("unshare:") || err.starts_with("mount:")),
+        "cannot confine chunkforge to {writable:?} (unshare -rm, mount --bind): {err}"
+    );
+    o
 }
 
 /// Whether `o` is a run that SIGKILLed itself (the kill-at-step hook).
