@@ -399,91 +399,6 @@ fn compile_needs_macos() {
     assert!(!out.exists() && !out.with_extension("build").exists());
 }
 
-/// `model.mil` text as coremltools' `get_compiled_model_path()` writes it,
-/// stating `chunk`'s functions (a manifest entry): each signature, and each
-/// output declared by a statement. The test's stand-in for a compiled
-/// package: Core ML's compiler exists only on macOS.
-fn text_mil(chunk: &Value) -> String {
-    let tensor = |t: &Value| {
-        let dims: Vec<String> = t["shape"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| d.to_string())
-            .collect();
-        format!(
-            "tensor<{}, [{}]>",
-            t["dtype"].as_str().unwrap(),
-            dims.join(", ")
-        )
-    };
-    let mut text = String::from(
-        "program(1.3)\n[buildInfo = dict<string, string>({{\"coremlc-component-MIL\", \"3500.14.1\"}})]\n{\n",
-    );
-    for f in chunk["functions"].as_array().unwrap() {
-        let inputs: Vec<String> = f["inputs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| format!("{} {}", tensor(t), t["name"].as_str().unwrap()))
-            .collect();
-        text += &format!(
-            "    func {}<ios18>({}) {{\n",
-            f["name"].as_str().unwrap(),
-            inputs.join(", ")
-        );
-        let mut outs = Vec::new();
-        for t in f["outputs"].as_array().unwrap() {
-            let n = t["name"].as_str().unwrap();
-            text += &format!(
-                "            {} {n} = identity(x = var_0)[name = string(\"{n}\")];\n",
-                tensor(t)
-            );
-            outs.push(n.to_string());
-        }
-        text += &format!("    }} -> ({});\n", outs.join(", "));
-    }
-    text + "}\n"
-}
-
-/// An upstream bundle made from the chunkforge release `rel`: the app's
-/// repository with each package compiled (`text_mil`, the package's weight
-/// blob, stand-ins for the compiler's binary files) and no manifest or
-/// signature.
-fn upstream_bundle(rel: &Path, out: &Path) {
-    let m = json_file(&rel.join("manifest.json"));
-    let packages: Vec<&Value> = m["chunks"].as_array().unwrap().iter().collect();
-    for f in m["files"].as_array().unwrap() {
-        let path = f["path"].as_str().unwrap();
-        if path.contains(".mlpackage/")
-            || ["manifest.json", "model.sig", "DEVICE_RUNBOOK.md"].contains(&path)
-        {
-            continue;
-        }
-        let dst = out.join(path);
-        fs::create_dir_all(dst.parent().unwrap()).unwrap();
-        fs::copy(rel.join(path), dst).unwrap();
-    }
-    for c in packages {
-        let file = c["file"].as_str().unwrap();
-        let compiled = out.join(file.replace(".mlpackage", ".mlmodelc"));
-        fs::create_dir_all(compiled.join("analytics")).unwrap();
-        fs::write(compiled.join("model.mil"), text_mil(c)).unwrap();
-        fs::write(compiled.join("coremldata.bin"), b"stand-in").unwrap();
-        fs::write(compiled.join("analytics/coremldata.bin"), b"stand-in").unwrap();
-        fs::write(compiled.join("metadata.json"), b"[]").unwrap();
-        // A package the release holds without its blob (shared in) is
-        // fetched without one from upstream too.
-        let blob = rel
-            .join(file)
-            .join("Data/com.apple.CoreML/weights/weight.bin");
-        if blob.is_file() {
-            fs::create_dir_all(compiled.join("weights")).unwrap();
-            fs::copy(blob, compiled.join("weights/weight.bin")).unwrap();
-        }
-    }
-}
-
 /// `package --onto` an upstream bundle (compiled packages, no manifest): its
 /// packages are checked against the plan through their `model.mil` and stay
 /// compiled in the release, signed with the rest; the app's main download
@@ -506,7 +421,7 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
         s(&four),
     ]);
     let bundle = work.join("bundle");
-    upstream_bundle(&four, &bundle);
+    common::upstream_bundle(&four, &bundle);
     let onto = |dir: &Path, out: &Path| {
         run(&[
             "package",
@@ -537,10 +452,13 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
         assert_eq!(file.ends_with(".mlmodelc"), carried, "{name}: {file}");
         assert!(c["sha256_tree"].is_string(), "{name}");
     }
+    // Only the bundle's packages are carried (nothing signed or recorded
+    // them); the side files and hf_model/ come from the build's checkpoint.
+    assert_eq!(m["onto"]["verified"], false);
     for f in m["files"].as_array().unwrap() {
         let path = f["path"].as_str().unwrap();
-        let made = path.starts_with("merged_") || path == "DEVICE_RUNBOOK.md";
-        assert_eq!(f["carried"].as_bool().unwrap_or(false), !made, "{path}");
+        let carried = path.contains(".mlmodelc/");
+        assert_eq!(f["carried"].as_bool().unwrap_or(false), carried, "{path}");
     }
     // The app's main download: every file there, chunk1's model.mil read
     // by the downloader's context check; only the fixture's widths differ
@@ -594,7 +512,8 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
     );
 
     // RoPE tables other than the config's (upstream's generator rotates
-    // every pair of the full layers) or missing are made anew, not carried.
+    // every pair of the full layers) or missing: the release's are made
+    // from the checkpoint, as every side file of a bundle's release is.
     let rope = work.join("rope");
     copy_tree(&bundle, &rope);
     let cos = rope.join("swa/cos_full.npy");
@@ -607,10 +526,7 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
     let o = onto(&rope, &remade);
     assert!(o.status.success(), "{}", stderr(&o));
     let e = stderr(&o);
-    assert!(
-        e.contains(&format!("{}: row ", cos.display())) && e.contains("is not the RoPE"),
-        "{e}"
-    );
+    assert!(e.contains("only its packages are carried"), "{e}");
     let m3 = json_file(&remade.join("manifest.json"));
     for name in ["swa/cos_full.npy", "swa/sin_sliding.npy"] {
         assert_eq!(

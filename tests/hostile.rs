@@ -668,3 +668,822 @@ fn manifest_paths_leaving_the_folder_are_refused_by_every_command() {
         }
     }
 }
+
+// ------------------------------------------------------------ each point
+
+/// The manifest of the release `dir`.
+fn manifest(dir: &Path) -> Value {
+    json_file(&dir.join("manifest.json"))
+}
+
+/// `package BOTH --layout two --onto DIR` into a new `out/NAME`, with
+/// `extra`: (output, run).
+fn onto(a: &Area, i: &Inputs, dir: &Path, name: &str, extra: &[&str]) -> (PathBuf, Output) {
+    let out = a.out.join(name);
+    let mut args = package_args(&i.both, &i.private, &out, &["--onto", s(dir)]);
+    args.extend_from_slice(extra);
+    let o = confined(a, &args, Some(name));
+    (out, o)
+}
+
+/// Point 2: `--onto DIR` carries a release only once its signature and every
+/// file verify, with `--onto-public-key` or the key of `--key`; an edited
+/// `hf_model/` file, an added one, flipped weight bytes with the manifest
+/// made to agree: each refused, nothing written. `--allow-unverified-onto`
+/// carries it unverified, each file checked against DIR's own manifest, and
+/// the new manifest says so.
+#[test]
+fn onto_carries_a_release_only_once_it_verifies() {
+    let a = area("onto-verify");
+    let i = inputs(&a);
+    let hint = |public: &Path| {
+        let pem = fs::read(public).unwrap();
+        format!("{:x}", Sha256::digest(pem))
+    };
+
+    // As it was signed: verified with the key of --key.
+    let (out, o) = onto(&a, &i, &i.release, "plain", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m = manifest(&out);
+    assert_eq!(m["onto"]["verified"], true);
+    assert_eq!(m["onto"]["public_key_sha256"], json!(hint(&i.public)));
+    ok(&["verify", s(&out), "--public-key", s(&i.public)]);
+
+    // Signed by another key than --key's: refused, unless its key is given.
+    let (other, other_pub) = keys(&a.work, "other");
+    let other_out = a.out.join("other");
+    let mut args = package_args(&i.both, &other, &other_out, &["--onto", s(&i.release)]);
+    let o = confined(&a, &args, Some("other"));
+    refused(
+        &o,
+        2,
+        &[
+            "does not verify with the public key of --key",
+            "--onto-public-key",
+        ],
+        "another key",
+    );
+    args.extend_from_slice(&["--onto-public-key", s(&i.public)]);
+    let o = confined(&a, &args, Some("other"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        manifest(&a.out.join("other"))["onto"]["public_key_sha256"],
+        json!(hint(&i.public))
+    );
+    let _ = other_pub;
+
+    // Edited, added, flipped with the manifest made to agree: refused.
+    let edited = a.inp.join("edited");
+    copy_tree(&i.release, &edited);
+    fs::write(
+        edited.join("hf_model/generation_config.json"),
+        "{\"temperature\": 9}\n",
+    )
+    .unwrap();
+    let (out, o) = onto(&a, &i, &edited, "edited", &[]);
+    refused(
+        &o,
+        2,
+        &[
+            "does not verify",
+            "hf_model/generation_config.json: changed",
+        ],
+        "edited",
+    );
+    assert!(!out.exists());
+    let added = a.inp.join("added");
+    copy_tree(&i.release, &added);
+    fs::write(added.join("hf_model/chat_template.jinja"), "{{ secret }}").unwrap();
+    let (_, o) = onto(&a, &i, &added, "added", &[]);
+    refused(
+        &o,
+        2,
+        &[
+            "does not verify",
+            "hf_model/chat_template.jinja: extra file",
+        ],
+        "added",
+    );
+    // Changed bytes in a carried package, with DIR's manifest (file digest,
+    // package tree) made to agree.
+    let flip = |name: &str, file: &str| {
+        let dir = a.inp.join(name);
+        copy_tree(&i.release, &dir);
+        let mut bytes = fs::read(dir.join(file)).unwrap();
+        bytes[10] ^= 0xff;
+        fs::write(dir.join(file), &bytes).unwrap();
+        let sha = format!("{:x}", Sha256::digest(&bytes));
+        let tree = common::synthetic::tree_digest(&dir.join("swa/chunk3.mlpackage"));
+        edit_manifest(&dir, |m| {
+            for f in m["files"].as_array_mut().unwrap() {
+                if f["path"] == file {
+                    f["sha256"] = json!(sha);
+                }
+            }
+            for c in m["chunks"].as_array_mut().unwrap() {
+                if c["name"] == "chunk3" {
+                    c["sha256_tree"] = json!(tree);
+                }
+            }
+        });
+        dir
+    };
+    let blob = "swa/chunk3.mlpackage/Data/com.apple.CoreML/weights/weight.bin";
+    let flipped = flip("flipped", blob);
+    let (_, o) = onto(&a, &i, &flipped, "flipped", &[]);
+    refused(
+        &o,
+        2,
+        &["does not verify", &format!("{blob}: changed")],
+        "flipped",
+    );
+
+    // Unverified on request: the manifest made to agree passes its checks
+    // and is recorded as unverified; a file DIR's manifest does not list is
+    // still refused. (The blob is shared with prefill_chunk3, whose own
+    // copy stayed: the weights' own program is edited instead.)
+    let spec = flip(
+        "respecced",
+        "swa/chunk3.mlpackage/Data/com.apple.CoreML/model.mlmodel",
+    );
+    let (out, o) = onto(&a, &i, &spec, "unverified", &["--allow-unverified-onto"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("its signature is not verified (--allow-unverified-onto)"));
+    let m = manifest(&out);
+    assert_eq!(m["onto"]["verified"], false);
+    assert!(m["onto"].get("public_key_sha256").is_none());
+    let (_, o) = onto(&a, &i, &added, "added2", &["--allow-unverified-onto"]);
+    refused(
+        &o,
+        2,
+        &["hf_model/chat_template.jinja: not listed in"],
+        "added, unverified",
+    );
+}
+
+/// Point 3: `--onto` a release of other weights with the same config.json (its
+/// manifest's weights digest is not build.json's) is refused, naming both.
+#[test]
+fn onto_a_release_of_other_weights_is_refused() {
+    let a = area("onto-weights");
+    let i = inputs(&a);
+    let other = a.inp.join("other");
+    copy_tree(&i.release, &other);
+    edit_manifest(&other, |m| {
+        m["model"]["weights_sha256"] = json!("ab".repeat(32))
+    });
+    resign(&other, &i.private);
+    let (out, o) = onto(&a, &i, &other, "rel", &[]);
+    refused(
+        &o,
+        2,
+        &[
+            "model.weights_sha256 is abab",
+            "build.json",
+            "other weights",
+        ],
+        "other weights",
+    );
+    assert!(!out.exists());
+}
+
+/// Point 4: `package --hf-dir` of a checkpoint with the build's config.json and
+/// other weights is refused, naming the weights file: its side files would
+/// be another model's, beside a parity verdict about the build's.
+#[test]
+fn hf_dir_of_other_weights_is_refused() {
+    let a = area("hf-weights");
+    let i = inputs(&a);
+    let hf = a.inp.join("ckpt");
+    copy_tree(&common::synthetic::checkpoint_dir(), &hf);
+    let file = hf.join("model.safetensors");
+    let (h, mut data) = common::read_safetensors(&file);
+    let at = h["model.norm.weight"]["data_offsets"][0].as_u64().unwrap() as usize;
+    let v = f32::from_le_bytes(data[at..at + 4].try_into().unwrap());
+    data[at..at + 4].copy_from_slice(&(v * 1.5 + 0.25).to_le_bytes());
+    common::write_safetensors(&file, &h, &data);
+    let out = a.out.join("rel");
+    let o = confined(
+        &a,
+        &package_args(&i.build, &i.private, &out, &["--hf-dir", s(&hf)]),
+        Some("rel"),
+    );
+    refused(
+        &o,
+        2,
+        &["not the weights", "build.json", "model.safetensors"],
+        "other weights",
+    );
+    assert!(!out.exists());
+}
+
+/// An upstream bundle of the synthetic release: compiled packages (text
+/// MIL stating each contract), no manifest, no signature.
+fn bundle_of(a: &Area, i: &Inputs, name: &str) -> PathBuf {
+    let b = a.inp.join(name);
+    common::upstream_bundle(&i.release, &b);
+    b
+}
+
+/// Points 2, 9 and 14: `--onto` an upstream bundle carries its packages alone (their
+/// contracts checked; said in a note, recorded as unverified), the side
+/// files and hf_model/ made from the checkpoint: a config.json that differs
+/// from the build's in its bytes alone is not shipped, so the manifest's
+/// digest holds. A bundle missing a blob it shares into a prefill package
+/// names that blob.
+#[test]
+fn onto_a_bundle_carries_only_what_the_contracts_check() {
+    let a = area("onto-bundle");
+    let i = inputs(&a);
+    let b = bundle_of(&a, &i, "bundle");
+    let config = b.join("hf_model/config.json");
+    let pretty = serde_json::to_string_pretty(&json_file(&config)).unwrap() + "\n\n";
+    fs::write(&config, pretty).unwrap();
+    fs::write(b.join("hf_model/chat_template.jinja"), "{{ unchecked }}").unwrap();
+    let (out, o) = onto(&a, &i, &b, "rel", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("only its packages are carried"),
+        "{}",
+        stderr(&o)
+    );
+    let m = manifest(&out);
+    assert_eq!(m["onto"]["upstream"], true);
+    assert_eq!(m["onto"]["verified"], false);
+    for f in m["files"].as_array().unwrap() {
+        let path = f["path"].as_str().unwrap();
+        assert_eq!(
+            f["carried"].as_bool().unwrap_or(false),
+            path.contains(".mlmodelc/"),
+            "{path}"
+        );
+    }
+    assert!(!out.join("hf_model/chat_template.jinja").exists());
+    let shipped = fs::read(out.join("hf_model/config.json")).unwrap();
+    assert_eq!(
+        shipped,
+        fs::read(common::synthetic::checkpoint_dir().join("config.json")).unwrap()
+    );
+    assert_eq!(
+        m["model"]["config_sha256"],
+        json!(format!("{:x}", Sha256::digest(&shipped)))
+    );
+    ok(&["verify", s(&out), "--public-key", s(&i.public)]);
+
+    // The main download fetches prefill/chunk2 without weights: the bundle
+    // holds chunk2's blob for it. Without that blob, that is the file named.
+    let gone = bundle_of(&a, &i, "no-blob");
+    let blob = gone.join("swa/chunk2.mlmodelc/weights/weight.bin");
+    fs::remove_file(&blob).unwrap();
+    let (_, o) = onto(&a, &i, &gone, "rel2", &[]);
+    refused(
+        &o,
+        2,
+        &[&format!("{}: missing", blob.display())],
+        "missing chunk2 blob",
+    );
+}
+
+/// Point 7: `client-check --materialize` into a folder inside the release,
+/// directly or through a symlink, is refused and the release still
+/// verifies; outside it, the folder is written whole, nothing left beside.
+#[test]
+fn materialize_never_writes_into_the_release() {
+    let a = area("materialize");
+    let i = inputs(&a);
+    let r = a.out.join("release");
+    copy_tree(&i.release, &r);
+    let link = a.out.join("link");
+    symlink(&r, &link).unwrap();
+    for into in [r.join("sub"), link.join("sub")] {
+        let o = run_confined(
+            &[
+                "client-check",
+                s(&r),
+                "--client",
+                "main",
+                "--multimodal",
+                "off",
+                "--materialize",
+                s(&into),
+            ],
+            &[&a.out],
+        );
+        refused(&o, 2, &["inside the release"], &into.display().to_string());
+    }
+    ok(&["verify", s(&r), "--public-key", s(&i.public)]);
+    let m = a.out.join("m");
+    let o = confined(
+        &a,
+        &[
+            "client-check",
+            s(&i.release),
+            "--client",
+            "main",
+            "--multimodal",
+            "off",
+            "--materialize",
+            s(&m),
+        ],
+        Some("m"),
+    );
+    assert!(m.join("chunk1.mlpackage").is_dir(), "{}", stderr(&o));
+}
+
+/// Point 8: `--zip` or `--output` inside the `--onto` folder is refused: that
+/// folder is left as it was.
+#[test]
+fn outputs_inside_the_onto_folder_are_refused() {
+    let a = area("zip-in-onto");
+    let i = inputs(&a);
+    let dir = a.out.join("dir");
+    copy_tree(&i.release, &dir);
+    let before = snapshot(&dir);
+    let zip = dir.join("x.zip");
+    for (extra, says) in [
+        (
+            vec!["--zip", s(&zip)],
+            "--zip must not be inside the --onto folder",
+        ),
+        (vec![], "--output must not be inside the --onto folder"),
+    ] {
+        let out = if extra.is_empty() {
+            dir.join("rel")
+        } else {
+            a.out.join("rel")
+        };
+        let mut args = package_args(&i.both, &i.private, &out, &["--onto", s(&dir)]);
+        args.extend_from_slice(&extra);
+        let o = run_confined(&args, &[&a.out]);
+        refused(&o, 2, &[says], says);
+    }
+    assert_eq!(snapshot(&dir), before);
+    ok(&["verify", s(&dir), "--public-key", s(&i.public)]);
+}
+
+/// A checkpoint copied from the fixture with `edit` applied to its header
+/// and data.
+fn edited_checkpoint(a: &Area, name: &str, edit: impl FnOnce(&Value, &mut Vec<u8>)) -> PathBuf {
+    let hf = a.inp.join(name);
+    copy_tree(&common::synthetic::checkpoint_dir(), &hf);
+    let file = hf.join("model.safetensors");
+    let (h, mut data) = common::read_safetensors(&file);
+    edit(&h, &mut data);
+    common::write_safetensors(&file, &h, &data);
+    hf
+}
+
+fn edited_config(a: &Area, name: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let hf = a.inp.join(name);
+    copy_tree(&common::synthetic::checkpoint_dir(), &hf);
+    let mut c = json_file(&hf.join("config.json"));
+    edit(&mut c);
+    fs::write(
+        hf.join("config.json"),
+        serde_json::to_string_pretty(&c).unwrap(),
+    )
+    .unwrap();
+    hf
+}
+
+/// Point 11: parity on a NaN weight, or on a RoPE theta or a softcap of 1e-300,
+/// names the tensor or the config value (as build and side-files do), never
+/// an unreadable reply.
+#[test]
+fn parity_names_the_non_finite_input_it_was_given() {
+    let a = area("parity-nan");
+    let nan = edited_checkpoint(&a, "nan", |h, data| {
+        let at = h["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0]
+            .as_u64()
+            .unwrap() as usize;
+        data[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    });
+    let theta = edited_config(&a, "theta", |c| {
+        c["rope_parameters"]["full_attention"]["rope_theta"] = json!(1e-300)
+    });
+    let cap = edited_config(&a, "cap", |c| c["final_logit_softcapping"] = json!(1e-300));
+    for (ck, says) in [
+        (
+            &nan,
+            "weight model.layers.0.self_attn.q_proj.weight has 1 NaN/Inf values",
+        ),
+        (
+            &theta,
+            "`rope_parameters.full_attention.rope_theta` is 1e-300",
+        ),
+        (&cap, "`final_logit_softcapping` is 1e-300"),
+    ] {
+        let o = confined(
+            &a,
+            &[
+                "parity",
+                "--hf-dir",
+                s(ck),
+                "--mode",
+                "two",
+                "--steps",
+                "1",
+                "--verbose",
+            ],
+            None,
+        );
+        refused(&o, 2, &[says], says);
+        assert!(!stderr(&o).contains("bad reply"), "{}", stderr(&o));
+    }
+}
+
+/// Adds `n` small files to package `pkg` of the synthetic build and
+/// records its new tree in build.json.
+fn add_files(build: &Path, pkg: &str, n: usize) {
+    let dir = build.join(format!("{pkg}.mlpackage/Data/many"));
+    fs::create_dir_all(&dir).unwrap();
+    for k in 0..n {
+        fs::write(dir.join(format!("f{k}")), k.to_string()).unwrap();
+    }
+    let tree = common::synthetic::tree_digest(&build.join(format!("{pkg}.mlpackage")));
+    let path = build.join("build.json");
+    let mut b = json_file(&path);
+    for c in b["chunks"].as_array_mut().unwrap() {
+        if c["name"] == pkg {
+            c["sha256_tree"] = json!(tree);
+        }
+    }
+    fs::write(&path, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
+}
+
+/// Point 12: `--zip` at the app extractor's limits: 65,535 entries (0xFFFF, the
+/// zip64 mark) is refused before anything is copied, 65,534 is written and
+/// verifies; an entry over 4 GiB is refused before the copy, naming the
+/// archive the user gave (not a temporary file).
+#[test]
+fn zip_limits_are_refused_before_the_copy() {
+    let a = area("zip-limits");
+    let (private, public) = keys(&a.work, "k");
+    let build = synthetic_build(&a.inp.join("build"), &[], 0);
+    let probe = a.out.join("probe");
+    ok(&package_args(&build, &private, &probe, &[]));
+    let entries = walkdir::WalkDir::new(&probe)
+        .into_iter()
+        .filter(|e| e.as_ref().unwrap().file_type().is_file())
+        .count();
+    fs::remove_dir_all(&probe).unwrap();
+    add_files(&build, "merged_chunk1", 65_535 - entries);
+    let (out, zip) = (a.out.join("rel"), a.out.join("rel.zip"));
+    let o = confined(
+        &a,
+        &package_args(&build, &private, &out, &["--zip", s(&zip)]),
+        Some("rel"),
+    );
+    refused(
+        &o,
+        2,
+        &[&format!("{}: 65535 entries, over the 65534", zip.display())],
+        "65535",
+    );
+    assert!(!out.exists() && !zip.exists());
+    // One fewer: 65,534 entries, written, and read back by verify.
+    fs::remove_file(build.join("merged_chunk1.mlpackage/Data/many/f0")).unwrap();
+    add_files(&build, "merged_chunk1", 0);
+    let o = run_confined(
+        &package_args(&build, &private, &out, &["--zip", s(&zip)]),
+        &[&a.out],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    ok(&[
+        "verify",
+        s(&out),
+        "--public-key",
+        s(&public),
+        "--archive",
+        s(&zip),
+    ]);
+
+    // A 4.1 GiB weight blob (sparse: no disk), refused before the copy.
+    let big = synthetic_build(&a.inp.join("big"), &[], 0);
+    let blob = big.join("merged_chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin");
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&blob)
+        .unwrap()
+        .set_len(4_400_000_000)
+        .unwrap();
+    let (out, zip) = (a.out.join("big"), a.out.join("big.zip"));
+    let before = names_in(&a.out);
+    let t = std::time::Instant::now();
+    let o = run_confined(
+        &package_args(&big, &private, &out, &["--zip", s(&zip)]),
+        &[&a.out],
+    );
+    let took = t.elapsed();
+    refused(
+        &o,
+        2,
+        &[&format!("{}: entry 'merged_chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin' is 4.10 GiB", zip.display())],
+        "4.1 GiB entry",
+    );
+    assert!(!stderr(&o).contains(".tmp-"), "{}", stderr(&o));
+    assert!(took.as_secs() < 10, "took {took:?}: was it copied?");
+    assert_eq!(names_in(&a.out), before);
+}
+
+/// Point 13: `--base-url` that cannot serve the files is refused naming the
+/// option, before anything is signed.
+#[test]
+fn base_urls_that_cannot_work_are_refused() {
+    let a = area("base-url");
+    let (private, _) = keys(&a.work, "k");
+    let build = synthetic_build(&a.inp.join("build"), &[], 0);
+    let out = a.out.join("rel");
+    for (url, says) in [
+        ("https://h.example/x#frag", "#fragment"),
+        ("https://h.example/x?a=b", "?query"),
+        ("https://", "no host"),
+        ("https://h.example/\"x\"<script>", "'\"'"),
+        ("https://h.example\\@evil.example/x", "'\\'"),
+        ("https://h.example/a\tb", "U+0009"),
+        ("https://h.example/a\u{200b}b", "U+200B"),
+    ] {
+        let o = confined(
+            &a,
+            &package_args(&build, &private, &out, &["--base-url", url]),
+            Some("rel"),
+        );
+        refused(&o, 2, &["--base-url", says], url);
+        assert!(!out.exists(), "{url}");
+    }
+    let o = confined(
+        &a,
+        &package_args(
+            &build,
+            &private,
+            &out,
+            &["--base-url", "https://huggingface.co/me/m/resolve/main"],
+        ),
+        Some("rel"),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// Point 14: a package that changed after its build is named at its own path in
+/// the build folder (not its release path); a carried one against DIR's
+/// manifest, not build.json.
+#[test]
+fn a_changed_package_is_named_where_it_is_with_the_record_it_breaks() {
+    let a = area("messages");
+    let i = inputs(&a);
+    let spec = i
+        .build
+        .join("chunk1.mlpackage/Data/com.apple.CoreML/model.mlmodel");
+    let mut bytes = fs::read(&spec).unwrap();
+    bytes.push(b'\n');
+    fs::write(&spec, bytes).unwrap();
+    let out = a.out.join("rel");
+    let o = confined(
+        &a,
+        &package_args(&i.build, &i.private, &out, &[]),
+        Some("rel"),
+    );
+    let want = format!(
+        "{}: contents differ from what {} records",
+        i.build.join("chunk1.mlpackage").display(),
+        i.build.join("build.json").display()
+    );
+    refused(&o, 2, &[&want], "changed build package");
+    assert!(!stderr(&o).contains("swa/chunk1"), "{}", stderr(&o));
+
+    let dir = a.inp.join("dir");
+    copy_tree(&i.release, &dir);
+    edit_manifest(&dir, |m| {
+        for c in m["chunks"].as_array_mut().unwrap() {
+            if c["name"] == "chunk2" {
+                c["sha256_tree"] = json!("cd".repeat(32));
+            }
+        }
+    });
+    resign(&dir, &i.private);
+    let (_, o) = onto(&a, &i, &dir, "rel", &[]);
+    let want = format!(
+        "{}: contents differ from what {} records",
+        dir.join("swa/chunk2.mlpackage").display(),
+        dir.join("manifest.json").display()
+    );
+    refused(&o, 2, &[&want], "carried package");
+}
+
+/// Point 15: a failed side-files run leaves neither its output folder nor its
+/// lock file; a cache folder refused for its parent is not created, nor
+/// are the folders above it.
+#[test]
+fn failed_runs_leave_nothing() {
+    let a = area("leftovers");
+    let nan = edited_checkpoint(&a, "nan", |h, data| {
+        let at = h["model.embed_tokens_per_layer.weight"]["data_offsets"][0]
+            .as_u64()
+            .unwrap() as usize;
+        data[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    });
+    let side = a.out.join("side");
+    let o = confined(
+        &a,
+        &["side-files", "--hf-dir", s(&nan), "--output", s(&side)],
+        None,
+    );
+    refused(&o, 2, &["not a finite number"], "side-files");
+    let left: Vec<_> = fs::read_dir(&a.out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+
+    let open = a.work.join("open");
+    fs::create_dir(&open).unwrap();
+    fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    for cache in [open.join("cache"), open.join("a/b/cache")] {
+        for mut c in [
+            std::process::Command::new(common::bin()),
+            std::process::Command::new("bash"),
+        ] {
+            if c.get_program() == "bash" {
+                c.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/setup-signing.sh"));
+            } else {
+                c.arg("setup");
+            }
+            let o = c.env("CHUNKFORGE_CACHE", &cache).output().unwrap();
+            refused(
+                &o,
+                if c.get_program() == "bash" { 1 } else { 2 },
+                &["is writable by everyone"],
+                s(&cache),
+            );
+            let made: Vec<_> = fs::read_dir(&open)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            assert!(made.is_empty(), "{:?} made {made:?}", c.get_program());
+        }
+    }
+}
+
+/// A chunkforge run with `env`, its stderr read line by line.
+fn spawn(
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(common::bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let err = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(err).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
+fn signal(pid: u32, sig: &str) {
+    let st = std::process::Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{sig} {pid}");
+}
+
+/// The names in `dir`.
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Waits until `ready` holds (checked every millisecond), or panics once
+/// the child has ended without it.
+fn until(child: &mut std::process::Child, what: &str, ready: impl Fn() -> bool) {
+    loop {
+        if ready() {
+            return;
+        }
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("the run ended ({st}) before {what}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Point 10: Ctrl-C during package's copy, or while it writes the archive, leaves
+/// nothing (no staging folder, no partial file, no archive temporary, no
+/// lock), as its message says. Thousands of small files: a copy is always
+/// starting one when the signal comes.
+#[test]
+fn ctrl_c_during_packages_copy_leaves_nothing() {
+    let a = area("interrupt");
+    let (private, _) = keys(&a.work, "k");
+    let build = synthetic_build(&a.inp.join("build"), &[], 0);
+    // A large file too, so that writing the archive takes a while.
+    let big: Vec<u8> = (0..(96u32 << 20))
+        .map(|k| (k.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
+    fs::write(build.join("merged_chunk1.mlpackage/Data/big.bin"), big).unwrap();
+    add_files(&build, "merged_chunk1", 4000);
+    let out = a.out.join("rel");
+    let staged = || {
+        names_in(&a.out)
+            .iter()
+            .filter(|n| n.starts_with(".chunkforge-staging-"))
+            .any(|n| {
+                fs::read_dir(a.out.join(n).join("rel/merged_chunk1.mlpackage/Data/many"))
+                    .is_ok_and(|d| d.count() > 100)
+            })
+    };
+    for round in 0..3 {
+        let (mut child, rx) = spawn(&package_args(&build, &private, &out, &[]), &[]);
+        until(&mut child, "the copy was under way", staged);
+        signal(child.id(), "INT");
+        let st = child.wait().unwrap();
+        let err: Vec<String> = rx.iter().collect();
+        assert_eq!(st.code(), Some(130), "round {round}: {err:?}");
+        assert!(
+            err.iter().any(|l| l.contains("unfinished work is removed")),
+            "{err:?}"
+        );
+        assert!(
+            names_in(&a.out).is_empty(),
+            "round {round}: left {:?}",
+            names_in(&a.out)
+        );
+    }
+    // While the archive is written beside its final name.
+    let zip = a.out.join("rel.zip");
+    let (mut child, rx) = spawn(
+        &package_args(&build, &private, &out, &["--zip", s(&zip)]),
+        &[],
+    );
+    until(&mut child, "the archive was being written", || {
+        names_in(&a.out)
+            .iter()
+            .any(|n| n.starts_with(".rel.zip.tmp-"))
+    });
+    signal(child.id(), "INT");
+    let st = child.wait().unwrap();
+    let err: Vec<String> = rx.iter().collect();
+    assert_eq!(st.code(), Some(130), "{err:?}");
+    assert!(names_in(&a.out).is_empty(), "left {:?}", names_in(&a.out));
+}
+
+/// Point 10: `client-check --materialize` interrupted (Ctrl-C) leaves nothing;
+/// killed, it leaves a staging folder the next run removes, and so it does
+/// an older chunkforge's `.NAME.partial-PID`.
+#[test]
+fn an_interrupted_materialize_leaves_nothing_a_later_run_keeps() {
+    let a = area("materialize-interrupt");
+    let i = inputs(&a);
+    let m = a.out.join("m");
+    let args = [
+        "client-check",
+        s(&i.release),
+        "--client",
+        "main",
+        "--multimodal",
+        "off",
+        "--materialize",
+        s(&m),
+    ];
+    let paused = |sig: &str| {
+        let (mut child, rx) = spawn(&args, &[("CHUNKFORGE_TEST_PAUSE_AFTER", "copy")]);
+        let mut seen = Vec::new();
+        loop {
+            match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+                Ok(l) if l.contains("test hook: paused after copy") => break,
+                Ok(l) => seen.push(l),
+                Err(_) => panic!("no pause ({:?}): {seen:?}", child.try_wait()),
+            }
+        }
+        signal(child.id(), sig);
+        child.wait().unwrap()
+    };
+    let st = paused("INT");
+    assert_eq!(st.code(), Some(130));
+    assert!(names_in(&a.out).is_empty(), "left {:?}", names_in(&a.out));
+    let st = paused("KILL");
+    assert_eq!(st.code(), None);
+    assert!(!m.exists());
+    // An older chunkforge's leftover of a run long gone.
+    let old = a.out.join(".m.partial-4194000");
+    fs::create_dir_all(old.join("chunk1.mlpackage")).unwrap();
+    // (exit 1: the synthetic release's widths are not the app's.)
+    let o = common::run(&args);
+    assert_ne!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(names_in(&a.out), ["m"]);
+}

@@ -739,6 +739,7 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
             if let Some(p) = to.parent() {
                 folders_under(&tmp, p)?;
             }
+            crate::publish::test_pause("copy");
             fs::copy(from, to)
                 .map(|_| ())
                 .map_err(|e| err(from, format!("cannot copy to {}: {e}", to.display())))

@@ -703,10 +703,10 @@ impl JsonSchema for RelPath {
 
     fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         schemars::json_schema!({
-            "description": "Relative POSIX path: no leading '/', no backslash, no '.', '..' or empty component.",
+            "description": "Relative POSIX path: no leading '/', no backslash, no control character, no '.', '..' or empty component.",
             "type": "string",
             "minLength": 1,
-            "pattern": "^(?!/)(?!.*\\\\)(?!(.*/)?\\.\\.?(/|$))(?!.*//)[^\\u0000]+$"
+            "pattern": "^(?!/)(?!.*\\\\)(?!(.*/)?\\.\\.?(/|$))(?!.*//)[^\\u0000-\\u001f\\u007f-\\u009f]+$"
         })
     }
 }

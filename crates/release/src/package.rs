@@ -895,8 +895,21 @@ fn gather(a: &PackageRequest, build: &Build, c: &Checked, onto: Option<&Onto>) -
         match g.planned.iter().find(|s| s.package == n) {
             Some(share) if !share.stored => match f.iter().position(|(_, rel)| *rel == blob) {
                 Some(at) => g.held_back.push(f.remove(at)),
-                None => match carried(n).and_then(|o| o.held_blob(n, share.from)) {
-                    Some(d) => g.held_known.push((blob, d)),
+                None => match carried(n).map(|o| (o, o.held_blob(n, share.from))) {
+                    Some((_, Some(d))) => g.held_known.push((blob, d)),
+                    // DIR holds it only through the share: the blob missing
+                    // is the one shared in.
+                    Some((o, None)) => {
+                        let from = o.release_file(share.from);
+                        return Err(ReleaseInputError::Build {
+                            path: o.package_dir(share.from).join(downloader::blob_in(&from)),
+                            message: format!(
+                                "missing: {n} holds no weight blob of its own in {}, and this one, which the app's download shares into it, is not there either",
+                                o.dir().display()
+                            ),
+                        }
+                        .into());
+                    }
                     None => {
                         return Err(ReleaseInputError::Build {
                             path: src.join(downloader::blob_in(&pkg)),
@@ -1131,6 +1144,7 @@ fn write_files(
         held,
         planned: g.planned,
         carried: g.carried.into_iter().map(|(rel, _)| rel).collect(),
+        pkgs: g.pkgs,
     })
 }
 
@@ -1146,6 +1160,8 @@ struct Staged {
     planned: Vec<downloader::PlannedShare>,
     /// The release paths of the files carried from `--onto`'s DIR.
     carried: Vec<String>,
+    /// Each package: (name, release path, the folder it came from).
+    pkgs: Vec<(String, String, PathBuf)>,
 }
 
 /// The shares of the download entries a release of `a.layout` serves.
@@ -1192,6 +1208,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         held,
         planned,
         carried,
+        pkgs,
     } = write_files(a, &build, &c, gathered, &root, onto.as_ref())?;
     let Checked {
         chunks,
@@ -1224,7 +1241,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         mark_compiled(&mut m, o, &a.compiled);
     }
     let all: Vec<(String, FileDigest)> = files.iter().chain(&held).cloned().collect();
-    m.shares = check_shares(&a.build_dir, &m, &planned, &all)?;
+    m.shares = check_shares(&a.build_dir, &pkgs, &m, &planned, &all)?;
     files.push(write_runbook(&root, &m)?);
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     if let Some(base) = inputs.base_url {
@@ -1366,6 +1383,7 @@ fn mark_compiled(m: &mut Manifest, o: &Onto, compiled: &Compiled) {
 /// included.
 fn check_shares(
     build_dir: &Path,
+    pkgs: &[(String, String, PathBuf)],
     m: &Manifest,
     planned: &[downloader::PlannedShare],
     files: &[(String, FileDigest)],
@@ -1375,20 +1393,27 @@ fn check_shares(
             .and_then(|p| files.iter().find(|(rel, _)| *rel == p))
             .map(|(_, d)| *d)
     };
-    let built = |package: &str| {
-        build_dir
+    // Each blob where it came from: the build folder, or `--onto`'s DIR.
+    let built = |package: &str| match pkgs.iter().find(|(n, _, _)| n == package) {
+        Some((_, rel, src)) => src.join(downloader::blob_in(rel)),
+        None => build_dir
             .join(format!("{package}.mlpackage"))
-            .join(downloader::PACKAGE_BLOB)
+            .join(downloader::PACKAGE_BLOB),
     };
     let mut out = Vec::new();
     for s in planned {
         let (Some(own), Some(src)) = (digest(s.package), digest(s.from)) else {
+            let missing = if digest(s.from).is_none() {
+                s.from
+            } else {
+                s.package
+            };
             bail!(
-                "{}: the release has no {} or {} to share a weight blob between (the app's {} download needs both)",
-                build_dir.display(),
-                s.package,
+                "{}: missing: the app's {} download shares {}'s weight blob into {}, which needs both",
+                built(missing).display(),
+                s.by.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>().join(", "),
                 s.from,
-                s.by.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>().join(", ")
+                s.package
             );
         };
         if own != src {
