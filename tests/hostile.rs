@@ -91,12 +91,14 @@ fn confined(a: &Area, args: &[&str], output: Option<&str>) -> Output {
     let before = snapshot(&a.work);
     let o = run_confined(args, &[&a.out]);
     let after = snapshot(&a.work);
-    // The output, and the lock file beside it (emptied, kept for the next run).
+    // The output, the files named after it (`--zip OUT.zip`, keygen's
+    // KEY.pem and KEY.pub) and its lock file (emptied, kept for the next run).
     let allowed = |rel: &str| {
         output.is_some_and(|name| {
             let own = format!("out/{name}");
             rel == own
                 || rel.starts_with(&format!("{own}/"))
+                || rel.starts_with(&format!("{own}."))
                 || rel == format!("out/.{name}.chunkforge-lock")
         })
     };
@@ -1486,4 +1488,117 @@ fn an_interrupted_materialize_leaves_nothing_a_later_run_keeps() {
     let o = common::run(&args);
     assert_ne!(o.status.code(), Some(2), "{}", stderr(&o));
     assert_eq!(names_in(&a.out), ["m"]);
+}
+
+/// Every command that writes, on ordinary inputs, writes its output and
+/// nothing else: each run confined (the file system read-only but the
+/// output's folder) with the work area compared before and after. Commands
+/// that only read (`plan`, `verify`, `run`, `inspect`, `audit`, `exec`,
+/// `parity` without `--report`, `client-check`) are confined in the tests
+/// above, on hostile inputs.
+#[test]
+fn every_writing_command_writes_its_output_and_nothing_else() {
+    let a = area("writers");
+    let out = |n: &str| a.out.join(n);
+    let o = confined(&a, &["keygen", "--out", s(&out("k"))], Some("k"));
+    assert!(o.status.success(), "keygen: {}", stderr(&o));
+    // keygen's output is a prefix: KEY.pem and KEY.pub.
+    assert!(out("k.pem").is_file() && out("k.pub").is_file());
+    let ck = out("fx");
+    let o = confined(&a, &["fixture", "--out", s(&ck)], Some("fx"));
+    assert!(o.status.success(), "fixture: {}", stderr(&o));
+    // Inputs from here on are read-only to the commands.
+    let hf = a.inp.join("ckpt");
+    fs::rename(&ck, &hf).unwrap();
+    let o = confined(
+        &a,
+        &[
+            "side-files",
+            "--hf-dir",
+            s(&hf),
+            "--output",
+            s(&out("side")),
+        ],
+        Some("side"),
+    );
+    assert!(o.status.success(), "side-files: {}", stderr(&o));
+    let build = out("build");
+    let o = confined(
+        &a,
+        &[
+            "build",
+            "--hf-dir",
+            s(&hf),
+            "--mode",
+            "one",
+            "--no-quantize",
+            "--output",
+            s(&build),
+        ],
+        Some("build"),
+    );
+    assert!(o.status.success(), "build: {}", stderr(&o));
+    // The shared build of every layout (outside the work area, read-only).
+    let b = common::built_all();
+    let hf = PathBuf::from(
+        json_file(&b.join("build.json"))["checkpoint"]["dir"]
+            .as_str()
+            .unwrap(),
+    );
+    let report = out("parity.json");
+    let o = confined(
+        &a,
+        &[
+            "parity",
+            "--hf-dir",
+            s(&hf),
+            "--artifacts",
+            s(&b),
+            "--mode",
+            "two",
+            "--steps",
+            "2",
+            "--report",
+            s(&report),
+        ],
+        Some("parity.json"),
+    );
+    assert!(o.status.success(), "parity: {}", stderr(&o));
+    let rel = out("rel");
+    let zip = out("rel.zip");
+    let o = confined(
+        &a,
+        &[
+            "package",
+            s(&b),
+            "--layout",
+            "two",
+            "--key",
+            s(&out("k.pem")),
+            "--output",
+            s(&rel),
+            "--zip",
+            s(&zip),
+            "--parity-report",
+            s(&report),
+        ],
+        Some("rel"),
+    );
+    assert!(o.status.success(), "package: {}", stderr(&o));
+    let m = out("m");
+    let o = confined(
+        &a,
+        &[
+            "client-check",
+            s(&rel),
+            "--client",
+            "main",
+            "--multimodal",
+            "off",
+            "--materialize",
+            s(&m),
+        ],
+        Some("m"),
+    );
+    assert!(m.is_dir(), "client-check --materialize: {}", stderr(&o));
 }

@@ -253,9 +253,17 @@ impl Onto {
                 config.display()
             );
         }
+        let encoders = downloader::all_encoder_files()
+            .iter()
+            .any(|e| b.dir.join(e.path).exists());
         eprintln!(
-            "note: {}: an upstream bundle (no manifest, no signature): only its packages are carried, each checked against the build's contracts through its model.mil (their weights cannot be checked: nothing records them); the side files and hf_model/ are made from the build's checkpoint",
-            b.dir.display()
+            "note: {}: an upstream bundle (no manifest, no signature): only its packages are carried, each checked against the build's contracts through its model.mil (their weights cannot be checked: nothing records them); the side files and hf_model/ are made from the build's checkpoint{}",
+            b.dir.display(),
+            if encoders {
+                "; its encoders only with --encoders-from (nothing checks them)"
+            } else {
+                ""
+            }
         );
         let (layouts, packages) = carried(build, &planned, |kind, c| {
             let pkg = b.package_dir(&c.name);

@@ -692,13 +692,15 @@ fn check_inputs_kept(a: &PackageRequest) -> Result<()> {
 
 /// Where the encoder files come from: `--encoders-from`, else `--onto`'s
 /// release when it holds any of the app's encoder files (a release packaged
-/// with encoders carries them on).
+/// with encoders carries them on). Never implicitly from an upstream bundle
+/// (no manifest): nothing checks its encoders, so it takes `--encoders-from`.
 fn encoders_dir(a: &PackageRequest) -> Option<PathBuf> {
     a.encoders_from.clone().or_else(|| {
         a.onto.clone().filter(|d| {
-            crate::downloader::all_encoder_files()
-                .iter()
-                .any(|e| d.join(e.path).exists())
+            d.join(MANIFEST_FILE).is_file()
+                && crate::downloader::all_encoder_files()
+                    .iter()
+                    .any(|e| d.join(e.path).exists())
         })
     })
 }
@@ -960,6 +962,15 @@ fn gather(a: &PackageRequest, build: &Build, c: &Checked, onto: Option<&Onto>) -
             );
         }
         g.dirs.extend(enc.dirs);
+        // From `--onto`'s release (no --encoders-from): carried, checked
+        // against DIR's manifest with the rest.
+        if a.encoders_from.is_none() && onto.is_some() {
+            g.carried.extend(
+                enc.files
+                    .iter()
+                    .map(|(src, rel)| (rel.clone(), src.clone())),
+            );
+        }
         g.sources.extend(enc.files);
     }
     if let Some((x, y)) =
@@ -1524,6 +1535,7 @@ pub fn copy_sign_publish(src: &Path, out: &Path, key: &p256::ecdsa::SigningKey) 
     let root = staging.dir.join(&name);
     fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
     let tree = hashing::walk(src, &|r| r == SIG_FILE)?;
+    tree.refuse_odd(src)?;
     let sources: Vec<(PathBuf, String)> = tree
         .files
         .iter()
