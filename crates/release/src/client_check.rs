@@ -818,9 +818,7 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
 /// `root` itself, so nothing is made again in a staging folder that Ctrl-C
 /// removed (and no copy starts once Ctrl-C is being handled).
 fn folders_under(root: &Path, path: &Path) -> Result<()> {
-    if crate::staging::interrupted() {
-        return Err(err(root, "interrupted"));
-    }
+    crate::staging::stop_if_interrupted();
     let rest = path.strip_prefix(root).unwrap_or(path);
     let mut at = root.to_path_buf();
     for c in rest.components() {
@@ -862,9 +860,7 @@ fn copy_tree(from: &Path, to: &Path, skip: &dyn Fn(&str) -> bool) -> Result<()> 
     tree.refuse_odd(from)
         .map_err(|e| err(&e.path, e.source.to_string()))?;
     for f in &tree.files {
-        if crate::staging::interrupted() {
-            return Err(err(from, "interrupted"));
-        }
+        crate::staging::stop_if_interrupted();
         if skip(f) {
             continue;
         }

@@ -383,15 +383,44 @@ impl Onto {
             .collect()
     }
 
-    /// The size and SHA-256 (hex) DIR's manifest lists for the file `src`
-    /// of DIR (signed, when DIR was verified); None for an upstream bundle,
-    /// which records nothing. `Err`: a release that does not list it.
+    /// The size and SHA-256 (hex) DIR's manifest gives the file `src` of
+    /// DIR (signed, when DIR was verified): its entry in `files`, found by
+    /// its repository path in a local-layout DIR too, or for a package's
+    /// weight blob DIR's manifest holds back, the digest its `shares`
+    /// record. None for an upstream bundle, which records nothing. `Err`: a
+    /// release that gives it none.
     pub fn listed(&self, src: &Path) -> Result<Option<(u64, String)>> {
         let Source::Release(f) = &self.source else {
             return Ok(None);
         };
         let rel = src.strip_prefix(&f.dir).unwrap_or(src).to_string_lossy();
-        match f.listed(&rel) {
+        let m = &f.manifest;
+        // A package's file, under its release path or its local name.
+        let in_package = m.chunks.iter().find_map(|c| {
+            [c.file.clone(), format!("{}.mlpackage", c.name)]
+                .iter()
+                .find_map(|d| rel.strip_prefix(&format!("{d}/")))
+                .map(|inner| (c, inner.to_string()))
+        });
+        let side = SIDE_FILES
+            .iter()
+            .find(|s| s.name == rel)
+            .map(|s| s.repository_path());
+        let found = f
+            .listed(&rel)
+            .or_else(|| {
+                let (c, inner) = in_package.as_ref()?;
+                f.listed(&format!("{}/{inner}", c.file))
+            })
+            .or_else(|| side.and_then(|p| f.listed(&p)))
+            .or_else(|| {
+                let (c, inner) = in_package.as_ref()?;
+                (inner == downloader::PACKAGE_BLOB)
+                    .then(|| m.shares.iter().find(|s| s.package == c.name))
+                    .flatten()
+                    .map(|s| (s.size, s.sha256.clone()))
+            });
+        match found {
             Some(d) => Ok(Some(d)),
             None => bail!(
                 "{}: not listed in {}, so nothing says what it should hold; --onto carries only the files DIR's manifest lists",

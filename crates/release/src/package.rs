@@ -473,9 +473,7 @@ pub fn copy_tree(
     let mut out: Vec<(String, FileDigest)> = sources
         .par_iter()
         .map(|(src, rel)| {
-            if crate::staging::interrupted() {
-                bail!("interrupted");
-            }
+            crate::staging::stop_if_interrupted();
             Ok((rel.clone(), hashing::copy_hashed(src, &root.join(rel))?))
         })
         .collect::<Result<_>>()?;

@@ -433,6 +433,7 @@ pub fn write_side_files(req: &SideFilesRequest) -> Result<SideFilesReport> {
     // INT8 tables' row scales, by table, until their own row writes them.
     let mut row_scales: Vec<(&str, Vec<f16>)> = Vec::new();
     for spec in SIDE_FILES {
+        crate::staging::stop_if_interrupted();
         let t = Instant::now();
         let rel = spec.path_in(req.repository);
         let target = req.dest.join(&rel);

@@ -23,13 +23,19 @@ const STAGING_PREFIX: &str = ".chunkforge-staging-";
 static LIVE_STAGING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
 /// Set by the Ctrl-C handler before it removes the staging folders: every
-/// copy loop checks it before it starts a file ([`interrupted`]).
+/// copy loop checks it before it starts a file ([`stop_if_interrupted`]).
 static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Whether Ctrl-C (or SIGTERM) is being handled: a copy stops instead of
-/// starting another file.
-pub fn interrupted() -> bool {
-    INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
+/// Called before a copy starts a file: once Ctrl-C (or SIGTERM) is being
+/// handled, it never returns (the handler removes the staging folders and
+/// ends the process), so no file is started, and no error races the
+/// handler's exit status and message.
+pub fn stop_if_interrupted() {
+    if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        }
+    }
 }
 
 /// Temporary files this process writes beside their final names (an
