@@ -3,7 +3,7 @@
 //! requests and the width mismatches for main and main-3way, the multimodal
 //! files on the branch until `package --encoders-from` carries them, and a
 //! removed or differing shared blob, a missing side file and a disagreeing
-//! `context_length` failing by name; `compile` refused on Linux.
+//! `context_length` failing by name (`compile` itself: tests/compile.rs).
 
 mod common;
 
@@ -370,41 +370,30 @@ fn broken_shares_side_files_and_context_fail_by_name() {
     );
 }
 
-/// On Linux `compile` and `release --compile` say they need macOS and exit
-/// 2, leaving the release as it was (and building nothing).
-#[cfg(not(target_os = "macos"))]
-#[test]
-fn compile_needs_macos() {
-    let rel = plain();
-    let before = fs::read(rel.join("manifest.json")).unwrap();
-    let o = run(&["compile", s(rel), "--key", s(key())]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("compiling a release needs macOS"),
-        "{}",
-        stderr(&o)
-    );
-    assert_eq!(fs::read(rel.join("manifest.json")).unwrap(), before);
-    let out = tempdir("client-release-compile").join("r");
-    let o = run(&[
-        "release",
-        "--compile",
-        "--key",
-        s(key()),
-        "--output",
-        s(&out),
-    ]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("--compile: compiling a release needs macOS"));
-    assert!(!out.exists() && !out.with_extension("build").exists());
+/// An upstream bundle made from the chunkforge release `rel`: the app's
+/// repository with each package compiled (`chunkforge compile`, here
+/// chunkforge's own writer) and no manifest, signature or run book, as
+/// upstream publishes it.
+fn upstream_bundle(rel: &Path, out: &Path) {
+    let compiled = out.with_file_name(format!(
+        "{}-compiled",
+        out.file_name().unwrap().to_string_lossy()
+    ));
+    copy_tree(rel, &compiled);
+    ok(&["compile", s(&compiled), "--key", s(key())]);
+    copy_tree(&compiled, out);
+    for f in ["manifest.json", "model.sig", "DEVICE_RUNBOOK.md"] {
+        fs::remove_file(out.join(f)).unwrap();
+    }
 }
 
 /// `package --onto` an upstream bundle (compiled packages, no manifest): its
 /// packages are checked against the plan through their `model.mil` and stay
 /// compiled in the release, signed with the rest; the app's main download
 /// of the result finds every file (no compile request, the context check
-/// read from chunk1's `model.mil`); `run` says it cannot execute compiled
-/// packages. A contract or config that disagrees is refused by name.
+/// read from chunk1's `model.mil`); `run` executes the carried compiled
+/// packages to transformers' greedy ids. A contract or config that
+/// disagrees is refused by name.
 #[test]
 fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
     let (four_build, both) = common::onto_builds();
@@ -421,7 +410,7 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
         s(&four),
     ]);
     let bundle = work.join("bundle");
-    common::upstream_bundle(&four, &bundle);
+    upstream_bundle(&four, &bundle);
     let onto = |dir: &Path, out: &Path| {
         run(&[
             "package",
@@ -503,12 +492,27 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
         m2["chunks"], m["chunks"],
         "the same packages, whichever layout they came from"
     );
-    let o = run(&["run", s(&out), "--prompt", "hi", "--max-tokens", "1"]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains(".mlmodelc: compiled (.mlmodelc)"),
-        "{}",
-        stderr(&o)
+    let o = run(&[
+        "run",
+        s(&out),
+        "--prompt",
+        common::SENTENCE,
+        "--max-tokens",
+        &common::TOKENS.to_string(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let hf = PathBuf::from(
+        json_file(&four_build.join("build.json"))["checkpoint"]["dir"]
+            .as_str()
+            .unwrap(),
+    );
+    let (_, want) = common::transformers_greedy(&hf, common::SENTENCE, common::TOKENS);
+    let r: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(
+        common::ids(&r["generated_ids"]),
+        want,
+        "carried compiled packages vs transformers"
     );
 
     // RoPE tables other than the config's (upstream's generator rotates

@@ -893,7 +893,7 @@ fn hf_dir_of_other_weights_is_refused() {
 /// MIL stating each contract), no manifest, no signature.
 fn bundle_of(a: &Area, i: &Inputs, name: &str) -> PathBuf {
     let b = a.inp.join(name);
-    common::upstream_bundle(&i.release, &b);
+    common::stand_in_bundle(&i.release, &b);
     b
 }
 
