@@ -611,7 +611,7 @@ fn check_paths(a: &PackageRequest, hf_dir: &Path) -> Result<Paths> {
         check_zip(z, &a.output, &a.build_dir)?;
     }
     if let Some(d) = encoders_dir(a) {
-        crate::encoders::encoder_sources(&d)?;
+        crate::encoders::encoder_sources(&d, &hf_dir.join("config.json"))?;
     }
     Ok((hf_sources, parent, name))
 }
@@ -841,7 +841,14 @@ fn stage_files(
         pkgs.push((n.to_string(), pkg));
     }
     if let Some(d) = encoders_dir(a) {
-        let enc = crate::encoders::encoder_sources(&d)?;
+        let config = c
+            .inputs
+            .hf_sources
+            .iter()
+            .find(|(_, rel)| rel == &format!("{HF_MODEL_DIR}/config.json"))
+            .map(|(src, _)| src.clone())
+            .unwrap_or_default();
+        let enc = crate::encoders::encoder_sources(&d, &config)?;
         for (e, clients) in &enc.absent {
             eprintln!(
                 "note: {} has no {} ({} encoder): the {} download{} abort{} on it with multimodal on",
@@ -1046,6 +1053,11 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     }
     m.list_files(&files, inputs.base_url);
+    let sizes: BTreeMap<&str, u64> = files.iter().map(|(p, d)| (p.as_str(), d.size)).collect();
+    let kinds: Vec<_> = m.decode_layouts.iter().map(|l| l.kind).collect();
+    for w in downloader::oversized(&kinds, &|p| sizes.get(p).copied()) {
+        eprintln!("warning: {w}");
+    }
     if let Some(o) = &onto {
         mark_carried(&mut m, o, &carried, &all);
     }
