@@ -925,18 +925,23 @@ fn main_aborts_a_download_past_one_and_a_half_times_its_estimate() {
 #[test]
 fn inspect_reads_a_shared_blob_as_run_does() {
     let rel = plain();
-    for (prefill, from) in [("prefill/chunk1", "swa/chunk1"), ("prefill/chunk4", "swa/chunk4")] {
+    for (prefill, from) in [
+        ("prefill/chunk1", "swa/chunk1"),
+        ("prefill/chunk4", "swa/chunk4"),
+    ] {
         let pkg = rel.join(format!("{prefill}.mlpackage"));
         assert!(!pkg.join(BLOB).exists(), "{prefill} holds its own blob");
-        let shared: Value =
-            serde_json::from_str(&ok(&["inspect", s(&pkg), "--json"])).unwrap();
+        let shared: Value = serde_json::from_str(&ok(&["inspect", s(&pkg), "--json"])).unwrap();
         let own: Value = serde_json::from_str(&ok(&[
             "inspect",
             s(&rel.join(format!("{from}.mlpackage"))),
             "--json",
         ]))
         .unwrap();
-        assert!(!shared["palettized"].as_array().unwrap().is_empty(), "{prefill}");
+        assert!(
+            !shared["palettized"].as_array().unwrap().is_empty(),
+            "{prefill}"
+        );
         assert_eq!(shared["palettized"], own["palettized"], "{prefill}");
         let text = ok(&["inspect", s(&pkg)]);
         assert!(

@@ -846,4 +846,35 @@ mod tests {
         );
         assert_eq!(entry(Client::Branch).revision, "main");
     }
+
+    /// What `package` warns of: a release whose files, as each entry it
+    /// serves fetches them, pass that entry's stop.
+    #[test]
+    fn oversized_releases_are_named_per_entry_and_setting() {
+        // An uncompiled release: .mlpackage folders, no encoders.
+        let small = |p: &str| -> Option<u64> {
+            let absent = p.contains(".mlmodelc") || p.contains("vision") || p.contains("audio");
+            (!absent).then_some(1_000)
+        };
+        assert!(oversized(&[LayoutKind::Four, LayoutKind::Three], &small).is_empty());
+        // An FP16-sized 3-way blob: the 3-way entry passes its stop (multimodal
+        // off; without encoders "on" aborts anyway), the legacy one does not
+        // fetch it.
+        let big = |p: &str| -> Option<u64> {
+            small(p).map(|n| {
+                if p.starts_with("swa/chunk2_3way.mlpackage/Data") {
+                    7_000_000_000
+                } else {
+                    n
+                }
+            })
+        };
+        let w = oversized(&[LayoutKind::Four, LayoutKind::Three], &big);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("main-3way") && w[0].contains("multimodal off"),
+            "{w:?}"
+        );
+        assert!(oversized(&[LayoutKind::Four], &big).is_empty());
+    }
 }

@@ -1284,6 +1284,15 @@ fn write_zip_staged(root: &Path, z: &Path) -> Result<(PathBuf, PathBuf, String)>
     let tmp_zip = dir.join(format!(".{fname}.tmp-{}", std::process::id()));
     let tmp_sha = dir.join(format!(".{fname}.sha256.tmp-{}", std::process::id()));
     let digest = archive::write(root, &tmp_zip)?;
+    let bytes = fs::metadata(&tmp_zip).map_or(0, |m| m.len());
+    let why = archive::app_route(&archive::names(&tmp_zip).unwrap_or_default(), bytes);
+    if !why.is_empty() {
+        eprintln!(
+            "note: {} is the release for mirrors and `verify --archive`; the app's zip route cannot download it: {}; the app downloads a release file by file from its Hugging Face repository",
+            z.display(),
+            why.join("; ")
+        );
+    }
     fs::write(&tmp_sha, archive::digest_line(&digest, &fname))
         .with_context(|| format!("{}: cannot write", tmp_sha.display()))?;
     Ok((tmp_zip, tmp_sha, digest))
