@@ -950,3 +950,68 @@ fn inspect_reads_a_shared_blob_as_run_does() {
         );
     }
 }
+
+/// A stand-in for the encoders (every file the app requests present and
+/// non-empty, a text `model.mil` without a function, random side files),
+/// which `--encoders-from` once accepted, is refused naming the first file
+/// that does not fit what the app feeds and reads; nothing is written.
+#[test]
+fn encoders_from_a_stand_in_is_refused_by_name() {
+    let enc = tempdir("client-stand-in");
+    for e in ["vision.mlmodelc", "vision_video.mlmodelc", "audio.mlmodelc"] {
+        for f in [
+            "weights/weight.bin",
+            "coremldata.bin",
+            "metadata.json",
+            "analytics/coremldata.bin",
+        ] {
+            let p = enc.join(e).join(f);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(&p, [7u8; 64]).unwrap();
+        }
+        fs::write(enc.join(e).join("model.mil"), b"program(1.3)\n{}\n").unwrap();
+    }
+    for f in [
+        "mel_filterbank.bin",
+        "audio_config.json",
+        "output_proj_weight.npy",
+        "output_proj_bias.npy",
+        "embed_proj_weight.npy",
+    ] {
+        fs::write(enc.join(f), [7u8; 64]).unwrap();
+    }
+    let out = tempdir("client-stand-in-out").join("release");
+    let e = common::fails(&[
+        "package",
+        s(&common::built_all()),
+        "--key",
+        s(key()),
+        "--output",
+        s(&out),
+        "--encoders-from",
+        s(&enc),
+    ]);
+    assert!(
+        e.contains("vision.mlmodelc/model.mil: --encoders-from: cannot read the model's function signature"),
+        "{e}"
+    );
+    assert!(!out.exists());
+    // Signatures right, side files random: the first that does not fit.
+    copy_tree(&common::encoder_bundle(), &enc);
+    fs::write(enc.join("mel_filterbank.bin"), [7u8; 64]).unwrap();
+    let e = common::fails(&[
+        "package",
+        s(&common::built_all()),
+        "--key",
+        s(key()),
+        "--output",
+        s(&out),
+        "--encoders-from",
+        s(&enc),
+    ]);
+    assert!(
+        e.contains("mel_filterbank.bin: --encoders-from: 64 bytes"),
+        "{e}"
+    );
+    assert!(!out.exists());
+}
