@@ -15,7 +15,8 @@ VENV_PY="$(./target/release/chunkforge doctor --venv-python)"
 # their requirements: the pinned environment holds exactly requirements-torch.txt
 # and requirements.txt.
 CACHE="$(dirname "$(dirname "$(dirname "$VENV_PY")")")"
-TOOLS="$CACHE/test-tools-$(sha256sum python/requirements-test.txt | cut -c1-16)"
+# sha256sum (GNU) or shasum (macOS)
+TOOLS="$CACHE/test-tools-$({ sha256sum python/requirements-test.txt 2>/dev/null || shasum -a 256 python/requirements-test.txt; } | cut -c1-16)"
 if [ ! -d "$TOOLS" ]; then
   echo "== Installing the test tools into $TOOLS"
   rm -rf "$TOOLS.partial"
@@ -36,7 +37,7 @@ echo "== Python types (mypy)"
 PYTHONPATH="$TOOLS_PATH" "$VENV_PY" -m mypy --config-file python/mypy.ini --python-executable "$VENV_PY" --cache-dir "$CACHE/mypy-cache" python/
 echo "== Rust tests"
 bash scripts/setup-signing.sh  # model-signing 1.1.1 for the release cross-checks (tests/release.rs)
-CHUNKFORGE_TEST_TOOLS="$TOOLS" cargo test --release -- --test-threads="${CHUNKFORGE_TEST_THREADS:-2}"
+CHUNKFORGE_TEST_TOOLS="$TOOLS" cargo test --release --no-fail-fast -- --test-threads="${CHUNKFORGE_TEST_THREADS:-2}"
 # After the Rust tests: the interpreter's tests on real packages read the
 # builds they share (target/tmp/builds, tests/common/mod.rs).
 echo "== Python tests"

@@ -88,6 +88,10 @@ pub struct ParityRequest<'a> {
     plan: DimsOnly<'a>,
     /// The layout every other one is compared against.
     reference: LayoutKind,
+    /// The decode layouts (the layout table's `Purpose::Decode` rows), the
+    /// reference first: Python judges exactly these records as the
+    /// reference's own computation (`judge_steps`); every other step
+    /// record is a function's.
     layouts: Vec<ParityLayout<'a>>,
     checkpoint: CheckpointFiles,
     config_path: String,

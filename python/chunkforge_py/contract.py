@@ -384,6 +384,8 @@ class ParityRequest(TypedDict):
     plan: PlanDims
     # The layout every other one is compared against (the four-chunk one).
     reference: LayoutKind
+    # The decode layouts, the reference first (Rust takes them from the
+    # layout table); every other step record is a function's.
     layouts: list[ParityLayout]
     checkpoint: CheckpointInfo
     config_path: str
@@ -537,6 +539,10 @@ class ProgramRecord(TypedDict):
     token: int
     readback_token: int
     cos_readback: float
+    # The read-back modules' top-2 logit margin at the step, and the largest
+    # change of any logit from them to the program (None where not compared).
+    readback_margin: float | None
+    logit_change: float | None
     ref_token: int | None
     cos_reference: float | None
     hf_token: int | None
@@ -547,6 +553,10 @@ class ProgramSummary(TypedDict):
     steps: int
     min_cos_readback: float
     tokens_match_readback: bool
+    # The largest logit change over the steps, and the largest read-back
+    # margin at a step whose token differs (None: none differs).
+    max_logit_change: float | None
+    max_flip_margin: float | None
     min_cos_reference: float | None
     top1_reference: float | None
     min_cos_hf: float | None
@@ -1001,6 +1011,10 @@ class CompileRequest(TypedDict):
     output: str
     # Paths inside the compiled model to lay out (downloader.rs MODELC_FILES).
     files: list[str]
+    # chunkforge (any platform), coremltools or check (both, compared; macOS).
+    writer: str
+    # The model's name (metadata.json's generatedClassName, analytics' modelName).
+    name: str
 
 
 class CompileReply(TypedDict):

@@ -67,7 +67,7 @@ pub fn run(args: ClientCheckCmd) -> Result<ExitStatus> {
             "OK: every request finds its file ({} present{}{}), every shared blob is the same bytes, and the context length, the hard-coded widths{} and the verify outputs agree with the runtime{}",
             count(Status::Present),
             if compile > 0 {
-                format!(", {compile} to be made by `chunkforge compile` on macOS")
+                format!(", {compile} to be made by `chunkforge compile`")
             } else {
                 String::new()
             },

@@ -424,3 +424,51 @@ pub fn encoder_bundle() -> PathBuf {
     write("done", b"");
     dir
 }
+
+/// A fixed prompt whose greedy continuation on the built-in checkpoint changes
+/// token twice (most prompts there repeat one token), so the KV hand-off
+/// from prefill and the decode caches are both visible in the tokens. Where
+/// a continuation switches tokens the top two logits cross, so a switch can
+/// be a near-tie that fp16 weights or int8 embeddings move by one step (two
+/// of eight prompts tried: margins 0.07 and 0.03); this prompt's smallest
+/// margin is 0.39.
+pub const SENTENCE: &str = "Caches caches today it it quiet over today and";
+pub const TOKENS: usize = 16;
+
+pub fn ids(v: &serde_json::Value) -> Vec<i64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+/// transformers' own tokenizer and greedy `generate` on the source
+/// checkpoint: (prompt ids, generated ids).
+pub fn transformers_greedy(checkpoint: &Path, text: &str, n: usize) -> (Vec<i64>, Vec<i64>) {
+    let python = ok(&["doctor", "--venv-python"]).trim().to_string();
+    let script = r#"
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, text, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+print(json.dumps({"prompt": ids, "generated": out[0, len(ids):].tolist()}))
+"#;
+    let o = Command::new(python)
+        .args([
+            "-c",
+            script,
+            checkpoint.to_str().unwrap(),
+            text,
+            &n.to_string(),
+        ])
+        .output()
+        .expect("run the venv python");
+    assert!(o.status.success(), "transformers: {}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
+    (ids(&v["prompt"]), ids(&v["generated"]))
+}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 from functools import partial
-from typing import Any, get_args
+from typing import Any
 
 import torch
 
@@ -22,7 +22,6 @@ from ..contract import (
     Dims,
     FunctionArtifactSummary,
     LayerDivergence,
-    LayoutKind,
     Localisation,
     OracleRecord,
     ParityLayout,
@@ -45,8 +44,12 @@ from .noise import int4_verdict, weight_noise
 from .programs import Programs, caches_cosine, check_layout, check_prefill, check_verify, cosine
 from .verdicts import judge
 
-# Names of decode layouts (contract.py LayoutKind); any other step record is a function's.
-LAYOUT_KINDS = frozenset(get_args(LayoutKind))
+
+def decode_layouts(req: ParityRequest) -> frozenset[str]:
+    """The decode layouts of ``req``: the reference and the layouts compared
+    with it, which Rust picks from the layout table by purpose
+    (`parity.rs`). Every other step record is a function's."""
+    return frozenset({req["reference"], *(layout["name"] for layout in req["layouts"])})
 
 
 def margin(logits: torch.Tensor) -> float:
@@ -108,18 +111,21 @@ def oracle_record(
     }
 
 
-def judge_steps(records: list[StepRecord], ill: Collection[int], reference: str, prefill: int) -> None:
-    """Every step record's verdict (`verdicts.judge`). Decode layouts that
-    ran exactly the reference's computation are judged exactly; after a
-    prefill hand-off they start from the prefill function's caches, not the
-    reference's, so a layout failing at an ill-conditioned step where the
-    four-chunk layout (started from the same caches, the same computation
-    as every layout) fails too shows the hand-off's deviation, not its own.
-    verify_qK and the prefill functions compute the steps in another order
-    than decode."""
+def judge_steps(
+    records: list[StepRecord], ill: Collection[int], reference: str, prefill: int, decode: Collection[str]
+) -> None:
+    """Every step record's verdict (`verdicts.judge`). Decode layouts
+    (``decode``: the request's layouts, which Rust takes from the layout
+    table) that ran exactly the reference's computation are judged exactly;
+    after a prefill hand-off they start from the prefill function's caches,
+    not the reference's, so a layout failing at an ill-conditioned step
+    where the four-chunk layout (started from the same caches, the same
+    computation as every layout) fails too shows the hand-off's deviation,
+    not its own. Any other record is a function's: verify_qK and the
+    prefill functions compute the steps in another order than decode."""
     four_failed = {r["step"] for r in records if r["layout"] == reference and not r["ok"]}
     for r in records:
-        function = r["layout"] not in LAYOUT_KINDS
+        function = r["layout"] not in decode
         exact = not function and not (prefill and (r["layout"] == reference or r["step"] in four_failed))
         r["verdict"] = judge([] if r["ok"] else [r["step"]], ill, exact=exact)
 
@@ -701,7 +707,7 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
                 "verdict": verdict,
             }
 
-    judge_steps(records, ill, reference, prefill)
+    judge_steps(records, ill, reference, prefill, decode_layouts(req))
     failed_steps = [r for r in records if not r["ok"]]
     failed_oracle = [o for o in oracle if not o["ok"]]
     summary: ParitySummary = {

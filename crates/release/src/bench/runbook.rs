@@ -45,6 +45,8 @@ pub struct RunbookFacts {
     pub package_files: Vec<(String, String)>,
     /// `decode_layouts[].kind`, with their packages.
     pub decode_layouts: Vec<(LayoutKind, Vec<String>)>,
+    /// The first step for compiled models no device has loaded ([`super::load_step`]).
+    pub load_step: Option<String>,
 }
 
 impl RunbookFacts {
@@ -73,6 +75,7 @@ impl RunbookFacts {
                 .iter()
                 .map(|l| (l.kind, l.chunks.clone()))
                 .collect(),
+            load_step: super::load_step::render(m),
         }
     }
 
@@ -325,6 +328,7 @@ pub fn render(f: &RunbookFacts) -> String {
     let layouts = f.layouts();
     let runtimes = f.runtimes();
     intro(&mut s, f);
+    s.push_str(f.load_step.as_deref().unwrap_or_default());
     layouts_in_release(&mut s, f, &layouts);
     before_the_bench(&mut s, f);
     environment(&mut s);
@@ -523,7 +527,7 @@ fn before_the_bench(s: &mut String, f: &RunbookFacts) {
         line!(s, "Its packages are compiled `.mlmodelc` folders, the kind the app's model picker looks for.");
     } else {
         line!(s,
-            "Its packages are `.mlpackage` folders, not compiled: the app's model picker finds a model only by `chunk1.mlmodelc/weights/weight.bin`, so for the iPhone run `chunkforge compile RELEASE --key KEY.pem` on the Mac first and make the folder from the compiled release. The Mac's command-line bench (below) loads `.mlpackage` folders as they are."
+            "Its packages are `.mlpackage` folders, not compiled: the app's model picker finds a model only by `chunk1.mlmodelc/weights/weight.bin`, so for the iPhone run `chunkforge compile RELEASE --key KEY.pem` first and make the folder from the compiled release (its run book is made again with it). The Mac's command-line bench (below) loads `.mlpackage` folders as they are."
         );
     }
     line!(s);
