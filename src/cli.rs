@@ -743,7 +743,9 @@ pub struct RunCmd {
     #[arg(long, value_parser = named::<RuntimeBuild>())]
     pub runtime: Option<RuntimeBuild>,
     /// Speculative decoding with chunk1..4's verify_qK: K tokens per call (the
-    /// packages' K), drafts by prompt lookup.
+    /// packages' K), drafts by prompt lookup, committed as the --runtime build
+    /// does (main: the accepted rows; branch: write-through, the whole caches
+    /// verify returns).
     #[arg(long)]
     pub speculate: Option<usize>,
     /// Round every fp16 op output to fp16 in the MIL interpreter (the closest

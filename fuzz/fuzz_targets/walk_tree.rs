@@ -166,9 +166,11 @@ fuzz_target!(|input: Input| {
     // Every made entry with a component that is not plain is named as bad
     // (itself or a folder above it), and nothing below one is listed.
     for rel in &made {
-        let bad_at = rel.components().position(|c| {
+        // The walk holds the whole relative path to `check_rel_path`, so a
+        // first component that reads as a drive letter (`i:`) is bad too.
+        let bad_at = rel.components().enumerate().position(|(i, c)| {
             let s = c.as_os_str().to_str();
-            s.is_none_or(|s| check_component(s).is_err())
+            s.is_none_or(|s| check_component(s).is_err() || (i == 0 && check_rel_path(s).is_err()))
         });
         if let Some(i) = bad_at {
             let prefix: PathBuf = rel.components().take(i + 1).collect();

@@ -22,6 +22,8 @@ Attention = Literal["sliding", "full"]
 # Runtime names of the producer KV read by KV-shared sliding / full layers.
 Alias = Literal["kv13", "kv14"]
 FunctionKind = Literal["decode", "verify", "prefill"]
+# How a runtime build commits a verify_qK call (crates/model/src/layouts.rs).
+VerifyCommit = Literal["accepted-rows", "write-through"]
 # A row of the layout table (crates/model/src/layouts.rs): Python takes the
 # names, and every fact about a layout, from the plan it is handed.
 LayoutKind = str
@@ -686,6 +688,9 @@ class FullSizeLayout(TypedDict):
 
 class DescribeArgs(TypedDict):
     path: str
+    # The folder of the weight blob the package reads when it holds none
+    # (a release's package whose blob the app's download shares in).
+    weights: NotRequired[str | None]
 
 
 class IoDescription(TypedDict):
@@ -938,6 +943,9 @@ class RunRequest(TypedDict):
     max_tokens: int
     # Draft tokens per verify_qK call (its K), or None for plain decode.
     speculate: NotRequired[int | None]
+    # How the runtime build commits a verify call (layouts.rs `VerifyCommit`):
+    # main's accepted rows, or the branch's write-through caches.
+    verify_commit: NotRequired[VerifyCommit]
     eos_token_ids: list[int]
     # Round every fp16 op output to fp16 in the interpreter (the device's arithmetic, closest).
     fp16: NotRequired[bool]
@@ -948,6 +956,9 @@ class Speculation(TypedDict):
     calls: int
     drafts: int
     accepted_drafts: int
+    commit: VerifyCommit
+    # write-through: rows of rejected drafts left in the window caches.
+    stale_rows: int
 
 
 class RunResult(TypedDict):

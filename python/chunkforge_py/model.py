@@ -265,7 +265,9 @@ class Chunk(nn.Module):
     ``function`` is one of the chunk plan's functions (default: its first):
     ``decode`` runs one token against the caches and returns them updated,
     ``verify`` runs K tokens against read-only caches and returns their new K/V
-    rows, ``prefill`` runs the first N tokens from empty caches and returns
+    rows and the caches with all K rows written (two runtime contracts: main
+    commits the accepted rows, the branch copies the caches back whole),
+    ``prefill`` runs the first N tokens from empty caches and returns
     every layer's K/V. ``forward`` takes the function's inputs in plan order
     and returns its outputs in plan order; in between, tensors are found by
     their role (roles.py), never by name. With ``trace_layers`` set, it also
@@ -363,6 +365,8 @@ class Chunk(nn.Module):
         caches = cast(Pair, {kind: (inp.get(Key(k)), inp.get(Key(v))) for kind, (k, v) in CACHE.items()})
         # decode: updated cache slots; verify: the t new rows; prefill: by layer.
         new_slots: dict[AttentionKind, list[tuple[torch.Tensor, torch.Tensor]]] = {"sliding": [], "full": []}
+        # verify: each slot with all t rows written (the branch's write-through).
+        through: dict[AttentionKind, list[tuple[torch.Tensor, torch.Tensor]]] = {"sliding": [], "full": []}
         layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Producer KV visible to shared layers: the emitting layer's updated cache
         # (local) or the shared KV input from an earlier chunk, by alias.
@@ -387,6 +391,11 @@ class Chunk(nn.Module):
                 else:
                     keys, values = self.update_cache(kind, caches[kind], kv["slot"], k_new, v_new, attn.head_dim, inp)
                     new_slots[kind].append((k_new, v_new) if self.kind == "verify" else (keys, values))
+                    if self.kind == "verify":
+                        # The window cache shifted by t with the rows at its end
+                        # (update_cache returned window + rows); the full cache as scattered.
+                        written = (keys[:, :, t:], values[:, :, t:]) if kind == "sliding" else (keys, values)
+                        through[kind].append(written)
                     keys = keys[..., : attn.head_dim]
                     values = values[..., : attn.head_dim]
                 produced = kv.get("alias")
@@ -418,6 +427,9 @@ class Chunk(nn.Module):
                     k_role, v_role = NEW_ROWS[kind]
                     out[Key(k_role)] = torch.cat([k for k, _ in slots], dim=0)
                     out[Key(v_role)] = torch.cat([v for _, v in slots], dim=0)
+                    k_role, v_role = CACHE[kind]
+                    out[Key(k_role)] = torch.cat([k for k, _ in through[kind]], dim=0)
+                    out[Key(v_role)] = torch.cat([v for _, v in through[kind]], dim=0)
                 else:
                     k_role, v_role = CACHE[kind]
                     out[Key(k_role)] = torch.stack([k[0] for k, _ in slots], dim=0)

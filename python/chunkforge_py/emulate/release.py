@@ -13,8 +13,12 @@ and that the packages' contracts are the plan of ``hf_model/config.json``.
 The prompt is prefilled by prefill_chunk1..4 into four-chunk caches, copied
 into the decode layout by the manifest's slot map, then decoded token by
 token, or with ``speculate`` K: K tokens per ``verify_qK`` call of chunk1..4
-(the last accepted token and K-1 prompt-lookup drafts), the accepted rows
-committed to the caches.
+(the last accepted token and K-1 prompt-lookup drafts), committed as the
+runtime build does (``verify_commit``): main writes the accepted rows into
+its caches; the branch copies the caches ``verify_qK`` returns back whole,
+every row written, and only advances the position past the accepted ones,
+so the rows of rejected drafts stay in the window caches, where the next
+steps attend to them.
 """
 
 from __future__ import annotations
@@ -326,7 +330,15 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
     margins = [margin]
     stopped = "eos" if token in eos else ""
     pos = len(prompt)
-    spec: Speculation = {"k": speculate, "calls": 0, "accepted_drafts": 0, "drafts": 0}
+    commit = req.get("verify_commit") or "accepted-rows"
+    spec: Speculation = {
+        "k": speculate,
+        "calls": 0,
+        "accepted_drafts": 0,
+        "drafts": 0,
+        "commit": commit,
+        "stale_rows": 0,
+    }
     t1 = time.perf_counter()
     while not stopped:
         if len(generated) >= req["max_tokens"]:
@@ -343,7 +355,11 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
             accepted = 1
             while accepted < speculate and tokens[accepted] == out["tokens"][accepted - 1]:
                 accepted += 1
-            runner.commit(out["new"], pos, accepted)
+            if commit == "write-through":
+                runner.commit_through(out["through"])
+                spec["stale_rows"] += speculate - accepted
+            else:
+                runner.commit(out["new"], pos, accepted)
             spec["calls"] += 1
             spec["drafts"] += speculate - 1
             spec["accepted_drafts"] += accepted - 1

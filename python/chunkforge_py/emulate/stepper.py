@@ -296,6 +296,8 @@ class LayoutRunner:
         """Chunk ``c`` of one ``verify_qK`` call (`call`), its new K/V rows kept."""
         out = self.call(c, self.verify_modules(), feeds, result)
         result.setdefault("new", {})[c["name"]] = {key: v for key, v in out.items() if key.role in NEW_ROW_ROLES}
+        # The caches with all K rows written (the branch's write-through contract).
+        result.setdefault("through", {})[c["name"]] = {key: v for key, v in out.items() if key.role in CACHE_ROLES}
 
     @staticmethod
     def verified(result: dict[str, Any], k: int) -> dict[str, Any]:
@@ -306,6 +308,7 @@ class LayoutRunner:
             "hidden": head[Key("hidden_out")].detach().float().view(k, -1),
             "trace": {layer: h.view(k, -1) for layer, h in result["trace"].items()},
             "new": result["new"],
+            "through": result["through"],
         }
 
     def commit(self, new: Caches, pos: int, k: int, chunks: list[ChunkPlan] | None = None) -> None:
@@ -329,6 +332,21 @@ class LayoutRunner:
                         upd = old.clone()
                         upd[:, :, pos : pos + k] = rows
                         cache[Key(cache_role)] = upd
+
+    def commit_through(self, through: Caches) -> None:
+        """The branch's commit (ChunkedEngine.swift at 4cd6c6c, ``copyBack``
+        in ``verifyCandidates``): every chunk's caches replaced by the
+        write-through caches its ``verify_qK`` returned, all K rows written
+        whatever was accepted; its ``commitAccepted`` then only advances the
+        position, so rejected rows stay in the window caches."""
+        for c in self.chunks:
+            written = through.get(c["name"], {})
+            cache = self.caches[c["name"]]
+            for key in list(cache):
+                if key.role in CACHE_ROLES:
+                    if key not in written:
+                        raise ValueError(f"{c['name']}: verify_qK returns no {key.role} cache to copy back")
+                    cache[key] = written[key]
 
     def load_prefill_kv(self, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
         """Write prefill's per-layer K/V of positions 0..n-1 into this layout's
