@@ -107,8 +107,9 @@ static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
 /// with what build.json must hold, so cached test fixtures and builds are
 /// made again (gen5: build.json records the checkpoint's weights, which
 /// `release --reuse-build` and `package --parity-report` require; gen6: chunk1_3way is no
-/// longer built; gen7: tiny E4B fixtures have 2 query heads per KV head).
-const FIXTURE_GENERATION: &str = "gen7";
+/// longer built; gen7: tiny E4B fixtures have 2 query heads per KV head;
+/// gen8: `verify_qK` also returns the branch's write-through caches).
+const FIXTURE_GENERATION: &str = "gen8";
 
 /// A cached fixture checkpoint under target/test-fixtures/<name>, made once
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.
