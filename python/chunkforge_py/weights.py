@@ -319,11 +319,14 @@ class Stored:
         if kind not in STORED_KINDS or data.dtype != STORED_KINDS[kind]:
             raise ChunkforgeError(f"{name}: a {kind} weight of {data.dtype} values")
         self.kind = kind
-        self.data = data
+        # The kernels read C-ordered, aligned values: a float32 tensor mapped
+        # from a safetensors file whose data starts off a 4-byte boundary is
+        # neither, and is copied once here (no copy otherwise).
+        self.data = np.require(data, requirements=("C", "A"))
         self.shape = tuple(int(d) for d in shape)
         self.rows = self.shape[0] if self.shape else 1
         self.cols = math.prod(self.shape[1:])
-        self.lut = lut
+        self.lut = None if lut is None else np.require(lut, requirements=("C", "A"))
         self.group_rows = group_rows
         self.name = name
         self.sign = sign

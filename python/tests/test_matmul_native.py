@@ -163,6 +163,22 @@ def test_stored_projection_matches_torch_within_the_bound() -> None:
     assert torch.equal(stored.dense(), w)
 
 
+def test_unaligned_float32_weight_is_read() -> None:
+    """A float32 weight mapped from a safetensors file whose data starts off
+    a 4-byte boundary (the sharp fixture's) is neither aligned nor, to the
+    kernels, contiguous: `Stored` takes it all the same, with equal products."""
+    rows, cols = 24, 64
+    values = RNG.standard_normal((rows, cols)).astype(np.float32)
+    raw = np.zeros(values.nbytes + 3, np.uint8)
+    raw[3:] = values.view(np.uint8).reshape(-1)
+    unaligned = raw[3:].view(np.float32).reshape(rows, cols)
+    assert not unaligned.flags["ALIGNED"]
+    x = torch.randn(3, cols)
+    got = Stored("fp32", unaligned, (rows, cols), "unaligned").matmul(x)
+    want = Stored("fp32", values, (rows, cols), "aligned").matmul(x)
+    assert torch.equal(got, want)
+
+
 def test_bad_input_names_the_tensor() -> None:
     stored, _ = weight("lut4", 32, 8, 16)
     x = np.zeros((1, 8), np.float32)
