@@ -407,7 +407,11 @@ pub(super) fn row_values(w: &Weights, cols: usize, r: usize, out: &mut [f32]) {
             for (c, o) in out.iter_mut().enumerate() {
                 let at = r * cols + c;
                 let byte = packed[at / 2];
-                let ix = if at.is_multiple_of(2) { byte & 15 } else { byte >> 4 };
+                let ix = if at.is_multiple_of(2) {
+                    byte & 15
+                } else {
+                    byte >> 4
+                };
                 *o = table[ix as usize];
             }
         }

@@ -120,7 +120,9 @@ pub mod chunkforge_native {
         label: &str,
     ) -> PyResult<&'a [T]> {
         a.as_slice().map_err(|_| {
-            PyValueError::new_err(format!("{label}: the weight's values must be C-contiguous and aligned"))
+            PyValueError::new_err(format!(
+                "{label}: the weight's values must be C-contiguous and aligned"
+            ))
         })
     }
 
@@ -131,7 +133,9 @@ pub mod chunkforge_native {
                     packed: slice(a, label)?,
                     lut: match &self.lut {
                         Some(l) => l.as_slice().map_err(|_| {
-                            PyValueError::new_err(format!("{label}: the LUT must be C-contiguous and aligned"))
+                            PyValueError::new_err(format!(
+                                "{label}: the LUT must be C-contiguous and aligned"
+                            ))
                         })?,
                         None => &[],
                     },
