@@ -64,6 +64,7 @@ pub(super) fn audit_older_build(request: &mut PackageRequest, verbose: bool) -> 
 
 fn request(a: PackageCmd) -> PackageRequest {
     let onto = a.onto;
+    let eval_report = a.eval_report;
     let mut r = release_request(
         a.build_dir,
         a.release,
@@ -76,6 +77,7 @@ fn request(a: PackageCmd) -> PackageRequest {
         Compiled::not(NOT_COMPILED),
     );
     r.onto = onto;
+    r.eval_report = eval_report;
     r
 }
 
@@ -108,6 +110,7 @@ pub(super) fn release_request(
         model_id: r.model_id,
         base_url: r.base_url,
         parity_report,
+        eval_report: None,
         allow_failed_parity: accept.failed,
         accept_inconclusive_parity: accept.inconclusive,
         zip: r.zip,

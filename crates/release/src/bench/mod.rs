@@ -11,3 +11,4 @@ pub mod device_report;
 pub mod runbook;
 pub mod runtime_layout;
 pub mod targets;
+pub mod transcript;
