@@ -304,6 +304,25 @@ fn int4_artifacts_of_a_full_build_agree_and_are_reported() {
         r["programs"].as_array().unwrap().len(),
         2 * (4 * 16 + 15 + 1)
     );
+    // The fp16 range of every program run in fp16: the op nearest to
+    // overflow, named with its package, function and layer; none overflows.
+    let range = &r["summary"]["fp16_range"];
+    assert_eq!(range["ok"], true, "{range}");
+    let nearest = &range["closest"][0];
+    assert!(nearest["margin_log2"].as_f64().unwrap() > 1.0, "{nearest}");
+    assert!(
+        nearest["layer"].is_string() && nearest["package"].is_string(),
+        "{nearest}"
+    );
+    assert!(range["fp16_runs"].as_u64().unwrap() > 0 && range["fp32_runs"].as_u64().unwrap() > 0);
+    assert!(
+        range["every"].is_null(),
+        "the parity report keeps the nearest only"
+    );
+    assert!(
+        out.contains("fp16 range: nearest to overflow (65504): "),
+        "{out}"
+    );
     let arts = &r["summary"]["artifacts"];
     // chunk1..4's verify_qK with the packages' own weights reproduces their INT4 decode.
     assert_eq!(arts["verify_qK"]["ok"], true, "{arts}");

@@ -72,8 +72,9 @@ static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
 /// with what build.json must hold, so cached test fixtures and builds are
 /// made again (gen5: build.json records the checkpoint's weights, which
 /// `release --reuse-build` and `package --parity-report` require; gen6: chunk1_3way is no
-/// longer built; gen7: tiny E4B fixtures have 2 query heads per KV head).
-const FIXTURE_GENERATION: &str = "gen7";
+/// longer built; gen7: tiny E4B fixtures have 2 query heads per KV head;
+/// gen8: the built-in checkpoint is trained, checkpoints/default).
+const FIXTURE_GENERATION: &str = "gen8";
 
 /// A cached fixture checkpoint under target/test-fixtures/<name>, made once
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.
@@ -370,4 +371,51 @@ pub fn encoder_bundle() -> PathBuf {
         std::fs::write(p, bytes).unwrap();
     }
     dir
+}
+
+/// `n` (0..=999) in words, as the built-in checkpoint learned to count
+/// (python/chunkforge_py/train.py `number_words`): `three hundred forty-two`.
+pub fn number_words(n: usize) -> String {
+    const ONES: [&str; 20] = [
+        "zero",
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "eleven",
+        "twelve",
+        "thirteen",
+        "fourteen",
+        "fifteen",
+        "sixteen",
+        "seventeen",
+        "eighteen",
+        "nineteen",
+    ];
+    const TENS: [&str; 10] = [
+        "", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety",
+    ];
+    assert!(n <= 999, "{n}: counting words cover 0..999");
+    match n {
+        0..=19 => ONES[n].to_string(),
+        20..=99 if n.is_multiple_of(10) => TENS[n / 10].to_string(),
+        20..=99 => format!("{}-{}", TENS[n / 10], ONES[n % 10]),
+        _ if n.is_multiple_of(100) => format!("{} hundred", ONES[n / 100]),
+        _ => format!("{} hundred {}", ONES[n / 100], number_words(n % 100)),
+    }
+}
+
+/// `count` numbers in words from `start`, each followed by a comma, joined
+/// by spaces (train.py `counting`): the synthetic task's text.
+pub fn counting(start: usize, count: usize) -> String {
+    (start..start + count)
+        .map(|i| format!("{},", number_words(i)))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
