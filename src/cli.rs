@@ -136,8 +136,8 @@ pub enum Cmd {
     Exec(ExecCmd),
     /// Describe a built .mlpackage: spec version, inputs/outputs, palettized weights, layers (no model load; works on Linux).
     Inspect {
-        /// One .mlpackage folder (e.g. out/default/merged_chunk1.mlpackage), not the build
-        /// or release folder that holds it.
+        /// One .mlpackage folder (e.g. out/default/merged_chunk1.mlpackage), or a compiled
+        /// .mlmodelc with text MIL, not the build or release folder that holds it.
         package: PathBuf,
         /// Print JSON.
         #[arg(long)]
@@ -187,8 +187,10 @@ pub enum Cmd {
     /// load fail.
     ClientCheck(ClientCheckCmd),
     /// Turn an uncompiled release into the repository the app downloads: each package compiled
-    /// with coremltools' get_compiled_model_path() (text MIL), the files the app requests laid
-    /// out, chunk1's context checked, re-signed. macOS only (exit 2 elsewhere).
+    /// to the files the app requests (text MIL model.mil, coremldata.bin, metadata.json,
+    /// analytics, the weights linked), chunk1's context checked, the run book and
+    /// distribution.json made again, re-signed. chunkforge's own writer on Linux; Core ML's
+    /// compiler (coremltools get_compiled_model_path()) on macOS, where --check compares both.
     Compile(CompileCmd),
     /// Turn device bench logs (the runtime's [Load], [ComputePlan], [Profile] lines) into a
     /// verdict per decode layout, by the release's DEVICE_RUNBOOK.md.
@@ -654,7 +656,7 @@ pub struct ReleaseCmd {
     #[arg(long)]
     pub eval: bool,
     /// Then compile the release to the .mlmodelc the app fetches, as `chunkforge compile` does
-    /// (macOS only: elsewhere refused with exit 2 before anything is built).
+    /// (Core ML's compiler on macOS, chunkforge's writer elsewhere).
     #[arg(long)]
     pub compile: bool,
     /// Skip the build when --build-dir already holds a complete one of this checkpoint
@@ -754,7 +756,7 @@ pub struct EvalCmd {
 /// `chunkforge exec`.
 #[derive(Args, Clone, Debug)]
 pub struct ExecCmd {
-    /// The .mlpackage to run.
+    /// The .mlpackage (or a compiled .mlmodelc with text MIL) to run.
     pub package: PathBuf,
     /// Function to run (default: the package's default function).
     #[arg(long)]
@@ -818,6 +820,10 @@ pub struct CompileCmd {
     /// ECDSA P-256 private key to re-sign it with.
     #[arg(long)]
     pub key: PathBuf,
+    /// Compile each package both ways, Core ML's compiler and chunkforge's writer, and fail
+    /// naming the first file that differs (macOS only: exit 2 elsewhere, before anything is read).
+    #[arg(long)]
+    pub check: bool,
 }
 
 /// `chunkforge client-check`.

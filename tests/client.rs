@@ -3,7 +3,7 @@
 //! requests and the width mismatches for main and main-3way, the multimodal
 //! files on the branch until `package --encoders-from` carries them, and a
 //! removed or differing shared blob, a missing side file and a disagreeing
-//! `context_length` failing by name; `compile` refused on Linux.
+//! `context_length` failing by name (`compile` itself: tests/compile.rs).
 
 mod common;
 
@@ -370,117 +370,20 @@ fn broken_shares_side_files_and_context_fail_by_name() {
     );
 }
 
-/// On Linux `compile` and `release --compile` say they need macOS and exit
-/// 2, leaving the release as it was (and building nothing).
-#[cfg(not(target_os = "macos"))]
-#[test]
-fn compile_needs_macos() {
-    let rel = plain();
-    let before = fs::read(rel.join("manifest.json")).unwrap();
-    let o = run(&["compile", s(rel), "--key", s(key())]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("compiling a release needs macOS"),
-        "{}",
-        stderr(&o)
-    );
-    assert_eq!(fs::read(rel.join("manifest.json")).unwrap(), before);
-    let out = tempdir("client-release-compile").join("r");
-    let o = run(&[
-        "release",
-        "--compile",
-        "--key",
-        s(key()),
-        "--output",
-        s(&out),
-    ]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("--compile: compiling a release needs macOS"));
-    assert!(!out.exists() && !out.with_extension("build").exists());
-}
-
-/// `model.mil` text as coremltools' `get_compiled_model_path()` writes it,
-/// stating `chunk`'s functions (a manifest entry): each signature, and each
-/// output declared by a statement. The test's stand-in for a compiled
-/// package: Core ML's compiler exists only on macOS.
-fn text_mil(chunk: &Value) -> String {
-    let tensor = |t: &Value| {
-        let dims: Vec<String> = t["shape"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| d.to_string())
-            .collect();
-        format!(
-            "tensor<{}, [{}]>",
-            t["dtype"].as_str().unwrap(),
-            dims.join(", ")
-        )
-    };
-    let mut text = String::from(
-        "program(1.3)\n[buildInfo = dict<string, string>({{\"coremlc-component-MIL\", \"3500.14.1\"}})]\n{\n",
-    );
-    for f in chunk["functions"].as_array().unwrap() {
-        let inputs: Vec<String> = f["inputs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| format!("{} {}", tensor(t), t["name"].as_str().unwrap()))
-            .collect();
-        text += &format!(
-            "    func {}<ios18>({}) {{\n",
-            f["name"].as_str().unwrap(),
-            inputs.join(", ")
-        );
-        let mut outs = Vec::new();
-        for t in f["outputs"].as_array().unwrap() {
-            let n = t["name"].as_str().unwrap();
-            text += &format!(
-                "            {} {n} = identity(x = var_0)[name = string(\"{n}\")];\n",
-                tensor(t)
-            );
-            outs.push(n.to_string());
-        }
-        text += &format!("    }} -> ({});\n", outs.join(", "));
-    }
-    text + "}\n"
-}
-
 /// An upstream bundle made from the chunkforge release `rel`: the app's
-/// repository with each package compiled (`text_mil`, the package's weight
-/// blob, stand-ins for the compiler's binary files) and no manifest or
-/// signature.
+/// repository with each package compiled (`chunkforge compile`, here
+/// chunkforge's own writer) and no manifest, signature or run book, as
+/// upstream publishes it.
 fn upstream_bundle(rel: &Path, out: &Path) {
-    let m = json_file(&rel.join("manifest.json"));
-    let packages: Vec<&Value> = m["chunks"].as_array().unwrap().iter().collect();
-    for f in m["files"].as_array().unwrap() {
-        let path = f["path"].as_str().unwrap();
-        if path.contains(".mlpackage/")
-            || ["manifest.json", "model.sig", "DEVICE_RUNBOOK.md"].contains(&path)
-        {
-            continue;
-        }
-        let dst = out.join(path);
-        fs::create_dir_all(dst.parent().unwrap()).unwrap();
-        fs::copy(rel.join(path), dst).unwrap();
-    }
-    for c in packages {
-        let file = c["file"].as_str().unwrap();
-        let compiled = out.join(file.replace(".mlpackage", ".mlmodelc"));
-        fs::create_dir_all(compiled.join("analytics")).unwrap();
-        fs::write(compiled.join("model.mil"), text_mil(c)).unwrap();
-        fs::write(compiled.join("coremldata.bin"), b"stand-in").unwrap();
-        fs::write(compiled.join("analytics/coremldata.bin"), b"stand-in").unwrap();
-        fs::write(compiled.join("metadata.json"), b"[]").unwrap();
-        // A package the release holds without its blob (shared in) is
-        // fetched without one from upstream too.
-        let blob = rel
-            .join(file)
-            .join("Data/com.apple.CoreML/weights/weight.bin");
-        if blob.is_file() {
-            fs::create_dir_all(compiled.join("weights")).unwrap();
-            fs::copy(blob, compiled.join("weights/weight.bin")).unwrap();
-        }
+    let compiled = out.with_file_name(format!(
+        "{}-compiled",
+        out.file_name().unwrap().to_string_lossy()
+    ));
+    copy_tree(rel, &compiled);
+    ok(&["compile", s(&compiled), "--key", s(key())]);
+    copy_tree(&compiled, out);
+    for f in ["manifest.json", "model.sig", "DEVICE_RUNBOOK.md"] {
+        fs::remove_file(out.join(f)).unwrap();
     }
 }
 
@@ -488,8 +391,9 @@ fn upstream_bundle(rel: &Path, out: &Path) {
 /// packages are checked against the plan through their `model.mil` and stay
 /// compiled in the release, signed with the rest; the app's main download
 /// of the result finds every file (no compile request, the context check
-/// read from chunk1's `model.mil`); `run` says it cannot execute compiled
-/// packages. A contract or config that disagrees is refused by name.
+/// read from chunk1's `model.mil`); `run` executes the carried compiled
+/// packages to transformers' greedy ids. A contract or config that
+/// disagrees is refused by name.
 #[test]
 fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
     let (four_build, both) = common::onto_builds();
@@ -585,12 +489,27 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
         m2["chunks"], m["chunks"],
         "the same packages, whichever layout they came from"
     );
-    let o = run(&["run", s(&out), "--prompt", "hi", "--max-tokens", "1"]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains(".mlmodelc: compiled (.mlmodelc)"),
-        "{}",
-        stderr(&o)
+    let o = run(&[
+        "run",
+        s(&out),
+        "--prompt",
+        common::SENTENCE,
+        "--max-tokens",
+        &common::TOKENS.to_string(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let hf = PathBuf::from(
+        json_file(&four_build.join("build.json"))["checkpoint"]["dir"]
+            .as_str()
+            .unwrap(),
+    );
+    let (_, want) = common::transformers_greedy(&hf, common::SENTENCE, common::TOKENS);
+    let r: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(
+        common::ids(&r["generated_ids"]),
+        want,
+        "carried compiled packages vs transformers"
     );
 
     // RoPE tables other than the config's (upstream's generator rotates

@@ -12,19 +12,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
-use common::{counting, json_file, ok, run, stderr, stdout, tempdir};
+use common::{
+    counting, ids, json_file, ok, run, stderr, stdout, tempdir, transformers_greedy, NEXT,
+    SENTENCE, TOKENS,
+};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-
-/// The synthetic task the built-in checkpoint was trained on
-/// (python/chunkforge_py/train.py): counting in words. Its right
-/// continuation is known without transformers (`counting(50, ..)`), and
-/// changes token at every step with a wide margin, so the KV hand-off from
-/// prefill and the decode caches both show in the tokens.
-const SENTENCE: &str = "forty-seven, forty-eight, forty-nine,";
-/// The number the continuation of [`SENTENCE`] starts with.
-const NEXT: usize = 50;
-const TOKENS: usize = 16;
 
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
@@ -143,7 +136,7 @@ fn fp16_release() -> PathBuf {
         assert!(m["compiled"]["note"]
             .as_str()
             .unwrap()
-            .contains("needs macOS"));
+            .contains("not compiled"));
     }
     out
 }
@@ -209,38 +202,6 @@ fn generate_logged(release: &Path, args: &[&str]) -> (Value, String) {
     assert!(o.status.success(), "{a:?}: {}", stderr(&o));
     let json = serde_json::from_str(&stdout(&o)).expect("run --json prints JSON");
     (json, stderr(&o))
-}
-
-fn ids(v: &Value) -> Vec<i64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_i64().unwrap())
-        .collect()
-}
-
-/// transformers' own tokenizer and greedy `generate` on the source
-/// checkpoint: (prompt ids, generated ids).
-fn transformers_greedy(checkpoint: &Path, text: &str, n: usize) -> (Vec<i64>, Vec<i64>) {
-    let python = ok(&["doctor", "--venv-python"]).trim().to_string();
-    let script = r#"
-import json, sys, warnings
-warnings.filterwarnings("ignore")
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-path, text, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"]
-model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
-print(json.dumps({"prompt": ids, "generated": out[0, len(ids):].tolist()}))
-"#;
-    let o = Command::new(python)
-        .args(["-c", script, s(checkpoint), text, &n.to_string()])
-        .output()
-        .expect("run the venv python");
-    assert!(o.status.success(), "transformers: {}", stderr(&o));
-    let v: Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
-    (ids(&v["prompt"]), ids(&v["generated"]))
 }
 
 /// The low-memory oracle of real-size checks (scripts/oracle_greedy.py:

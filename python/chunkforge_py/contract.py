@@ -537,6 +537,10 @@ class ProgramRecord(TypedDict):
     token: int
     readback_token: int
     cos_readback: float
+    # The read-back modules' top-2 logit margin at the step, and the largest
+    # change of any logit from them to the program (None where not compared).
+    readback_margin: float | None
+    logit_change: float | None
     ref_token: int | None
     cos_reference: float | None
     hf_token: int | None
@@ -547,6 +551,10 @@ class ProgramSummary(TypedDict):
     steps: int
     min_cos_readback: float
     tokens_match_readback: bool
+    # The largest logit change over the steps, and the largest read-back
+    # margin at a step whose token differs (None: none differs).
+    max_logit_change: float | None
+    max_flip_margin: float | None
     min_cos_reference: float | None
     top1_reference: float | None
     min_cos_hf: float | None
@@ -994,6 +1002,10 @@ class CompileRequest(TypedDict):
     output: str
     # Paths inside the compiled model to lay out (downloader.rs MODELC_FILES).
     files: list[str]
+    # chunkforge (any platform), coremltools or check (both, compared; macOS).
+    writer: str
+    # The model's name (metadata.json's generatedClassName, analytics' modelName).
+    name: str
 
 
 class CompileReply(TypedDict):

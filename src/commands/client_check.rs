@@ -65,7 +65,7 @@ pub fn run(args: ClientCheckCmd) -> Result<ExitStatus> {
         println!(
             "OK: the download completes and the runtime loads it{}",
             if compile > 0 {
-                format!(" once compiled ({compile} requests need `chunkforge compile` on macOS)")
+                format!(" once compiled ({compile} requests need `chunkforge compile`)")
             } else {
                 String::new()
             }

@@ -109,14 +109,21 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Verify(args) => verify::run(args),
         Cmd::ClientCheck(args) => client_check::run(args),
         Cmd::Compile(args) => {
-            // Said before anything is read or written.
-            if let Some(why) = crate::compile::unsupported() {
+            // --check (both compilers) needs macOS: said before anything is read or written.
+            if let Some(why) = crate::compile::check_unsupported().filter(|_| args.check) {
                 anyhow::bail!("{}: {why}", args.release_dir.display());
             }
-            let n = crate::compile::compile_release(&args.release_dir, &args.key, verbose)?;
+            let writer = crate::compile::Writer::for_platform(args.check);
+            let n = crate::compile::compile_release(&args.release_dir, &args.key, writer, verbose)?;
             println!(
-                "compiled {n} packages in {}, re-signed",
-                args.release_dir.display()
+                "compiled {n} packages in {} with {}, re-signed{}",
+                args.release_dir.display(),
+                writer.name(),
+                if writer == crate::compile::Writer::Chunkforge {
+                    " (no device has loaded them yet: DEVICE_RUNBOOK.md's first step)"
+                } else {
+                    ""
+                }
             );
             Ok(ExitStatus::Success)
         }
@@ -146,7 +153,10 @@ fn resolve_checkpoint(hf_dir: Option<&Path>, _verbose: bool) -> Result<PathBuf> 
 /// `exec`) that is not one `.mlpackage` folder; a build or release folder is
 /// answered with the packages inside it.
 fn require_package(path: &Path, command: &str) -> Result<()> {
-    if path.join("Manifest.json").is_file() {
+    // An .mlpackage, or a compiled model with text MIL (read back as the same program).
+    if path.join("Manifest.json").is_file()
+        || (path.join("model.mil").is_file() && path.join("coremldata.bin").is_file())
+    {
         return Ok(());
     }
     if !path.exists() {

@@ -82,7 +82,7 @@ fn request(a: PackageCmd) -> PackageRequest {
 }
 
 /// The manifest's note on an uncompiled release.
-pub(super) const NOT_COMPILED: &str = "not compiled: .mlpackage at the app's paths; `chunkforge compile RELEASE --key K` makes the .mlmodelc the app fetches (it needs macOS)";
+pub(super) const NOT_COMPILED: &str = "not compiled: .mlpackage at the app's paths; `chunkforge compile RELEASE --key K` makes the .mlmodelc the app fetches";
 
 /// Which parity reports that did not pass may be signed.
 pub(super) struct ParityAcceptance {

@@ -105,7 +105,7 @@ entry_points! {
     BenchPalettize = "convert.bench_palettize"."run"(Dict crate::bench_palettize::BenchArgs)
         -> crate::bench_palettize::BenchReport;
     /// One package compiled to the `.mlmodelc` files the app requests
-    /// (`chunkforge compile`, macOS only).
+    /// (`chunkforge compile`: chunkforge's writer anywhere, Core ML's on macOS).
     CompilePackage = "convert.compiled"."compile_package"(Dict crate::compile::CompileRequest<'a>)
         -> crate::compile::CompileReply;
     /// Text from a release folder alone (`chunkforge run`).
@@ -292,7 +292,7 @@ pub fn versions(verbose: bool) -> Result<Versions> {
     call::<VersionsOf>(&VersionsArgs { packages }, verbose)
 }
 
-/// One package compiled to the `.mlmodelc` files the app requests (macOS).
+/// One package compiled to the `.mlmodelc` files the app requests.
 pub fn compile_package(
     request: &crate::compile::CompileRequest,
     verbose: bool,

@@ -419,3 +419,51 @@ pub fn counting(start: usize, count: usize) -> String {
         .collect::<Vec<_>>()
         .join(" ")
 }
+
+/// The synthetic task the built-in checkpoint was trained on
+/// (python/chunkforge_py/train.py): counting in words. Its right
+/// continuation is known without transformers (`counting(NEXT, ..)`), and
+/// changes token at every step with a wide margin, so the KV hand-off from
+/// prefill and the decode caches both show in the tokens.
+pub const SENTENCE: &str = "forty-seven, forty-eight, forty-nine,";
+/// The number the continuation of [`SENTENCE`] starts with.
+pub const NEXT: usize = 50;
+pub const TOKENS: usize = 16;
+
+pub fn ids(v: &serde_json::Value) -> Vec<i64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+/// transformers' own tokenizer and greedy `generate` on the source
+/// checkpoint: (prompt ids, generated ids).
+pub fn transformers_greedy(checkpoint: &Path, text: &str, n: usize) -> (Vec<i64>, Vec<i64>) {
+    let python = ok(&["doctor", "--venv-python"]).trim().to_string();
+    let script = r#"
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, text, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+print(json.dumps({"prompt": ids, "generated": out[0, len(ids):].tolist()}))
+"#;
+    let o = Command::new(python)
+        .args([
+            "-c",
+            script,
+            checkpoint.to_str().unwrap(),
+            text,
+            &n.to_string(),
+        ])
+        .output()
+        .expect("run the venv python");
+    assert!(o.status.success(), "transformers: {}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
+    (ids(&v["prompt"]), ids(&v["generated"]))
+}

@@ -793,6 +793,13 @@ pub struct ProgramRecord {
     pub token: i64,
     pub readback_token: i64,
     pub cos_readback: f64,
+    /// The read-back modules' top-2 logit margin at this step.
+    #[serde(default)]
+    pub readback_margin: Option<f64>,
+    /// The largest change of any logit from the read-back modules to the
+    /// program at this step (fp16 mode: what rounding every op moved).
+    #[serde(default)]
+    pub logit_change: Option<f64>,
     pub ref_token: Option<i64>,
     pub cos_reference: Option<f64>,
     pub hf_token: Option<i64>,
@@ -807,6 +814,13 @@ pub struct ProgramSummary {
     pub steps: u64,
     pub min_cos_readback: f64,
     pub tokens_match_readback: bool,
+    /// The largest logit change over the steps (`ProgramRecord::logit_change`).
+    #[serde(default)]
+    pub max_logit_change: Option<f64>,
+    /// The largest read-back top-2 margin at a step whose token differs
+    /// from the read-back's; none when every token matches.
+    #[serde(default)]
+    pub max_flip_margin: Option<f64>,
     pub min_cos_reference: Option<f64>,
     pub top1_reference: Option<f64>,
     pub min_cos_hf: Option<f64>,

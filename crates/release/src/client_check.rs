@@ -273,9 +273,15 @@ pub fn check(o: &CheckOptions) -> Result<Report> {
     }
     if requests.iter().any(|q| q.status == Status::NeedsCompile) {
         notes.push(
-            "the .mlmodelc requests need `chunkforge compile RELEASE --key K` on macOS; this replay checks the .mlpackage each is made from"
+            "the .mlmodelc requests need `chunkforge compile RELEASE --key K`; this replay checks the .mlpackage each is made from"
                 .into(),
         );
+    }
+    if compiled && !r.manifest.compiled.device_verified {
+        notes.push(format!(
+            "the .mlmodelc requests count as present: compiled by {}; no device has loaded them yet (manifest.json compiled.device_verified: false; DEVICE_RUNBOOK.md's first step loads every function on the phone)",
+            r.manifest.compiled.by.as_deref().unwrap_or("an unrecorded compiler")
+        ));
     }
     notes.push(
         "not checked here: that Core ML on the device compiles and loads the packages within memory, and their speed (DEVICE_RUNBOOK.md)"
@@ -333,7 +339,7 @@ fn request(r: &Release, entry: &Entry, q: &Request, o: &CheckOptions) -> Request
             } else {
                 result(
                     Status::NeedsCompile,
-                    format!("needs `chunkforge compile` on macOS (made from {source})"),
+                    format!("needs `chunkforge compile RELEASE --key K` (made from {source})"),
                 )
             };
         }

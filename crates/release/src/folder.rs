@@ -306,7 +306,16 @@ impl ReleaseFolder {
                     .chunk(name)
                     .map_or_else(|| manifest::package_file(name, false), |c| c.file.clone()),
             ),
-            FolderKind::Local => self.dir.join(format!("{name}.mlpackage")),
+            // As the app saves it: compiled, or (an uncompiled release's
+            // materialized download) the .mlpackage it would be compiled from.
+            FolderKind::Local => {
+                let compiled = self.dir.join(format!("{name}.mlmodelc"));
+                if compiled.is_dir() {
+                    compiled
+                } else {
+                    self.dir.join(format!("{name}.mlpackage"))
+                }
+            }
         }
     }
 
@@ -321,7 +330,7 @@ impl ReleaseFolder {
         let path = self.package_dir(name);
         let from = entry.blob_of(name);
         let source = self.package_dir(from);
-        let blob = source.join(downloader::PACKAGE_BLOB);
+        let blob = source.join(downloader::blob_in(&source.to_string_lossy()));
         if !blob.is_file() {
             let why = if from == name {
                 "missing: the package's weight blob".to_string()
@@ -330,7 +339,8 @@ impl ReleaseFolder {
                     "missing: the app's {} download gives {name} this blob ({} {})",
                     entry.client,
                     entry.how,
-                    path.join(downloader::PACKAGE_BLOB).display()
+                    path.join(downloader::blob_in(&path.to_string_lossy()))
+                        .display()
                 )
             };
             return Err(err(&blob, why));
@@ -408,12 +418,6 @@ impl ReleaseFolder {
                 }
                 if !pkg.is_dir() {
                     return Err(err(&pkg, format!("missing: the {k} layout needs it")));
-                }
-                if pkg.extension().is_some_and(|e| e == "mlmodelc") {
-                    return Err(err(
-                        &pkg,
-                        format!("compiled (.mlmodelc): `run` executes the ML program of an .mlpackage, and a compiled model runs only in Core ML (macOS, iOS); the {k} layout needs it, so run this release on the device"),
-                    ));
                 }
                 self.check_chunk(&manifest, c)?;
                 packages.insert(c.name.clone(), self.package_files(&c.name, entry)?);

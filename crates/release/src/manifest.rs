@@ -594,6 +594,14 @@ impl EmbeddedParity {
 pub struct Compiled {
     pub mlmodelc: bool,
     pub note: String,
+    /// What wrote the `.mlmodelc` files: chunkforge's own writer (any
+    /// platform) or Core ML's compiler through coremltools (macOS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    /// Whether a device has loaded these compiled models; chunkforge never
+    /// sets it (DEVICE_RUNBOOK.md's first step is that load).
+    #[serde(default)]
+    pub device_verified: bool,
 }
 
 impl Compiled {
@@ -602,6 +610,8 @@ impl Compiled {
         Compiled {
             mlmodelc: false,
             note: why.into(),
+            by: None,
+            device_verified: false,
         }
     }
 }

@@ -1225,7 +1225,7 @@ fn check_shares(
 /// Writes `DEVICE_RUNBOOK.md` into `root`, rendered from the manifest (the
 /// run book reads no file list, so the manifest before its files are listed
 /// says the same); returns its path in the release and digest.
-fn write_runbook(root: &Path, m: &Manifest) -> Result<(String, FileDigest)> {
+pub fn write_runbook(root: &Path, m: &Manifest) -> Result<(String, FileDigest)> {
     write_text(
         root,
         RUNBOOK_FILE,
@@ -1235,7 +1235,7 @@ fn write_runbook(root: &Path, m: &Manifest) -> Result<(String, FileDigest)> {
 
 /// Writes `value` as pretty JSON to `root/name`; returns its path in the
 /// release and digest.
-fn write_json<T: serde::Serialize>(
+pub fn write_json<T: serde::Serialize>(
     root: &Path,
     name: &str,
     value: &T,

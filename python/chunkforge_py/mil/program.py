@@ -249,7 +249,13 @@ def read_model_spec(path: str) -> tuple[Any, str]:
     item its Manifest.json names), read without loading the model (works on
     Linux; coremltools' MLModel(path) would also rewrite Manifest.json, and a
     release must stay untouched). Every error names the package, and the
-    file when the file is at fault."""
+    file when the file is at fault. A compiled model (``.mlmodelc`` with a
+    text ``model.mil``) is read as the same spec: its description from
+    ``coremldata.bin``, its program parsed from ``model.mil`` (`modelc.read_compiled`)."""
+    if os.path.isfile(os.path.join(path, "model.mil")) and os.path.isfile(os.path.join(path, "coremldata.bin")):
+        from .modelc import read_compiled
+
+        return read_compiled(path)
     if not os.path.isdir(path):
         raise ChunkforgeError(f"{path}: not an .mlpackage folder")
     try:

@@ -41,6 +41,8 @@ pub struct RunbookFacts {
     pub packages: Vec<(String, usize, usize)>,
     /// `decode_layouts[].kind`, with their packages.
     pub decode_layouts: Vec<(LayoutKind, Vec<String>)>,
+    /// The first step for compiled models no device has loaded ([`super::load_step`]).
+    pub load_step: Option<String>,
 }
 
 impl RunbookFacts {
@@ -64,6 +66,7 @@ impl RunbookFacts {
                 .iter()
                 .map(|l| (l.kind, l.chunks.clone()))
                 .collect(),
+            load_step: super::load_step::render(m),
         }
     }
 
@@ -245,6 +248,7 @@ pub fn render(f: &RunbookFacts) -> String {
     let layouts = f.layouts();
     let runtimes = f.runtimes();
     intro(&mut s, f);
+    s.push_str(f.load_step.as_deref().unwrap_or_default());
     layouts_in_release(&mut s, f, &layouts);
     before_the_bench(&mut s, f);
     environment(&mut s);
