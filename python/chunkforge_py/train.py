@@ -29,8 +29,17 @@ same bytes (another CPU may round sums differently). The weights are trained
 in fp32 and stored in bf16, as released checkpoints are; the figures below
 are the stored weights' own.
 
-Measured on this machine (2 shared cores, under ``nice -n 10`` beside other
-jobs), the run that made the shipped files: MEASURED.
+The run that made the shipped files (its record is in the manifest), on
+this machine: 1200 steps of 16 rows of 128 tokens (2.46 M tokens, 45
+passes over the 54,617 tokens of prose at the 60 % the prose rows take),
+1016 s of CPU on one thread (17 min); 1 h 44 min of wall time under
+``nice -n 10`` beside the other jobs of the 2 shared cores (load average
+11 to 17, so the run had 10 to 30 % of a core). The training loss fell from
+6.94 to 0.26 (smoothed); the stored bf16 weights score 0.42 nats per token
+on prose rows and 0.064 on counting rows (fixed batches of the training
+data), and count right for 32 tokens from 20 of 20 random starts. The
+checkpoint is 6.7 MB: 3.3 M parameters in bf16, the per-layer embedding
+table (1024 x 1120) a third of them.
 
 The folder holds ``checkpoint-manifest.json``: every file's SHA-256 and how
 it was made (`write_manifest`); chunkforge refuses a default checkpoint
@@ -299,6 +308,7 @@ def train(repo: str, out: str, steps: int) -> dict[str, Any]:
         lr=LR,
         betas=(0.9, 0.95),
     )
+    # Fixed batches of the training data (their own generator), to measure the stored weights on.
     held_rng = random.Random(SEED + 1)
     held = {
         "prose": [data.batch(held_rng, counting_share=0.0) for _ in range(4)],
@@ -342,7 +352,7 @@ def train(repo: str, out: str, steps: int) -> dict[str, Any]:
         "wall_seconds": round(seconds, 1),
         "cpu_seconds": round(cpu_seconds, 1),
         "final_smoothed_loss": round(smooth or 0.0, 4),
-        "held_out_loss_bf16": {k: round(v, 4) for k, v in losses.items()},
+        "sample_loss_bf16": {k: round(v, 4) for k, v in losses.items()},
         "counting_right_of_20": right,
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
