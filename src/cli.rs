@@ -542,15 +542,25 @@ pub struct PackageCmd {
     #[command(flatten)]
     pub release: ReleaseArgs,
     /// The checkpoint the side files and hf_model/ come from [default: build.json's
-    /// checkpoint folder]; its config.json must be the one the build was made from.
-    #[arg(long, conflicts_with = "onto")]
+    /// checkpoint folder]; its config.json and weights must be the ones the build was made
+    /// from. Not with --onto a release (they come from it).
+    #[arg(long)]
     pub hf_dir: Option<PathBuf>,
     /// An existing chunkforge release of the same checkpoint, or an upstream bundle of it
     /// (compiled .mlmodelc, swa/ or local layout): the build's packages go into a new
     /// release beside every file the build lacks (chunk1..4, prefill_chunk1..4, the side
-    /// files, hf_model/), carried from it after each is checked against the build.
+    /// files, hf_model/), carried from it after each is checked against the build. A
+    /// release must verify first (--onto-public-key); a bundle gives only its packages.
     #[arg(long, value_name = "DIR")]
     pub onto: Option<PathBuf>,
+    /// The public key --onto's release is verified with (its signature, and every file
+    /// against its signed digest) [default: the public key of --key].
+    #[arg(long, value_name = "PUB", requires = "onto")]
+    pub onto_public_key: Option<PathBuf>,
+    /// Carry --onto's release without verifying its signature: each file is checked
+    /// against its manifest.json only, and the new manifest records it as unverified.
+    #[arg(long, requires = "onto", conflicts_with = "onto_public_key")]
+    pub allow_unverified_onto: bool,
     /// Parity report JSON (`chunkforge parity --report`) of the build's checkpoint; its
     /// top-level `summary` object is embedded in the manifest. A failed report is refused.
     #[arg(long)]

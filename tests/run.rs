@@ -786,8 +786,8 @@ fn package_onto_a_four_chunk_release_runs_the_branch_as_transformers() {
         s(&four),
     ]);
     let out = work.join("onto");
-    let package_onto = |build: &Path, onto: &Path, output: &Path| {
-        run(&[
+    let package_onto = |build: &Path, onto: &Path, output: &Path, extra: &[&str]| {
+        let mut args = vec![
             "package",
             s(build),
             "--layout",
@@ -798,9 +798,11 @@ fn package_onto_a_four_chunk_release_runs_the_branch_as_transformers() {
             s(private),
             "--output",
             s(output),
-        ])
+        ];
+        args.extend_from_slice(extra);
+        run(&args)
     };
-    let o = package_onto(&both, &four, &out);
+    let o = package_onto(&both, &four, &out, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     ok(&["verify", s(&out), "--public-key", s(public)]);
 
@@ -842,12 +844,26 @@ fn package_onto_a_four_chunk_release_runs_the_branch_as_transformers() {
     assert_eq!(ids(&r["generated_ids"]), want, "tokens vs transformers");
 
     // Refusals, each naming the first file that disagrees; nothing written.
+    // A DIR changed after signing does not verify: each change is checked
+    // again without the signature (--allow-unverified-onto), against what
+    // DIR's manifest and the build say.
     let refused = |build: &Path, onto: &Path, names: &Path, what: &str| {
         let bad = work.join("bad");
-        let o = package_onto(build, onto, &bad);
+        let o = package_onto(build, onto, &bad, &[]);
         let e = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{e}");
-        assert!(e.contains(&format!("{}: {what}", names.display())), "{e}");
+        if onto != four {
+            assert!(
+                e.contains("does not verify with the public key of --key"),
+                "{e}"
+            );
+            let o = package_onto(build, onto, &bad, &["--allow-unverified-onto"]);
+            let e = stderr(&o);
+            assert_eq!(o.status.code(), Some(2), "{e}");
+            assert!(e.contains(&format!("{}: {what}", names.display())), "{e}");
+        } else {
+            assert!(e.contains(&format!("{}: {what}", names.display())), "{e}");
+        }
         assert!(!bad.exists());
     };
     let e4b = common::fixture(

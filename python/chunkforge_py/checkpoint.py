@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .contract import CheckpointInfo
+from .runtime import ChunkforgeError
 from .weights import RESIDENT, read_at
 
 # safetensors dtype names -> torch dtypes (the float ones Rust admits for the decoder).
@@ -63,6 +64,24 @@ class Checkpoint:
         self._cache: dict[tuple[str, torch.dtype | None, torch.dtype | None], torch.Tensor] = {}
         # path -> (descriptor, the header's entries, where the data starts)
         self._files: dict[str, tuple[int, dict[str, Any], int]] = {}
+        # Tensors read whole and found finite (checked once each).
+        self._finite: set[str] = set()
+
+    def _check_finite(self, name: str, tensor: torch.Tensor, whole: bool = True) -> None:
+        """Refuses a NaN or infinity in tensor ``name`` as read (naming the
+        tensor and its file), before anything computes with it: parity's
+        reference and transformers would carry it into every number they
+        report. A tensor read whole is checked once."""
+        if name in self._finite or not tensor.is_floating_point():
+            return
+        # One reduction, no mask: a NaN makes both ends NaN, an infinity one end.
+        lo, hi = torch.aminmax(tensor.detach())
+        if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+            full = self.prefix + name
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ChunkforgeError(f"{self.files.get(full, '?')}: weight {full} has {bad} NaN/Inf values")
+        if whole:
+            self._finite.add(name)
 
     def _handle(self, path: str) -> Any:
         if path not in self._handles:
@@ -89,6 +108,7 @@ class Checkpoint:
         if path is None:
             raise KeyError(f"tensor {full} is not in the checkpoint")
         tensor = self._handle(path).get_tensor(full)
+        self._check_finite(name, tensor)
         if dtype is not None and rounded_to is not None:
             tensor = rounded(tensor, dtype, rounded_to)
         elif dtype is not None:
@@ -129,6 +149,14 @@ class Checkpoint:
         stored = STORED[entry["dtype"]]
         if stored == dtype:
             return self.get(name, None)
+        out = self._read_converted(fd, entry, start, what, stored, dtype)
+        self._check_finite(name, out)
+        return out
+
+    def _read_converted(
+        self, fd: int, entry: dict[str, Any], start: int, what: str, stored: torch.dtype, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The tensor at ``start`` of ``fd``, stored as ``stored``, in ``dtype``."""
         # Converted a block at a time through one buffer: the memory written
         # anew is the result's alone (an E2B head is 0.8 GB in bf16).
         out = torch.empty(entry["shape"], dtype=dtype)
@@ -161,6 +189,7 @@ class Checkpoint:
         size = torch.empty(0, dtype=stored).element_size()
         part = torch.empty([stop - start, *shape[1:]], dtype=stored)
         read_at(fd, begin + start * row * size, part, what)
+        self._check_finite(name, part, whole=False)
         return part if stored == dtype else part.to(dtype)
 
     def close(self) -> None:

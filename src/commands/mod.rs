@@ -157,7 +157,7 @@ fn require_package(path: &Path, command: &str) -> Result<()> {
     if path.join("Manifest.json").is_file()
         || (path.join("model.mil").is_file() && path.join("coremldata.bin").is_file())
     {
-        return Ok(());
+        return plain_folder(path);
     }
     if !path.exists() {
         anyhow::bail!(
@@ -191,6 +191,16 @@ fn require_package(path: &Path, command: &str) -> Result<()> {
         path.join(first).display(),
         packages.join(", ")
     )
+}
+
+/// Refuses an input folder (a package, a build) holding a symlink, a FIFO,
+/// socket or device, or a name that is not one plain path component,
+/// naming it: nothing is read through them (`hashing::Tree::refuse_odd`).
+fn plain_folder(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        crate::hashing::walk(dir, &|_| false)?.refuse_odd(dir)?;
+    }
+    Ok(())
 }
 
 /// coremltools and safetensors take paths as Python strings: refuse a path that

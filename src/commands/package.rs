@@ -63,7 +63,8 @@ pub(super) fn audit_older_build(request: &mut PackageRequest, verbose: bool) -> 
 }
 
 fn request(a: PackageCmd) -> PackageRequest {
-    let onto = a.onto;
+    let (onto, onto_public_key, allow_unverified_onto) =
+        (a.onto, a.onto_public_key, a.allow_unverified_onto);
     let eval_report = a.eval_report;
     let mut r = release_request(
         a.build_dir,
@@ -78,6 +79,8 @@ fn request(a: PackageCmd) -> PackageRequest {
     );
     r.onto = onto;
     r.eval_report = eval_report;
+    r.onto_public_key = onto_public_key;
+    r.allow_unverified_onto = allow_unverified_onto;
     r
 }
 
@@ -124,6 +127,8 @@ pub(super) fn release_request(
         encoders_from: r.encoders_from,
         audit: None,
         onto: None,
+        onto_public_key: None,
+        allow_unverified_onto: false,
     }
 }
 

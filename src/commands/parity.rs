@@ -17,6 +17,7 @@ use crate::settings::{ParityCommand, ParitySettings};
 
 /// The build a `--artifacts` folder holds (its `build.json`).
 pub(super) fn artifacts_build(build_dir: &Path) -> Result<BuildRecord> {
+    super::plain_folder(build_dir)?;
     let path = build_dir.join("build.json");
     let text = std::fs::read_to_string(&path).map_err(|e| {
         anyhow::anyhow!(

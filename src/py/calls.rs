@@ -207,8 +207,7 @@ pub fn call<E: EntryPoint>(request: &E::Request<'_>, verbose: bool) -> Result<E:
     .map_err(|e| PythonError {
         message: render_error(e, verbose),
     })?;
-    serde_json::from_str(&reply)
-        .map_err(|e| anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION))
+    serde_json::from_str(&reply).map_err(|e| bad_reply::<E>(&reply, &e))
 }
 
 /// `E(request)` with a `progress(what)` callback (its one object) telling
@@ -236,8 +235,39 @@ pub fn with_progress<E: EntryPoint>(
     .map_err(|e| PythonError {
         message: render_error(e, verbose),
     })?;
-    serde_json::from_str(&reply)
-        .map_err(|e| anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION))
+    serde_json::from_str(&reply).map_err(|e| bad_reply::<E>(&reply, &e))
+}
+
+/// A reply that is not `E::Reply`. Python writes a NaN or an infinity as
+/// the bare word `NaN` or `Infinity`, which is not JSON: that is said by
+/// name, with the field it stands in, since it means the computation
+/// overflowed on its inputs (a weight, a config value).
+fn bad_reply<E: EntryPoint>(reply: &str, e: &serde_json::Error) -> anyhow::Error {
+    let at = (e.line() == 1)
+        .then(|| e.column().saturating_sub(1))
+        .and_then(|c| reply.get(c..));
+    let word = ["NaN", "Infinity", "-Infinity"]
+        .into_iter()
+        .find(|w| at.is_some_and(|rest| rest.starts_with(w)));
+    match word {
+        Some(w) => {
+            let before = &reply[..reply.len() - at.map_or(0, str::len)];
+            let field = before
+                .rfind("\":")
+                .and_then(|end| {
+                    before[..end]
+                        .rfind('"')
+                        .map(|start| &before[start + 1..end])
+                })
+                .unwrap_or("?");
+            anyhow!(
+                "{}.{} computed {w} for `{field}`: a weight or config value made the computation overflow (rerun with --verbose for the Python side)",
+                E::MODULE,
+                E::FUNCTION
+            )
+        }
+        None => anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION),
+    }
 }
 
 /// `E(request)` with `objects` (its `OBJECTS`, in order) as keyword

@@ -1,9 +1,13 @@
 //! Shared helpers for the integration tests: run the binary, make fixtures.
 #![allow(dead_code)]
 
+pub mod synthetic;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Mutex;
+
+use serde_json::Value;
 
 pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_chunkforge"))
@@ -27,6 +31,37 @@ pub fn run_env(args: &[&str], env: &[(&str, &str)]) -> Output {
         .envs(env.iter().copied())
         .output()
         .expect("spawn chunkforge")
+}
+
+/// Runs chunkforge with `args` where only the folders `writable` (and
+/// `/dev`, `/proc`) can be written: a private mount namespace (`unshare
+/// -rm`) in which each of them is bound over itself and the root then
+/// remounted read-only, so a write anywhere else fails with EROFS instead
+/// of happening. TMPDIR is the first of them. Panics, naming the reason,
+/// when the namespace cannot be made (a kernel without user namespaces).
+pub fn run_confined(args: &[&str], writable: &[&Path]) -> Output {
+    const SCRIPT: &str = r#"set -e
+while [ "$1" != "--" ]; do mount --bind "$1" "$1"; shift; done
+shift
+mount -o remount,bind,ro /
+exec "$@""#;
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-rm", "--propagation", "private", "sh", "-c", SCRIPT, "sh"]);
+    cmd.args(writable);
+    cmd.arg("--")
+        .arg(bin())
+        .args(args)
+        .env_remove("GEMMA4_HF_DIR");
+    if let Some(t) = writable.first() {
+        cmd.env("TMPDIR", t);
+    }
+    let o = cmd.output().expect("spawn unshare");
+    let err = stderr(&o);
+    assert!(
+        !(err.starts_with("unshare:") || err.starts_with("mount:")),
+        "cannot confine chunkforge to {writable:?} (unshare -rm, mount --bind): {err}"
+    );
+    o
 }
 
 /// Whether `o` is a run that SIGKILLed itself (the kill-at-step hook).
@@ -371,6 +406,91 @@ pub fn encoder_bundle() -> PathBuf {
         std::fs::write(p, bytes).unwrap();
     }
     dir
+}
+
+/// `model.mil` text as coremltools' `get_compiled_model_path()` writes it,
+/// stating `chunk`'s functions (a manifest entry): each signature, and each
+/// output declared by a statement. The test's stand-in for a compiled
+/// package, for the synthetic releases whose packages are not programs.
+pub fn text_mil(chunk: &Value) -> String {
+    let tensor = |t: &Value| {
+        let dims: Vec<String> = t["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.to_string())
+            .collect();
+        format!(
+            "tensor<{}, [{}]>",
+            t["dtype"].as_str().unwrap(),
+            dims.join(", ")
+        )
+    };
+    let mut text = String::from(
+        "program(1.3)\n[buildInfo = dict<string, string>({{\"coremlc-component-MIL\", \"3500.14.1\"}})]\n{\n",
+    );
+    for f in chunk["functions"].as_array().unwrap() {
+        let inputs: Vec<String> = f["inputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| format!("{} {}", tensor(t), t["name"].as_str().unwrap()))
+            .collect();
+        text += &format!(
+            "    func {}<ios18>({}) {{\n",
+            f["name"].as_str().unwrap(),
+            inputs.join(", ")
+        );
+        let mut outs = Vec::new();
+        for t in f["outputs"].as_array().unwrap() {
+            let n = t["name"].as_str().unwrap();
+            text += &format!(
+                "            {} {n} = identity(x = var_0)[name = string(\"{n}\")];\n",
+                tensor(t)
+            );
+            outs.push(n.to_string());
+        }
+        text += &format!("    }} -> ({});\n", outs.join(", "));
+    }
+    text + "}\n"
+}
+
+/// A stand-in upstream bundle made from the chunkforge release `rel`: the app's
+/// repository with each package compiled (`text_mil`, the package's weight
+/// blob, stand-ins for the compiler's binary files) and no manifest or
+/// signature.
+pub fn stand_in_bundle(rel: &Path, out: &Path) {
+    let m = json_file(&rel.join("manifest.json"));
+    let packages: Vec<&Value> = m["chunks"].as_array().unwrap().iter().collect();
+    for f in m["files"].as_array().unwrap() {
+        let path = f["path"].as_str().unwrap();
+        if path.contains(".mlpackage/")
+            || ["manifest.json", "model.sig", "DEVICE_RUNBOOK.md"].contains(&path)
+        {
+            continue;
+        }
+        let dst = out.join(path);
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::copy(rel.join(path), dst).unwrap();
+    }
+    for c in packages {
+        let file = c["file"].as_str().unwrap();
+        let compiled = out.join(file.replace(".mlpackage", ".mlmodelc"));
+        std::fs::create_dir_all(compiled.join("analytics")).unwrap();
+        std::fs::write(compiled.join("model.mil"), text_mil(c)).unwrap();
+        std::fs::write(compiled.join("coremldata.bin"), b"stand-in").unwrap();
+        std::fs::write(compiled.join("analytics/coremldata.bin"), b"stand-in").unwrap();
+        std::fs::write(compiled.join("metadata.json"), b"[]").unwrap();
+        // A package the release holds without its blob (shared in) is
+        // fetched without one from upstream too.
+        let blob = rel
+            .join(file)
+            .join("Data/com.apple.CoreML/weights/weight.bin");
+        if blob.is_file() {
+            std::fs::create_dir_all(compiled.join("weights")).unwrap();
+            std::fs::copy(blob, compiled.join("weights/weight.bin")).unwrap();
+        }
+    }
 }
 
 /// `n` (0..=999) in words, as the built-in checkpoint learned to count

@@ -44,9 +44,11 @@ pub fn entry_options(len: u64) -> SimpleFileOptions {
 
 /// The largest archive, entry and entry count the app's extractor reads:
 /// 32-bit sizes and offsets, a 16-bit count (the end of central directory
-/// record's; no zip64).
-pub const APP_MAX_BYTES: u64 = u32::MAX as u64;
-pub const APP_MAX_ENTRIES: usize = u16::MAX as usize;
+/// record's; no zip64). One below each field's largest value: that value
+/// (0xFFFF entries, 0xFFFFFFFF bytes) marks a zip64 field, which the
+/// writer then emits and the strict reader (`verify --archive`) refuses.
+pub const APP_MAX_BYTES: u64 = u32::MAX as u64 - 1;
+pub const APP_MAX_ENTRIES: usize = u16::MAX as usize - 1;
 
 /// Bytes a stored archive of `entries` (name, size) takes at the least:
 /// per entry a local header (30 bytes + name) and a central directory
@@ -97,11 +99,13 @@ pub fn check_app_extractable(
     Ok(())
 }
 
-/// Writes the zip of every regular file under `root` to `out`; returns the
+/// Writes the zip of every regular file under `root` to `out` (a temporary
+/// name of the archive `shown`, which messages name); returns the
 /// archive's SHA-256 (hex). An archive the app could not extract is
 /// refused before a byte is written, and checked again once written.
-pub fn write(root: &Path, out: &Path) -> Result<String> {
+pub fn write(root: &Path, out: &Path, shown: &Path) -> Result<String> {
     let tree = hashing::walk(root, &|_| false)?;
+    tree.refuse_odd(root)?;
     let sizes: Vec<(String, u64)> = tree
         .files
         .iter()
@@ -113,7 +117,7 @@ pub fn write(root: &Path, out: &Path) -> Result<String> {
             Ok((rel.clone(), len))
         })
         .collect::<Result<_>>()?;
-    check_app_extractable(out, &sizes, stored_size(&sizes)).map_err(anyhow::Error::msg)?;
+    check_app_extractable(shown, &sizes, stored_size(&sizes)).map_err(anyhow::Error::msg)?;
     let f = File::create(out).with_context(|| format!("{}: cannot create", out.display()))?;
     let mut z = ZipWriter::new(BufWriter::with_capacity(1 << 20, f));
     for (rel, len) in &sizes {
@@ -133,7 +137,7 @@ pub fn write(root: &Path, out: &Path) -> Result<String> {
     let written = fs::metadata(out)
         .with_context(|| format!("{}: cannot stat", out.display()))?
         .len();
-    check_app_extractable(out, &sizes, written).map_err(anyhow::Error::msg)?;
+    check_app_extractable(shown, &sizes, written).map_err(anyhow::Error::msg)?;
     Ok(hashing::hash_file(out)?.hex())
 }
 
@@ -241,9 +245,9 @@ mod tests {
         fs::create_dir_all(root.join("p.mlpackage/weights")).unwrap();
         fs::write(root.join("p.mlpackage/weights/weight.bin"), vec![3u8; 5000]).unwrap();
         fs::write(root.join("manifest.json"), "{}\n").unwrap();
-        let a = write(&root, &base.join("a.zip")).unwrap();
+        let a = write(&root, &base.join("a.zip"), &base.join("a.zip")).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(1100));
-        let b = write(&root, &base.join("b.zip")).unwrap();
+        let b = write(&root, &base.join("b.zip"), &base.join("b.zip")).unwrap();
         assert_eq!(a, b);
         fs::write(digest_path(&base.join("a.zip")), digest_line(&a, "a.zip")).unwrap();
         let (entries, problems) = check(&base.join("a.zip"));
@@ -272,17 +276,18 @@ mod tests {
         let over = vec![(name.clone(), fits), ("b".to_string(), 0)];
         let e = check_app_extractable(z, &over, stored_size(&over)).unwrap_err();
         assert!(
-            e.contains("r.zip: the archive would be 4.00 GiB (4294967373 bytes)"),
+            e.contains("r.zip: the archive would be 4.00 GiB (4294967372 bytes)"),
             "{e}"
         );
+        // 0xFFFFFFFF bytes and 0xFFFF entries are the zip64 marks: over.
         let big = vec![(name.clone(), APP_MAX_BYTES + 1)];
         let e = check_app_extractable(z, &big, stored_size(&big)).unwrap_err();
         assert!(
-            e.contains(&format!("entry '{name}' is 4.00 GiB (4294967296 bytes)")),
+            e.contains(&format!("entry '{name}' is 4.00 GiB (4294967295 bytes)")),
             "{e}"
         );
         let many = vec![("x".to_string(), 0u64); APP_MAX_ENTRIES + 1];
         let e = check_app_extractable(z, &many, stored_size(&many)).unwrap_err();
-        assert!(e.contains("65536 entries"), "{e}");
+        assert!(e.contains("65535 entries"), "{e}");
     }
 }

@@ -38,6 +38,7 @@ use crate::downloader::{self, Client, Entry, Request, ShareHow, BRANCH_KV_HEADS,
 use crate::folder::ReleaseFolder;
 use crate::hashing;
 use crate::manifest::{self, Manifest, MANIFEST_FILE};
+use crate::staging::Staging;
 
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {message}", path.display())]
@@ -709,9 +710,23 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
         ));
     }
     let dir = Path::new(&report.release);
+    // Written into the release (directly or through a symlink), the folder
+    // would change the release, which then no longer verifies.
+    if crate::paths::inside(out, dir) {
+        return Err(err(
+            out,
+            format!(
+                "inside the release {} (once resolved): --materialize writes a folder outside it, which it leaves as it was",
+                dir.display()
+            ),
+        ));
+    }
+    // Read only where nothing leads out of the release.
+    crate::folder::refuse_links(dir).map_err(|e| err(&e.path, e.message))?;
     let entry = downloader::entry(report.client);
     let name = out
         .file_name()
+        .filter(|n| *n != "..")
         .ok_or_else(|| err(out, "not a folder path"))?
         .to_string_lossy()
         .into_owned();
@@ -719,14 +734,18 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let tmp = parent.join(format!(".{name}.partial-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&tmp);
+    remove_old_partials(&parent, &name);
+    // A staging folder beside `out`: removed by Ctrl-C, and by the next run
+    // in that folder after a kill.
+    let staging = Staging::new(&parent).map_err(|e| err(&parent, format!("{e:#}")))?;
+    let tmp = staging.dir.join(&name);
     let written = (|| -> Result<()> {
-        fs::create_dir_all(&tmp).map_err(|e| err(&tmp, format!("cannot create: {e}")))?;
+        fs::create_dir(&tmp).map_err(|e| err(&tmp, format!("cannot create: {e}")))?;
         let copy = |from: &Path, to: &Path| -> Result<()> {
             if let Some(p) = to.parent() {
-                fs::create_dir_all(p).map_err(|e| err(p, format!("cannot create: {e}")))?;
+                folders_under(&tmp, p)?;
             }
+            crate::publish::test_pause("copy");
             fs::copy(from, to)
                 .map(|_| ())
                 .map_err(|e| err(from, format!("cannot copy to {}: {e}", to.display())))
@@ -777,7 +796,7 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
                 continue;
             }
             if let Some(p) = to.parent() {
-                fs::create_dir_all(p).map_err(|e| err(p, format!("cannot create: {e}")))?;
+                folders_under(&tmp, p)?;
             }
             match entry.how {
                 // A copy where the file system cannot link, as the app does.
@@ -790,13 +809,53 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
             }
         }
         copy(&dir.join(MANIFEST_FILE), &tmp.join(MANIFEST_FILE))?;
-        fs::rename(&tmp, out)
-            .map_err(|e| err(out, format!("cannot rename {} to it: {e}", tmp.display())))
+        if fs::symlink_metadata(out).is_ok() {
+            return Err(err(out, "appeared while it was written: not replaced"));
+        }
+        staging
+            .publish(&[(tmp.clone(), out.to_path_buf())])
+            .map_err(|e| err(out, format!("{e:#}")))
     })();
-    if written.is_err() {
-        let _ = fs::remove_dir_all(&tmp);
+    written?;
+    staging.finish().map_err(|e| err(out, format!("{e:#}")))
+}
+
+/// Makes the folders of `path` below `root`, which must exist: never
+/// `root` itself, so nothing is made again in a staging folder that Ctrl-C
+/// removed (and no copy starts once Ctrl-C is being handled).
+fn folders_under(root: &Path, path: &Path) -> Result<()> {
+    crate::staging::stop_if_interrupted();
+    let rest = path.strip_prefix(root).unwrap_or(path);
+    let mut at = root.to_path_buf();
+    for c in rest.components() {
+        at.push(c);
+        match fs::create_dir(&at) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(err(&at, format!("cannot create: {e}")))
+            }
+            _ => {}
+        }
     }
-    written
+    Ok(())
+}
+
+/// Removes the `.NAME.partial-PID` folders an older chunkforge's
+/// `--materialize` into `parent/NAME` left when it was killed (its pid is
+/// gone).
+fn remove_old_partials(parent: &Path, name: &str) {
+    let prefix = format!(".{name}.partial-");
+    for e in fs::read_dir(parent).into_iter().flatten().flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = file
+            .strip_prefix(&prefix)
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Copies the tree `from` to `to`, leaving out the files whose path relative
@@ -804,13 +863,16 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
 fn copy_tree(from: &Path, to: &Path, skip: &dyn Fn(&str) -> bool) -> Result<()> {
     let tree = hashing::walk(from, &|_| false)
         .map_err(|e| err(&e.path, format!("cannot list: {}", e.source)))?;
+    tree.refuse_odd(from)
+        .map_err(|e| err(&e.path, e.source.to_string()))?;
     for f in &tree.files {
+        crate::staging::stop_if_interrupted();
         if skip(f) {
             continue;
         }
         let dst = to.join(f);
         if let Some(p) = dst.parent() {
-            fs::create_dir_all(p).map_err(|e| err(p, format!("cannot create: {e}")))?;
+            folders_under(to.parent().unwrap_or(to), p)?;
         }
         fs::copy(from.join(f), &dst)
             .map_err(|e| err(&from.join(f), format!("cannot copy: {e}")))?;

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 
 use crate::downloader::{self, EncoderFile, ENTRIES};
+use crate::hashing;
 
 /// The encoder files of one bundle, ready to copy.
 pub struct EncoderSources {
@@ -54,17 +55,19 @@ pub fn encoder_sources(dir: &Path) -> Result<EncoderSources> {
             .map(|e| e.client.to_string())
             .collect();
         let everyone = needed_by.len() == ENTRIES.len();
-        let present = dir.join(enc.path).exists();
+        let present = hashing::entry_in(dir, enc.path)?.is_some();
         if !present && !everyone {
             out.absent.push((enc, needed_by));
             continue;
         }
         for rel in enc.requests() {
             let src = dir.join(&rel);
-            let meta = match fs::symlink_metadata(&src) {
-                Ok(m) => m,
-                Err(_) if optional_everywhere(&rel) => continue,
-                Err(_) => bail!(
+            // No symlink anywhere on the way: a linked encoder folder or
+            // file would carry a file from outside DIR into the release.
+            let meta = match hashing::entry_in(dir, &rel)? {
+                Some(m) => m,
+                None if optional_everywhere(&rel) => continue,
+                None => bail!(
                     "{}: --encoders-from: missing; the app requests it ({} encoder{}) and aborts the download without it",
                     src.display(),
                     enc.role,
@@ -76,10 +79,7 @@ pub fn encoder_sources(dir: &Path) -> Result<EncoderSources> {
                 ),
             };
             if !meta.is_file() {
-                bail!(
-                    "{}: --encoders-from: not a regular file (releases hold no symlinks)",
-                    src.display()
-                );
+                bail!("{}: --encoders-from: not a regular file", src.display());
             }
             if meta.len() == 0 && !optional_everywhere(&rel) {
                 bail!("{}: --encoders-from: empty", src.display());

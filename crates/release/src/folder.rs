@@ -108,9 +108,18 @@ pub struct RunPlan {
 /// symlinks (one could lead out of the folder, and `run` reads the folder
 /// alone, as the app does) and nothing but files and folders (a FIFO would
 /// block the read).
-fn refuse_links(dir: &Path) -> Result<()> {
+pub(crate) fn refuse_links(dir: &Path) -> Result<()> {
     let tree = hashing::walk(dir, &|_| false)
         .map_err(|e| err(&e.path, format!("cannot list: {}", e.source)))?;
+    if let Some(b) = tree.bad_names.first() {
+        return Err(err(
+            &dir.join(&b.path),
+            format!(
+                "file name {}, so it is not one plain path component (run reads only what the signature can name; verify refuses the folder too)",
+                b.why
+            ),
+        ));
+    }
     if let Some(l) = tree.symlinks.first() {
         return Err(err(
             &dir.join(l),
@@ -258,6 +267,12 @@ impl ReleaseFolder {
             self.check_digest(&tokenizer, &path, size)?;
         }
         Ok(())
+    }
+
+    /// The size and SHA-256 (hex) the manifest lists for the release path
+    /// `rel` (None: not listed).
+    pub fn listed(&self, rel: &str) -> Option<(u64, String)> {
+        self.files.get(rel).cloned()
     }
 
     /// Whether the manifest lists the tokenizer (a release made with

@@ -191,13 +191,14 @@ def summarize(records: list[ProgramRecord], tol: float, gated: bool, ill: Collec
     tokens_match = all(r["token"] == r["readback_token"] for r in records)
     changes = [r["logit_change"] for r in records if r["logit_change"] is not None]
     flips = [r["readback_margin"] for r in records if r["token"] != r["readback_token"]]
+    known_flips = [m for m in flips if m is not None]
     failing = [r["step"] for r in records if r["cos_readback"] < tol or r["token"] != r["readback_token"]]
     return {
         "steps": len(records),
         "min_cos_readback": min_readback,
         "tokens_match_readback": tokens_match,
         "max_logit_change": max(changes, default=None),
-        "max_flip_margin": None if any(m is None for m in flips) else max(flips, default=None),
+        "max_flip_margin": None if len(known_flips) < len(flips) else max(known_flips, default=None),
         "min_cos_reference": min((r["cos_reference"] for r in records if r["cos_reference"] is not None), default=None),
         "top1_reference": mean([r["token"] == r["ref_token"] for r in ref]) if ref else None,
         "min_cos_hf": min((r["cos_hf"] for r in hf if r["cos_hf"] is not None), default=None),
