@@ -185,5 +185,8 @@ fn a_drive_letter_folder_is_named_and_nothing_below_it_is_listed() {
     assert_eq!(tree.bad_names.len(), 1, "{:?}", tree.bad_names);
     assert_eq!(tree.bad_names[0].path, "i:");
     let e = tree.refuse_odd(&dir).unwrap_err().to_string();
-    assert!(e.contains("release/i:") && e.contains("drive letter"), "{e}");
+    assert!(
+        e.contains("release/i:") && e.contains("drive letter"),
+        "{e}"
+    );
 }
