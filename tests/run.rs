@@ -484,8 +484,10 @@ fn free_running_gate_passes_and_device_report_replays_the_transcript() {
     );
 }
 
-/// `eval`: what INT4 and FP16 cost against the source over the project's
-/// text, per layout; with `--fp16` the range of every fp16 op output.
+/// `eval`: what INT4 and FP16 cost against the source, per layout, over a
+/// text of the counting task (`--text`: its right continuation is known, so
+/// the source's perplexity says the checkpoint learned it); with `--fp16`
+/// the range of every fp16 op output.
 /// `package --eval-report` records the figures in the signed manifest, and
 /// a report about other packages is refused naming it.
 #[test]
@@ -494,11 +496,15 @@ fn eval_reports_what_int4_and_fp16_cost_and_the_manifest_records_it() {
     let int4 = release_of(&build, "int4");
     let fp16 = fp16_release();
     let dir = tempdir("eval");
+    let text = dir.join("count.txt");
+    fs::write(&text, counting(186, 40)).unwrap();
     let eval = |release: &Path, name: &str, extra: &[&str]| -> (Value, String) {
         let report = dir.join(format!("{name}.json"));
         let mut a = vec![
             "eval",
             s(release),
+            "--text",
+            s(&text),
             "--max-tokens",
             "48",
             "--report",
@@ -518,9 +524,12 @@ fn eval_reports_what_int4_and_fp16_cost_and_the_manifest_records_it() {
             (r["tokens"].as_u64(), r["positions"].as_u64()),
             (Some(48), Some(47))
         );
+        assert_eq!(r["text"]["name"], s(&text));
         let source = r["source"]["perplexity"].as_f64().unwrap();
-        // A trained model on text it was trained on: far below the vocabulary's 1024.
-        assert!(source > 1.0 && source < 30.0, "{r}");
+        // The trained task: each next token all but certain once the count
+        // has started (a model that had not learned it scores near the
+        // vocabulary's 1024; on held-out prose this one scores about 240).
+        assert!(source > 1.0 && source < 2.0, "{r}");
         let layouts: Vec<&str> = r["layouts"]
             .as_array()
             .unwrap()
@@ -554,8 +563,11 @@ fn eval_reports_what_int4_and_fp16_cost_and_the_manifest_records_it() {
         .iter()
         .zip(q["layouts"].as_array().unwrap())
     {
-        // FP16 weights in fp32 arithmetic: the source's answers, at a fraction of INT4's cost.
-        assert_eq!(l["top1"], 1.0, "FP16 {l}");
+        // FP16 weights in fp32 arithmetic: the source's answers (a disagreement
+        // only at a near-tie, which rounding may cross), at a fraction of INT4's cost.
+        for d in l["disagreements"].as_array().unwrap() {
+            assert!(d["source_margin"].as_f64().unwrap() < 0.1, "FP16 {l}");
+        }
         assert!(
             l["kl_mean"].as_f64().unwrap() < m["kl_mean"].as_f64().unwrap() / 10.0,
             "{l} vs INT4 {m}"

@@ -548,6 +548,33 @@ pub fn counting(start: usize, count: usize) -> String {
 pub const SENTENCE: &str = "forty-seven, forty-eight, forty-nine,";
 /// The number the continuation of [`SENTENCE`] starts with.
 pub const NEXT: usize = 50;
+
+/// The built-in checkpoint's folder in this repository (checkpoints/default).
+pub fn builtin_checkpoint() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("checkpoints/default")
+}
+
+/// `text`'s token ids by the built-in checkpoint's tokenizer, `<bos>` first,
+/// as a comma-separated `--prompt-ids` value.
+pub fn builtin_prompt_ids(text: &str) -> String {
+    let python = ok(&["doctor", "--venv-python"]).trim().to_string();
+    let script = r#"
+import sys
+from tokenizers import Tokenizer
+ids = Tokenizer.from_file(sys.argv[1]).encode(sys.argv[2]).ids
+print(",".join(map(str, ids)))
+"#;
+    let o = Command::new(python)
+        .args(["-c", script])
+        .arg(builtin_checkpoint().join("tokenizer.json"))
+        .arg(text)
+        .output()
+        .expect("run the venv python");
+    assert!(o.status.success(), "tokenizers: {}", stderr(&o));
+    let ids = stdout(&o).trim().to_string();
+    assert!(ids.starts_with("2,"), "<bos> first: {ids}");
+    ids
+}
 pub const TOKENS: usize = 16;
 
 pub fn ids(v: &serde_json::Value) -> Vec<i64> {
