@@ -43,7 +43,7 @@ table (1024 x 1120) a third of them.
 
 The folder holds ``checkpoint-manifest.json``: every file's SHA-256 and how
 it was made (`write_manifest`); chunkforge refuses a default checkpoint
-whose files are not the ones it names (src/fixture/mod.rs), and a test holds
+whose files are not the ones it names (src/builtin.rs), and a test holds
 the shipped files to it.
 """
 
