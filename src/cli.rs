@@ -223,6 +223,23 @@ pub enum BenchCmd {
     SideFiles(BenchSideFilesCmd),
     /// Time hashing + signing a release (1 big file, 8 smaller ones) against openssl and model_signing.
     Hash(HashBenchArgs),
+    /// `run` side by side with `run` before the native kernels (CHUNKFORGE_MATMUL=dense) and
+    /// transformers' own generate on the source checkpoint (bf16, sdpa), each a child process:
+    /// prefill and decode tokens per second, peak RSS.
+    Run(BenchRunCmd),
+    /// The product kernels on E2B's decode step: GB/s of stored weight read (4-bit LUT and
+    /// bf16) beside the machine's copy bandwidth in the same run, and few-token GFLOP/s.
+    Matmul {
+        /// Print the figures as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// A tenth of the layers and of the head (seconds; for tests).
+        #[arg(long)]
+        quick: bool,
+        /// The build to run (portable, avx2, avx512) [default: the fastest this CPU runs].
+        #[arg(long)]
+        isa: Option<String>,
+    },
     /// INT4 g=32 palettization: the Rust kernel vs coremltools 9.0 (kmeans1d and scikit-learn,
     /// 1 and 2 workers) on E2B-width matrices; seconds and MSE side by side.
     Palettize {
@@ -447,12 +464,45 @@ pub struct BenchParityCmd {
     /// (the default), side by side; fails unless the reports agree.
     #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline"])]
     pub dequant_baseline: bool,
+    /// Run it twice, each in a child process of its own: every weight made dense in
+    /// float32 and multiplied by torch (CHUNKFORGE_MATMUL=dense, before) and read as
+    /// stored and multiplied by the native kernels (the default), side by side; fails
+    /// unless the reports agree in every value but the last bits of their floats.
+    #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline", "dequant_baseline"])]
+    pub matmul_baseline: bool,
     /// Write the parity report here (the children of --order-baseline and --heap-baseline).
     #[arg(long, hide = true)]
     pub report: Option<PathBuf>,
     /// Print the wall time, peak RSS and verdict as JSON on the last line
     /// (the children of --order-baseline and --heap-baseline).
     #[arg(long, hide = true)]
+    pub json: bool,
+}
+
+/// `chunkforge bench run`.
+#[derive(Args, Clone)]
+pub struct BenchRunCmd {
+    /// Release folder (from `package` or `release`).
+    pub release_dir: PathBuf,
+    /// The checkpoint the release was built from, for transformers' side (without it,
+    /// and without GEMMA4_HF_DIR, transformers is not run).
+    #[arg(long, env = "GEMMA4_HF_DIR")]
+    pub hf_dir: Option<PathBuf>,
+    /// Prompt text, tokenized with the release's tokenizer and its ids repeated to
+    /// --prompt-tokens.
+    #[arg(long, default_value = "The quick brown fox")]
+    pub prompt: String,
+    /// Tokens of the prompt every side prefills.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_tokens: usize,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Leave out `run` before the kernels (at real size it takes seconds a token).
+    #[arg(long)]
+    pub no_baseline: bool,
+    /// Print the figures as JSON.
+    #[arg(long)]
     pub json: bool,
 }
 
@@ -707,7 +757,9 @@ pub struct RunCmd {
     #[arg(long, value_parser = named::<RuntimeBuild>())]
     pub runtime: Option<RuntimeBuild>,
     /// Speculative decoding with chunk1..4's verify_qK: K tokens per call (the
-    /// packages' K), drafts by prompt lookup.
+    /// packages' K), drafts by prompt lookup, committed as the --runtime build
+    /// does (main: the accepted rows; branch: write-through, the whole caches
+    /// verify returns).
     #[arg(long)]
     pub speculate: Option<usize>,
     /// Round every fp16 op output to fp16 in the MIL interpreter (the closest

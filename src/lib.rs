@@ -14,7 +14,9 @@ pub use chunkforge_release::{
 };
 
 pub mod audit;
+pub mod bench_matmul;
 pub mod bench_palettize;
+pub mod bench_run;
 pub mod build;
 pub mod builtin;
 pub mod cache_dir;
@@ -26,6 +28,7 @@ pub mod fixture;
 pub mod gate;
 pub mod hashbench;
 pub mod heap;
+pub mod matmul;
 pub mod palette;
 pub mod parity;
 pub mod progress;

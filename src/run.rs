@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::folder::RunLayout;
 use crate::folder::{PackageFiles, ReleaseFolder, RunPlan};
-use crate::layouts::{spec, Runtime, REFERENCE};
+use crate::layouts::{spec, Missing, Runtime, VerifyCommit, REFERENCE};
 use crate::plan::{self, Layout, LayoutKind};
 use crate::py::calls;
 use crate::sidefiles;
@@ -87,6 +87,8 @@ pub struct RunRequest<'a> {
     prompt_ids: Option<&'a [i64]>,
     max_tokens: usize,
     speculate: Option<usize>,
+    /// How the runtime build whose download the run reads commits a verify call.
+    verify_commit: VerifyCommit,
     eos_token_ids: &'a [i64],
     fp16: bool,
 }
@@ -98,6 +100,10 @@ pub struct Speculation {
     pub calls: usize,
     pub drafts: usize,
     pub accepted_drafts: usize,
+    /// How the runtime build committed each call.
+    pub commit: VerifyCommit,
+    /// Write-through: rows of rejected drafts left in the window caches.
+    pub stale_rows: usize,
 }
 
 /// contract.py `RunResult`, plus what Rust adds.
@@ -191,6 +197,33 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
             ),
             _ => {}
         }
+        // What this runtime build reads from verify_qK: a missing output the
+        // app force-unwraps crashes it, an optional one skips the commit.
+        let contract = entry.runtime.verify();
+        for r in contract.reads {
+            let Some(c) = four.chunks.get(r.chunk) else {
+                continue;
+            };
+            let has = c
+                .functions
+                .iter()
+                .filter(|f| f.kind == plan::FunctionKind::Verify)
+                .any(|f| f.outputs.iter().any(|t| t.name == r.output));
+            if !has {
+                bail!(
+                    "{}: {}'s verify_qK returns no {}, which {} reads ({}): {}",
+                    o.release.display(),
+                    c.name,
+                    r.output,
+                    entry.runtime.describe(),
+                    contract.source,
+                    match r.missing {
+                        Missing::Crashes => "the app would crash on the first verify call",
+                        Missing::SkipsCommit => "its commit would be skipped and decode would go on without the verified rows",
+                    }
+                );
+            }
+        }
     }
     let files = RunFiles::new(
         &|name| folder.side_file(name).to_string_lossy().into_owned(),
@@ -220,6 +253,7 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
         },
         max_tokens: o.max_tokens,
         speculate: o.speculate,
+        verify_commit: entry.runtime.verify().commit,
         eos_token_ids: &folder.eos_token_ids,
         fp16: o.fp16,
     };

@@ -445,6 +445,16 @@ fn int4_check_no_worse_than_weight_noise_is_inconclusive_and_a_bad_weight_still_
     assert_eq!(four["verdict"], "inconclusive", "{four}");
     let noise = four["weight_noise"]["min_cos"].as_f64().unwrap();
     assert!(noise < 0.9999999 && noise > 0.9, "{four}");
+    // Several draws, each failing the threshold INT4 fails; the line gives their spread.
+    let draws = four["weight_noise"]["draws"].as_array().unwrap();
+    assert!(draws.len() >= 3, "{four}");
+    for d in draws {
+        assert!(d["min_cos"].as_f64().unwrap() < 0.9999999, "{d}");
+    }
+    assert!(
+        line.contains(&format!("over {} draws", draws.len())),
+        "{line}"
+    );
     let bad_weight = [&args[..], &["--max-weight-rel-mse", "1e-9"]].concat();
     let (code, out) = parity(&bad_weight);
     assert_eq!(code, 1, "{out}");

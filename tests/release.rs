@@ -3179,7 +3179,8 @@ fn distribution_json_agrees_with_the_folder() {
         serde_json::from_slice(&fs::read(out.join("distribution.json")).unwrap()).unwrap();
     assert_eq!(d["mode"], "per-file");
     assert_eq!(d["version"], "2.0.0");
-    assert_eq!(d["model_id"], "gemma-e2b-test");
+    // Upstream's model_id: the repository's name, not the release's id.
+    assert_eq!(d["model_id"], "gemma-coreml");
     assert_eq!(d["repo"], "org/gemma-coreml");
     assert_eq!(d["branch"], "main");
     let mut want: Vec<String> = walkdir::WalkDir::new(&out)

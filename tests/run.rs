@@ -286,8 +286,52 @@ fn fp16_release_generates_transformers_tokens_in_every_layout() {
             assert!(sp["calls"].as_u64().unwrap() >= 1);
             // Drafts were accepted: verify's rows were committed for more than one token per call.
             assert!(sp["accepted_drafts"].as_u64().unwrap() >= 1, "{sp}");
+            // Main's commit: the accepted rows only.
+            assert_eq!(sp["commit"], "accepted-rows", "{sp}");
+            assert_eq!(sp["stale_rows"], 0, "{sp}");
         }
     }
+    // The branch's speculative decode commits as its verifyCandidates does:
+    // the whole K_*_out caches copied back after every call (write-through),
+    // the position advanced past the accepted tokens only, so every
+    // rejected draft's row stays in the window caches.
+    let r = generate(
+        &release,
+        &[
+            "--prompt",
+            SENTENCE,
+            "--runtime",
+            "branch",
+            "--speculate",
+            "3",
+        ],
+    );
+    let sp = &r["speculation"];
+    assert_eq!(
+        (&r["layout"], &r["download"], &sp["commit"]),
+        (
+            &Value::from("four"),
+            &Value::from("branch"),
+            &Value::from("write-through")
+        ),
+        "{r}"
+    );
+    let n = |k: &str| sp[k].as_u64().unwrap();
+    assert!(n("calls") >= 1, "{sp}");
+    assert_eq!(
+        n("stale_rows"),
+        3 * n("calls") - n("calls") - n("accepted_drafts"),
+        "{sp}"
+    );
+    if n("stale_rows") == 0 {
+        assert_eq!(ids(&r["generated_ids"]), want, "no draft rejected: {sp}");
+    }
+    eprintln!(
+        "branch --speculate 3: {} stale rows; tokens {:?} (transformers {:?})",
+        n("stale_rows"),
+        ids(&r["generated_ids"]),
+        want
+    );
     // Each runtime build picks its own layout in this folder and reads the
     // weight blobs its download links or copies: main the three-chunk decode
     // from the 3-way entry (prefill_chunk4 <- chunk3_3way), the branch

@@ -12,12 +12,13 @@ import os
 import struct
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
 from .contract import CheckpointInfo
 from .runtime import ChunkforgeError
-from .weights import RESIDENT, read_at
+from .weights import RESIDENT, Stored, read_at
 
 # safetensors dtype names -> torch dtypes (the float ones Rust admits for the decoder).
 STORED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -170,11 +171,31 @@ class Checkpoint:
             flat[at : at + part.numel()].copy_(part)
         return out
 
-    def fetcher(self, name: str, dtype: torch.dtype) -> Fetcher:
+    def fetcher(self, name: str, dtype: torch.dtype, stored: bool = False) -> Fetcher:
         """A function that gives the tensor in ``dtype`` each time it is
         called, kept between calls as the resident budget allows
-        (weights.RESIDENT); never modify what it returns."""
-        return Fetcher(self, name, dtype)
+        (weights.RESIDENT); never modify what it returns. With ``stored``
+        (a float32 projection's weight for the native kernels), it gives
+        the weight as the file stores it instead (`stored`)."""
+        return Fetcher(self, name, dtype, stored)
+
+    def stored_kind(self, name: str) -> str:
+        """How the file stores a tensor: "bf16", "fp16" or "fp32" (`stored`)."""
+        _, entry, _, _ = self._entry(name)
+        return {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[entry["dtype"]]
+
+    def stored(self, name: str) -> Stored:
+        """A 2-D weight as the file stores it (`weights.Stored`): bf16 or
+        fp16 bits read with positioned reads into memory of its own, or a
+        float32 file's mapped values (no copy to make, as `read`)."""
+        fd, entry, start, what = self._entry(name)
+        kind = self.stored_kind(name)
+        shape = tuple(int(d) for d in entry["shape"])
+        if kind == "fp32":
+            return Stored(kind, self.get(name, None).numpy(), shape, what)
+        bits = torch.empty(shape, dtype=torch.int16)
+        read_at(fd, start, bits, what)
+        return Stored(kind, bits.numpy().view(np.uint16), shape, what)
 
     def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start..stop-1 (along the first axis) of the tensor in
@@ -202,23 +223,34 @@ class Checkpoint:
 
 class Fetcher:
     """A checkpoint tensor in one dtype, made on use (`Checkpoint.fetcher`):
-    called, the whole tensor through the resident budget; `rows`, a block
-    of its rows (held whole if the budget holds it, else read alone)."""
+    called, the whole tensor (or, ``stored``, the weight as the file stores
+    it: `weights.Stored`) through the resident budget; `rows`, a block of
+    its rows in ``dtype`` (from what the budget holds, else read alone)."""
 
-    __slots__ = ("ckpt", "dtype", "key", "name")
+    __slots__ = ("ckpt", "dtype", "key", "name", "stored")
 
-    def __init__(self, ckpt: Checkpoint, name: str, dtype: torch.dtype):
+    def __init__(self, ckpt: Checkpoint, name: str, dtype: torch.dtype, stored: bool = False):
         self.ckpt = ckpt
         self.name = name
         self.dtype = dtype
+        self.stored = stored
         full = ckpt.prefix + name
-        self.key = ("checkpoint", ckpt.files.get(full), full, dtype)
+        self.key = ("checkpoint", ckpt.files.get(full), full, "stored" if stored else dtype)
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self) -> Any:
+        if self.stored:
+            return RESIDENT.get(self.key, lambda: self.ckpt.stored(self.name))
         return RESIDENT.get(self.key, lambda: self.ckpt.read(self.name, self.dtype))
+
+    def read_stored(self) -> Stored:
+        """The stored weight for one use, not kept (the budget's copy if it holds one)."""
+        held = RESIDENT.held(self.key) if self.stored else None
+        return held if isinstance(held, Stored) else self.ckpt.stored(self.name)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         held = RESIDENT.held(self.key)
+        if isinstance(held, Stored):
+            return held.rows_f32(start, stop).reshape(-1, *held.shape[1:]).to(self.dtype)
         if held is not None:
             return held[start:stop]
         return self.ckpt.read_rows(self.name, start, stop, self.dtype)

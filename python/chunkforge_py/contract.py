@@ -22,6 +22,8 @@ Attention = Literal["sliding", "full"]
 # Runtime names of the producer KV read by KV-shared sliding / full layers.
 Alias = Literal["kv13", "kv14"]
 FunctionKind = Literal["decode", "verify", "prefill"]
+# How a runtime build commits a verify_qK call (crates/model/src/layouts.rs).
+VerifyCommit = Literal["accepted-rows", "write-through"]
 # A row of the layout table (crates/model/src/layouts.rs): Python takes the
 # names, and every fact about a layout, from the plan it is handed.
 LayoutKind = str
@@ -471,13 +473,23 @@ class WorstWeight(TypedDict):
     rel_mse: float
 
 
-class WeightNoise(TypedDict):
-    """The fp32 model with each projection's weight plus Gaussian noise of
-    its palettization's relative MSE, against the reference (parity/noise.py)."""
+class NoiseDraw(TypedDict):
+    """One draw of `WeightNoise`."""
 
     min_cos: float
     mean_cos: float
     top1_agreement: float
+
+
+class WeightNoise(TypedDict):
+    """The fp32 model with each projection's weight plus Gaussian noise of
+    its palettization's relative MSE, against the reference (parity/noise.py):
+    the lowest min cos and top-1 and the mean cos over its draws, and each draw."""
+
+    min_cos: float
+    mean_cos: float
+    top1_agreement: float
+    draws: list[NoiseDraw]
 
 
 class LayoutArtifactSummary(TypedDict):
@@ -678,6 +690,9 @@ class FullSizeLayout(TypedDict):
 
 class DescribeArgs(TypedDict):
     path: str
+    # The folder of the weight blob the package reads when it holds none
+    # (a release's package whose blob the app's download shares in).
+    weights: NotRequired[str | None]
 
 
 class IoDescription(TypedDict):
@@ -930,6 +945,9 @@ class RunRequest(TypedDict):
     max_tokens: int
     # Draft tokens per verify_qK call (its K), or None for plain decode.
     speculate: NotRequired[int | None]
+    # How the runtime build commits a verify call (layouts.rs `VerifyCommit`):
+    # main's accepted rows, or the branch's write-through caches.
+    verify_commit: NotRequired[VerifyCommit]
     eos_token_ids: list[int]
     # Round every fp16 op output to fp16 in the interpreter (the device's arithmetic, closest).
     fp16: NotRequired[bool]
@@ -940,6 +958,9 @@ class Speculation(TypedDict):
     calls: int
     drafts: int
     accepted_drafts: int
+    commit: VerifyCommit
+    # write-through: rows of rejected drafts left in the window caches.
+    stale_rows: int
 
 
 class RunResult(TypedDict):

@@ -2,7 +2,7 @@
 //! work through the library, renders its own output and says how it ended.
 
 mod audit;
-mod bench;
+pub(crate) mod bench;
 mod build;
 mod client_check;
 pub(crate) mod device_report;

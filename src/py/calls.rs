@@ -409,11 +409,26 @@ pub struct PackageDescription {
 #[derive(Serialize, JsonSchema)]
 pub struct PathArg<'a> {
     path: &'a str,
+    /// The folder of the weight blob the package reads, when not its own
+    /// (a release's package stored without its blob, shared in by the app's
+    /// download).
+    weights: Option<&'a str>,
 }
 
-pub fn describe(package: &std::path::Path, verbose: bool) -> Result<PackageDescription> {
+pub fn describe(
+    package: &std::path::Path,
+    weights: Option<&std::path::Path>,
+    verbose: bool,
+) -> Result<PackageDescription> {
     let path = package.to_string_lossy();
-    call::<Describe>(&PathArg { path: &path }, verbose)
+    let weights = weights.map(|w| w.to_string_lossy());
+    call::<Describe>(
+        &PathArg {
+            path: &path,
+            weights: weights.as_deref(),
+        },
+        verbose,
+    )
 }
 
 /// `mil_interp.exec_function`'s request: one function of a package on the

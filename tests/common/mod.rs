@@ -108,8 +108,9 @@ static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
 /// made again (gen5: build.json records the checkpoint's weights, which
 /// `release --reuse-build` and `package --parity-report` require; gen6: chunk1_3way is no
 /// longer built; gen7: tiny E4B fixtures have 2 query heads per KV head;
-/// gen8: the built-in checkpoint is trained, checkpoints/default).
-const FIXTURE_GENERATION: &str = "gen8";
+/// gen8: `verify_qK` also returns the branch's write-through caches; gen9: the
+/// built-in checkpoint is trained, checkpoints/default).
+const FIXTURE_GENERATION: &str = "gen9";
 
 /// A cached fixture checkpoint under target/test-fixtures/<name>, made once
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.
@@ -367,44 +368,97 @@ pub fn copy_tree(from: &Path, to: &Path) {
     }
 }
 
-/// A stand-in for an upstream bundle's multimodal encoder files, as the
-/// app's lists name them (main's: vision, vision_video, audio and the audio
-/// side files), made once under the target dir: random bytes, text MIL.
+/// An upstream bundle's multimodal encoder files for the built-in
+/// checkpoint (text hidden size 64, no vision or audio config), made once:
+/// the three compiled encoders' `model.mil` signatures as upstream converts
+/// them (vision: fp32 `pixel_values` [1, 2520 | 630, 768] and int32
+/// `pixel_position_ids` in, fp16 `image_features` rows of the hidden size
+/// out; audio: fp16 `input_features` [1, 200, 128] in, the legacy
+/// `hidden_states` [1, 50, 1024] out, projected in Swift), stand-ins for the
+/// compiler's binary files, a mel filter bank, `audio_config.json` and the
+/// projection `.npy` files (1024 -> 1536 -> 64).
 pub fn encoder_bundle() -> PathBuf {
     let _guard = FIXTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures/encoder-bundle");
-    if dir.join("embed_proj_weight.npy").exists() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures/encoder-bundle-2");
+    if dir.join("done").exists() {
         return dir;
     }
-    let models = ["vision.mlmodelc", "vision_video.mlmodelc", "audio.mlmodelc"];
-    let inner = [
-        "weights/weight.bin",
-        "coremldata.bin",
-        "model.mil",
-        "metadata.json",
-        "analytics/coremldata.bin",
-    ];
-    let plain = [
-        "mel_filterbank.bin",
-        "audio_config.json",
-        "output_proj_weight.npy",
-        "output_proj_bias.npy",
-        "embed_proj_weight.npy",
-    ];
-    let files = models
-        .iter()
-        .flat_map(|m| inner.iter().map(move |f| format!("{m}/{f}")))
-        .chain(plain.iter().map(|f| f.to_string()));
-    for (i, f) in files.enumerate() {
-        let p = dir.join(&f);
+    let write = |rel: &str, bytes: &[u8]| {
+        let p = dir.join(rel);
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        let bytes = if f.ends_with("model.mil") {
-            b"program(1.3)\n{}\n".to_vec()
-        } else {
-            (0..64 + i).map(|b| (b * 31 + i) as u8).collect()
-        };
         std::fs::write(p, bytes).unwrap();
+    };
+    let mil = |inputs: &str, out: &str| {
+        let name = out.rsplit(' ').next().unwrap();
+        format!(
+            "program(1.3)\n{{\n    func main<ios18>({inputs}) {{\n            {out} = const()[name = string(\"{name}\"), val = {}(0)];\n    }} -> ({name});\n}}\n",
+            out.rsplit_once(' ').unwrap().0
+        )
+    };
+    for (m, n) in [("vision.mlmodelc", 2520), ("vision_video.mlmodelc", 630)] {
+        let text = mil(
+            &format!("tensor<fp32, [1, {n}, 768]> pixel_values, tensor<int32, [1, {n}, 2]> pixel_position_ids"),
+            &format!("tensor<fp16, [1, {}, 64]> image_features", n / 9),
+        );
+        write(&format!("{m}/model.mil"), text.as_bytes());
     }
+    let text = mil(
+        "tensor<fp16, [1, 200, 128]> input_features",
+        "tensor<fp16, [1, 50, 1024]> hidden_states",
+    );
+    write("audio.mlmodelc/model.mil", text.as_bytes());
+    for (i, m) in ["vision.mlmodelc", "vision_video.mlmodelc", "audio.mlmodelc"]
+        .iter()
+        .enumerate()
+    {
+        for (j, f) in [
+            "weights/weight.bin",
+            "coremldata.bin",
+            "metadata.json",
+            "analytics/coremldata.bin",
+        ]
+        .iter()
+        .enumerate()
+        {
+            let bytes: Vec<u8> = (0..64 + i * 4 + j)
+                .map(|b| (b * 31 + i + j) as u8)
+                .collect();
+            write(&format!("{m}/{f}"), &bytes);
+        }
+    }
+    // Triangular-ish weights in [0, 1], 257 FFT bins x 128 mel bins, float32.
+    let bank: Vec<u8> = (0..257 * 128)
+        .flat_map(|i: usize| ((i % 11) as f32 / 10.0).to_le_bytes())
+        .collect();
+    write("mel_filterbank.bin", &bank);
+    write(
+        "audio_config.json",
+        br#"{"mel_frames": 200, "num_tokens": 50, "log_offset": 0.001}"#,
+    );
+    // .npy 1.0 files of fp16 values, as numpy.save writes them.
+    let npy = |dims: &[usize]| {
+        let t: Vec<String> = dims.iter().map(usize::to_string).collect();
+        let tuple = if t.len() == 1 {
+            format!("({},)", t[0])
+        } else {
+            format!("({})", t.join(", "))
+        };
+        let mut dict = format!("{{'descr': '<f2', 'fortran_order': False, 'shape': {tuple}, }}");
+        while (10 + dict.len() + 1) % 64 != 0 {
+            dict.push(' ');
+        }
+        dict.push('\n');
+        let mut out = b"\x93NUMPY\x01\x00".to_vec();
+        out.extend((dict.len() as u16).to_le_bytes());
+        out.extend(dict.as_bytes());
+        let n: usize = dims.iter().product();
+        out.extend((0..n).flat_map(|i| half::f16::from_f32((i % 13) as f32 / 64.0).to_le_bytes()));
+        out
+    };
+    write("output_proj_weight.npy", &npy(&[1536, 1024]));
+    write("output_proj_bias.npy", &npy(&[1536]));
+    write("embed_proj_weight.npy", &npy(&[64, 1536]));
+    write("done", b"");
     dir
 }
 

@@ -260,9 +260,8 @@ pub const ARTIFACTS: Check = Check {
                     l.worst_weight.rel_mse,
                     l.worst_weight.weight.as_deref().unwrap_or("-"),
                     l.weight_noise.as_ref().map(|n| format!(
-                        "  | weight noise of that size: min cos {:.6}  top-1 agreement {:.1}%",
-                        n.min_cos,
-                        100.0 * n.top1_agreement
+                        "  | weight noise of that size: {}",
+                        n.spread()
                     )).unwrap_or_default(),
                     row.shown()
                 ),
@@ -290,9 +289,8 @@ pub const ARTIFACTS: Check = Check {
                     t.text(ARTIFACTS.thresholds),
                     l.tokens_match_other_layouts,
                     l.weight_noise.as_ref().map(|n| format!(
-                        "; weight noise of the palettization's size: min cos {:.6}, top-1 agreement {:.1}%",
-                        n.min_cos,
-                        100.0 * n.top1_agreement
+                        "; weight noise of the palettization's size: {}",
+                        n.spread()
                     )).unwrap_or_default()
                 ),
             })

@@ -7,6 +7,13 @@
 //! arrive corrupted. It reads sizes and offsets as 32-bit and the entry count
 //! as 16-bit (no zip64), so an archive it cannot read is refused
 //! ([`check_app_extractable`]). Beside it, `FILE.sha256` in `sha256sum` format.
+//!
+//! The archive is the release as it is (the repository layout), for mirrors
+//! and `verify --archive`. The app's own zip route cannot take it
+//! ([`app_route`] says why): it aborts any archive over
+//! [`downloader::ARCHIVE_LIMIT`] bytes, and after extracting one it looks
+//! for `chunk1.mlmodelc/weights/weight.bin` at the folder's root (the local
+//! names, compiled), where a release has `swa/chunk1.mlpackage`.
 
 use std::fs::{self, File};
 use std::io::{self, BufWriter};
@@ -16,6 +23,7 @@ use anyhow::{Context, Result};
 use zip::write::SimpleFileOptions;
 use zip::{CompressionMethod, DateTime, ZipWriter};
 
+use crate::downloader;
 use crate::hashing::{self, hex};
 use crate::zipwalk;
 
@@ -97,6 +105,31 @@ pub fn check_app_extractable(
         ));
     }
     Ok(())
+}
+
+/// Why the app's zip route (a `ModelInfo` whose `downloadURL` is not a
+/// Hugging Face repository's) cannot take an archive of `bytes` bytes whose
+/// entries are `names`: it lists any archive at 350,000,000 estimated bytes
+/// and aborts past 1.5 times that, and after extracting it finds the model
+/// only by [`downloader::ARCHIVE_ROOT_FILE`] at the folder's root, else the
+/// download ends in `extractionFailed` (ModelDownloader.swift at 72178c6,
+/// `download(_:)`, `finishDownload`). Empty when it can.
+pub fn app_route(names: &[String], bytes: u64) -> Vec<String> {
+    let mut out = Vec::new();
+    if bytes > downloader::ARCHIVE_LIMIT {
+        out.push(format!(
+            "it is {bytes} bytes, and the app aborts any archive past {} (1.5 x the {} bytes it assumes an archive has)",
+            downloader::ARCHIVE_LIMIT,
+            downloader::ARCHIVE_ESTIMATE
+        ));
+    }
+    if !names.iter().any(|n| n == downloader::ARCHIVE_ROOT_FILE) {
+        out.push(format!(
+            "it holds no {} at its root (the release's repository layout, swa/…, and uncompiled packages): after extracting it the app fails with extractionFailed",
+            downloader::ARCHIVE_ROOT_FILE
+        ));
+    }
+    out
 }
 
 /// Writes the zip of every regular file under `root` to `out` (a temporary
@@ -237,6 +270,29 @@ pub fn compare(zip_path: &Path, entries: &[Entry], expected: &[(String, [u8; 32]
 mod tests {
     use super::*;
     use zip::ZipArchive;
+
+    /// The app's zip route: 525,000,000 bytes at most, and the local names
+    /// of a compiled folder at the root.
+    #[test]
+    fn the_app_route_takes_a_compiled_folder_of_local_names_under_525_mb() {
+        let local = vec![
+            "chunk1.mlmodelc/weights/weight.bin".to_string(),
+            "cos_full.npy".to_string(),
+        ];
+        assert!(app_route(&local, 525_000_000).is_empty());
+        let why = app_route(&local, 525_000_001);
+        assert!(
+            why.len() == 1 && why[0].contains("past 525000000"),
+            "{why:?}"
+        );
+        let release =
+            vec!["swa/chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin".to_string()];
+        let why = app_route(&release, 1000);
+        assert!(
+            why.len() == 1 && why[0].contains("extractionFailed"),
+            "{why:?}"
+        );
+    }
 
     #[test]
     fn same_input_same_bytes() {

@@ -30,8 +30,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use chunkforge_model::layouts::{spec, LayoutKind};
-use chunkforge_model::plan::ANE_LAYER_CEILING;
+use chunkforge_model::layouts::{spec, LayoutKind, Missing, VerifyCommit, REFERENCE};
+use chunkforge_model::plan::{FunctionKind, ANE_LAYER_CEILING};
 
 use crate::bench::runtime_layout;
 use crate::downloader::{self, Client, Entry, Request, ShareHow, BRANCH_KV_HEADS, BRANCH_SLOTS};
@@ -99,6 +99,10 @@ chunkforge_model::named! {
         SideFile = "side-file",
         /// The layout the runtime picks cannot load.
         Layout = "layout",
+        /// An output the runtime reads from `verify_qK` is missing.
+        Verify = "verify",
+        /// The download's bytes pass main's safety stop.
+        Size = "size",
     }
 }
 
@@ -144,6 +148,13 @@ pub struct Report {
     pub requests: Vec<RequestResult>,
     pub problems: Vec<Problem>,
     pub pick: Option<Pick>,
+    /// The bytes the download fetches (a file to be compiled counted by its
+    /// blob's size, its small files by the app's estimate).
+    pub download_bytes: u64,
+    /// The sum of the list's `estimatedSize`.
+    pub estimated_bytes: u64,
+    /// Where main's safety stop aborts it (None: the branch has none).
+    pub abort_limit: Option<u64>,
     /// What the replay could not check here, and other facts for the user.
     pub notes: Vec<String>,
 }
@@ -269,6 +280,9 @@ pub fn check(o: &CheckOptions) -> Result<Report> {
         }),
     }
     widths(&r, entry, &pick, &mut problems);
+    verify(&r, entry, &mut problems, &mut notes);
+    let multimodal = o.multimodal || !entry.multimodal_toggle;
+    let download_bytes = size(&r, entry, multimodal, &mut problems, &mut notes);
     if !requests.iter().any(|q| q.status == Status::NeedsCompile) && !compiled {
         notes.push("no package is compiled and none is requested".into());
     }
@@ -293,12 +307,75 @@ pub fn check(o: &CheckOptions) -> Result<Report> {
         client: o.client,
         model_id: entry.model_id,
         compiled,
-        multimodal: o.multimodal || !entry.multimodal_toggle,
+        multimodal,
         requests,
         problems,
         pick,
+        download_bytes,
+        estimated_bytes: entry.estimate(multimodal),
+        abort_limit: entry.abort_limit(multimodal),
         notes,
     })
+}
+
+/// The bytes the entry's download fetches from the release
+/// ([`Entry::fetched_bytes`]), against main's safety stop (1.5 x its list's
+/// `estimatedSize`).
+fn size(
+    r: &Release,
+    entry: &Entry,
+    multimodal: bool,
+    problems: &mut Vec<Problem>,
+    notes: &mut Vec<String>,
+) -> u64 {
+    let len = |rel: &str| {
+        fs::metadata(r.dir.join(rel))
+            .ok()
+            .filter(|m| m.is_file())
+            .map(|m| m.len())
+    };
+    let (total, estimated) = entry.fetched_bytes(multimodal, &len);
+    let Some(limit) = entry.abort_limit(multimodal) else {
+        notes.push(format!(
+            "the download fetches {total} bytes; the {} entry has no size stop",
+            entry.client
+        ));
+        return total;
+    };
+    let how = if estimated > 0 {
+        format!(" ({estimated} files to be compiled counted at the app's estimate)")
+    } else {
+        String::new()
+    };
+    if total <= limit {
+        notes.push(format!(
+            "the download fetches {total} bytes{how}, within main's stop at {limit} ({} x the list's estimatedSize)",
+            downloader::ABORT_OVER_ESTIMATE
+        ));
+        return total;
+    }
+    let mut sizes: Vec<(String, u64)> = entry
+        .requests(multimodal)
+        .into_iter()
+        .filter_map(|q| len(&q.remote).map(|n| (q.remote, n)))
+        .collect();
+    sizes.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    sizes.truncate(3);
+    problems.push(Problem {
+        kind: ProblemKind::Size,
+        files: sizes.iter().map(|(f, _)| f.clone()).collect(),
+        message: format!(
+            "the download fetches {total} bytes{how}, over {limit}: main aborts a download once its bytes pass {} x its list's estimatedSize sum ({} bytes), \"exceeds expected by 50%+\" (ModelDownloader.swift at 72178c6, updateProgress); the largest files: {}",
+            downloader::ABORT_OVER_ESTIMATE,
+            entry.estimate(multimodal),
+            sizes
+                .iter()
+                .map(|(f, b)| format!("{f} ({b} bytes)"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    });
+    total
 }
 
 /// `path` relative to `dir`, for a report.
@@ -571,35 +648,35 @@ fn context(r: &Release, ctx: usize, problems: &mut Vec<Problem>, notes: &mut Vec
     }
 }
 
-/// N of the first `tensor<fp16, [1, 1, 1, N]> causal_mask_full` in MIL text
-/// (the downloader's pattern: whitespace allowed around each token).
+/// The downloader's context pattern (ModelDownloader.swift,
+/// `isChunkCtxMismatched`, main 72178c6 and the branch 4cd6c6c):
+/// `tensor<fp16,\s*\[\s*1,\s*1,\s*1,\s*(\d+)\s*\]>\s*causal_mask_full`
+/// as NSRegularExpression (ICU) reads it: `\s` is ICU's white space
+/// `[\t\n\f\r\p{Z}]` (not vertical tab or NEL, which Rust's `\s` takes) and
+/// `\d` any decimal digit `\p{Nd}`. No space is allowed inside `tensor<fp16,`,
+/// before a comma or between `]` and `>`.
+const CONTEXT_PATTERN: &str = concat!(
+    r"tensor<fp16,[\t\n\f\r\p{Z}]*\[[\t\n\f\r\p{Z}]*1,[\t\n\f\r\p{Z}]*1,",
+    r"[\t\n\f\r\p{Z}]*1,[\t\n\f\r\p{Z}]*(\p{Nd}+)[\t\n\f\r\p{Z}]*\]>[\t\n\f\r\p{Z}]*causal_mask_full"
+);
+
+/// N of the downloader's context check on chunk1's MIL text: its pattern's
+/// first match, its digits read as Swift's `Int(_:)` reads them (ASCII, 64
+/// bits). None where the downloader finds no N: no match, or a first match
+/// whose digits `Int` refuses (other scripts' digits, too large); it then
+/// leaves the folder alone.
 pub fn mil_context(text: &str) -> Option<usize> {
-    let needle = "causal_mask_full";
-    let mut from = 0;
-    while let Some(at) = text[from..].find(needle) {
-        let end = from + at;
-        from = end + needle.len();
-        let before = text[..end].trim_end();
-        let Some(shape) = before.strip_suffix('>') else {
-            continue;
-        };
-        let Some(open) = shape.rfind("tensor<") else {
-            continue;
-        };
-        let inner: String = shape[open + "tensor<".len()..]
-            .chars()
-            .filter(|c| !c.is_whitespace())
-            .collect();
-        if let Some(dims) = inner
-            .strip_prefix("fp16,[1,1,1,")
-            .and_then(|d| d.strip_suffix(']'))
-        {
-            if let Ok(n) = dims.parse() {
-                return Some(n);
-            }
-        }
+    static PATTERN: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(CONTEXT_PATTERN).expect("the downloader's pattern compiles")
+    });
+    let digits = PATTERN.captures(text)?.get(1)?.as_str();
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
     }
-    None
+    digits
+        .parse::<i64>()
+        .ok()
+        .and_then(|n| usize::try_from(n).ok())
 }
 
 /// The widths the runtime hard-codes, and on the branch its slot counts.
@@ -688,6 +765,81 @@ fn widths(r: &Release, entry: &Entry, pick: &Option<Pick>, problems: &mut Vec<Pr
                 });
             }
         }
+    }
+}
+
+/// The outputs the entry's runtime reads from the reference's `verify_qK`
+/// (main: the new rows; the branch: the write-through caches, force-unwrapped),
+/// in the contracts `manifest.json` records.
+fn verify(r: &Release, entry: &Entry, problems: &mut Vec<Problem>, notes: &mut Vec<String>) {
+    let names = spec(REFERENCE).package_names();
+    let contract = entry.runtime.verify();
+    let has_verify = |name: &str| {
+        r.manifest
+            .chunk(name)
+            .is_some_and(|c| c.functions.iter().any(|f| f.kind == FunctionKind::Verify))
+    };
+    if !names.iter().all(|n| has_verify(n)) {
+        notes.push(format!(
+            "{} hold no verify_qK: the runtime loads no verify functions and decodes without speculation",
+            spec(REFERENCE).range()
+        ));
+        return;
+    }
+    if !names
+        .iter()
+        .all(|n| entry.whole.contains(&n.as_str()) || entry.meta_only.contains(&n.as_str()))
+    {
+        notes.push(format!(
+            "the {} download does not fetch all of {}: the runtime finds no verify functions to load and decodes without speculation",
+            entry.client,
+            spec(REFERENCE).range()
+        ));
+        return;
+    }
+    let before = problems.len();
+    for read in contract.reads {
+        let Some(name) = names.get(read.chunk) else {
+            continue;
+        };
+        let Some(c) = r.manifest.chunk(name) else {
+            continue;
+        };
+        let found = c
+            .functions
+            .iter()
+            .filter(|f| f.kind == FunctionKind::Verify)
+            .any(|f| f.outputs.iter().any(|t| t.name == read.output));
+        if found {
+            continue;
+        }
+        problems.push(Problem {
+            kind: ProblemKind::Verify,
+            files: vec![r.package(name)],
+            message: format!(
+                "{name}'s verify_qK returns no {}, which {} reads ({}; it loads verify {}): {}",
+                read.output,
+                entry.runtime.describe(),
+                contract.source,
+                contract.loaded,
+                match read.missing {
+                    Missing::Crashes => "read force-unwrapped, so the app crashes on the first verify call",
+                    Missing::SkipsCommit => "read as an optional, so its commit is skipped and decode goes on without the verified rows",
+                }
+            ),
+        });
+    }
+    if problems.len() == before {
+        notes.push(format!(
+            "verify_qK: {} loads it {} and commits {}; every output it reads is there",
+            entry.runtime.describe(),
+            contract.loaded,
+            match contract.commit {
+                VerifyCommit::AcceptedRows => "the accepted rows (new_K/V_*)",
+                VerifyCommit::WriteThrough =>
+                    "write-through (the whole K/V_*_out caches after every call)",
+            }
+        ));
     }
 }
 
@@ -888,9 +1040,36 @@ mod tests {
     fn mil_context_reads_the_downloaders_pattern() {
         let mil = "func main<ios18>(tensor<fp16, [1, 1, 64]> hidden_states, tensor<fp16, [1, 1, 1, 2048]> causal_mask_full, tensor<fp16, [1, 1, 1, 512]> causal_mask_sliding)";
         assert_eq!(mil_context(mil), Some(2048));
+        // Where the Swift regex allows white space, ICU's kinds of it.
         assert_eq!(
-            mil_context("tensor<fp16,[ 1,1 ,1, 8192 ] >  causal_mask_full"),
+            mil_context(
+                "tensor<fp16,\t[\n1,\u{a0}1,\u{2028}1,\r8192\u{3000}]>\x0c causal_mask_full"
+            ),
             Some(8192)
+        );
+        // Where it does not: a space before a comma, between `]` and `>`,
+        // inside `tensor<fp16,`; and kinds of white space ICU's \s lacks
+        // (vertical tab, NEL) where it allows some.
+        for negative in [
+            "tensor<fp16,[ 1,1 ,1, 8192 ] >  causal_mask_full",
+            "tensor<fp16, [1, 1, 1, 8192] > causal_mask_full",
+            "tensor<fp16, [1 , 1, 1, 8192]> causal_mask_full",
+            "tensor< fp16, [1, 1, 1, 8192]> causal_mask_full",
+            "tensor<fp16 , [1, 1, 1, 8192]> causal_mask_full",
+            "tensor<fp16,\x0b[1, 1, 1, 8192]> causal_mask_full",
+            "tensor<fp16, [1, 1, 1, 8192]>\u{85}causal_mask_full",
+        ] {
+            assert_eq!(mil_context(negative), None, "{negative:?}");
+        }
+        // A first match whose digits Swift's Int() refuses: no N at all,
+        // even with a readable match after it.
+        assert_eq!(
+            mil_context("tensor<fp16, [1, 1, 1, \u{664}\u{660}]> causal_mask_full tensor<fp16, [1, 1, 1, 40]> causal_mask_full"),
+            None
+        );
+        assert_eq!(
+            mil_context("tensor<fp16, [1, 1, 1, 99999999999999999999]> causal_mask_full"),
+            None
         );
         // Another shape or dtype is not the pattern; a later match is read.
         assert_eq!(

@@ -3,7 +3,9 @@
 //! downloader"): `{version, model_id, mode: "per-file", repo, branch,
 //! total_size, files: [{path, url, size_bytes, sha256}]}`, each file at its
 //! path in the app's repository with the URL it is served from
-//! (`--base-url`).
+//! (`--base-url`). `model_id` is the repository's name, as upstream
+//! writes it, when `--base-url` is a Hugging Face `resolve/BRANCH` URL, and
+//! the release's model id otherwise (there is no repository name then).
 //!
 //! It is written beside `manifest.json` when `--base-url` is given, listed
 //! in `manifest.json` and signed with the rest, so it lists every file of
@@ -141,14 +143,21 @@ fn hf_repo(base_url: &str) -> Option<(String, String)> {
 
 impl Distribution {
     /// The distribution manifest of `files` (release path, digest; sorted)
-    /// served from `base_url`.
+    /// served from `base_url`. `model_id` is the repository's name when
+    /// `base_url` is a Hugging Face repository's, as upstream writes it
+    /// (`Path(repo).name`); elsewhere there is no repository name, and the
+    /// release's model id (`release_model_id`) stands in.
     pub fn of(
         files: &[(String, FileDigest)],
         base_url: &str,
         version: &str,
-        model_id: &str,
+        release_model_id: &str,
     ) -> Self {
         let (repo, branch) = hf_repo(base_url).unzip();
+        let model_id = repo
+            .as_deref()
+            .and_then(|r| r.rsplit('/').next())
+            .unwrap_or(release_model_id);
         Distribution {
             version: version.into(),
             model_id: model_id.into(),
@@ -213,5 +222,20 @@ mod tests {
         );
         assert_eq!(hf_repo("https://example.com/models/x"), None);
         assert_eq!(hf_repo("https://huggingface.co/org/x/blob/main"), None);
+    }
+
+    /// Upstream's build_hf_release.py: `"model_id": Path(repo).name`.
+    #[test]
+    fn model_id_is_the_repository_name_as_upstream_writes_it() {
+        let d = Distribution::of(
+            &[],
+            "https://huggingface.co/org/gemma-4-E2B-coreml/resolve/n1024",
+            "1.0.0",
+            "e2b",
+        );
+        assert_eq!(d.model_id, "gemma-4-E2B-coreml");
+        assert_eq!(d.branch.as_deref(), Some("n1024"));
+        let d = Distribution::of(&[], "https://models.example.com/e2b/1.0.0", "1.0.0", "e2b");
+        assert_eq!((d.model_id.as_str(), d.repo.as_deref()), ("e2b", None));
     }
 }

@@ -366,6 +366,29 @@ impl ReleaseFolder {
         })
     }
 
+    /// The folder of the weight blob that the package folder `package`
+    /// (inside this release) reads when it holds none of its own: the blob
+    /// of the package some entry's download shares into it (every such pair
+    /// is the same bytes: `package` and `verify` check it). None when it
+    /// holds its blob, or is not one of the release's packages.
+    pub fn shared_weights(&self, package: &Path) -> Option<PathBuf> {
+        if package.join(downloader::PACKAGE_BLOB).is_file() {
+            return None;
+        }
+        let target = package.canonicalize().ok()?;
+        let name = self
+            .manifest
+            .chunks
+            .iter()
+            .map(|c| c.name.as_str())
+            .find(|n| self.package_dir(n).canonicalize().ok().as_ref() == Some(&target))?;
+        downloader::ENTRIES
+            .iter()
+            .filter(|e| e.blob_of(name) != name)
+            .find_map(|e| self.package_files(name, e).ok())
+            .map(|f| f.weights)
+    }
+
     /// The token counts of `name`'s functions of `kind` in the manifest.
     fn function_tokens(&self, name: &str, kind: FunctionKind) -> Vec<usize> {
         self.manifest

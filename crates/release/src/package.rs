@@ -647,7 +647,7 @@ fn check_paths(a: &PackageRequest, hf_dir: &Path) -> Result<Paths> {
     }
     check_inputs_kept(a)?;
     if let Some(d) = encoders_dir(a) {
-        crate::encoders::encoder_sources(&d)?;
+        crate::encoders::encoder_sources(&d, &hf_dir.join("config.json"))?;
     }
     Ok((hf_sources, parent, name))
 }
@@ -956,7 +956,14 @@ fn gather(a: &PackageRequest, build: &Build, c: &Checked, onto: Option<&Onto>) -
         g.pkgs.push((n.to_string(), pkg, src));
     }
     if let Some(d) = encoders_dir(a) {
-        let enc = crate::encoders::encoder_sources(&d)?;
+        let config = c
+            .inputs
+            .hf_sources
+            .iter()
+            .find(|(_, rel)| rel == &format!("{HF_MODEL_DIR}/config.json"))
+            .map(|(src, _)| src.clone())
+            .unwrap_or_default();
+        let enc = crate::encoders::encoder_sources(&d, &config)?;
         for (e, clients) in &enc.absent {
             eprintln!(
                 "note: {} has no {} ({} encoder): the {} download{} abort{} on it with multimodal on",
@@ -1270,6 +1277,11 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     }
     m.list_files(&files, inputs.base_url);
+    let sizes: BTreeMap<&str, u64> = files.iter().map(|(p, d)| (p.as_str(), d.size)).collect();
+    let kinds: Vec<_> = m.decode_layouts.iter().map(|l| l.kind).collect();
+    for w in downloader::oversized(&kinds, &|p| sizes.get(p).copied()) {
+        eprintln!("warning: {w}");
+    }
     if let Some(o) = &onto {
         mark_carried(&mut m, o, &carried, &all);
     }
@@ -1528,6 +1540,15 @@ fn write_zip_staged(root: &Path, z: &Path) -> Result<(TempFile, TempFile, String
     let tmp_zip = TempFile::new(dir.join(format!(".{fname}.tmp-{}", std::process::id())));
     let tmp_sha = TempFile::new(dir.join(format!(".{fname}.sha256.tmp-{}", std::process::id())));
     let digest = archive::write(root, &tmp_zip.path, z)?;
+    let bytes = fs::metadata(&tmp_zip.path).map_or(0, |m| m.len());
+    let why = archive::app_route(&archive::names(&tmp_zip.path).unwrap_or_default(), bytes);
+    if !why.is_empty() {
+        eprintln!(
+            "note: {} is the release for mirrors and `verify --archive`; the app's zip route cannot download it: {}; the app downloads a release file by file from its Hugging Face repository",
+            z.display(),
+            why.join("; ")
+        );
+    }
     fs::write(&tmp_sha.path, archive::digest_line(&digest, &fname))
         .with_context(|| format!("{}: cannot write", tmp_sha.path.display()))?;
     Ok((tmp_zip, tmp_sha, digest))

@@ -32,7 +32,7 @@ from ..mil.inspect import const_key
 from ..mil.interp import Interpreter
 from ..model import Chunk, load_streamed
 from ..runtime import ChunkforgeError
-from ..weights import value_of
+from ..weights import Stored, kernels, value_of
 from .verdicts import judge
 
 # (name, fp16 rounding after every op)
@@ -76,11 +76,15 @@ class Programs:
         its default function) by torch parameter path with dots as
         underscores (`inspect_pkg.const_key`): tensors, or `weights.Lazy`."""
         interp = self.interpreter(name)
-        consts = interp.function(function or interp.default_function).consts
+        fn = interp.function(function or interp.default_function)
+        consts = fn.consts
         out: dict[str, Any] = {}
         # A weight's palettized value wins over any other constant of its name.
         for n in sorted(consts, key=lambda n: not n.endswith("_palettized")):
-            out.setdefault(const_key(n), consts[n])
+            # As the kernels read it (`Interpreter.stored_const`): an fp16
+            # matrix as its stored values, not made dense.
+            value = interp.stored_const(fn.const_keys[n], consts[n]) if kernels() else consts[n]
+            out.setdefault(const_key(n), value)
         return out
 
     def read_back(self, dims: Dims, chunks: list[ChunkPlan], kind: FunctionKind) -> dict[str, Any]:
@@ -141,8 +145,8 @@ class Lookup:
         return partial(value_of, self.find(name))
 
     def get(self, name: str) -> torch.Tensor:
-        value: torch.Tensor = value_of(self.find(name))
-        return value
+        value = value_of(self.find(name))
+        return value.dense() if isinstance(value, Stored) else value
 
 
 def caches_cosine(a: Any, b: Any) -> float:
