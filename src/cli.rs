@@ -322,7 +322,8 @@ pub struct ParityCmd {
     /// [default: 512; with --artifacts, the build's (build.json)].
     #[arg(long, value_parser = args::ctx)]
     pub ctx: Option<usize>,
-    /// Prompt token ids (comma-separated); default: parity/default_prompt.json.
+    /// Prompt token ids (comma-separated); default: parity/builtin_prompt.json for the
+    /// built-in checkpoint, parity/default_prompt.json for any other.
     #[arg(long)]
     pub prompt_ids: Option<String>,
     /// Run the first N prompt tokens through the four-chunk reference, copy its KV

@@ -363,7 +363,6 @@ fn int4_artifacts_of_a_full_build_agree_and_are_reported() {
 fn artifacts_set_the_functions_and_refuse_others_up_front() {
     let build = built_all();
     let b = build.to_str().unwrap();
-    let ids = count_prompt_ids();
     let (code, out) = parity(&[
         "--mode",
         "four",
@@ -372,8 +371,6 @@ fn artifacts_set_the_functions_and_refuse_others_up_front() {
         "--no-oracle",
         "--artifacts",
         b,
-        "--prompt-ids",
-        &ids,
     ]);
     assert_eq!(code, 0, "{out}");
     for (args, says) in [
@@ -535,14 +532,42 @@ fn artifacts_holding_another_checkpoints_weights_fail_and_name_the_weight() {
     );
 }
 
-/// The counting task's token ids, for checks whose INT4 verdict is not their
-/// point. The default prompt's random ids are text the trained built-in
-/// checkpoint never saw: its next-token guesses there are near-ties, INT4
-/// moves a quarter of them (top-1 75.0 % over 16 steps, the threshold
-/// itself) and a short run can land under the threshold. On the task it was
-/// trained on, its INT4 packages agree with fp32 at every step (16 of 16).
-fn count_prompt_ids() -> String {
-    common::builtin_prompt_ids(&common::counting(47, 8))
+/// Without `--prompt-ids`, parity on the built-in checkpoint feeds the task
+/// it was trained on (parity/builtin_prompt.json): the ids are its text as the
+/// checkpoint's tokenizer encodes it, and they are the prompt the report
+/// records. (The random ids of parity/default_prompt.json are text it never
+/// saw: its next-token guesses there are near-ties, and INT4 kept the fp32
+/// token at 12 of 16 steps, `--min-top1-int4` itself; on the counting task
+/// at 16 of 16 and at 128 of 128, the smallest top-2 margin 0.65.)
+#[test]
+fn the_builtin_checkpoints_default_prompt_is_its_counting_task_as_its_tokenizer_encodes_it() {
+    let shipped: serde_json::Value =
+        serde_json::from_str(include_str!("../parity/builtin_prompt.json")).unwrap();
+    let text = shipped["text"].as_str().unwrap();
+    assert!(text.starts_with(&common::counting(1, 3)), "{text}");
+    let want = common::builtin_prompt_ids(text);
+    let got: Vec<String> = ids(&shipped["prompt_ids"])
+        .iter()
+        .map(i64::to_string)
+        .collect();
+    assert_eq!(got.join(","), want);
+    assert!(got.len() >= 1024, "{}", got.len());
+    let report = tempdir("parity-builtin-prompt").join("report.json");
+    let (code, out) = parity(&[
+        "--mode",
+        "two",
+        "--steps",
+        "3",
+        "--no-oracle",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let recorded: Vec<String> = ids(&json_file(&report)["prompt_ids"])
+        .iter()
+        .map(i64::to_string)
+        .collect();
+    assert_eq!(recorded, got[..3], "{out}");
 }
 
 /// The lines of `out` that start with `prefix`, each ending in OK.
@@ -694,7 +719,6 @@ fn edited_programs_fail_interpreter_parity_where_weight_read_back_passes() {
             vec![q(0), q(1), "decode_q1".into()],
         ),
     ];
-    let ids = count_prompt_ids();
     for (label, package, edit, args) in cases {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let dir = sabotaged_build(label, package, edit, &args);
@@ -706,8 +730,6 @@ fn edited_programs_fail_interpreter_parity_where_weight_read_back_passes() {
             "--no-oracle",
             "--artifacts",
             dir.to_str().unwrap(),
-            "--prompt-ids",
-            &ids,
         ]);
         assert_eq!(code, 1, "{label}: {out}");
         let line = |prefix: &str| {
