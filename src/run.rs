@@ -51,6 +51,24 @@ pub struct RunFiles {
     tokenizer: String,
 }
 
+impl RunFiles {
+    /// The side files `run` reads, `path` giving each one's path by its
+    /// name in the release; `tokenizer` the tokenizer's (empty: none).
+    pub fn new(path: &dyn Fn(&str) -> String, tokenizer: String) -> Self {
+        RunFiles {
+            embed_tokens_q8: path(sidefiles::EMBED_Q8),
+            embed_tokens_scales: path(sidefiles::EMBED_SCALES),
+            embed_tokens_per_layer_q8: path(sidefiles::PER_LAYER_Q8),
+            embed_tokens_per_layer_scales: path(sidefiles::PER_LAYER_SCALES),
+            cos_sliding: path(sidefiles::COS_SLIDING),
+            sin_sliding: path(sidefiles::SIN_SLIDING),
+            cos_full: path(sidefiles::COS_FULL),
+            sin_full: path(sidefiles::SIN_FULL),
+            tokenizer,
+        }
+    }
+}
+
 /// contract.py `RunRequest`.
 #[derive(Serialize, JsonSchema)]
 pub struct RunRequest<'a> {
@@ -114,6 +132,10 @@ pub struct RunResult {
     pub download: String,
     #[serde(default = "emulation")]
     pub note: String,
+    /// The free-running gate against the source (`--against-source`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(skip)]
+    pub gate: Option<crate::bench::transcript::Transcript>,
 }
 
 fn emulation() -> String {
@@ -203,18 +225,10 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
             }
         }
     }
-    let path = |name: &str| folder.side_file(name).to_string_lossy().into_owned();
-    let files = RunFiles {
-        embed_tokens_q8: path(sidefiles::EMBED_Q8),
-        embed_tokens_scales: path(sidefiles::EMBED_SCALES),
-        embed_tokens_per_layer_q8: path(sidefiles::PER_LAYER_Q8),
-        embed_tokens_per_layer_scales: path(sidefiles::PER_LAYER_SCALES),
-        cos_sliding: path(sidefiles::COS_SLIDING),
-        sin_sliding: path(sidefiles::SIN_SLIDING),
-        cos_full: path(sidefiles::COS_FULL),
-        sin_full: path(sidefiles::SIN_FULL),
-        tokenizer: tokenizer.map_or_else(String::new, |p| p.to_string_lossy().into_owned()),
-    };
+    let files = RunFiles::new(
+        &|name| folder.side_file(name).to_string_lossy().into_owned(),
+        tokenizer.map_or_else(String::new, |p| p.to_string_lossy().into_owned()),
+    );
     let req = RunRequest {
         release: o.release.to_string_lossy().into_owned(),
         packages: &packages,

@@ -111,6 +111,12 @@ entry_points! {
     /// Text from a release folder alone (`chunkforge run`).
     Emulate = "emulate.release"."run"(Dict crate::run::RunRequest<'a>) -> crate::run::RunResult,
         with ["progress"];
+    /// Each layout's programs against transformers over a text (`chunkforge eval`).
+    Evaluate = "quality.text"."evaluate"(Dict crate::eval::EvalRequest<'a>)
+        -> crate::quality::EvalResult, with ["progress"];
+    /// transformers' greedy tokens and margins (`run --against-source`).
+    SourceGreedyOf = "quality.gate"."source_greedy"(Dict crate::gate::SourceGreedyRequest<'a>)
+        -> crate::gate::SourceGreedy;
     /// The parity checks (`chunkforge parity`).
     Parity = "parity.run"."run"(Dict crate::parity::ParityRequest<'a>) -> ParityReport,
         with ["progress"];

@@ -12,6 +12,7 @@ pub mod layouts;
 pub mod names;
 pub mod parity_checks;
 pub mod plan;
+pub mod quality;
 pub mod records;
 pub mod strict_json;
 

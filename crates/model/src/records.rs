@@ -927,6 +927,9 @@ pub struct ParitySummary {
     pub programs: Option<IndexMap<String, IndexMap<String, ProgramSummary>>>,
     #[serde(default)]
     pub corrupted_chunk: Option<String>,
+    /// The fp16 range of the packages' programs as `--artifacts` ran them in fp16.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp16_range: Option<crate::quality::Fp16RangeReport>,
     #[serde(default)]
     pub seconds: f64,
 }

@@ -27,6 +27,7 @@ from ..contract import ChunkPlan, Dims, FunctionKind, ParityLayout, ProgramRecor
 from ..emulate.release import SCALAR_DROPPED_AT_ONE
 from ..emulate.stepper import EmbeddingSource, LayoutRunner, PrefillRunner, function_of, schedule
 from ..mil.chunk import ProgramChunk
+from ..mil.fp16range import Fp16Range
 from ..mil.inspect import const_key
 from ..mil.interp import Interpreter
 from ..model import Chunk, load_streamed
@@ -57,6 +58,9 @@ class Programs:
     def __init__(self, build_dir: str):
         self.build_dir = build_dir
         self._interp: dict[str, Interpreter] = {}
+        # Every program run's fp16-typed op outputs (`fp16range`): the fp16
+        # range report, and the ops that make inf or NaN in fp16 only.
+        self.watch = Fp16Range()
 
     def interpreter(self, name: str) -> Interpreter:
         """The package ``name`` (``chunk1``), parsed once."""
@@ -105,7 +109,8 @@ class Programs:
         self, chunks: list[ChunkPlan], kind: FunctionKind, fp16: bool, tokens: int | None = None
     ) -> dict[str, Any]:
         return {
-            c["name"]: ProgramChunk(self.interpreter(c["name"]), function_of(c, kind, tokens), fp16) for c in chunks
+            c["name"]: ProgramChunk(self.interpreter(c["name"]), function_of(c, kind, tokens), fp16, self.watch)
+            for c in chunks
         }
 
 

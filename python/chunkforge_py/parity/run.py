@@ -20,6 +20,7 @@ from ..contract import (
     ArtifactSummary,
     ChunkPlan,
     Dims,
+    Fp16RangeReport,
     FunctionArtifactSummary,
     LayerDivergence,
     Localisation,
@@ -600,6 +601,7 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
     artifact_summary: dict[str, ArtifactSummary] = {}
     program_records: list[ProgramRecord] = []
     program_summary: dict[str, dict[str, ProgramSummary]] = {}
+    fp16_range: Fp16RangeReport | None = None
     build_dir = req.get("artifacts")
     if build_dir:
         # The checkpoint's projections are read once each from here on (each
@@ -717,6 +719,7 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
                 "ok": ok,
                 "verdict": verdict,
             }
+        fp16_range = programs.watch.report(every=False)
 
     judge_steps(records, ill, reference, prefill, decode_layouts(req))
     failed_steps = [r for r in records if not r["ok"]]
@@ -756,6 +759,7 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
         "artifacts_precision": req.get("artifacts_precision") if build_dir else None,
         "programs": program_summary or None,
         "corrupted_chunk": corrupted,
+        "fp16_range": fp16_range,
         "seconds": time.perf_counter() - started,
     }
     report: ParityReport = {
@@ -766,6 +770,9 @@ def run(req: ParityRequest, progress: Callable[[str], None] | None = None) -> Pa
         "summary": summary,
     }
     summary["verdict"] = verdicts.of_report(report)
+    if fp16_range is not None and not fp16_range["ok"]:
+        # An op the fp16 programs overflow in, where the fp32 ones stay finite.
+        summary["verdict"] = "fail"
     summary["ok"] = summary["verdict"] == "ok"
     weights.write_stats()
     return report
