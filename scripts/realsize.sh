@@ -142,6 +142,13 @@ ids = Tokenizer.from_file(sys.argv[1]).encode(sys.argv[2]).ids
 print(",".join(str(t) for t in (ids * 64)[:64]))' "$dir/release/hf_model/tokenizer.json" "$prompt")
         step "$shape" run "$cf" run "$dir/release" --prompt-ids "$ids" --max-tokens 64 --json
         speeds "$shape" "$scratch/$shape-run.log" >>"$scratch/speeds.txt"
+        # What INT4 costs on the project's text, every layout of the release
+        # (64 tokens): perplexity, KL, top-1 against transformers; then the
+        # same with every fp16 op output rounded, and the fp16 range.
+        step "$shape" eval "$cf" eval "$dir/release" --hf-dir "$dir/ckpt" --max-tokens 64 \
+            --report "$scratch/$shape-eval.json"
+        step "$shape" eval-fp16 "$cf" eval "$dir/release" --hf-dir "$dir/ckpt" --max-tokens 64 --fp16 \
+            --report "$scratch/$shape-eval-fp16.json"
         if [[ " ${BENCH:-e2b} " == *" $shape "* ]]; then
             step "$shape" bench-run "$cf" bench run "$dir/release" --hf-dir "$dir/ckpt" \
                 --prompt "$prompt" --prompt-tokens 64 --max-tokens 16
@@ -184,7 +191,7 @@ echo
 printf '|---|'
 for _ in "${shapes[@]}"; do printf -- '---:|---:|'; done
 echo
-for name in fixture build audit package parity run bench-run build-fp16 package-fp16 run-fp16 oracle; do
+for name in fixture build audit package parity run eval eval-fp16 bench-run build-fp16 package-fp16 run-fp16 oracle; do
     printf '| `%s` |' "$name"
     for shape in "${shapes[@]}"; do
         row=$(awk -F'\t' -v s="$shape" -v n="$name" '$1 == s && $2 == n' "$table")
@@ -208,6 +215,11 @@ for shape in "${shapes[@]}"; do
     grep -h '^PARITY' "$scratch/$shape-parity.log" 2>/dev/null | sed "s/^/${shape^^} parity: /"
 done
 cat "$scratch/speeds.txt" 2>/dev/null
+for shape in "${shapes[@]}"; do
+    for name in eval eval-fp16; do
+        sed -n '/^source (transformers/,$p' "$scratch/$shape-$name.log" 2>/dev/null | sed "s/^/${shape^^} $name: /"
+    done
+done
 for shape in "${shapes[@]}"; do
     grep -h -A12 '^a [0-9]*-token prompt' "$scratch/$shape-bench-run.log" 2>/dev/null | sed "s/^/${shape^^} bench run: /"
 done

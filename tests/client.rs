@@ -651,7 +651,10 @@ fn run_book_lines(rel: &Path, ext: &str) {
     for (i, b) in runnable.iter().enumerate() {
         let o = std::process::Command::new("bash")
             .args(["-euo", "pipefail", "-c", b])
+            .current_dir(&work)
             .env("PATH", &path)
+            // The free-running gate's prompt: the built-in checkpoint's task.
+            .env("GATE_PROMPT", "forty-seven, forty-eight, forty-nine,")
             .env("RELEASE", rel)
             .env("PUBLIC_KEY", key().with_extension("pub"))
             .env("MODEL_DIR", &model)
@@ -666,6 +669,10 @@ fn run_book_lines(rel: &Path, ext: &str) {
             String::from_utf8_lossy(&o.stderr)
         );
     }
+    // The free-running gate's transcript, of 64 tokens, passed.
+    let gate: Value = serde_json::from_slice(&fs::read(work.join("gate.json")).unwrap()).unwrap();
+    assert_eq!(gate["judged"]["pass"], true, "{gate}");
+    assert_eq!(gate["max_tokens"], 64, "{gate}");
     // The model folder holds the app's download of the release, as
     // client-check materializes it, under local names.
     let app = work.join("app");

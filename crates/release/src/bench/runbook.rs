@@ -337,6 +337,7 @@ pub fn render(f: &RunbookFacts) -> String {
     lines_the_verdict_reads(&mut s, &layouts);
     targets(&mut s, &layouts);
     verdict(&mut s, &layouts, &runtimes);
+    free_running_gate(&mut s, &layouts);
     s
 }
 
@@ -769,6 +770,38 @@ fn verdict(s: &mut String, layouts: &[&RuntimeLayout], runtimes: &[Runtime]) {
     line!(s, "```");
     line!(s);
     line!(s, "A `LAYOUT=FILE` label names the layout the run was meant to be: a run whose layout line names another is an error (a package was not moved aside, or is missing), and a launch that died while loading counts against its label. The report prints a verdict per layout (DEAD ON ARRIVAL, ANE REGRESSION, INCOMPLETE, BELOW PASS, PASS, SHIP; CONTROL for the control), its runs, its change against the control and every problem found with its file and line, runtime lines it could not read included. `--json` prints it as JSON; `--require pass` or `--require ship` exits 1 unless every layout with a target reaches it.");
+}
+
+/// The free-running gate on the device: the transcript made on the CPU
+/// (`run --against-source --transcript`), one greedy run per layout that
+/// replays its prompt ids, and `device-report --transcript` over their logs.
+fn free_running_gate(s: &mut String, layouts: &[&RuntimeLayout]) {
+    line!(s);
+    line!(s, "## The free-running gate");
+    line!(s);
+    line!(s, "The device's own greedy tokens against transformers' on the source checkpoint (docs/eval.md). First the transcript, where the source checkpoint is (`SOURCE`: its folder; a release of the built-in checkpoint needs none): this release's emulation and transformers, 64 tokens each, with the source's top-2 margin at every token:");
+    line!(s);
+    line!(s, "```sh");
+    line!(s, "chunkforge run \"$RELEASE\" ${{SOURCE:+--hf-dir \"$SOURCE\"}} --prompt \"${{GATE_PROMPT:-The quick brown fox}}\" \\");
+    line!(
+        s,
+        "    --max-tokens 64 --against-source --transcript gate.json"
+    );
+    line!(s, "```");
+    line!(s);
+    line!(s, "Then, after the cold runs, one more launch per layout (forced as above): greedy decoding with every drafter off, the transcript's `prompt_ids` as the prompt's token ids and `--max-tokens 64`. The bench logs the ids the app emitted (upstream's `CoreMLLLM.lastEmittedTokenIDs`) on one line, `[Gate] tokens: ID ID ...`; save each launch's console as `LAYOUT-gate.log`. A divergence from transformers passes only where its top-2 margin is under the transcript's near-tie:");
+    line!(s);
+    line!(s, "```sh");
+    let logs: Vec<String> = layouts
+        .iter()
+        .map(|l| format!("{k}={k}-gate.log", k = l.kind))
+        .collect();
+    line!(
+        s,
+        "chunkforge device-report --transcript gate.json {}",
+        logs.join(" ")
+    );
+    line!(s, "```");
 }
 
 #[cfg(test)]
