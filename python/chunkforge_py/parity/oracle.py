@@ -192,8 +192,8 @@ class Oracle:
         the values the whole table would."""
         (ids,) = args
         unique, index = torch.unique(ids, return_inverse=True)
-        source = self.ckpt.get("embed_tokens_per_layer.weight", None)
-        module.weight = torch.nn.Parameter(source[unique].to(self.dtype), requires_grad=False)
+        rows = self.ckpt.table("embed_tokens_per_layer.weight").take(unique.tolist())
+        module.weight = torch.nn.Parameter(rows.to(self.dtype), requires_grad=False)
         return (index,)
 
     def teacher_forced(
