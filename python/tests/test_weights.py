@@ -76,7 +76,7 @@ def test_tables_read_by_rows_are_the_mapped_rows_and_refuse_a_nan_anywhere(
 ) -> None:
     # An embedding table is read a row per lookup (never mapped) and checked
     # finite whole first, in blocks of rows (40 values: 2 rows of 16 a block).
-    monkeypatch.setattr("chunkforge_py.checkpoint.ROUND_BLOCK", block)
+    monkeypatch.setattr("chunkforge_py.checkpoint.CHECK_BLOCK", block)
     ckpt, tensors = checkpoint(tmp_path, dtype)
     table = ckpt.table("w")
     for i in (0, 1, 31, 47):
