@@ -18,7 +18,9 @@ pub fn spinner(msg: impl Into<String>) -> ProgressBar {
 }
 
 /// Tells each phase of a long Python call on `sp` as `prefix: phase`, with
-/// the process's resident memory now and at its peak so far; where stderr is not a terminal (a log
+/// the process's resident memory now (and how much of it is pages of files
+/// it has mapped, which count there as much as its own memory) and at its
+/// peak so far; where stderr is not a terminal (a log
 /// file), each phase is a plain line with the seconds since the start.
 pub fn phases(sp: &ProgressBar, prefix: &str) -> impl Fn(&str) + Send + Sync + 'static {
     let sp = sp.clone();
@@ -27,8 +29,9 @@ pub fn phases(sp: &ProgressBar, prefix: &str) -> impl Fn(&str) + Send + Sync + '
     move |what: &str| {
         let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
         let msg = format!(
-            "{prefix}: {what} ({:.1} GiB resident, {:.1} GiB peak so far)",
+            "{prefix}: {what} ({:.1} GiB resident, {:.1} of it file-backed, {:.1} GiB peak so far)",
             gib(rss_bytes()),
+            gib(status_bytes("RssFile:")),
             gib(peak_rss_bytes())
         );
         if sp.is_hidden() {

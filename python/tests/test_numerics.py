@@ -99,7 +99,7 @@ class _Tables:
     def __init__(self, embed: torch.Tensor, per_layer: torch.Tensor):
         self.tables = {"embed_tokens.weight": embed, "embed_tokens_per_layer.weight": per_layer}
 
-    def get(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    def table(self, name: str) -> torch.Tensor:
         return self.tables[name]
 
 

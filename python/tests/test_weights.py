@@ -16,6 +16,7 @@ from chunkforge_py.checkpoint import Checkpoint
 from chunkforge_py.mil import ops as mil_ops
 from chunkforge_py.mil import program as mil_program
 from chunkforge_py.model import Projection, load_streamed
+from chunkforge_py.runtime import ChunkforgeError
 from chunkforge_py.weights import Lazy, Resident
 from safetensors.torch import save_file
 
@@ -66,6 +67,29 @@ def test_positioned_reads_give_what_the_mapping_gives(
         assert torch.equal(got, tensors[f"model.{name}"].float())
     with pytest.raises(KeyError, match="model.x is not in the checkpoint"):
         ckpt.read("x", torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block", [1 << 22, 40])
+def test_tables_read_by_rows_are_the_mapped_rows_and_refuse_a_nan_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, block: int
+) -> None:
+    # An embedding table is read a row per lookup (never mapped) and checked
+    # finite whole first, in blocks of rows (40 values: 2 rows of 16 a block).
+    monkeypatch.setattr("chunkforge_py.checkpoint.CHECK_BLOCK", block)
+    ckpt, tensors = checkpoint(tmp_path, dtype)
+    table = ckpt.table("w")
+    for i in (0, 1, 31, 47):
+        assert table[i].dtype == dtype
+        assert torch.equal(table[i], ckpt.get("w", None)[i])
+    assert torch.equal(table.take([5, 2, 5]), tensors["model.w"][[5, 2, 5]])
+
+    bad = tensors["model.w"].clone()
+    bad[46, 3] = float("nan")
+    path = str(tmp_path / "bad.safetensors")
+    save_file({"model.w": bad}, path, metadata={"format": "pt"})
+    with pytest.raises(ChunkforgeError, match=r"bad.safetensors: weight model.w has 1 NaN/Inf values"):
+        Checkpoint({"prefix": "model.", "files": {"model.w": path}}).table("w")
 
 
 class Two(torch.nn.Module):

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import weights
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, Table
 from ..contract import ChunkPlan, Dims, FunctionKind, FunctionPlan, Layout, ParityLayout, SlotCopy
 from ..model import MASK_MIN, Chunk, Tensors, build_chunk
 from ..roles import CACHE, CACHE_ROLES, NEW_ROW_ROLES, NEW_ROWS, ROPE, Key, bind, in_order
@@ -99,10 +99,11 @@ class Embeddings:
 
     def __init__(self, dims: Dims, ckpt: Checkpoint):
         self.dims = dims
-        # Stored dtype, memory-mapped: only the looked-up rows are converted
-        # (the per-layer table of a real E2B is 262144 x 8960).
-        self.embed = ckpt.get("embed_tokens.weight", None)
-        self.per_layer = ckpt.get("embed_tokens_per_layer.weight", None)
+        # Stored dtype, read a row per lookup (`checkpoint.Table`): the
+        # per-layer table of a real E2B is 262144 x 8960, 4.7 GB in bf16,
+        # and a mapping of it would stay resident once checked finite.
+        self.embed = ckpt.table("embed_tokens.weight")
+        self.per_layer = ckpt.table("embed_tokens_per_layer.weight")
 
     def hidden(self, token: int, dtype: torch.dtype) -> torch.Tensor:
         """``embed_tokens[id] * embed_scale``, rounded to fp16 as the runtime's input array is."""
@@ -119,7 +120,7 @@ class Embeddings:
         return hidden, per_layer
 
     @staticmethod
-    def _scaled(table: torch.Tensor, token: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    def _scaled(table: Table, token: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
         row = table[token].float() * torch.tensor(scale, dtype=torch.float32)
         return row.half().view(1, 1, -1).to(dtype)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..checkpoint import Checkpoint
-from ..weights import Stored, kernels, making, tally
+from ..weights import RESIDENT, Stored, kernels, making, tally
 
 if TYPE_CHECKING:
     from ..emulate.stepper import Embeddings
@@ -192,8 +192,8 @@ class Oracle:
         the values the whole table would."""
         (ids,) = args
         unique, index = torch.unique(ids, return_inverse=True)
-        source = self.ckpt.get("embed_tokens_per_layer.weight", None)
-        module.weight = torch.nn.Parameter(source[unique].to(self.dtype), requires_grad=False)
+        rows = self.ckpt.table("embed_tokens_per_layer.weight").take(unique.tolist())
+        module.weight = torch.nn.Parameter(rows.to(self.dtype), requires_grad=False)
         return (index,)
 
     def teacher_forced(
@@ -204,7 +204,15 @@ class Oracle:
 
         transformers gets the embeddings the runtime feeds the chunks (``emb``: scaled
         rows rounded to fp16), not its own fp32 lookups, so the oracle compares the
-        decoder's math on identical inputs; the rounding itself is the runtime's."""
+        decoder's math on identical inputs; the rounding itself is the runtime's.
+
+        One forward reads each weight once, so what it reads is not kept in
+        the resident budget (`Resident.passing`): the budget's room stays
+        free for the float copies the layers are made into."""
+        with RESIDENT.passing():
+            return self._teacher_forced(prompt, emb, attention)
+
+    def _teacher_forced(self, prompt: list[int], emb: Embeddings, attention: str) -> dict[str, torch.Tensor]:
         model = self.model
         n_layers, ple = model.config.num_hidden_layers, model.config.hidden_size_per_layer_input
         embeds = torch.cat([emb.hidden(t, self.dtype) for t in prompt], dim=1)

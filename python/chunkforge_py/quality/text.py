@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import divergence
+from .. import divergence, weights
 from ..checkpoint import Checkpoint
 from ..contract import Dims, Disagreement, EvalLayout, EvalRequest, EvalResult, LayoutQuality, SourceQuality
 from ..emulate.release import Package, ReleaseEmbeddings, RopeTables, check_contract
@@ -51,8 +51,9 @@ class SourceEmbeddings:
 
     def __init__(self, dims: Dims, ckpt: Checkpoint):
         self.dims = dims
-        self.embed = ckpt.get("embed_tokens.weight", None)
-        self.per_layer = ckpt.get("embed_tokens_per_layer.weight", None)
+        # Read a row per lookup, as parity's `stepper.Embeddings`.
+        self.embed = ckpt.table("embed_tokens.weight")
+        self.per_layer = ckpt.table("embed_tokens_per_layer.weight")
 
     def hidden(self, token: int, dtype: torch.dtype) -> torch.Tensor:
         return (self.embed[token].float() * self.dims["embed_scale"]).view(1, 1, -1).to(dtype)
@@ -169,6 +170,8 @@ def evaluate(req: EvalRequest, progress: Callable[[str], None] | None = None) ->
     t0 = time.perf_counter()
     source = source_logits(req, ids)
     source_quality, margins, top = score_source(source, ids, time.perf_counter() - t0)
+    # The checkpoint's weights leave the budget: the packages' take its room.
+    weights.RESIDENT.release(lambda key: not (isinstance(key, tuple) and key[:1] == ("checkpoint",)))
     release_memory()
 
     emb = ReleaseEmbeddings(req)  # type: ignore[arg-type]
