@@ -21,8 +21,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::client_check::mil_context;
@@ -31,25 +29,10 @@ use crate::folder::ReleaseFolder;
 use crate::hashing::{self, FileDigest};
 use crate::manifest::{self, Compiled, Manifest, PredicateSummary, MANIFEST_FILE};
 use crate::package::{copy_tree, sign_into, split_output};
+use crate::py::calls;
+use crate::py::contract::CompileRequest;
 use crate::sign::{self, SIG_FILE};
 use crate::staging::Staging;
-
-/// `compiled.compile_package`'s request.
-#[derive(Serialize, JsonSchema)]
-pub struct CompileRequest<'a> {
-    pub package: &'a str,
-    pub output: &'a str,
-    pub files: Vec<&'a str>,
-}
-
-/// `compiled.compile_package`'s reply.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct CompileReply {
-    pub output: String,
-    pub written: Vec<String>,
-    pub absent: Vec<String>,
-    pub coremltools: String,
-}
 
 /// Why compiling cannot happen on this platform (None on macOS).
 pub fn unsupported() -> Option<String> {
@@ -135,7 +118,7 @@ pub fn compile_release(dir: &Path, key: &Path, verbose: bool) -> Result<usize> {
         if let Some(p) = out.parent() {
             fs::create_dir_all(p).with_context(|| format!("{}: cannot create", p.display()))?;
         }
-        let reply = crate::py::calls::compile_package(
+        let reply = calls::compile_package(
             &CompileRequest {
                 package: &package.to_string_lossy(),
                 output: &out.to_string_lossy(),

@@ -6,9 +6,7 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use indexmap::IndexMap;
 use schemars::JsonSchema;
-use serde::Serialize;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
@@ -17,13 +15,12 @@ use crate::layouts::{spec, Purpose, REFERENCE};
 use crate::manifest::Build;
 use crate::plan::{self, LayoutKind, Plan};
 use crate::progress;
-use crate::py::calls::{self, CheckpointFiles};
+use crate::py::calls;
+use crate::py::contract::{CheckpointFiles, DimsOnly, ParityLayout, ParityRequest};
 use crate::records::{ParityCheckpoint, ParityReport, ToolVersions, PARITY_FORMAT};
 use crate::staging;
 
 pub use crate::settings::ParitySettings;
-#[cfg(feature = "test-hooks")]
-pub use crate::test_hooks::Sabotage;
 
 /// `--steps`.
 pub const DEFAULT_STEPS: usize = 16;
@@ -57,62 +54,6 @@ pub fn parse_prompt(text: &str) -> Result<Vec<i64>> {
                 .with_context(|| format!("--prompt-ids: `{s}` is not a token id"))
         })
         .collect()
-}
-
-/// A layout as parity compares it: named by its kind.
-#[derive(Serialize, JsonSchema)]
-pub struct ParityLayout<'a> {
-    name: LayoutKind,
-    chunks: &'a [plan::ChunkPlan],
-    kv_slot_map: &'a [plan::SlotCopy],
-}
-
-impl<'a> From<&'a plan::Layout> for ParityLayout<'a> {
-    fn from(l: &'a plan::Layout) -> Self {
-        ParityLayout {
-            name: l.kind,
-            chunks: &l.chunks,
-            kv_slot_map: &l.kv_slot_map,
-        }
-    }
-}
-
-#[derive(Serialize, JsonSchema)]
-pub struct DimsOnly<'a> {
-    dims: &'a plan::Dims,
-}
-
-/// What `parity.run` is asked to check (contract.py `ParityRequest`).
-#[derive(Serialize, JsonSchema)]
-pub struct ParityRequest<'a> {
-    plan: DimsOnly<'a>,
-    /// The layout every other one is compared against.
-    reference: LayoutKind,
-    /// The decode layouts (the layout table's `Purpose::Decode` rows), the
-    /// reference first: Python judges exactly these records as the
-    /// reference's own computation (`judge_steps`); every other step
-    /// record is a function's.
-    layouts: Vec<ParityLayout<'a>>,
-    checkpoint: CheckpointFiles,
-    config_path: String,
-    prompt_ids: &'a [i64],
-    steps: usize,
-    tol_cos: f64,
-    prefill: usize,
-    prefill_layout: Option<ParityLayout<'a>>,
-    skip_prefill_copy: bool,
-    oracle: bool,
-    /// A weight broken on purpose (test builds only).
-    #[cfg(feature = "test-hooks")]
-    #[serde(flatten)]
-    sabotage: Option<Sabotage>,
-    artifacts: Option<String>,
-    /// `INT4` for a palettized build, `FP16` for a `--no-quantize` one.
-    artifacts_precision: Option<&'static str>,
-    artifact_layouts: IndexMap<LayoutKind, ParityLayout<'a>>,
-    tol_cos_int4: f64,
-    min_top1_int4: f64,
-    max_weight_rel_mse: f64,
 }
 
 /// Runs parity and writes `--report`; returns the report (its
@@ -237,7 +178,7 @@ pub fn run(
     report.prompt_ids = prompt.iter().take(opts.steps).copied().collect();
     report.tool = ToolVersions {
         chunkforge: env!("CARGO_PKG_VERSION").into(),
-        python: calls::versions(verbose)?,
+        python: crate::py::env::versions(verbose)?,
     };
     if let Some(path) = &opts.report {
         staging::write_atomic(path, &serde_json::to_vec_pretty(&report)?)

@@ -13,13 +13,13 @@ use crate::build::{Jobs, Layout};
 use crate::cli::{BenchBuildCmd, BenchParityCmd, BuildCmd, ParityCmd, ReleaseCmd};
 use crate::names::Named;
 use crate::parity;
-#[cfg(feature = "test-hooks")]
-use crate::parity::Sabotage;
 use crate::plan::{self, Mode};
 use crate::records::{
     BuildRecord, BuildRequest, ConversionSettings, PackageWriter, Palettizer, Switch,
 };
 use crate::staging::OnLocked;
+#[cfg(feature = "test-hooks")]
+use crate::test_hooks::Sabotage;
 
 /// Whether a unit's functions are converted together (`joint.convert_jobs`):
 /// `on` (the default) or `off` (one conversion per function, the reference:

@@ -7,18 +7,9 @@
 //! crates/release/src/publish.rs (README: Tests).
 
 use clap::Args;
-use schemars::JsonSchema;
-use serde::Serialize;
 
 use crate::cli::named;
-
-chunkforge_model::named! {
-    /// `--corrupt-function`: which modules `--corrupt-layer` corrupts.
-    pub enum CorruptFunction {
-        Verify = "verify",
-        Prefill = "prefill",
-    }
-}
+pub use crate::py::contract::{CorruptFunction, Sabotage};
 
 /// The hidden options that break a weight on purpose (the parity tests show
 /// a broken layer is found and named).
@@ -39,14 +30,4 @@ impl SabotageArgs {
             function: self.corrupt_function,
         })
     }
-}
-
-/// One weight of `layer` corrupted in the compared layouts (or, with
-/// `function`, in the verify or prefill modules), as parity/run.py reads it.
-#[derive(Clone, Debug, Serialize, JsonSchema)]
-pub struct Sabotage {
-    #[serde(rename = "corrupt_layer")]
-    pub layer: usize,
-    #[serde(rename = "corrupt_function")]
-    pub function: Option<CorruptFunction>,
 }
