@@ -9,6 +9,7 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::audit;
 use crate::checkpoint::Checkpoint;
+use crate::cli::values::Jobs;
 use crate::config::TextConfig;
 use crate::hashing;
 use crate::layouts::{spec, Purpose, REFERENCE};
@@ -22,8 +23,8 @@ use crate::py::contract::{
 use crate::py::env as pyenv;
 use crate::py::worker::{self, BundleRequest, Stage, Task, TaskReply, Worker};
 use crate::records::{
-    BuildRecord, BuildRequest, BuildSeconds, CacheTotals, CheckpointRecord, ChunkRecord,
-    ChunkStats, ConversionSettings, FunctionRecord, Seconds, ToolVersions, BUILD_FORMAT,
+    BuildRecord, BuildSeconds, CacheTotals, CheckpointRecord, ChunkRecord, ChunkStats,
+    ConversionSettings, FunctionRecord, Seconds, ToolVersions, BUILD_FORMAT,
 };
 use crate::settings::BuildSettings;
 use crate::staging::OutputLock;
@@ -31,29 +32,6 @@ use crate::staging::{self, Staging};
 
 /// The phase the bundle of a multifunction package is timed under.
 const BUNDLE: &str = "bundle";
-
-/// `--jobs`: processes converting at once (this one and its conversion
-/// workers), or `auto` (`Pool::start`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Jobs {
-    Auto,
-    N(usize),
-}
-
-impl std::str::FromStr for Jobs {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "auto" => Ok(Jobs::Auto),
-            _ => match s.parse::<usize>() {
-                Ok(n) if n >= 1 => Ok(Jobs::N(n)),
-                _ => Err(format!(
-                    "{s}: expected auto or a number of processes (1 or more)"
-                )),
-            },
-        }
-    }
-}
 
 /// The memory a build may plan for with `--jobs auto`: half of upstream's
 /// 13 GB for a full-width `--mode both` (issue 15's target).
@@ -1078,30 +1056,6 @@ fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
         }
     }
     units
-}
-
-/// A layout request with its mode and context known (a recorded one is
-/// checked to have both).
-#[derive(Clone, Debug)]
-pub struct Layout {
-    pub mode: Mode,
-    pub split: Option<String>,
-    pub ctx: usize,
-    pub verify_k: Option<usize>,
-    pub prefill_len: Option<Vec<usize>>,
-}
-
-impl Layout {
-    /// As build.json records it.
-    pub fn record(&self) -> BuildRequest {
-        BuildRequest {
-            mode: Some(self.mode),
-            split: self.split.clone(),
-            ctx: Some(self.ctx as u64),
-            verify_k: self.verify_k,
-            prefill_len: self.prefill_len.clone(),
-        }
-    }
 }
 
 /// Compares the packages of `old` with a fresh build in `fresh_dir`, printing

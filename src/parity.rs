@@ -20,18 +20,7 @@ use crate::py::contract::{CheckpointFiles, DimsOnly, ParityLayout, ParityRequest
 use crate::records::{ParityCheckpoint, ParityReport, ToolVersions, PARITY_FORMAT};
 use crate::staging;
 
-pub use crate::settings::ParitySettings;
-
-/// `--steps`.
-pub const DEFAULT_STEPS: usize = 16;
-/// `--tol-cos`: the minimum cosine of the final normed hidden state per step.
-pub const DEFAULT_TOL_COS: f64 = 0.9999;
-/// `--tol-cos-int4`.
-pub const DEFAULT_TOL_COS_INT4: f64 = 0.85;
-/// `--min-top1-int4`.
-pub const DEFAULT_MIN_TOP1_INT4: f64 = 0.75;
-/// `--max-weight-rel-mse`.
-pub const DEFAULT_MAX_WEIGHT_REL_MSE: f64 = 0.03;
+use crate::settings::ParitySettings;
 
 /// The default prompt shipped in `parity/default_prompt.json`.
 pub const DEFAULT_PROMPT: &str = include_str!("../parity/default_prompt.json");
@@ -43,17 +32,6 @@ fn default_prompt() -> Result<Vec<i64>> {
     }
     let p: Prompt = serde_json::from_str(DEFAULT_PROMPT)?;
     Ok(p.prompt_ids)
-}
-
-/// Parses `--prompt-ids 2,105,23` (commas or spaces).
-pub fn parse_prompt(text: &str) -> Result<Vec<i64>> {
-    text.split(|c: char| c == ',' || c.is_whitespace())
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<i64>()
-                .with_context(|| format!("--prompt-ids: `{s}` is not a token id"))
-        })
-        .collect()
 }
 
 /// Runs parity and writes `--report`; returns the report (its

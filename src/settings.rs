@@ -9,10 +9,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 
-use crate::build::{Jobs, Layout};
-use crate::cli::{BenchBuildCmd, BenchParityCmd, BuildCmd, ParityCmd, ReleaseCmd};
+use crate::cli::values::{
+    parse_prompt, Jobs, DEFAULT_MAX_WEIGHT_REL_MSE, DEFAULT_MIN_TOP1_INT4, DEFAULT_STEPS,
+    DEFAULT_TOL_COS, DEFAULT_TOL_COS_INT4,
+};
+use crate::cli::{BenchBuildCmd, BenchParityCmd, BuildCmd, LayoutArgs, ParityCmd, ReleaseCmd};
 use crate::names::Named;
-use crate::parity;
 use crate::plan::{self, Mode};
 use crate::records::{
     BuildRecord, BuildRequest, ConversionSettings, PackageWriter, Palettizer, Switch,
@@ -207,6 +209,41 @@ impl BuildSettings {
     }
 }
 
+/// A layout request with its mode and context known (a recorded one is
+/// checked to have both).
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub mode: Mode,
+    pub split: Option<String>,
+    pub ctx: usize,
+    pub verify_k: Option<usize>,
+    pub prefill_len: Option<Vec<usize>>,
+}
+
+impl Layout {
+    /// The CLI's layout options.
+    pub fn of(args: &LayoutArgs) -> Self {
+        Layout {
+            mode: args.mode,
+            split: args.split.clone(),
+            ctx: args.ctx,
+            verify_k: args.functions.verify_k,
+            prefill_len: args.functions.prefill_len.clone(),
+        }
+    }
+
+    /// As build.json records it.
+    pub fn record(&self) -> BuildRequest {
+        BuildRequest {
+            mode: Some(self.mode),
+            split: self.split.clone(),
+            ctx: Some(self.ctx as u64),
+            verify_k: self.verify_k,
+            prefill_len: self.prefill_len.clone(),
+        }
+    }
+}
+
 /// The parts of build.json a rebuild reads: what was asked for, the
 /// conversion settings as they were recorded, and the checkpoint's folder.
 #[derive(Deserialize)]
@@ -345,16 +382,16 @@ impl ParitySettings {
             mode: Mode::Both,
             functions: plan::Functions::resolve(Mode::Both, None, None),
             split: None,
-            steps: parity::DEFAULT_STEPS,
-            tol_cos: parity::DEFAULT_TOL_COS,
+            steps: DEFAULT_STEPS,
+            tol_cos: DEFAULT_TOL_COS,
             ctx: build.map_or(DEFAULT_PARITY_CTX, |b| b.settings.ctx),
             prompt_ids: None,
             prefill: 0,
             skip_prefill_copy: false,
             artifacts: None,
-            tol_cos_int4: parity::DEFAULT_TOL_COS_INT4,
-            min_top1_int4: parity::DEFAULT_MIN_TOP1_INT4,
-            max_weight_rel_mse: parity::DEFAULT_MAX_WEIGHT_REL_MSE,
+            tol_cos_int4: DEFAULT_TOL_COS_INT4,
+            min_top1_int4: DEFAULT_MIN_TOP1_INT4,
+            max_weight_rel_mse: DEFAULT_MAX_WEIGHT_REL_MSE,
             report: None,
             oracle: true,
             accept_inconclusive: false,
@@ -387,11 +424,7 @@ impl ParitySettings {
                 steps: a.steps,
                 tol_cos: a.tol_cos,
                 ctx: a.ctx.unwrap_or(defaults.ctx),
-                prompt_ids: a
-                    .prompt_ids
-                    .as_deref()
-                    .map(parity::parse_prompt)
-                    .transpose()?,
+                prompt_ids: a.prompt_ids.as_deref().map(parse_prompt).transpose()?,
                 prefill: a.prefill,
                 skip_prefill_copy: a.skip_prefill_copy,
                 artifacts: a.artifacts.clone(),

@@ -8,7 +8,7 @@
 
 use clap::Args;
 
-use crate::cli::named;
+use crate::cli::values::named;
 pub use crate::py::contract::{CorruptFunction, Sabotage};
 
 /// The hidden options that break a weight on purpose (the parity tests show

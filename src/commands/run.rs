@@ -3,8 +3,8 @@
 use anyhow::Result;
 
 use super::ExitStatus;
+use crate::cli::values::parse_prompt;
 use crate::cli::RunCmd;
-use crate::parity::parse_prompt;
 use crate::run::{self, Prompt, RunOptions, RunResult};
 
 pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {

@@ -1,57 +1,24 @@
-//! The command line: clap structs only. Each command's options become a
-//! request in `commands/`, which does the work and renders the result.
+//! The command line: clap structs only (their value types and parsers are
+//! `values`). Each command's options become a request in `commands/`, which
+//! does the work and renders the result.
+
+pub mod values;
 
 use std::path::PathBuf;
 
-use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 
 use crate::args;
 use crate::bench::device_report::Level;
 use crate::downloader::{Client, RuntimeBuild};
-use crate::fixture::{AttentionSharpness, Shape};
-use crate::layouts::{Choice, Mode, ReleaseLayout, RunLayout};
-use crate::names::Named;
-use crate::parity;
+use crate::layouts::{Mode, ReleaseLayout, RunLayout};
+use crate::py::contract::{AttentionSharpness, Shape};
 use crate::records::{Palettizer, PassPipeline};
-
-/// A value parser whose possible values (listed in `--help`, checked while
-/// parsing) are `values`: (name, help).
-fn values_parser<T>(values: Vec<(&'static str, String)>) -> impl TypedValueParser<Value = T>
-where
-    T: std::str::FromStr + Clone + Send + Sync + 'static,
-{
-    let values = values.into_iter().map(|(name, doc)| {
-        let value = PossibleValue::new(name);
-        match doc.trim() {
-            "" => value,
-            doc => value.help(doc.trim_end_matches('.').to_string()),
-        }
-    });
-    PossibleValuesParser::new(values).map(|s| {
-        s.parse::<T>()
-            .ok()
-            .expect("clap only passes one of the possible values")
-    })
-}
-
-/// A value parser for a [`chunkforge_model::named!`] enum: its names are the
-/// possible values.
-pub(crate) fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
-    values_parser(
-        T::NAMES
-            .iter()
-            .zip(T::DOCS)
-            .map(|(n, d)| (*n, d.to_string()))
-            .collect(),
-    )
-}
-
-/// A value parser for a layout selector: the layouts of the layout table it
-/// admits (each with its packages as help) and its words.
-pub(crate) fn choice<T: Choice + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
-    values_parser(T::choices())
-}
+pub use values::{choice, named, Jobs};
+use values::{
+    DEFAULT_MAX_WEIGHT_REL_MSE, DEFAULT_MIN_TOP1_INT4, DEFAULT_STEPS, DEFAULT_TOL_COS,
+    DEFAULT_TOL_COS_INT4,
+};
 
 #[derive(Parser)]
 #[command(
@@ -272,7 +239,7 @@ pub struct BuildCmd {
     /// core, as many as the estimated peak memory of that many conversions at once
     /// keeps within 6.5 GiB and the memory available.
     #[arg(long, default_value = "auto")]
-    pub jobs: crate::build::Jobs,
+    pub jobs: Jobs,
 }
 
 #[derive(Args, Clone)]
@@ -289,10 +256,10 @@ pub struct ParityCmd {
     #[arg(long)]
     pub split: Option<String>,
     /// Decode steps (step t feeds prompt token t).
-    #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
+    #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
     /// Minimum cosine of the final normed hidden state per step.
-    #[arg(long, default_value_t = parity::DEFAULT_TOL_COS, value_parser = args::cosine)]
+    #[arg(long, default_value_t = DEFAULT_TOL_COS, value_parser = args::cosine)]
     pub tol_cos: f64,
     /// Full-attention context length used for the caches, at most 131072
     /// [default: 512; with --artifacts, the build's (build.json)].
@@ -310,13 +277,13 @@ pub struct ParityCmd {
     #[arg(long)]
     pub artifacts: Option<PathBuf>,
     /// Minimum cosine per step for the INT4 artifacts.
-    #[arg(long, default_value_t = parity::DEFAULT_TOL_COS_INT4, value_parser = args::cosine)]
+    #[arg(long, default_value_t = DEFAULT_TOL_COS_INT4, value_parser = args::cosine)]
     pub tol_cos_int4: f64,
     /// Minimum fraction of steps whose INT4 token equals the reference's.
-    #[arg(long, default_value_t = parity::DEFAULT_MIN_TOP1_INT4, value_parser = args::fraction)]
+    #[arg(long, default_value_t = DEFAULT_MIN_TOP1_INT4, value_parser = args::fraction)]
     pub min_top1_int4: f64,
     /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
-    #[arg(long, default_value_t = parity::DEFAULT_MAX_WEIGHT_REL_MSE, value_parser = args::non_negative)]
+    #[arg(long, default_value_t = DEFAULT_MAX_WEIGHT_REL_MSE, value_parser = args::non_negative)]
     pub max_weight_rel_mse: f64,
     /// Write the JSON report (schema: parity/report.schema.json) here.
     #[arg(long)]
@@ -415,7 +382,7 @@ pub struct BenchParityCmd {
     #[arg(long, default_value = "all", value_parser = choice::<Mode>())]
     pub mode: Mode,
     /// Decode steps, as `parity --steps`.
-    #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
+    #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
     /// Prompt tokens prefilled, as `parity --prefill`.
     #[arg(long, default_value_t = 0)]
@@ -484,7 +451,7 @@ pub struct BenchBuildCmd {
     pub no_compose: bool,
     /// As `build --jobs`.
     #[arg(long, default_value = "auto")]
-    pub jobs: crate::build::Jobs,
+    pub jobs: Jobs,
     /// Also time every coremltools graph pass of every conversion and count the
     /// runs that changed the program; prints seconds per pass, per package.
     #[arg(long)]
@@ -637,7 +604,7 @@ pub struct ReleaseCmd {
     #[arg(long)]
     pub no_quantize: bool,
     /// Parity decode steps.
-    #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
+    #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
     /// Then compile the release to the .mlmodelc the app fetches, as `chunkforge compile` does
     /// (macOS only: elsewhere refused with exit 2 before anything is built).
