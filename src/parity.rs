@@ -13,6 +13,7 @@ use crate::config::TextConfig;
 use crate::hashing;
 use crate::layouts::{spec, Purpose, REFERENCE};
 use crate::manifest::Build;
+use crate::parity_checks::CHECKS;
 use crate::plan::{self, LayoutKind, Plan};
 use crate::progress;
 use crate::py::calls;
@@ -94,10 +95,10 @@ pub fn run(
         config_path: hf_dir.join("config.json").to_string_lossy().into_owned(),
         prompt_ids: &prompt,
         steps: opts.steps,
-        tol_cos: opts.tol_cos,
+        checks: CHECKS.iter().map(|c| c.name).collect(),
+        thresholds: opts.thresholds,
         prefill: opts.prefill,
         prefill_layout,
-        skip_prefill_copy: opts.skip_prefill_copy,
         oracle: opts.oracle,
         #[cfg(feature = "test-hooks")]
         sabotage: opts.sabotage.clone(),
@@ -117,9 +118,6 @@ pub fn run(
             })
             .transpose()?,
         artifact_layouts,
-        tol_cos_int4: opts.tol_cos_int4,
-        min_top1_int4: opts.min_top1_int4,
-        max_weight_rel_mse: opts.max_weight_rel_mse,
     };
     for w in &requested.warnings {
         eprintln!("note: {w}");
@@ -138,10 +136,23 @@ pub fn run(
             ""
         }
     ));
+    #[cfg(feature = "test-hooks")]
+    if req.sabotage.is_some() {
+        crate::test_hooks::sabotage_importable()?;
+    }
     let result =
         calls::with_progress::<calls::Parity>(&req, verbose, progress::phases(&sp, "parity"));
     sp.finish_and_clear();
     let mut report = result?;
+    // The run's verdict is what Python's checks counted; the rows they wrote
+    // must say the same, check by check (`parity_checks::CHECKS`).
+    let (told, rows) = (report.summary.verdict(), report.verdict_of_checks());
+    if told != rows {
+        bail!(
+            "parity.run said {told}, but its checks' rows say {rows}: a check's unit \
+             (python/chunkforge_py/parity/) left a row out of its verdicts"
+        );
+    }
     report.format = PARITY_FORMAT.into();
     // Absolute, as build.json records it; the weights, so that `package`
     // can tell a report about another seed or a fine-tune with the same

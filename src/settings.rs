@@ -9,10 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 
-use crate::cli::values::{
-    parse_prompt, Jobs, DEFAULT_MAX_WEIGHT_REL_MSE, DEFAULT_MIN_TOP1_INT4, DEFAULT_STEPS,
-    DEFAULT_TOL_COS, DEFAULT_TOL_COS_INT4,
-};
+use crate::cli::values::{parse_prompt, Jobs, DEFAULT_STEPS};
+use crate::parity_checks::Thresholds;
 use crate::cli::{BenchBuildCmd, BenchParityCmd, BuildCmd, LayoutArgs, ParityCmd, ReleaseCmd};
 use crate::names::Named;
 use crate::plan::{self, Mode};
@@ -355,21 +353,19 @@ pub struct ParitySettings {
     pub functions: plan::Functions,
     pub split: Option<String>,
     pub steps: usize,
-    pub tol_cos: f64,
+    /// What the checks are held to.
+    pub thresholds: Thresholds,
     pub ctx: usize,
     pub prompt_ids: Option<Vec<i64>>,
     pub prefill: usize,
-    pub skip_prefill_copy: bool,
     pub artifacts: Option<PathBuf>,
-    pub tol_cos_int4: f64,
-    pub min_top1_int4: f64,
-    pub max_weight_rel_mse: f64,
     pub report: Option<PathBuf>,
     pub oracle: bool,
     /// Sign on an INCONCLUSIVE verdict (`release --accept-inconclusive-parity`):
     /// the reference disagrees with transformers only at ill-conditioned steps.
     pub accept_inconclusive: bool,
-    /// A weight broken on purpose (`--corrupt-layer`; test builds only).
+    /// What a test build breaks on purpose (`--corrupt-layer`,
+    /// `--skip-prefill-copy`; test builds only).
     #[cfg(feature = "test-hooks")]
     pub sabotage: Option<Sabotage>,
 }
@@ -383,15 +379,11 @@ impl ParitySettings {
             functions: plan::Functions::resolve(Mode::Both, None, None),
             split: None,
             steps: DEFAULT_STEPS,
-            tol_cos: DEFAULT_TOL_COS,
+            thresholds: Thresholds::default(),
             ctx: build.map_or(DEFAULT_PARITY_CTX, |b| b.settings.ctx),
             prompt_ids: None,
             prefill: 0,
-            skip_prefill_copy: false,
             artifacts: None,
-            tol_cos_int4: DEFAULT_TOL_COS_INT4,
-            min_top1_int4: DEFAULT_MIN_TOP1_INT4,
-            max_weight_rel_mse: DEFAULT_MAX_WEIGHT_REL_MSE,
             report: None,
             oracle: true,
             accept_inconclusive: false,
@@ -422,15 +414,11 @@ impl ParitySettings {
                 )?,
                 split: a.split.clone(),
                 steps: a.steps,
-                tol_cos: a.tol_cos,
+                thresholds: a.thresholds,
                 ctx: a.ctx.unwrap_or(defaults.ctx),
                 prompt_ids: a.prompt_ids.as_deref().map(parse_prompt).transpose()?,
                 prefill: a.prefill,
-                skip_prefill_copy: a.skip_prefill_copy,
                 artifacts: a.artifacts.clone(),
-                tol_cos_int4: a.tol_cos_int4,
-                min_top1_int4: a.min_top1_int4,
-                max_weight_rel_mse: a.max_weight_rel_mse,
                 report: a.report.clone(),
                 oracle: !a.no_oracle,
                 accept_inconclusive: false,

@@ -364,11 +364,11 @@ class BundleStats(TypedDict):
     weight_bytes: int
 
 
-# ---- parity (src/parity.rs) ---------------------------------------------
+# ---- parity (src/parity.rs, crates/model/src/parity_checks.rs) ------------
 
 
 class ParityLayout(TypedDict):
-    """parity.rs `ParityLayout`: a layout named by its kind."""
+    """contract.rs `ParityLayout`: a layout named by its kind."""
 
     name: LayoutKind
     chunks: list[ChunkPlan]
@@ -389,22 +389,39 @@ class ParityRequest(TypedDict):
     config_path: str
     prompt_ids: list[int]
     steps: int
-    tol_cos: float
+    # The checks to run, in order: each the unit chunkforge_py.parity.<name>
+    # (parity_checks.rs `CHECKS`; a name from Rust's table, as LayoutKind).
+    checks: list[str]
+    thresholds: ParityThresholds
     prefill: NotRequired[int | None]
     prefill_layout: NotRequired[ParityLayout | None]
-    skip_prefill_copy: NotRequired[bool]
     oracle: NotRequired[bool]
-    corrupt_layer: NotRequired[int | None]
-    # Requires corrupt_layer.
-    corrupt_function: NotRequired[Literal["verify", "prefill"] | None]
+    # Sent by a test build only (python/tests/parity_sabotage.py applies it).
+    sabotage: NotRequired[Sabotage]
     # The build folder whose packages' INT4 weights are checked, or None.
     artifacts: NotRequired[str | None]
     # INT4 (palettized build) or FP16 (--no-quantize), from the build's settings.
     artifacts_precision: NotRequired[str | None]
     artifact_layouts: dict[LayoutKind, ParityLayout]
+
+
+class ParityThresholds(TypedDict):
+    """parity_checks.rs `Thresholds`: what the checks are held to (parity's options)."""
+
+    tol_cos: float
     tol_cos_int4: float
     min_top1_int4: float
     max_weight_rel_mse: float
+
+
+class Sabotage(TypedDict):
+    """contract.rs `Sabotage` (test builds only): a weight of ``corrupt_layer``
+    broken in the compared layouts or, with ``corrupt_function``, in the
+    verify or prefill modules; or the prefill hand-off's KV copy skipped."""
+
+    corrupt_layer: int | None
+    corrupt_function: Literal["verify", "prefill"] | None
+    skip_prefill_copy: bool
 
 
 # records.rs `Verdict`: a check's or a run's outcome (verdicts.py).
@@ -523,7 +540,6 @@ class FirstFailure(TypedDict):
 class PrefillSummary(TypedDict):
     tokens: int
     function: str
-    kv_copied: bool
 
 
 class ProgramRecord(TypedDict):
@@ -581,7 +597,6 @@ class ParitySummary(TypedDict):
     artifacts_precision: str | None
     # By layout or function, then precision (fp32, fp16).
     programs: dict[str, dict[str, ProgramSummary]] | None
-    corrupted_chunk: str | None
     seconds: float
 
 

@@ -12,13 +12,11 @@ use crate::args;
 use crate::bench::device_report::Level;
 use crate::downloader::{Client, RuntimeBuild};
 use crate::layouts::{Mode, ReleaseLayout, RunLayout};
+use crate::parity_checks::Thresholds;
 use crate::py::contract::{AttentionSharpness, Shape};
 use crate::records::{Palettizer, PassPipeline};
 pub use values::{choice, named, Jobs};
-use values::{
-    DEFAULT_MAX_WEIGHT_REL_MSE, DEFAULT_MIN_TOP1_INT4, DEFAULT_STEPS, DEFAULT_TOL_COS,
-    DEFAULT_TOL_COS_INT4,
-};
+use values::DEFAULT_STEPS;
 
 #[derive(Parser)]
 #[command(
@@ -258,9 +256,6 @@ pub struct ParityCmd {
     /// Decode steps (step t feeds prompt token t).
     #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
-    /// Minimum cosine of the final normed hidden state per step.
-    #[arg(long, default_value_t = DEFAULT_TOL_COS, value_parser = args::cosine)]
-    pub tol_cos: f64,
     /// Full-attention context length used for the caches, at most 131072
     /// [default: 512; with --artifacts, the build's (build.json)].
     #[arg(long, value_parser = args::ctx)]
@@ -276,24 +271,15 @@ pub struct ParityCmd {
     /// report their agreement with the fp32 reference.
     #[arg(long)]
     pub artifacts: Option<PathBuf>,
-    /// Minimum cosine per step for the INT4 artifacts.
-    #[arg(long, default_value_t = DEFAULT_TOL_COS_INT4, value_parser = args::cosine)]
-    pub tol_cos_int4: f64,
-    /// Minimum fraction of steps whose INT4 token equals the reference's.
-    #[arg(long, default_value_t = DEFAULT_MIN_TOP1_INT4, value_parser = args::fraction)]
-    pub min_top1_int4: f64,
-    /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
-    #[arg(long, default_value_t = DEFAULT_MAX_WEIGHT_REL_MSE, value_parser = args::non_negative)]
-    pub max_weight_rel_mse: f64,
+    /// What the checks are held to.
+    #[command(flatten)]
+    pub thresholds: Thresholds,
     /// Write the JSON report (schema: parity/report.schema.json) here.
     #[arg(long)]
     pub report: Option<PathBuf>,
     /// Skip the transformers oracle.
     #[arg(long)]
     pub no_oracle: bool,
-    /// Testing aid: skip the prefill KV copy (shows the seed's integration bug).
-    #[arg(long, hide = true)]
-    pub skip_prefill_copy: bool,
     #[cfg(feature = "test-hooks")]
     #[command(flatten)]
     pub sabotage: crate::test_hooks::SabotageArgs,

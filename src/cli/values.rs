@@ -48,14 +48,6 @@ pub fn choice<T: Choice + Clone + Send + Sync>() -> impl TypedValueParser<Value 
 
 /// `--steps`.
 pub const DEFAULT_STEPS: usize = 16;
-/// `--tol-cos`: the minimum cosine of the final normed hidden state per step.
-pub const DEFAULT_TOL_COS: f64 = 0.9999;
-/// `--tol-cos-int4`.
-pub const DEFAULT_TOL_COS_INT4: f64 = 0.85;
-/// `--min-top1-int4`.
-pub const DEFAULT_MIN_TOP1_INT4: f64 = 0.75;
-/// `--max-weight-rel-mse`.
-pub const DEFAULT_MAX_WEIGHT_REL_MSE: f64 = 0.03;
 
 /// `--jobs`: processes converting at once (this one and its conversion
 /// workers), or `auto` (`Pool::start`).

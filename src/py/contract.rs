@@ -13,6 +13,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use chunkforge_model::checkpoint::Checkpoint;
+use chunkforge_model::parity_checks::{CheckName, Thresholds};
 use chunkforge_model::plan::{self, ChunkPlan, Dims, Layout, LayoutKind};
 use chunkforge_model::records::{
     AuditFinding, ChunkStats, ComputePlanRecord, ConversionSettings, PackageWriter, PassStat,
@@ -215,22 +216,23 @@ pub struct ParityRequest<'a> {
     pub config_path: String,
     pub prompt_ids: &'a [i64],
     pub steps: usize,
-    pub tol_cos: f64,
+    /// The checks to run, in order: each is the unit
+    /// `chunkforge_py.parity.<name>` (`parity_checks::CHECKS`).
+    pub checks: Vec<CheckName>,
+    /// What the checks are held to.
+    pub thresholds: Thresholds,
     pub prefill: usize,
     pub prefill_layout: Option<ParityLayout<'a>>,
-    pub skip_prefill_copy: bool,
     pub oracle: bool,
-    /// A weight broken on purpose (test builds only).
+    /// What a test build breaks on purpose (python/tests/parity_sabotage.py
+    /// applies it); never sent by any other build.
     #[cfg(feature = "test-hooks")]
-    #[serde(flatten)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub sabotage: Option<Sabotage>,
     pub artifacts: Option<String>,
     /// `INT4` for a palettized build, `FP16` for a `--no-quantize` one.
     pub artifacts_precision: Option<&'static str>,
     pub artifact_layouts: IndexMap<LayoutKind, ParityLayout<'a>>,
-    pub tol_cos_int4: f64,
-    pub min_top1_int4: f64,
-    pub max_weight_rel_mse: f64,
 }
 
 #[cfg(feature = "test-hooks")]
@@ -242,16 +244,16 @@ chunkforge_model::named! {
     }
 }
 
-/// One weight of `layer` corrupted in the compared layouts (or, with
-/// `function`, in the verify or prefill modules), as parity/run.py reads it
-/// (test builds only: `test_hooks::SabotageArgs`).
+/// What a test build breaks on purpose (`test_hooks::SabotageArgs`): one
+/// weight of `corrupt_layer` in the compared layouts (or, with
+/// `corrupt_function`, in the verify or prefill modules), or the prefill
+/// hand-off's KV copy (`skip_prefill_copy`).
 #[cfg(feature = "test-hooks")]
 #[derive(Clone, Debug, Serialize, JsonSchema)]
 pub struct Sabotage {
-    #[serde(rename = "corrupt_layer")]
-    pub layer: usize,
-    #[serde(rename = "corrupt_function")]
-    pub function: Option<CorruptFunction>,
+    pub corrupt_layer: Option<usize>,
+    pub corrupt_function: Option<CorruptFunction>,
+    pub skip_prefill_copy: bool,
 }
 
 // ---- fixture (src/fixture/, python/chunkforge_py/fixture.py) --------------

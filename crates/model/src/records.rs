@@ -781,7 +781,6 @@ pub struct Localisation {
 pub struct PrefillSummary {
     pub tokens: u64,
     pub function: String,
-    pub kv_copied: bool,
 }
 
 /// One step of a package's own program run by the MIL interpreter.
@@ -863,8 +862,6 @@ pub struct ParitySummary {
     /// By layout or function, then precision (`fp32`, `fp16`).
     #[serde(default)]
     pub programs: Option<IndexMap<String, IndexMap<String, ProgramSummary>>>,
-    #[serde(default)]
-    pub corrupted_chunk: Option<String>,
     #[serde(default)]
     pub seconds: f64,
 }

@@ -27,10 +27,10 @@ import torch
 
 from .. import weights
 from ..checkpoint import Checkpoint, Fetcher
-from ..contract import Dims, ParityLayout, ParityRequest, Verdict, WeightNoise
+from ..contract import Dims, ParityLayout, ParityThresholds, Verdict, WeightNoise
 from ..emulate.stepper import Embeddings, LayoutRunner
 from ..model import Projection
-from .programs import cosine
+from .check import cosine
 
 # Values per block of rows while a noisy weight is made (fp32: 16 MB).
 NOISE_BLOCK = 1 << 22
@@ -108,12 +108,12 @@ def weight_noise(
     return {"min_cos": min(coss), "mean_cos": sum(coss) / len(coss), "top1_agreement": agree / len(got)}
 
 
-def int4_verdict(min_cos: float, top1: float, noise: WeightNoise | None, req: ParityRequest) -> Verdict:
+def int4_verdict(min_cos: float, top1: float, noise: WeightNoise | None, t: ParityThresholds) -> Verdict:
     """A layout's INT4 check whose weights and tokens held but whose cosine or
     top-1 did not: inconclusive when ``noise`` (`weight_noise`) fails every
     threshold INT4 fails, else a failure."""
     if noise is None:
         return "fail"
-    cos_explained = min_cos >= req["tol_cos_int4"] or noise["min_cos"] < req["tol_cos_int4"]
-    top1_explained = top1 >= req["min_top1_int4"] or noise["top1_agreement"] < req["min_top1_int4"]
+    cos_explained = min_cos >= t["tol_cos_int4"] or noise["min_cos"] < t["tol_cos_int4"]
+    top1_explained = top1 >= t["min_top1_int4"] or noise["top1_agreement"] < t["min_top1_int4"]
     return "inconclusive" if cos_explained and top1_explained else "fail"
