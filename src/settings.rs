@@ -10,9 +10,9 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 
 use crate::cli::values::{parse_prompt, Jobs, DEFAULT_STEPS};
-use crate::parity_checks::Thresholds;
 use crate::cli::{BenchBuildCmd, BenchParityCmd, BuildCmd, LayoutArgs, ParityCmd, ReleaseCmd};
 use crate::names::Named;
+use crate::parity_checks::Thresholds;
 use crate::plan::{self, Mode};
 use crate::records::{
     BuildRecord, BuildRequest, ConversionSettings, PackageWriter, Palettizer, Switch,

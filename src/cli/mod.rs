@@ -15,8 +15,8 @@ use crate::layouts::{Mode, ReleaseLayout, RunLayout};
 use crate::parity_checks::Thresholds;
 use crate::py::contract::{AttentionSharpness, Shape};
 use crate::records::{Palettizer, PassPipeline};
-pub use values::{choice, named, Jobs};
 use values::DEFAULT_STEPS;
+pub use values::{choice, named, Jobs};
 
 #[derive(Parser)]
 #[command(
