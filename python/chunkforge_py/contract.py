@@ -412,6 +412,7 @@ class ParityThresholds(TypedDict):
     tol_cos_int4: float
     min_top1_int4: float
     max_weight_rel_mse: float
+    max_kl: float
 
 
 class Sabotage(TypedDict):
@@ -575,6 +576,24 @@ class ProgramSummary(TypedDict):
     verdict: Verdict
 
 
+class KlRecord(TypedDict):
+    """KL(transformers ‖ reference) of the next-token distributions at one step (parity/kl.py)."""
+
+    step: int
+    kl: float
+
+
+class KlSummary(TypedDict):
+    """The KL check over every step: the mean and the largest, against --max-kl."""
+
+    steps: int
+    mean: float
+    max: float
+    max_step: int
+    ok: bool
+    verdict: Verdict
+
+
 class ParitySummary(TypedDict):
     ok: bool
     verdict: Verdict
@@ -597,6 +616,7 @@ class ParitySummary(TypedDict):
     artifacts_precision: str | None
     # By layout or function, then precision (fp32, fp16).
     programs: dict[str, dict[str, ProgramSummary]] | None
+    kl: KlSummary | None
     seconds: float
 
 
@@ -607,6 +627,7 @@ class ParityReport(TypedDict):
     oracle: list[OracleRecord]
     artifacts: list[ArtifactRecord]
     programs: list[ProgramRecord]
+    kl: list[KlRecord]
     summary: ParitySummary
 
 

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import torch
 from chunkforge_py.contract import ParityReport, ParityRequest, ParitySummary, Verdict
 from chunkforge_py.parity.check import Check, Parity
+from chunkforge_py.parity.kl import kl_divergence
 from chunkforge_py.parity.run import check_of, empty_report
 from chunkforge_py.parity.verdicts import overall
 
@@ -33,7 +35,13 @@ def given(**what: Any) -> Parity:
     req = {
         "reference": "four",
         "layouts": [{"name": "four"}, {"name": "two"}],
-        "thresholds": {"tol_cos": 0.9999, "tol_cos_int4": 0.85, "min_top1_int4": 0.75, "max_weight_rel_mse": 0.03},
+        "thresholds": {
+            "tol_cos": 0.9999,
+            "tol_cos_int4": 0.85,
+            "min_top1_int4": 0.75,
+            "max_weight_rel_mse": 0.03,
+            "max_kl": 1e-4,
+        },
         "artifacts": None,
     }
     fields = {
@@ -150,6 +158,7 @@ FAILING: dict[str, dict[str, Any]] = {
         }  # fmt: skip
     },
     "programs": {"records": {"two": {"fp32": [program(0, 0.5)], "fp16": [program(0, 0.5)]}}},
+    "kl": {"records": [{"step": 0, "kl": 1e-12}, {"step": 1, "kl": 0.5}]},
 }
 
 
@@ -172,3 +181,27 @@ def test_every_verdict_a_check_writes_decides_the_run(name: str) -> None:
     assert sorted(written) == sorted(counted)
     assert "fail" in counted
     assert overall(counted) == "fail"
+
+
+def test_kl_is_the_divergence_of_the_next_token_distributions() -> None:
+    p = torch.tensor([2.0, 0.0, -1.0])
+    q = torch.tensor([0.0, 1.0, 3.0])
+    pp, qq = torch.softmax(p.double(), 0), torch.softmax(q.double(), 0)
+    assert kl_divergence(p, q) == pytest.approx(float((pp * (pp / qq).log()).sum()), rel=1e-12)
+    assert kl_divergence(p, p + 7.0) == pytest.approx(0.0, abs=1e-15)
+
+
+@pytest.mark.parametrize(("ill", "verdict"), [(set(), "fail"), ({1}, "inconclusive"), ({0}, "fail")])
+def test_a_kl_past_max_kl_fails_unless_only_at_ill_conditioned_steps(ill: set[int], verdict: Verdict) -> None:
+    """The reference and transformers compute a step in different orders:
+    where transformers moves from itself (ill-conditioned), a KL past
+    --max-kl is inconclusive."""
+    check = check_of("kl")(given(ill=ill))
+    setattr(check, "records", [{"step": 0, "kl": 1e-12}, {"step": 1, "kl": 0.5}])
+    report = empty_report(check.p)
+    check.write(report)
+    summary = report["summary"]["kl"]
+    assert summary is not None
+    assert (summary["max"], summary["max_step"], summary["ok"]) == (0.5, 1, False)
+    assert summary["mean"] == pytest.approx(0.25)
+    assert check.verdicts() == [verdict]

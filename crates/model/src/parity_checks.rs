@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::args;
 use crate::records::{
-    ArtifactSummary, OracleRecord, ParityReport, ProgramSummary, StepRecord, Verdict,
+    ArtifactSummary, KlSummary, OracleRecord, ParityReport, ProgramSummary, StepRecord, Verdict,
 };
 
 /// What parity's checks are held to, each threshold a field: `parity`'s
@@ -36,6 +36,11 @@ pub struct Thresholds {
     /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
     #[arg(long, default_value_t = 0.03, value_parser = args::non_negative)]
     pub max_weight_rel_mse: f64,
+    /// Largest KL(transformers ‖ reference) of the next-token distributions, in nats,
+    /// allowed at any step (an fp32 reference stays under 1e-10 where transformers
+    /// agrees with itself).
+    #[arg(long, default_value_t = 1e-4, value_parser = args::non_negative)]
+    pub max_kl: f64,
 }
 
 impl Default for Thresholds {
@@ -66,6 +71,7 @@ crate::named! {
         Oracle = "oracle",
         Artifacts = "artifacts",
         Programs = "programs",
+        Kl = "kl",
     }
 }
 
@@ -122,7 +128,7 @@ pub struct Check {
 }
 
 /// Every check, in the order the printout and the messages list them.
-pub const CHECKS: [Check; 4] = [LAYOUTS, ORACLE, ARTIFACTS, PROGRAMS];
+pub const CHECKS: [Check; 5] = [LAYOUTS, ORACLE, ARTIFACTS, PROGRAMS, KL];
 
 /// Every decode layout, verify_qK and prefill function against the four-chunk
 /// reference, step by step.
@@ -378,6 +384,48 @@ pub const PROGRAMS: Check = Check {
     },
 };
 
+/// The reference's next-token distribution against transformers', over the
+/// teacher-forced steps: the mean and the largest KL(transformers ‖ reference).
+pub const KL: Check = Check {
+    name: CheckName::Kl,
+    field: "summary.kl",
+    rows: |r| {
+        let at = |k: &KlSummary| {
+            Row::new(
+                "the KL check (transformers ‖ reference)".into(),
+                k.ok,
+                Some(k.verdict),
+            )
+        };
+        r.summary.kl.iter().map(at).collect()
+    },
+    lines: |r, _| {
+        let rows = (KL.rows)(r);
+        r.summary.kl.iter().zip(rows).map(|(k, row)| {
+            format!(
+                "reference KL vs transformers  mean {:.2e}  max {:.2e} at step {:>3}  over {} steps  {}",
+                k.mean,
+                k.max,
+                k.max_step,
+                k.steps,
+                row.shown()
+            )
+        }).collect()
+    },
+    failure: |r, t| {
+        r.summary.kl.iter().filter(|k| !k.ok).map(|k| {
+            format!(
+                "the reference's next-token distribution leaves transformers': KL(transformers ‖ reference) \
+                 {:.3e} at step {} (mean {:.3e}), over {}",
+                k.max,
+                k.max_step,
+                k.mean,
+                options!(t, max_kl)
+            )
+        }).collect()
+    },
+};
+
 impl ParityReport {
     /// Every row of every check, by check.
     pub fn check_rows(&self) -> impl Iterator<Item = (&'static Check, Row)> + '_ {
@@ -471,7 +519,12 @@ mod tests {
     fn thresholds_default_to_the_options_defaults() {
         let t = Thresholds::default();
         assert_eq!(
-            (t.tol_cos, t.tol_cos_int4, t.min_top1_int4, t.max_weight_rel_mse),
+            (
+                t.tol_cos,
+                t.tol_cos_int4,
+                t.min_top1_int4,
+                t.max_weight_rel_mse
+            ),
             (0.9999, 0.85, 0.75, 0.03)
         );
         assert_eq!(
@@ -521,7 +574,8 @@ mod tests {
             "steps": [step], "oracle": [oracle],
             "summary": {"ok": false, "verdict": "fail",
                 "first_failure": {"layout": "two", "step": 3, "cos": 0.5, "ref_token": 1, "token": 2},
-                "artifacts": {"two": layout_artifacts}, "programs": {"two": {"fp32": program}}},
+                "artifacts": {"two": layout_artifacts}, "programs": {"two": {"fp32": program}},
+                "kl": {"steps": 4, "mean": 0.5, "max": 1.0, "max_step": 3, "ok": false, "verdict": "fail"}},
         }))
         .unwrap();
         let t = Thresholds::default();

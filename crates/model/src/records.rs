@@ -818,6 +818,28 @@ pub struct ProgramSummary {
     pub verdict: Option<Verdict>,
 }
 
+/// Transformers' next-token distribution against the reference's at one
+/// teacher-forced step: KL(transformers ‖ reference), in nats.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct KlRecord {
+    pub step: i64,
+    pub kl: f64,
+}
+
+/// The KL check over every step: the mean and the largest per-token
+/// KL(transformers ‖ reference), against `--max-kl`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct KlSummary {
+    pub steps: u64,
+    pub mean: f64,
+    pub max: f64,
+    /// The step of the largest.
+    pub max_step: i64,
+    pub ok: bool,
+    /// What a failure here means (`parity/verdicts.py`).
+    pub verdict: Verdict,
+}
+
 /// The verdict of a parity run (`ok` is the one field a hand-written summary
 /// must have).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -862,6 +884,9 @@ pub struct ParitySummary {
     /// By layout or function, then precision (`fp32`, `fp16`).
     #[serde(default)]
     pub programs: Option<IndexMap<String, IndexMap<String, ProgramSummary>>>,
+    /// KL(transformers ‖ reference) over the steps (None without the oracle).
+    #[serde(default)]
+    pub kl: Option<KlSummary>,
     #[serde(default)]
     pub seconds: f64,
 }
@@ -895,6 +920,8 @@ pub struct ParityReport {
     pub artifacts: Vec<ArtifactRecord>,
     #[serde(default)]
     pub programs: Vec<ProgramRecord>,
+    #[serde(default)]
+    pub kl: Vec<KlRecord>,
     pub summary: ParitySummary,
     #[serde(default)]
     #[schemars(extend("const" = PARITY_FORMAT))]
