@@ -32,7 +32,7 @@ impl SabotageArgs {
     /// What parity is asked to break (None: nothing).
     pub fn sabotage(&self) -> Option<Sabotage> {
         let any = self.corrupt_layer.is_some() || self.skip_prefill_copy;
-        any.then(|| Sabotage {
+        any.then_some(Sabotage {
             corrupt_layer: self.corrupt_layer,
             corrupt_function: self.corrupt_function,
             skip_prefill_copy: self.skip_prefill_copy,
