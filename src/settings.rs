@@ -120,25 +120,14 @@ pub struct BuildSettings {
 impl BuildSettings {
     /// The only way to make build settings.
     pub fn resolve(cmd: BuildCommand, env: &Env) -> Result<BuildSettings> {
-        // `build` and `bench build` take the same conversion options.
-        let options =
-            |layout: &Layout, quantize, palettizer, kmeans_workers, pipeline, no_compose: bool| {
-                let mut c =
-                    ConversionSettings::shipped(layout.ctx, quantize, palettizer, kmeans_workers);
-                c.pass_pipeline = pipeline;
-                c.compose = !no_compose;
-                c
-            };
         let (hf_dir, layout, conversion, profile, jobs, lock) = match cmd {
             BuildCommand::Build(a) => {
                 let layout = Layout::of(&a.layout);
-                let (q, p, k) = (!a.no_quantize, a.palettizer, a.kmeans_workers);
-                let conversion = options(&layout, q, p, k, a.pass_pipeline, a.no_compose);
                 let lock = Some(OnLocked::from_no_wait(a.no_wait));
                 (
                     a.model.hf_dir.clone(),
                     layout,
-                    conversion,
+                    &a.conversion,
                     false,
                     a.jobs,
                     lock,
@@ -147,7 +136,7 @@ impl BuildSettings {
             BuildCommand::Check(a, dir) => {
                 let mut recorded = recorded(&dir.join("build.json"), &a.model.hf_dir)?;
                 if let Some(p) = recorded.conversion.palettization.as_mut() {
-                    p.kmeans_workers = a.kmeans_workers;
+                    p.kmeans_workers = a.conversion.kmeans_workers;
                 }
                 recorded.jobs = a.jobs;
                 return Ok(recorded);
@@ -160,30 +149,16 @@ impl BuildSettings {
                     verify_k: a.functions.verify_k,
                     prefill_len: a.functions.prefill_len.clone(),
                 };
-                let conversion = ConversionSettings::shipped(
-                    layout.ctx,
-                    !a.no_quantize,
-                    Palettizer::Chunkforge,
-                    1,
-                );
                 let lock = Some(OnLocked::from_no_wait(a.release.no_wait));
-                (
-                    Some(hf_dir.to_path_buf()),
-                    layout,
-                    conversion,
-                    false,
-                    Jobs::Auto,
-                    lock,
-                )
+                let hf_dir = Some(hf_dir.to_path_buf());
+                (hf_dir, layout, &a.conversion, false, Jobs::Auto, lock)
             }
             BuildCommand::Bench(a) => {
                 let layout = Layout::of(&a.layout);
-                let (p, k) = (a.palettizer, a.kmeans_workers);
-                let conversion = options(&layout, true, p, k, a.pass_pipeline, a.no_compose);
                 (
                     a.model.hf_dir.clone(),
                     layout,
-                    conversion,
+                    &a.conversion,
                     a.profile,
                     a.jobs,
                     None,
@@ -192,8 +167,8 @@ impl BuildSettings {
         };
         Ok(BuildSettings {
             hf_dir,
+            conversion: env.apply(conversion.settings(layout.ctx))?,
             layout,
-            conversion: env.apply(conversion)?,
             profile,
             jobs,
             lock,
@@ -567,16 +542,24 @@ mod tests {
 
     #[test]
     fn default_switches_are_not_recorded_and_others_are() {
+        let record =
+            |c: &ConversionSettings| ConversionSettings::recorded(c, serde_json::value::Serializer);
         let shipped = ConversionSettings::shipped(64, true, Palettizer::Chunkforge, 1);
-        let v = serde_json::to_value(&shipped).unwrap();
+        let v = record(&shipped).unwrap();
         assert!(
             v.get("writer").is_none() && v.get("mil_shortcuts").is_none(),
             "{v}"
         );
+        // The seam sends every field: Python keeps no default of its own.
+        let sent = serde_json::to_value(&shipped).unwrap();
+        assert_eq!(
+            (&sent["writer"], &sent["mil_shortcuts"]),
+            (&json!("chunkforge"), &json!(true))
+        );
         let other = Env::of(&[(WRITER_ENV, "coremltools"), (SHORTCUTS_ENV, "off")])
             .apply(shipped)
             .unwrap();
-        let v = serde_json::to_value(&other).unwrap();
+        let v = record(&other).unwrap();
         assert_eq!(
             (&v["writer"], &v["mil_shortcuts"]),
             (&json!("coremltools"), &json!(false))

@@ -232,9 +232,8 @@ class Palettization(TypedDict):
     granularity: str
     group_size: int
     palettizer: Literal["chunkforge", "coremltools"]
-    # coremltools' palettization mode (`--palettizer coremltools`); Rust
-    # leaves an empty one out (records from before it were replayed with it).
-    mode: NotRequired[str]
+    # coremltools' palettization mode (`--palettizer coremltools`).
+    mode: str
     # coremltools' k-means worker processes (`--palettizer coremltools`).
     kmeans_workers: int
 
@@ -260,14 +259,12 @@ class ConversionSettings(TypedDict):
     pass_pipeline: Literal["chunkforge", "coremltools"]
     # Compose decode packages from the four-chunk programs (build.rs `Composer`).
     compose: bool
-    # Convert a unit's functions together (joint.py); absent in older records.
-    joint: NotRequired[bool]
-    # Who writes bundled and composed packages (runtime.package_writer);
-    # sent only when not "chunkforge".
-    writer: NotRequired[PackageWriter]
-    # Take the shortcuts through coremltools' own code (runtime.mil_shortcuts);
-    # sent only when off.
-    mil_shortcuts: NotRequired[bool]
+    # Convert a unit's functions together (joint.py).
+    joint: bool
+    # Who writes bundled and composed packages (runtime.package_writer).
+    writer: PackageWriter
+    # Take the shortcuts through coremltools' own code (runtime.mil_shortcuts).
+    mil_shortcuts: bool
 
 
 class ChunkJob(TypedDict):
@@ -376,8 +373,8 @@ class ParityLayout(TypedDict):
 
 
 class ParityRequest(TypedDict):
-    """What `parity.run` gets. Rust sends every key; the ones read with a
-    default (NotRequired here) may be left out by a hand-made request."""
+    """What `parity.run` gets. Rust sends every key but the test build's
+    ``sabotage``."""
 
     plan: PlanDims
     # The layout every other one is compared against (the four-chunk one).
@@ -393,15 +390,15 @@ class ParityRequest(TypedDict):
     # (parity_checks.rs `CHECKS`; a name from Rust's table, as LayoutKind).
     checks: list[str]
     thresholds: ParityThresholds
-    prefill: NotRequired[int | None]
-    prefill_layout: NotRequired[ParityLayout | None]
-    oracle: NotRequired[bool]
+    prefill: int | None
+    prefill_layout: ParityLayout | None
+    oracle: bool
     # Sent by a test build only (python/tests/parity_sabotage.py applies it).
     sabotage: NotRequired[Sabotage]
     # The build folder whose packages' INT4 weights are checked, or None.
-    artifacts: NotRequired[str | None]
+    artifacts: str | None
     # INT4 (palettized build) or FP16 (--no-quantize), from the build's settings.
-    artifacts_precision: NotRequired[str | None]
+    artifacts_precision: str | None
     artifact_layouts: dict[LayoutKind, ParityLayout]
 
 
@@ -647,9 +644,9 @@ class FixtureArgs(TypedDict):
     multimodal: bool
     shards: int
     sliding_window: int
-    vocab_size: NotRequired[int]
-    full_width: NotRequired[bool]
-    attention: NotRequired[AttentionSharpness | None]
+    vocab_size: int
+    full_width: bool
+    attention: AttentionSharpness | None
 
 
 class FixtureInfo(TypedDict):
@@ -884,11 +881,11 @@ class PlatformLimits(TypedDict):
 
 
 class BenchArgs(TypedDict):
-    """What `bench_palettize.run` gets (each key optional there)."""
+    """What `bench_palettize.run` gets."""
 
-    quick: NotRequired[bool]
-    seed: NotRequired[int]
-    progress: NotRequired[bool]
+    quick: bool
+    seed: int
+    progress: bool
 
 
 class BenchResult(TypedDict):
@@ -951,14 +948,14 @@ class RunRequest(TypedDict):
     reference: RunLayout
     prefill: RunLayout
     files: RunFiles
-    prompt: NotRequired[str | None]
-    prompt_ids: NotRequired[list[int] | None]
+    prompt: str | None
+    prompt_ids: list[int] | None
     max_tokens: int
     # Draft tokens per verify_qK call (its K), or None for plain decode.
-    speculate: NotRequired[int | None]
+    speculate: int | None
     eos_token_ids: list[int]
     # Round every fp16 op output to fp16 in the interpreter (the device's arithmetic, closest).
-    fp16: NotRequired[bool]
+    fp16: bool
 
 
 class Speculation(TypedDict):

@@ -126,8 +126,9 @@ def package_writer(settings: ConversionSettings | None) -> PackageWriter:
     serialiser: ``save_multifunction``, ``ct.convert`` of the loaded program),
     the reference the first must match byte for byte (`bench build
     --writer-baseline`, python/tests/test_compose.py). The build's settings
-    say (Rust reads ``CHUNKFORGE_WRITER``; the default is not recorded)."""
-    return settings.get("writer", "chunkforge") if settings else "chunkforge"
+    say (Rust reads ``CHUNKFORGE_WRITER`` and sends the field always); no
+    settings (a test's compose of loose packages): the default."""
+    return settings["writer"] if settings else "chunkforge"
 
 
 def mil_shortcuts(settings: ConversionSettings) -> bool:
@@ -136,8 +137,8 @@ def mil_shortcuts(settings: ConversionSettings) -> bool:
     default) or runs coremltools' code for every step (off, the reference the
     first must match byte for byte: `bench build --shortcuts-baseline`,
     tests/build.rs). The build's settings say (Rust reads
-    ``CHUNKFORGE_MIL_SHORTCUTS``; the default is not recorded)."""
-    return settings.get("mil_shortcuts", True)
+    ``CHUNKFORGE_MIL_SHORTCUTS`` and sends the field always)."""
+    return settings["mil_shortcuts"]
 
 
 def heap_kept() -> bool:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from chunkforge_py.contract import ParityReport, ParityRequest, ParitySummary, Verdict
 from chunkforge_py.parity.check import Check, Parity
-from chunkforge_py.parity.kl import kl_divergence
+from chunkforge_py.parity.kl import KlCheck, kl_divergence
 from chunkforge_py.parity.run import check_of, empty_report
 from chunkforge_py.parity.verdicts import overall
 
@@ -197,7 +197,8 @@ def test_a_kl_past_max_kl_fails_unless_only_at_ill_conditioned_steps(ill: set[in
     where transformers moves from itself (ill-conditioned), a KL past
     --max-kl is inconclusive."""
     check = check_of("kl")(given(ill=ill))
-    setattr(check, "records", [{"step": 0, "kl": 1e-12}, {"step": 1, "kl": 0.5}])
+    assert isinstance(check, KlCheck)
+    check.records = [{"step": 0, "kl": 1e-12}, {"step": 1, "kl": 0.5}]
     report = empty_report(check.p)
     check.write(report)
     summary = report["summary"]["kl"]

@@ -14,7 +14,7 @@ use crate::downloader::{Client, RuntimeBuild};
 use crate::layouts::{Mode, ReleaseLayout, RunLayout};
 use crate::parity_checks::Thresholds;
 use crate::py::contract::{AttentionSharpness, Shape};
-use crate::records::{Palettizer, PassPipeline};
+use crate::records::ConversionArgs;
 use values::DEFAULT_STEPS;
 pub use values::{choice, named, Jobs};
 
@@ -210,26 +210,8 @@ pub struct BuildCmd {
     /// byte-identical.
     #[arg(long, conflicts_with = "output")]
     pub check: Option<PathBuf>,
-    /// Skip INT4 palettization (FP16 weights).
-    #[arg(long)]
-    pub no_quantize: bool,
-    /// coremltools k-means worker processes for palettization.
-    #[arg(long, default_value_t = 1)]
-    pub kmeans_workers: usize,
-    /// INT4 palettizer: chunkforge (Rust kernel: optimal, deterministic, each distinct
-    /// weight once per build) or coremltools (its own k-means, for comparison).
-    #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
-    pub palettizer: Palettizer,
-    /// MIL pass pipeline: chunkforge (coremltools' default without the passes that
-    /// cannot change a chunkforge program; byte-identical packages, about half the
-    /// conversion time) or coremltools (its whole default pipeline).
-    #[arg(long, default_value = "chunkforge", value_parser = named::<PassPipeline>())]
-    pub pass_pipeline: PassPipeline,
-    /// Convert every layout's packages from torch, instead of composing the decode
-    /// packages the four-chunk layout tiles (three-chunk, two-chunk, one-chunk, a
-    /// --split on four-chunk boundaries) from the four-chunk decode programs.
-    #[arg(long)]
-    pub no_compose: bool,
+    #[command(flatten)]
+    pub conversion: ConversionArgs,
     /// If another run is writing the same --output, fail at once instead of waiting for it.
     #[arg(long)]
     pub no_wait: bool,
@@ -423,18 +405,8 @@ pub struct BenchBuildCmd {
     pub model: ModelArgs,
     #[command(flatten)]
     pub layout: LayoutArgs,
-    /// As `build --kmeans-workers`.
-    #[arg(long, default_value_t = 1)]
-    pub kmeans_workers: usize,
-    /// INT4 palettizer, as `build --palettizer`.
-    #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
-    pub palettizer: Palettizer,
-    /// MIL pass pipeline (as `build --pass-pipeline`).
-    #[arg(long, default_value = "chunkforge", value_parser = named::<PassPipeline>())]
-    pub pass_pipeline: PassPipeline,
-    /// As `build --no-compose`.
-    #[arg(long)]
-    pub no_compose: bool,
+    #[command(flatten)]
+    pub conversion: ConversionArgs,
     /// As `build --jobs`.
     #[arg(long, default_value = "auto")]
     pub jobs: Jobs,
@@ -586,9 +558,8 @@ pub struct ReleaseCmd {
     pub ctx: usize,
     #[command(flatten)]
     pub functions: FunctionArgs,
-    /// Skip INT4 palettization (FP16 weights).
-    #[arg(long)]
-    pub no_quantize: bool,
+    #[command(flatten)]
+    pub conversion: ConversionArgs,
     /// Parity decode steps.
     #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,

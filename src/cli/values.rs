@@ -3,48 +3,8 @@
 //! the settings the commands resolve.
 
 use anyhow::{Context, Result};
-use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 
-use crate::layouts::Choice;
-use crate::names::Named;
-
-/// A value parser whose possible values (listed in `--help`, checked while
-/// parsing) are `values`: (name, help).
-fn values_parser<T>(values: Vec<(&'static str, String)>) -> impl TypedValueParser<Value = T>
-where
-    T: std::str::FromStr + Clone + Send + Sync + 'static,
-{
-    let values = values.into_iter().map(|(name, doc)| {
-        let value = PossibleValue::new(name);
-        match doc.trim() {
-            "" => value,
-            doc => value.help(doc.trim_end_matches('.').to_string()),
-        }
-    });
-    PossibleValuesParser::new(values).map(|s| {
-        s.parse::<T>()
-            .ok()
-            .expect("clap only passes one of the possible values")
-    })
-}
-
-/// A value parser for a [`chunkforge_model::named!`] enum: its names are the
-/// possible values.
-pub fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
-    values_parser(
-        T::NAMES
-            .iter()
-            .zip(T::DOCS)
-            .map(|(n, d)| (*n, d.to_string()))
-            .collect(),
-    )
-}
-
-/// A value parser for a layout selector: the layouts of the layout table it
-/// admits (each with its packages as help) and its words.
-pub fn choice<T: Choice + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
-    values_parser(T::choices())
-}
+pub use crate::args::{choice, named};
 
 /// `--steps`.
 pub const DEFAULT_STEPS: usize = 16;

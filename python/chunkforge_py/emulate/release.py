@@ -232,7 +232,7 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
     dims = req["dims"]
     ctx = dims["ctx"]
     started = time.perf_counter()
-    if req.get("prompt_ids") is not None:
+    if req["prompt_ids"] is not None:
         prompt = list(req["prompt_ids"] or [])
     else:
         from tokenizers import Tokenizer
@@ -249,7 +249,7 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
 
     emb = ReleaseEmbeddings(req)
     rope = RopeTables(req)
-    fp16 = bool(req.get("fp16"))
+    fp16 = req["fp16"]
     programs: dict[str, Interpreter] = {}
 
     def program(name: str) -> Interpreter:
@@ -275,7 +275,7 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
     decode_layout = req["decode"]
     # The reference layout: prefill writes its caches, its packages verify.
     reference = req["reference"]
-    speculate = req.get("speculate") or 0
+    speculate = req["speculate"] or 0
     verify = modules(reference, "verify") if speculate else None
     if speculate and decode_layout["kind"] != reference["kind"]:
         raise ChunkforgeError(f"speculative decoding verifies with the {reference['kind']} layout: run that layout")

@@ -180,7 +180,7 @@ class ArtifactsCheck(Check):
 
     def compute(self) -> None:
         p = self.p
-        build_dir = p.req.get("artifacts")
+        build_dir = p.req["artifacts"]
         if not build_dir:
             return
         # The checkpoint's projections are read once each from here on (each
@@ -277,7 +277,7 @@ class ArtifactsCheck(Check):
             verify_records(recs, {}, vq, p.emb, p.prompt, p.steps, k, q_results, four, p.tol)
             self.checks["verify_qK"] = (recs, replaced)
         n = p.prefill
-        if n and p.req.get("prefill_layout"):
+        if n and p.req["prefill_layout"]:
             again = LayoutRunner(p.dims, four, p.ckpt, modules=q.modules)
             again.steps(p.emb, p.prompt[:n], 0)
             pf_layout, tokens = prefill_function(p.req, n)
@@ -297,7 +297,7 @@ class ArtifactsCheck(Check):
                 self.summaries[name] = check
         report["artifacts"] = self.records
         report["summary"]["artifacts"] = self.summaries or None
-        report["summary"]["artifacts_precision"] = p.req.get("artifacts_precision") if p.req.get("artifacts") else None
+        report["summary"]["artifacts_precision"] = p.req["artifacts_precision"] if p.req["artifacts"] else None
 
     def verdicts(self) -> list[Verdict]:
         return [s["verdict"] for s in self.summaries.values()]

@@ -74,7 +74,7 @@ class Hooks:
 def prefill_function(req: ParityRequest, n: int) -> tuple[ParityLayout, int]:
     """The prefill layout and the token count of the shortest prefill
     function that holds ``n`` tokens."""
-    layout = req.get("prefill_layout")
+    layout = req["prefill_layout"]
     if layout is None:
         raise ChunkforgeError(f"--prefill {n}: the plan has no prefill functions")
     lens = sorted(f["tokens"] for f in layout["chunks"][0]["functions"])
@@ -105,7 +105,7 @@ class Parity:
         self.steps: int = req["steps"]
         self.tol: float = req["thresholds"]["tol_cos"]
         self.check_inputs()
-        self.prefill = int(req.get("prefill") or 0)
+        self.prefill = req["prefill"] or 0
         if self.prefill >= self.steps:
             raise ChunkforgeError(f"--prefill {self.prefill} leaves no decode steps (--steps {self.steps})")
         self.reference: LayoutKind = req["reference"]

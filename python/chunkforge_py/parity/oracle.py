@@ -238,7 +238,7 @@ class OracleCheck(Check):
 
     def compute(self) -> None:
         p = self.p
-        if not p.req.get("oracle", True):
+        if not p.req["oracle"]:
             return
         prompt = p.prompt[: p.steps]
         p.say("transformers (eager attention)")

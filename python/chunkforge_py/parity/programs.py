@@ -405,7 +405,7 @@ class ProgramsCheck(Check):
         if k and p.steps >= k:
             self.records["verify_qK"] = check_verify(p.programs, four, k, p.dims, p.emb, p.prompt, q_results)
         n = p.prefill
-        pf_layout = p.req.get("prefill_layout")
+        pf_layout = p.req["prefill_layout"]
         if n and pf_layout:
             again = LayoutRunner(p.dims, four, p.ckpt, modules=q.modules)
             again.steps(p.emb, p.prompt[:n], 0)
