@@ -15,7 +15,7 @@
 set -euo pipefail
 
 secs="${1:-600}"
-targets="${FUZZ_TARGETS:-manifest_parse signature_parse verify_dir safetensors_header zip_archive}"
+targets="${FUZZ_TARGETS:-manifest_parse signature_parse verify_dir safetensors_header zip_archive walk_tree manifest_paths}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
@@ -109,7 +109,7 @@ safetensors_seed() {
 need_seeds=()
 for target in $targets; do
     case "$target" in
-    verify_dir) ;; # structured input (arbitrary::Arbitrary): starts from nothing
+    verify_dir | walk_tree | manifest_paths) ;; # structured input (arbitrary::Arbitrary): starts from nothing
     *) ls fuzz/corpus/"$target"/seed-* >/dev/null 2>&1 || need_seeds+=("$target") ;;
     esac
 done

@@ -15,19 +15,26 @@
 #                       merged_chunk1 holds 24 layers, so two is refused there]
 #   AUDIT_FLAGS         extra package flags   [none: the audit finds nothing in
 #                       E2B-size packages, so package must pass it as it stands]
-#   FP16                0 skips the FP16 pass [1]: build --no-quantize, package,
-#                       run --prompt PROMPT --max-tokens 16, and transformers'
-#                       greedy ids of the same prompt (scripts/oracle_greedy.py,
-#                       layer by layer); the run's ids must equal them
-#   PROMPT              the FP16 pass's prompt [The quick brown fox]
+#   FP16                0 skips the FP16 pass [1]: build --no-quantize of the
+#                       four-chunk layout and its prefill and verify functions
+#                       (what run needs; every layout's packages would not fit
+#                       the disk at E4B size: 44 GB of FP16 build, 28 GB of
+#                       release), package, run --prompt PROMPT --max-tokens 16,
+#                       and transformers' greedy ids of the same prompt
+#                       (scripts/oracle_greedy.py, layer by layer); the run's
+#                       ids must equal them
+#   PROMPT              the prompt [The quick brown fox]; the INT4 run takes
+#                       its ids repeated to 64 tokens, then generates 64
+#   BENCH               shapes that also run `bench run` (run, run before the
+#                       kernels and transformers' generate, 16 tokens) [e2b]
 #   KEEP                1 keeps SCRATCH/<shape> instead of removing it
 # Each shape starts only if SCRATCH's disk has the room its pass needs
-# (E2B about 49 GiB, E4B about 88 with FP16, 23 and 33 without); the exit
+# (E2B about 27 GiB, E4B about 49 with FP16, 23 and 33 without); the exit
 # status is 1 when a step failed, a shape was skipped or the ids differ.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-    sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 scratch=$1
@@ -43,6 +50,7 @@ if [ ! -x "$cf" ]; then
     exit 2
 fi
 cf=$(realpath "$cf")
+venv_py=$("$cf" doctor --venv-python)
 if [ -e "$scratch" ] && [ -n "$(ls -A "$scratch" 2>/dev/null)" ]; then
     echo "error: $scratch exists and is not empty; give a new scratch folder" >&2
     exit 2
@@ -68,6 +76,19 @@ step() {
     return $code
 }
 
+# speeds SHAPE LOG: run's prefill and decode rates, from its --json in LOG.
+speeds() {
+    python3 - "$1" "$2" <<'PY' 2>/dev/null
+import json, re, sys
+text = open(sys.argv[2]).read()
+start = re.search(r"^\{", text, re.M)
+r = json.JSONDecoder().raw_decode(text[start.start():])[0]
+print(f"{sys.argv[1].upper()} INT4 run: {r['prefill_tokens']}-token prompt through {r['prefill_function']} in "
+      f"{r['prefill_seconds']:.2f} s, decode {r['decode_tokens_per_second']:.2f} tokens/s "
+      f"({len(r['generated_ids'])} tokens, layout {r['layout']})")
+PY
+}
+
 # ids_in LOG KEY: the id list under KEY of the JSON object in LOG (the
 # command's output, among its notes).
 ids_in() {
@@ -81,14 +102,15 @@ PY
 
 # need_gib SHAPE: the scratch space a shape's pass needs at its fullest
 # (measured with du: E2B's INT4 pass holds checkpoint, build and release,
-# 8.7 + 5.4 + 6.2 GiB, its FP16 pass the checkpoint, FP16 build and release,
-# 8.7 + 21 + 17 GiB; E4B's INT4 pass 14 + 11 + 5.6 GiB, its FP16 pass
-# estimated from E2B's at 14 + 44 + 28 GiB), with 2 GiB to spare.
+# 8.7 + 5.4 + 6.2 GiB; E4B's 14 + 11 + 5.6 GiB. The FP16 pass holds the
+# checkpoint, the FP16 four-chunk build (decode, verify and prefill
+# packages) and its release, E2B 8.7 + 8.8 + 7.1 GiB, E4B 14 + 18 + 13 GiB
+# estimated from E2B's), with 2 GiB to spare.
 need_gib() {
     case "$1:${FP16:-1}" in
-    e2b:1) echo 49 ;;
+    e2b:1) echo 27 ;;
     e2b:*) echo 23 ;;
-    e4b:1) echo 88 ;;
+    e4b:1) echo 49 ;;
     *) echo 33 ;;
     esac
 }
@@ -113,13 +135,25 @@ for shape in "${shapes[@]}"; do
     step "$shape" parity "$cf" parity --hf-dir "$dir/ckpt" --mode all --steps 16 --prefill 8 \
         --artifacts "$dir/build" --report "$scratch/$shape-parity.json"
     if [ -d "$dir/release" ]; then
-        step "$shape" run "$cf" run "$dir/release" --prompt "$prompt" --max-tokens 16
+        # A 64-token prompt (PROMPT's ids repeated) through prefill, then 64 tokens.
+        ids=$("$venv_py" -c 'import sys
+from tokenizers import Tokenizer
+ids = Tokenizer.from_file(sys.argv[1]).encode(sys.argv[2]).ids
+print(",".join(str(t) for t in (ids * 64)[:64]))' "$dir/release/hf_model/tokenizer.json" "$prompt")
+        step "$shape" run "$cf" run "$dir/release" --prompt-ids "$ids" --max-tokens 64 --json
+        speeds "$shape" "$scratch/$shape-run.log" >>"$scratch/speeds.txt"
+        if [[ " ${BENCH:-e2b} " == *" $shape "* ]]; then
+            step "$shape" bench-run "$cf" bench run "$dir/release" --hf-dir "$dir/ckpt" \
+                --prompt "$prompt" --prompt-tokens 64 --max-tokens 16
+        fi
     fi
     if [ "${FP16:-1}" = 1 ]; then
-        # The INT4 build and release make room for the FP16 ones.
+        # The INT4 build and release make room for the FP16 ones: the
+        # four-chunk layout (what run picks without the others) with its
+        # verify and prefill functions.
         rm -rf "$dir/build" "$dir/release"
-        step "$shape" build-fp16 "$cf" build --hf-dir "$dir/ckpt" --mode all --no-quantize \
-            --output "$dir/build-fp16" &&
+        step "$shape" build-fp16 "$cf" build --hf-dir "$dir/ckpt" --mode four --verify-k 3 \
+            --prefill-len 512 --no-quantize --output "$dir/build-fp16" &&
             step "$shape" package-fp16 "$cf" package "$dir/build-fp16" "${layout_flags[@]}" \
                 --key "$dir/key.pem" --output "$dir/release-fp16" $audit_flags &&
             step "$shape" run-fp16 "$cf" run "$dir/release-fp16" --prompt "$prompt" --max-tokens 16 --json &&
@@ -150,7 +184,7 @@ echo
 printf '|---|'
 for _ in "${shapes[@]}"; do printf -- '---:|---:|'; done
 echo
-for name in fixture build audit package parity run build-fp16 package-fp16 run-fp16 oracle; do
+for name in fixture build audit package parity run bench-run build-fp16 package-fp16 run-fp16 oracle; do
     printf '| `%s` |' "$name"
     for shape in "${shapes[@]}"; do
         row=$(awk -F'\t' -v s="$shape" -v n="$name" '$1 == s && $2 == n' "$table")
@@ -172,6 +206,10 @@ done
 echo
 for shape in "${shapes[@]}"; do
     grep -h '^PARITY' "$scratch/$shape-parity.log" 2>/dev/null | sed "s/^/${shape^^} parity: /"
+done
+cat "$scratch/speeds.txt" 2>/dev/null
+for shape in "${shapes[@]}"; do
+    grep -h -A12 '^a [0-9]*-token prompt' "$scratch/$shape-bench-run.log" 2>/dev/null | sed "s/^/${shape^^} bench run: /"
 done
 cat "$scratch/ids.txt" 2>/dev/null
 # Non-zero when a step failed, a shape was not run, or the FP16 ids differ.

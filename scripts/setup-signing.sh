@@ -25,12 +25,31 @@ else
     else home="\`$HOME\`, not an absolute path"; fi
     die "cannot place the cache folder: CHUNKFORGE_CACHE and XDG_CACHE_HOME are unset (or not absolute) and HOME is $home; $how"
 fi
+refuse() { die "$cache: refusing to use this cache folder: $*; $how"; }
+me="$(id -u)"
+# $1 and every folder above it (resolved) belong to this user or root and are
+# not writable by everyone unless sticky: else someone could replace the cache.
+check_from() {
+    local dir owner mode
+    dir="$(cd "$1" && pwd -P)"
+    while :; do
+        read -r owner mode < <(stat -Lc '%u %a' "$dir")
+        mode=$((8#$mode))
+        [ "$owner" = "$me" ] || [ "$owner" = 0 ] || refuse "the folder above it, $dir, belongs to uid $owner, who could replace the cache folder"
+        (( (mode & 8#002) == 0 || (mode & 8#1000) != 0 )) || refuse "the folder above it, $dir, is writable by everyone (mode $(printf %04o "$mode")) and not sticky, so anyone could replace the cache folder"
+        [ "$dir" = / ] && break
+        dir="$(dirname "$dir")"
+    done
+}
 if [ ! -e "$cache" ]; then
+    # The folders it would be made in first: a refused cache folder is not
+    # created, nor are its parents.
+    existing="$(dirname "$cache")"
+    while [ ! -e "$existing" ]; do existing="$(dirname "$existing")"; done
+    check_from "$existing"
     mkdir -p "$(dirname "$cache")"
     mkdir -m 700 "$cache" 2>/dev/null || [ -d "$cache" ] || die "$cache: cannot create the cache folder"
 fi
-refuse() { die "$cache: refusing to use this cache folder: $*; $how"; }
-me="$(id -u)"
 [ -d "$cache" ] || refuse "it is not a folder"
 read -r owner mode < <(stat -Lc '%u %a' "$cache")
 mode=$((8#$mode))
@@ -39,14 +58,7 @@ if (( mode & 8#022 )); then
     if (( mode & 8#002 )); then who="others"; else who="its group"; fi
     die "$cache: refusing to use this cache folder: it is writable by $who (mode $(printf %04o "$mode")); run \`chmod go-w $cache\` or $how"
 fi
-dir="$(cd "$cache" && pwd -P)"
-while [ "$dir" != / ]; do
-    dir="$(dirname "$dir")"
-    read -r owner mode < <(stat -Lc '%u %a' "$dir")
-    mode=$((8#$mode))
-    [ "$owner" = "$me" ] || [ "$owner" = 0 ] || refuse "the folder above it, $dir, belongs to uid $owner, who could replace the cache folder"
-    (( (mode & 8#002) == 0 || (mode & 8#1000) != 0 )) || refuse "the folder above it, $dir, is writable by everyone (mode $(printf %04o "$mode")) and not sticky, so anyone could replace the cache folder"
-done
+check_from "$(dirname "$(cd "$cache" && pwd -P)")"
 venv="$cache/signing-venv"
 # model-signing 1.1.1 imports OpenSSL (pyopenssl) for certificate handling even
 # when signing with a plain key; it does not declare it, so it is pinned here.

@@ -15,7 +15,8 @@ VENV_PY="$(./target/release/chunkforge doctor --venv-python)"
 # their requirements: the pinned environment holds exactly requirements-torch.txt
 # and requirements.txt.
 CACHE="$(dirname "$(dirname "$(dirname "$VENV_PY")")")"
-TOOLS="$CACHE/test-tools-$(sha256sum python/requirements-test.txt | cut -c1-16)"
+# sha256sum (GNU) or shasum (macOS)
+TOOLS="$CACHE/test-tools-$({ sha256sum python/requirements-test.txt 2>/dev/null || shasum -a 256 python/requirements-test.txt; } | cut -c1-16)"
 if [ ! -d "$TOOLS" ]; then
   echo "== Installing the test tools into $TOOLS"
   rm -rf "$TOOLS.partial"

@@ -75,6 +75,11 @@ pub fn ensure_safe(dir: &Path) -> Result<(), CacheDirError> {
         message,
     };
     if !dir.exists() {
+        // The folders it would be made in are checked first: a cache folder
+        // refused is not created, nor are its parents.
+        if let Some(existing) = dir.ancestors().skip(1).find(|a| a.exists()) {
+            check_parents(dir, existing)?;
+        }
         if let Some(parent) = dir.parent() {
             std::fs::create_dir_all(parent)
                 .map_err(|e| unsafe_dir(dir, format!("cannot create its parent folder ({e})")))?;
@@ -119,7 +124,25 @@ pub fn ensure_safe(dir: &Path) -> Result<(), CacheDirError> {
     let real = dir
         .canonicalize()
         .map_err(|e| unsafe_dir(dir, format!("cannot resolve it ({e})")))?;
-    for parent in real.ancestors().skip(1) {
+    match real.parent() {
+        Some(parent) => check_parents(dir, parent),
+        None => Ok(()),
+    }
+}
+
+/// `from` and every folder above it (resolved) are owned by this user or
+/// root, and none is writable by everyone unless sticky: else someone else
+/// could replace the cache folder `dir`.
+fn check_parents(dir: &Path, from: &Path) -> Result<(), CacheDirError> {
+    let unsafe_dir = |path: &Path, message: String| CacheDirError::Unsafe {
+        path: path.to_path_buf(),
+        message,
+    };
+    let me = unsafe { libc::geteuid() };
+    let real = from
+        .canonicalize()
+        .map_err(|e| unsafe_dir(dir, format!("cannot resolve {} ({e})", from.display())))?;
+    for parent in real.ancestors() {
         let m = std::fs::metadata(parent)
             .map_err(|e| unsafe_dir(dir, format!("cannot stat {} ({e})", parent.display())))?;
         let pmode = m.mode() & 0o7777;

@@ -14,7 +14,9 @@ pub use chunkforge_release::{
 };
 
 pub mod audit;
+pub mod bench_matmul;
 pub mod bench_palettize;
+pub mod bench_run;
 pub mod build;
 pub mod cache_dir;
 pub mod cli;
@@ -23,6 +25,7 @@ pub mod compile;
 pub mod fixture;
 pub mod hashbench;
 pub mod heap;
+pub mod matmul;
 pub mod palette;
 pub mod parity;
 pub mod progress;

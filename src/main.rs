@@ -24,6 +24,9 @@ fn main() -> ExitCode {
     match commands::run(cli) {
         Ok(status) => status.into(),
         Err(e) => {
+            // An error of a run being interrupted (a copy whose folder the
+            // handler removed) is the handler's to report, with its status.
+            staging::stop_if_interrupted();
             eprintln!("error: {}", render(&e));
             ExitStatus::Error.into()
         }

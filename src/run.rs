@@ -8,7 +8,7 @@ use anyhow::{bail, Result};
 
 pub use crate::folder::RunLayout;
 use crate::folder::{ReleaseFolder, RunPlan};
-use crate::layouts::{spec, Runtime, REFERENCE};
+use crate::layouts::{spec, Missing, Runtime, REFERENCE};
 use crate::plan;
 use crate::py::calls;
 use crate::py::contract::{RunFiles, RunRequest};
@@ -91,6 +91,33 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
             ),
             _ => {}
         }
+        // What this runtime build reads from verify_qK: a missing output the
+        // app force-unwraps crashes it, an optional one skips the commit.
+        let contract = entry.runtime.verify();
+        for r in contract.reads {
+            let Some(c) = four.chunks.get(r.chunk) else {
+                continue;
+            };
+            let has = c
+                .functions
+                .iter()
+                .filter(|f| f.kind == plan::FunctionKind::Verify)
+                .any(|f| f.outputs.iter().any(|t| t.name == r.output));
+            if !has {
+                bail!(
+                    "{}: {}'s verify_qK returns no {}, which {} reads ({}): {}",
+                    o.release.display(),
+                    c.name,
+                    r.output,
+                    entry.runtime.describe(),
+                    contract.source,
+                    match r.missing {
+                        Missing::Crashes => "the app would crash on the first verify call",
+                        Missing::SkipsCommit => "its commit would be skipped and decode would go on without the verified rows",
+                    }
+                );
+            }
+        }
     }
     let path = |name: &str| folder.side_file(name).to_string_lossy().into_owned();
     let files = RunFiles {
@@ -128,6 +155,7 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
         },
         max_tokens: o.max_tokens,
         speculate: o.speculate,
+        verify_commit: entry.runtime.verify().commit,
         eos_token_ids: &folder.eos_token_ids,
         fp16: o.fp16,
     };

@@ -3,7 +3,7 @@
 //! requests and the width mismatches for main and main-3way, the multimodal
 //! files on the branch until `package --encoders-from` carries them, and a
 //! removed or differing shared blob, a missing side file and a disagreeing
-//! `context_length` failing by name; `compile` refused on Linux.
+//! `context_length` failing by name (`compile` itself: tests/compile.rs).
 
 mod common;
 
@@ -370,117 +370,20 @@ fn broken_shares_side_files_and_context_fail_by_name() {
     );
 }
 
-/// On Linux `compile` and `release --compile` say they need macOS and exit
-/// 2, leaving the release as it was (and building nothing).
-#[cfg(not(target_os = "macos"))]
-#[test]
-fn compile_needs_macos() {
-    let rel = plain();
-    let before = fs::read(rel.join("manifest.json")).unwrap();
-    let o = run(&["compile", s(rel), "--key", s(key())]);
-    assert_eq!(o.status.code(), Some(2));
-    assert!(
-        stderr(&o).contains("compiling a release needs macOS"),
-        "{}",
-        stderr(&o)
-    );
-    assert_eq!(fs::read(rel.join("manifest.json")).unwrap(), before);
-    let out = tempdir("client-release-compile").join("r");
-    let o = run(&[
-        "release",
-        "--compile",
-        "--key",
-        s(key()),
-        "--output",
-        s(&out),
-    ]);
-    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("--compile: compiling a release needs macOS"));
-    assert!(!out.exists() && !out.with_extension("build").exists());
-}
-
-/// `model.mil` text as coremltools' `get_compiled_model_path()` writes it,
-/// stating `chunk`'s functions (a manifest entry): each signature, and each
-/// output declared by a statement. The test's stand-in for a compiled
-/// package: Core ML's compiler exists only on macOS.
-fn text_mil(chunk: &Value) -> String {
-    let tensor = |t: &Value| {
-        let dims: Vec<String> = t["shape"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| d.to_string())
-            .collect();
-        format!(
-            "tensor<{}, [{}]>",
-            t["dtype"].as_str().unwrap(),
-            dims.join(", ")
-        )
-    };
-    let mut text = String::from(
-        "program(1.3)\n[buildInfo = dict<string, string>({{\"coremlc-component-MIL\", \"3500.14.1\"}})]\n{\n",
-    );
-    for f in chunk["functions"].as_array().unwrap() {
-        let inputs: Vec<String> = f["inputs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| format!("{} {}", tensor(t), t["name"].as_str().unwrap()))
-            .collect();
-        text += &format!(
-            "    func {}<ios18>({}) {{\n",
-            f["name"].as_str().unwrap(),
-            inputs.join(", ")
-        );
-        let mut outs = Vec::new();
-        for t in f["outputs"].as_array().unwrap() {
-            let n = t["name"].as_str().unwrap();
-            text += &format!(
-                "            {} {n} = identity(x = var_0)[name = string(\"{n}\")];\n",
-                tensor(t)
-            );
-            outs.push(n.to_string());
-        }
-        text += &format!("    }} -> ({});\n", outs.join(", "));
-    }
-    text + "}\n"
-}
-
 /// An upstream bundle made from the chunkforge release `rel`: the app's
-/// repository with each package compiled (`text_mil`, the package's weight
-/// blob, stand-ins for the compiler's binary files) and no manifest or
-/// signature.
+/// repository with each package compiled (`chunkforge compile`, here
+/// chunkforge's own writer) and no manifest, signature or run book, as
+/// upstream publishes it.
 fn upstream_bundle(rel: &Path, out: &Path) {
-    let m = json_file(&rel.join("manifest.json"));
-    let packages: Vec<&Value> = m["chunks"].as_array().unwrap().iter().collect();
-    for f in m["files"].as_array().unwrap() {
-        let path = f["path"].as_str().unwrap();
-        if path.contains(".mlpackage/")
-            || ["manifest.json", "model.sig", "DEVICE_RUNBOOK.md"].contains(&path)
-        {
-            continue;
-        }
-        let dst = out.join(path);
-        fs::create_dir_all(dst.parent().unwrap()).unwrap();
-        fs::copy(rel.join(path), dst).unwrap();
-    }
-    for c in packages {
-        let file = c["file"].as_str().unwrap();
-        let compiled = out.join(file.replace(".mlpackage", ".mlmodelc"));
-        fs::create_dir_all(compiled.join("analytics")).unwrap();
-        fs::write(compiled.join("model.mil"), text_mil(c)).unwrap();
-        fs::write(compiled.join("coremldata.bin"), b"stand-in").unwrap();
-        fs::write(compiled.join("analytics/coremldata.bin"), b"stand-in").unwrap();
-        fs::write(compiled.join("metadata.json"), b"[]").unwrap();
-        // A package the release holds without its blob (shared in) is
-        // fetched without one from upstream too.
-        let blob = rel
-            .join(file)
-            .join("Data/com.apple.CoreML/weights/weight.bin");
-        if blob.is_file() {
-            fs::create_dir_all(compiled.join("weights")).unwrap();
-            fs::copy(blob, compiled.join("weights/weight.bin")).unwrap();
-        }
+    let compiled = out.with_file_name(format!(
+        "{}-compiled",
+        out.file_name().unwrap().to_string_lossy()
+    ));
+    copy_tree(rel, &compiled);
+    ok(&["compile", s(&compiled), "--key", s(key())]);
+    copy_tree(&compiled, out);
+    for f in ["manifest.json", "model.sig", "DEVICE_RUNBOOK.md"] {
+        fs::remove_file(out.join(f)).unwrap();
     }
 }
 
@@ -488,8 +391,9 @@ fn upstream_bundle(rel: &Path, out: &Path) {
 /// packages are checked against the plan through their `model.mil` and stay
 /// compiled in the release, signed with the rest; the app's main download
 /// of the result finds every file (no compile request, the context check
-/// read from chunk1's `model.mil`); `run` says it cannot execute compiled
-/// packages. A contract or config that disagrees is refused by name.
+/// read from chunk1's `model.mil`); `run` executes the carried compiled
+/// packages to transformers' greedy ids. A contract or config that
+/// disagrees is refused by name.
 #[test]
 fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
     let (four_build, both) = common::onto_builds();
@@ -537,10 +441,13 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
         assert_eq!(file.ends_with(".mlmodelc"), carried, "{name}: {file}");
         assert!(c["sha256_tree"].is_string(), "{name}");
     }
+    // Only the bundle's packages are carried (nothing signed or recorded
+    // them); the side files and hf_model/ come from the build's checkpoint.
+    assert_eq!(m["onto"]["verified"], false);
     for f in m["files"].as_array().unwrap() {
         let path = f["path"].as_str().unwrap();
-        let made = path.starts_with("merged_") || path == "DEVICE_RUNBOOK.md";
-        assert_eq!(f["carried"].as_bool().unwrap_or(false), !made, "{path}");
+        let carried = path.contains(".mlmodelc/");
+        assert_eq!(f["carried"].as_bool().unwrap_or(false), carried, "{path}");
     }
     // The app's main download: every file there, chunk1's model.mil read
     // by the downloader's context check; only the fixture's widths differ
@@ -585,16 +492,32 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
         m2["chunks"], m["chunks"],
         "the same packages, whichever layout they came from"
     );
-    let o = run(&["run", s(&out), "--prompt", "hi", "--max-tokens", "1"]);
-    assert!(!o.status.success());
-    assert!(
-        stderr(&o).contains(".mlmodelc: compiled (.mlmodelc)"),
-        "{}",
-        stderr(&o)
+    let o = run(&[
+        "run",
+        s(&out),
+        "--prompt",
+        common::SENTENCE,
+        "--max-tokens",
+        &common::TOKENS.to_string(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let hf = PathBuf::from(
+        json_file(&four_build.join("build.json"))["checkpoint"]["dir"]
+            .as_str()
+            .unwrap(),
+    );
+    let (_, want) = common::transformers_greedy(&hf, common::SENTENCE, common::TOKENS);
+    let r: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(
+        common::ids(&r["generated_ids"]),
+        want,
+        "carried compiled packages vs transformers"
     );
 
     // RoPE tables other than the config's (upstream's generator rotates
-    // every pair of the full layers) or missing are made anew, not carried.
+    // every pair of the full layers) or missing: the release's are made
+    // from the checkpoint, as every side file of a bundle's release is.
     let rope = work.join("rope");
     copy_tree(&bundle, &rope);
     let cos = rope.join("swa/cos_full.npy");
@@ -607,10 +530,7 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
     let o = onto(&rope, &remade);
     assert!(o.status.success(), "{}", stderr(&o));
     let e = stderr(&o);
-    assert!(
-        e.contains(&format!("{}: row ", cos.display())) && e.contains("is not the RoPE"),
-        "{e}"
-    );
+    assert!(e.contains("only its packages are carried"), "{e}");
     let m3 = json_file(&remade.join("manifest.json"));
     for name in ["swa/cos_full.npy", "swa/sin_sliding.npy"] {
         assert_eq!(
@@ -659,4 +579,373 @@ fn package_onto_an_upstream_bundle_keeps_its_compiled_packages() {
     let empty = work.join("empty");
     fs::create_dir_all(&empty).unwrap();
     refused(&empty, &empty, "--onto takes a chunkforge release");
+}
+
+/// The shell blocks of a run book, in order.
+fn shell_blocks(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut block: Option<Vec<&str>> = None;
+    for line in text.lines() {
+        match (&mut block, line) {
+            (None, "```sh") => block = Some(Vec::new()),
+            (Some(b), "```") => {
+                out.push(b.join("\n"));
+                block = None;
+            }
+            (Some(b), l) => b.push(l),
+            (None, _) => {}
+        }
+    }
+    out
+}
+
+/// Every shell line of `DEVICE_RUNBOOK.md`, run in order against the
+/// release in a temporary folder with the device steps stubbed (`xcrun
+/// devicectl` records the folder it would copy): each command succeeds,
+/// so every path it names exists; the model folder it makes holds every
+/// file the app's own download leaves (`client-check --materialize`), byte
+/// for byte, under the local names the runtime reads; and each layout's
+/// copy to the device holds the packages that make the runtime pick it. The
+/// same for the release compiled (`compile` makes its run book again, with
+/// `.mlmodelc` folders).
+#[test]
+fn every_run_book_line_runs_against_the_release() {
+    run_book_lines(plain(), "mlpackage");
+    let compiled = tempdir("client-runbook-compiled").join("release");
+    copy_tree(plain(), &compiled);
+    ok(&["compile", s(&compiled), "--key", s(key())]);
+    run_book_lines(&compiled, "mlmodelc");
+}
+
+fn run_book_lines(rel: &Path, ext: &str) {
+    let text = fs::read_to_string(rel.join("DEVICE_RUNBOOK.md")).unwrap();
+    let blocks = shell_blocks(&text);
+    let work = tempdir(&format!("client-runbook-{ext}"));
+    let (model, stash, stubs) = (work.join("model"), work.join("stash"), work.join("bin"));
+    fs::create_dir_all(&stubs).unwrap();
+    // The device: `xcrun devicectl device copy to … --source DIR …` lists
+    // DIR's root into copies/N (and fails on a DIR that is not there).
+    let xcrun = stubs.join("xcrun");
+    fs::write(
+        &xcrun,
+        format!(
+            "#!/bin/bash\nset -eu\nsrc=''\nwhile [ $# -gt 0 ]; do [ \"$1\" = --source ] && src=\"$2\"; shift; done\n[ -d \"$src\" ]\nmkdir -p '{0}'\nn=$(ls '{0}' | wc -l)\nls \"$src\" > '{0}'/$n\n",
+            work.join("copies").display()
+        ),
+    )
+    .unwrap();
+    fs::set_permissions(&xcrun, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let bin_dir = common::bin().parent().unwrap().to_path_buf();
+    let path = format!(
+        "{}:{}:{}",
+        stubs.display(),
+        bin_dir.display(),
+        std::env::var("PATH").unwrap()
+    );
+    // The verdict reads the device's logs: not run here.
+    let runnable: Vec<&String> = blocks
+        .iter()
+        .filter(|b| !b.starts_with("chunkforge device-report"))
+        .collect();
+    assert!(runnable.len() >= 4, "{text}");
+    for (i, b) in runnable.iter().enumerate() {
+        let o = std::process::Command::new("bash")
+            .args(["-euo", "pipefail", "-c", b])
+            .env("PATH", &path)
+            .env("RELEASE", rel)
+            .env("PUBLIC_KEY", key().with_extension("pub"))
+            .env("MODEL_DIR", &model)
+            .env("STASH", &stash)
+            .env("DEVICE", "test-device")
+            .env("APP_ID", "com.example.test")
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "block {i} failed:\n{b}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    // The model folder holds the app's download of the release, as
+    // client-check materializes it, under local names.
+    let app = work.join("app");
+    let _ = run(&[
+        "client-check",
+        s(rel),
+        "--client",
+        "main",
+        "--multimodal",
+        "off",
+        "--materialize",
+        s(&app),
+    ]);
+    let files: Vec<_> = walkdir::WalkDir::new(&app)
+        .into_iter()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_type().is_file())
+        .map(|e| e.path().strip_prefix(&app).unwrap().to_path_buf())
+        .collect();
+    assert!(files.len() > 20, "{files:?}");
+    for f in &files {
+        assert_eq!(
+            fs::read(model.join(f)).unwrap_or_else(|e| panic!("{}: {e}", f.display())),
+            fs::read(app.join(f)).unwrap(),
+            "{}",
+            f.display()
+        );
+    }
+    let blob = if ext == "mlmodelc" {
+        "weights/weight.bin"
+    } else {
+        BLOB
+    };
+    for f in [
+        format!("chunk1.{ext}"),
+        format!("chunk2_3way.{ext}"),
+        format!("merged_chunk1.{ext}"),
+        "cos_full.npy".to_string(),
+        format!("prefill_chunk4.{ext}/{blob}"),
+    ] {
+        assert!(model.join(&f).exists(), "{f}");
+    }
+    assert!(!model.join("swa").exists());
+    // Each copy to the device: the first is the whole folder, then each
+    // layout's section in bench order (four-chunk, three-chunk, two-chunk).
+    let copies: Vec<BTreeSet<String>> = (0..)
+        .map(|n| work.join("copies").join(n.to_string()))
+        .take_while(|p| p.exists())
+        .map(|p| {
+            fs::read_to_string(p)
+                .unwrap()
+                .lines()
+                .map(String::from)
+                .collect()
+        })
+        .collect();
+    assert_eq!(copies.len(), 4, "{copies:?}");
+    let has = |c: &BTreeSet<String>, p: &str| c.contains(&format!("{p}.{ext}"));
+    assert!(copies
+        .iter()
+        .all(|c| has(c, "chunk1") && has(c, "prefill_chunk1")));
+    assert!(!has(&copies[1], "chunk2_3way") && !has(&copies[1], "merged_chunk1"));
+    assert!(has(&copies[2], "chunk2_3way") && has(&copies[2], "chunk3_3way"));
+    assert!(!has(&copies[3], "chunk2_3way") && has(&copies[3], "merged_chunk2"));
+    // Every package is back in the folder after the bench.
+    assert!(has(
+        &fs::read_dir(&model)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect(),
+        "chunk2_3way"
+    ));
+}
+
+/// A copy of `release` whose manifest records chunk `name`'s verify_qK
+/// without output `output`, as a release built for one runtime only would.
+fn without_verify_output(release: &Path, tag: &str, name: &str, output: &str) -> PathBuf {
+    let d = tempdir(&format!("client-{tag}")).join("release");
+    copy_tree(release, &d);
+    let path = d.join("manifest.json");
+    let mut m = json_file(&path);
+    let chunk = m["chunks"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|c| c["name"] == name)
+        .unwrap();
+    for f in chunk["functions"].as_array_mut().unwrap() {
+        if f["kind"] == "verify" {
+            f["outputs"]
+                .as_array_mut()
+                .unwrap()
+                .retain(|t| t["name"] != output);
+        }
+    }
+    fs::remove_file(&path).unwrap();
+    fs::write(&path, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+    d
+}
+
+/// The branch's verify is write-through: it reads K/V_sliding_out and
+/// K/V_full_out from chunk1's and chunk2's verify_qK, force-unwrapped.
+/// chunkforge's verify_qK returns them beside main's new rows, and
+/// client-check names the one a release lacks, for the runtime that reads it.
+#[test]
+fn client_check_holds_each_runtime_to_its_verify_contract() {
+    let (code, r) = check(with_encoders(), "branch", "on");
+    assert!(
+        !problems(&r).iter().any(|(k, _)| k == "verify"),
+        "{code}: {r}"
+    );
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("write-through"), "{notes}");
+    let d = without_verify_output(with_encoders(), "no-wt", "chunk2", "K_full_out");
+    let (code, r) = check(&d, "branch", "on");
+    assert_eq!(code, 1, "{r}");
+    let p: Vec<_> = r["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["kind"] == "verify")
+        .collect();
+    assert_eq!(p.len(), 1, "{r}");
+    assert_eq!(p[0]["files"], serde_json::json!(["swa/chunk2.mlpackage"]));
+    let m = p[0]["message"].as_str().unwrap();
+    assert!(
+        m.contains("returns no K_full_out") && m.contains("crashes"),
+        "{m}"
+    );
+    // Main does not read it: the same release passes main's check.
+    let (_, r) = check(&d, "main", "off");
+    assert!(!problems(&r).iter().any(|(k, _)| k == "verify"), "{r}");
+    // Main's new rows are optionals: a missing one skips the commit.
+    let d = without_verify_output(plain(), "no-rows", "chunk1", "new_K_sliding");
+    let (_, r) = check(&d, "main", "off");
+    let m = r["problems"].to_string();
+    assert!(
+        m.contains("returns no new_K_sliding") && m.contains("commit is skipped"),
+        "{m}"
+    );
+}
+
+/// Main's safety stop: a download whose bytes pass 1.5 x its list's
+/// estimatedSize sum aborts. The release's vision encoder blob is made to
+/// weigh exactly the limit (a sparse file), then one byte more: only the
+/// second fails, naming the file; the branch has no stop.
+#[test]
+fn main_aborts_a_download_past_one_and_a_half_times_its_estimate() {
+    let d = tempdir("client-size").join("release");
+    copy_tree(with_encoders(), &d);
+    let (code, r) = check(&d, "main", "on");
+    assert!(
+        !problems(&r).iter().any(|(k, _)| k == "size"),
+        "{code}: {r}"
+    );
+    let (bytes, limit) = (
+        r["download_bytes"].as_u64().unwrap(),
+        r["abort_limit"].as_u64().unwrap(),
+    );
+    // ModelDownloader.swift at 72178c6: its lists' estimates, times 1.5.
+    assert_eq!(limit, 7_415_447_437);
+    let blob = d.join("vision.mlmodelc/weights/weight.bin");
+    let size = fs::metadata(&blob).unwrap().len();
+    // A sparse file: its length is what the download counts.
+    fs::remove_file(&blob).unwrap();
+    let f = fs::File::create(&blob).unwrap();
+    f.set_len(size + limit - bytes).unwrap();
+    let (_, r) = check(&d, "main", "on");
+    assert_eq!(r["download_bytes"].as_u64().unwrap(), limit);
+    assert!(!problems(&r).iter().any(|(k, _)| k == "size"), "{r}");
+    f.set_len(size + limit - bytes + 1).unwrap();
+    let (code, r) = check(&d, "main", "on");
+    assert_eq!(code, 1);
+    let size_problems: Vec<_> = problems(&r)
+        .into_iter()
+        .filter(|(k, _)| k == "size")
+        .collect();
+    assert_eq!(size_problems.len(), 1, "{r}");
+    assert_eq!(size_problems[0].1[0], "vision.mlmodelc/weights/weight.bin");
+    // Multimodal off does not fetch it; the branch has no stop.
+    let (_, r) = check(&d, "main", "off");
+    assert!(!problems(&r).iter().any(|(k, _)| k == "size"), "{r}");
+    let (_, r) = check(&d, "branch", "on");
+    assert!(r["abort_limit"].is_null());
+    assert!(!problems(&r).iter().any(|(k, _)| k == "size"), "{r}");
+}
+
+/// `inspect` on a release's prefill packages stored without a blob (the
+/// app's download links or copies chunk1's and chunk4's in) reads the blob
+/// their share gives them, as `run` does.
+#[test]
+fn inspect_reads_a_shared_blob_as_run_does() {
+    let rel = plain();
+    for (prefill, from) in [
+        ("prefill/chunk1", "swa/chunk1"),
+        ("prefill/chunk4", "swa/chunk4"),
+    ] {
+        let pkg = rel.join(format!("{prefill}.mlpackage"));
+        assert!(!pkg.join(BLOB).exists(), "{prefill} holds its own blob");
+        let shared: Value = serde_json::from_str(&ok(&["inspect", s(&pkg), "--json"])).unwrap();
+        let own: Value = serde_json::from_str(&ok(&[
+            "inspect",
+            s(&rel.join(format!("{from}.mlpackage"))),
+            "--json",
+        ]))
+        .unwrap();
+        assert!(
+            !shared["palettized"].as_array().unwrap().is_empty(),
+            "{prefill}"
+        );
+        assert_eq!(shared["palettized"], own["palettized"], "{prefill}");
+        let text = ok(&["inspect", s(&pkg)]);
+        assert!(
+            text.contains("weights: ") && text.contains(&format!("{from}.mlpackage")),
+            "{text}"
+        );
+    }
+}
+
+/// A stand-in for the encoders (every file the app requests present and
+/// non-empty, a text `model.mil` without a function, random side files),
+/// which `--encoders-from` once accepted, is refused naming the first file
+/// that does not fit what the app feeds and reads; nothing is written.
+#[test]
+fn encoders_from_a_stand_in_is_refused_by_name() {
+    let enc = tempdir("client-stand-in");
+    for e in ["vision.mlmodelc", "vision_video.mlmodelc", "audio.mlmodelc"] {
+        for f in [
+            "weights/weight.bin",
+            "coremldata.bin",
+            "metadata.json",
+            "analytics/coremldata.bin",
+        ] {
+            let p = enc.join(e).join(f);
+            fs::create_dir_all(p.parent().unwrap()).unwrap();
+            fs::write(&p, [7u8; 64]).unwrap();
+        }
+        fs::write(enc.join(e).join("model.mil"), b"program(1.3)\n{}\n").unwrap();
+    }
+    for f in [
+        "mel_filterbank.bin",
+        "audio_config.json",
+        "output_proj_weight.npy",
+        "output_proj_bias.npy",
+        "embed_proj_weight.npy",
+    ] {
+        fs::write(enc.join(f), [7u8; 64]).unwrap();
+    }
+    let out = tempdir("client-stand-in-out").join("release");
+    let e = common::fails(&[
+        "package",
+        s(&common::built_all()),
+        "--key",
+        s(key()),
+        "--output",
+        s(&out),
+        "--encoders-from",
+        s(&enc),
+    ]);
+    assert!(
+        e.contains("vision.mlmodelc/model.mil: --encoders-from: cannot read the model's function signature"),
+        "{e}"
+    );
+    assert!(!out.exists());
+    // Signatures right, side files random: the first that does not fit.
+    copy_tree(&common::encoder_bundle(), &enc);
+    fs::write(enc.join("mel_filterbank.bin"), [7u8; 64]).unwrap();
+    let e = common::fails(&[
+        "package",
+        s(&common::built_all()),
+        "--key",
+        s(key()),
+        "--output",
+        s(&out),
+        "--encoders-from",
+        s(&enc),
+    ]);
+    assert!(
+        e.contains("mel_filterbank.bin: --encoders-from: 64 bytes"),
+        "{e}"
+    );
+    assert!(!out.exists());
 }

@@ -169,3 +169,24 @@ fn archive_without_entries_reports_every_file_missing() {
     );
     fs::remove_dir_all(&work).unwrap();
 }
+
+/// walk_tree's first finding: a top-level folder `i:` (a drive letter to a
+/// Windows reader) holding a file named `..\..\..\escaped`. The walk names
+/// the folder as the bad name and lists nothing below it, so the backslashed
+/// name is never read as a path; refuse_odd refuses the tree naming `i:`.
+#[test]
+fn a_drive_letter_folder_is_named_and_nothing_below_it_is_listed() {
+    let (_w, dir) = workdir("drive-letter");
+    fs::create_dir_all(dir.join("i:")).unwrap();
+    fs::write(dir.join("i:").join("..\\..\\..\\escaped"), b"x").unwrap();
+    fs::write(dir.join("plain.bin"), b"y").unwrap();
+    let tree = chunkforge::hashing::walk(&dir, &|_| false).unwrap();
+    assert_eq!(tree.files, vec!["plain.bin".to_string()]);
+    assert_eq!(tree.bad_names.len(), 1, "{:?}", tree.bad_names);
+    assert_eq!(tree.bad_names[0].path, "i:");
+    let e = tree.refuse_odd(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("release/i:") && e.contains("drive letter"),
+        "{e}"
+    );
+}

@@ -17,6 +17,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::sync::OnceLock;
 
+use common::synthetic::{
+    checkpoint_dir, config_sha256, keys, synthetic_build, tree_digest, weights_of,
+};
 use common::{copy_tree, fails, killed, ok, run, run_env, stderr, stdout, tempdir};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -118,168 +121,6 @@ fn cf_verify(dir: &Path, public: &Path) -> Output {
 }
 
 // ---------------------------------------------------------------- fixtures
-
-fn keys(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
-    let prefix = dir.join(name);
-    ok(&["keygen", "--out", s(&prefix)]);
-    (
-        dir.join(format!("{name}.pem")),
-        dir.join(format!("{name}.pub")),
-    )
-}
-
-/// The real plan (all layouts) of the tiny E2B fixture, computed once.
-fn plan_json() -> &'static Value {
-    static PLAN: OnceLock<Value> = OnceLock::new();
-    PLAN.get_or_init(|| {
-        let fx = common::fixture("e2b", &[]);
-        let out = ok(&["plan", "--hf-dir", s(&fx), "--mode", "all", "--json"]);
-        serde_json::from_str(&out).expect("plan --json is JSON")
-    })
-}
-
-/// The tiny E2B fixture the synthetic builds name as their checkpoint (the
-/// side files and hf_model/ of their releases come from it).
-fn checkpoint_dir() -> PathBuf {
-    common::fixture("e2b", &[])
-}
-
-fn config_sha256() -> String {
-    format!(
-        "{:x}",
-        Sha256::digest(fs::read(checkpoint_dir().join("config.json")).unwrap())
-    )
-}
-
-/// build.json's and a parity report's `checkpoint.weights` of the single-file
-/// checkpoint `dir`, computed here from the format's definition.
-fn weights_of(dir: &Path) -> Value {
-    let file = format!(
-        "{:x}",
-        Sha256::digest(fs::read(dir.join("model.safetensors")).unwrap())
-    );
-    let line = format!("model.safetensors\0{file}\n");
-    json!({
-        "sha256": format!("{:x}", Sha256::digest(line.as_bytes())),
-        "files": {"model.safetensors": file},
-    })
-}
-
-/// Same digest as build.json's `sha256_tree`.
-fn tree_digest(dir: &Path) -> String {
-    let mut lines = Vec::new();
-    for e in walkdir::WalkDir::new(dir).sort_by_file_name() {
-        let e = e.unwrap();
-        if e.file_type().is_file() {
-            let rel = e
-                .path()
-                .strip_prefix(dir)
-                .unwrap()
-                .to_string_lossy()
-                .to_string();
-            let d = Sha256::digest(fs::read(e.path()).unwrap());
-            lines.push(format!("{rel}\0{d:x}\n"));
-        }
-    }
-    lines.sort();
-    format!("{:x}", Sha256::digest(lines.concat().as_bytes()))
-}
-
-/// A build folder with the real plan and small stand-in packages (or one
-/// large weight file in merged_full when `big_mib` > 0). `skip` packages are
-/// left out.
-fn synthetic_build(dir: &Path, skip: &[&str], big_mib: usize) -> PathBuf {
-    let plan = plan_json().clone();
-    let mut records = Vec::new();
-    for l in plan["layouts"].as_array().unwrap() {
-        for c in l["chunks"].as_array().unwrap() {
-            let name = c["name"].as_str().unwrap();
-            if skip.contains(&name) {
-                continue;
-            }
-            let pkg = dir.join(format!("{name}.mlpackage"));
-            let data = pkg.join("Data/com.apple.CoreML");
-            fs::create_dir_all(data.join("weights")).unwrap();
-            fs::write(
-                pkg.join("Manifest.json"),
-                format!("{{\"name\": \"{name}\"}}\n"),
-            )
-            .unwrap();
-            fs::write(
-                data.join("model.mlmodel"),
-                format!("spec of {name}\n").repeat(50),
-            )
-            .unwrap();
-            let len = if big_mib > 0 && name == "merged_full" {
-                big_mib << 20
-            } else {
-                40_000
-            };
-            // Packages the app's downloader shares a weight blob between hold
-            // the same bytes, as a real build's do (prefill_chunkN: chunkN's;
-            // chunk3_3way: chunk4's); the others differ.
-            let blob = match name {
-                n if n.starts_with("prefill_") => &n["prefill_".len()..],
-                "chunk3_3way" => "chunk4",
-                n => n,
-            };
-            let key = blob
-                .bytes()
-                .fold(0u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
-            let weights: Vec<u8> = (0..len)
-                .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[i % 4] ^ key)
-                .collect();
-            fs::write(data.join("weights/weight.bin"), weights).unwrap();
-            if name == "chunk1" {
-                // Sorted by path components `w/b` precedes `w.b`, by bytes it
-                // follows: model_signing and chunkforge must agree.
-                fs::create_dir_all(data.join("w")).unwrap();
-                fs::write(data.join("w/b"), "1").unwrap();
-                fs::write(data.join("w.b"), "2").unwrap();
-            }
-            records.push(json!({
-                "name": name, "layout": l["kind"], "package": format!("{name}.mlpackage"),
-                "first_layer": c["first_layer"], "last_layer": c["last_layer"],
-                "weight_bytes": len, "sha256_tree": tree_digest(&pkg),
-            }));
-        }
-    }
-    let build = json!({
-        "format": "chunkforge-build/1",
-        "tool": {"chunkforge": "0.1.0", "python": {"python": "3.11", "torch": "2.11.0", "coremltools": "9.0", "transformers": "5.5.0"}},
-        "checkpoint": {"dir": s(&checkpoint_dir()), "architecture": "Gemma4ForCausalLM", "multimodal": false,
-                       "config_sha256": config_sha256(), "weights": weights_of(&checkpoint_dir())},
-        "request": {"mode": "all"},
-        "settings": {"ctx": 2048, "minimum_deployment_target": "iOS18", "compute_precision": "FLOAT16",
-                     "compute_units": "CPU_AND_NE", "quantize": true,
-                     "palettization": {"nbits": 4, "granularity": "per_grouped_channel", "group_size": 32}},
-        "plan": plan,
-        "chunks": records,
-        "audit": clean_audit(&records),
-    });
-    fs::write(
-        dir.join("build.json"),
-        serde_json::to_vec_pretty(&build).unwrap(),
-    )
-    .unwrap();
-    dir.to_path_buf()
-}
-
-/// build.json's audit record of `chunks` without findings (a synthetic
-/// build's stand-in packages are not programs to audit).
-fn clean_audit(chunks: &[Value]) -> Value {
-    let packages: serde_json::Map<String, Value> = chunks
-        .iter()
-        .map(|c| (c["package"].as_str().unwrap().to_string(), json!({})))
-        .collect();
-    json!({
-        "format": chunkforge::records::AUDIT_FORMAT, "op_table_sha256": chunkforge::audit::op_table_sha256(),
-        "total": 0, "errors": 0, "warnings": 0, "by_rule": {},
-        "severity": {"op-type": "error", "rank": "error", "fp32": "error", "last-axis-1": "warning"},
-        "packages": packages, "first": [],
-        "compute_plan": {"skipped": "a synthetic build"},
-    })
-}
 
 /// A signed release of a synthetic build (layout two, with a zip) and its keys.
 struct Release {
@@ -3338,7 +3179,8 @@ fn distribution_json_agrees_with_the_folder() {
         serde_json::from_slice(&fs::read(out.join("distribution.json")).unwrap()).unwrap();
     assert_eq!(d["mode"], "per-file");
     assert_eq!(d["version"], "2.0.0");
-    assert_eq!(d["model_id"], "gemma-e2b-test");
+    // Upstream's model_id: the repository's name, not the release's id.
+    assert_eq!(d["model_id"], "gemma-coreml");
     assert_eq!(d["repo"], "org/gemma-coreml");
     assert_eq!(d["branch"], "main");
     let mut want: Vec<String> = walkdir::WalkDir::new(&out)

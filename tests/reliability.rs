@@ -330,7 +330,7 @@ fn unimplemented_config_values_are_refused() {
     corpus_case(
         "softcap-string",
         |ck| edit_config(ck, |c| c["final_logit_softcapping"] = json!("30.0")),
-        "`final_logit_softcapping` is \"30.0\", expected a number > 0, or null for no capping",
+        "`final_logit_softcapping` is \"30.0\", expected a number fp16 holds (6.1e-5 to 65504), or null for no capping",
     );
     let ck = copy_checkpoint(&fixture("e2b", &[]), "linear-rope");
     edit_config(&ck, |c| {

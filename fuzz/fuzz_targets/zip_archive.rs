@@ -37,7 +37,7 @@ fn zip_files(bytes: &[u8]) -> Option<(Vec<u8>, bool)> {
         // The writer itself refuses some names (duplicates, for one).
         z.start_file(
             name.as_str(),
-            archive::entry_options(name, data.len() as u64),
+            archive::entry_options(data.len() as u64),
         )
         .ok()?;
         std::io::Write::write_all(&mut z, data).ok()?;

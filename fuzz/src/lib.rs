@@ -12,6 +12,11 @@ use p256::ecdsa::signature::Signer as _;
 use p256::ecdsa::{Signature, SigningKey};
 use p256::pkcs8::{EncodePublicKey, LineEnding};
 
+/// A real release's `manifest.json` (a synthetic build of the tiny E2B
+/// fixture, layout two) cut to two packages and a few files: what
+/// `Manifest::load` accepts, for the targets to edit.
+pub const RELEASE_MANIFEST: &str = include_str!("release_manifest.json");
+
 /// The fixed key every target signs and verifies with.
 pub fn signing_key() -> &'static SigningKey {
     static KEY: OnceLock<SigningKey> = OnceLock::new();

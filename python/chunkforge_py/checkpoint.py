@@ -12,11 +12,13 @@ import os
 import struct
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
 from .contract import CheckpointInfo
-from .weights import RESIDENT, read_at
+from .runtime import ChunkforgeError
+from .weights import RESIDENT, Stored, read_at
 
 # safetensors dtype names -> torch dtypes (the float ones Rust admits for the decoder).
 STORED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -63,6 +65,24 @@ class Checkpoint:
         self._cache: dict[tuple[str, torch.dtype | None, torch.dtype | None], torch.Tensor] = {}
         # path -> (descriptor, the header's entries, where the data starts)
         self._files: dict[str, tuple[int, dict[str, Any], int]] = {}
+        # Tensors read whole and found finite (checked once each).
+        self._finite: set[str] = set()
+
+    def _check_finite(self, name: str, tensor: torch.Tensor, whole: bool = True) -> None:
+        """Refuses a NaN or infinity in tensor ``name`` as read (naming the
+        tensor and its file), before anything computes with it: parity's
+        reference and transformers would carry it into every number they
+        report. A tensor read whole is checked once."""
+        if name in self._finite or not tensor.is_floating_point():
+            return
+        # One reduction, no mask: a NaN makes both ends NaN, an infinity one end.
+        lo, hi = torch.aminmax(tensor.detach())
+        if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+            full = self.prefix + name
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ChunkforgeError(f"{self.files.get(full, '?')}: weight {full} has {bad} NaN/Inf values")
+        if whole:
+            self._finite.add(name)
 
     def _handle(self, path: str) -> Any:
         if path not in self._handles:
@@ -89,6 +109,7 @@ class Checkpoint:
         if path is None:
             raise KeyError(f"tensor {full} is not in the checkpoint")
         tensor = self._handle(path).get_tensor(full)
+        self._check_finite(name, tensor)
         if dtype is not None and rounded_to is not None:
             tensor = rounded(tensor, dtype, rounded_to)
         elif dtype is not None:
@@ -129,6 +150,14 @@ class Checkpoint:
         stored = STORED[entry["dtype"]]
         if stored == dtype:
             return self.get(name, None)
+        out = self._read_converted(fd, entry, start, what, stored, dtype)
+        self._check_finite(name, out)
+        return out
+
+    def _read_converted(
+        self, fd: int, entry: dict[str, Any], start: int, what: str, stored: torch.dtype, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The tensor at ``start`` of ``fd``, stored as ``stored``, in ``dtype``."""
         # Converted a block at a time through one buffer: the memory written
         # anew is the result's alone (an E2B head is 0.8 GB in bf16).
         out = torch.empty(entry["shape"], dtype=dtype)
@@ -142,11 +171,31 @@ class Checkpoint:
             flat[at : at + part.numel()].copy_(part)
         return out
 
-    def fetcher(self, name: str, dtype: torch.dtype) -> Fetcher:
+    def fetcher(self, name: str, dtype: torch.dtype, stored: bool = False) -> Fetcher:
         """A function that gives the tensor in ``dtype`` each time it is
         called, kept between calls as the resident budget allows
-        (weights.RESIDENT); never modify what it returns."""
-        return Fetcher(self, name, dtype)
+        (weights.RESIDENT); never modify what it returns. With ``stored``
+        (a float32 projection's weight for the native kernels), it gives
+        the weight as the file stores it instead (`stored`)."""
+        return Fetcher(self, name, dtype, stored)
+
+    def stored_kind(self, name: str) -> str:
+        """How the file stores a tensor: "bf16", "fp16" or "fp32" (`stored`)."""
+        _, entry, _, _ = self._entry(name)
+        return {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[entry["dtype"]]
+
+    def stored(self, name: str) -> Stored:
+        """A 2-D weight as the file stores it (`weights.Stored`): bf16 or
+        fp16 bits read with positioned reads into memory of its own, or a
+        float32 file's mapped values (no copy to make, as `read`)."""
+        fd, entry, start, what = self._entry(name)
+        kind = self.stored_kind(name)
+        shape = tuple(int(d) for d in entry["shape"])
+        if kind == "fp32":
+            return Stored(kind, self.get(name, None).numpy(), shape, what)
+        bits = torch.empty(shape, dtype=torch.int16)
+        read_at(fd, start, bits, what)
+        return Stored(kind, bits.numpy().view(np.uint16), shape, what)
 
     def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start..stop-1 (along the first axis) of the tensor in
@@ -161,6 +210,7 @@ class Checkpoint:
         size = torch.empty(0, dtype=stored).element_size()
         part = torch.empty([stop - start, *shape[1:]], dtype=stored)
         read_at(fd, begin + start * row * size, part, what)
+        self._check_finite(name, part, whole=False)
         return part if stored == dtype else part.to(dtype)
 
     def close(self) -> None:
@@ -173,23 +223,34 @@ class Checkpoint:
 
 class Fetcher:
     """A checkpoint tensor in one dtype, made on use (`Checkpoint.fetcher`):
-    called, the whole tensor through the resident budget; `rows`, a block
-    of its rows (held whole if the budget holds it, else read alone)."""
+    called, the whole tensor (or, ``stored``, the weight as the file stores
+    it: `weights.Stored`) through the resident budget; `rows`, a block of
+    its rows in ``dtype`` (from what the budget holds, else read alone)."""
 
-    __slots__ = ("ckpt", "dtype", "key", "name")
+    __slots__ = ("ckpt", "dtype", "key", "name", "stored")
 
-    def __init__(self, ckpt: Checkpoint, name: str, dtype: torch.dtype):
+    def __init__(self, ckpt: Checkpoint, name: str, dtype: torch.dtype, stored: bool = False):
         self.ckpt = ckpt
         self.name = name
         self.dtype = dtype
+        self.stored = stored
         full = ckpt.prefix + name
-        self.key = ("checkpoint", ckpt.files.get(full), full, dtype)
+        self.key = ("checkpoint", ckpt.files.get(full), full, "stored" if stored else dtype)
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self) -> Any:
+        if self.stored:
+            return RESIDENT.get(self.key, lambda: self.ckpt.stored(self.name))
         return RESIDENT.get(self.key, lambda: self.ckpt.read(self.name, self.dtype))
+
+    def read_stored(self) -> Stored:
+        """The stored weight for one use, not kept (the budget's copy if it holds one)."""
+        held = RESIDENT.held(self.key) if self.stored else None
+        return held if isinstance(held, Stored) else self.ckpt.stored(self.name)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         held = RESIDENT.held(self.key)
+        if isinstance(held, Stored):
+            return held.rows_f32(start, stop).reshape(-1, *held.shape[1:]).to(self.dtype)
         if held is not None:
             return held[start:stop]
         return self.ckpt.read_rows(self.name, start, stop, self.dtype)

@@ -22,6 +22,8 @@ Attention = Literal["sliding", "full"]
 # Runtime names of the producer KV read by KV-shared sliding / full layers.
 Alias = Literal["kv13", "kv14"]
 FunctionKind = Literal["decode", "verify", "prefill"]
+# How a runtime build commits a verify_qK call (crates/model/src/layouts.rs).
+VerifyCommit = Literal["accepted-rows", "write-through"]
 # A row of the layout table (crates/model/src/layouts.rs): Python takes the
 # names, and every fact about a layout, from the plan it is handed.
 LayoutKind = str
@@ -486,13 +488,23 @@ class WorstWeight(TypedDict):
     rel_mse: float
 
 
-class WeightNoise(TypedDict):
-    """The fp32 model with each projection's weight plus Gaussian noise of
-    its palettization's relative MSE, against the reference (parity/noise.py)."""
+class NoiseDraw(TypedDict):
+    """One draw of `WeightNoise`."""
 
     min_cos: float
     mean_cos: float
     top1_agreement: float
+
+
+class WeightNoise(TypedDict):
+    """The fp32 model with each projection's weight plus Gaussian noise of
+    its palettization's relative MSE, against the reference (parity/noise.py):
+    the lowest min cos and top-1 and the mean cos over its draws, and each draw."""
+
+    min_cos: float
+    mean_cos: float
+    top1_agreement: float
+    draws: list[NoiseDraw]
 
 
 class LayoutArtifactSummary(TypedDict):
@@ -551,6 +563,10 @@ class ProgramRecord(TypedDict):
     token: int
     readback_token: int
     cos_readback: float
+    # The read-back modules' top-2 logit margin at the step, and the largest
+    # change of any logit from them to the program (None where not compared).
+    readback_margin: float | None
+    logit_change: float | None
     ref_token: int | None
     cos_reference: float | None
     hf_token: int | None
@@ -561,6 +577,10 @@ class ProgramSummary(TypedDict):
     steps: int
     min_cos_readback: float
     tokens_match_readback: bool
+    # The largest logit change over the steps, and the largest read-back
+    # margin at a step whose token differs (None: none differs).
+    max_logit_change: float | None
+    max_flip_margin: float | None
     min_cos_reference: float | None
     top1_reference: float | None
     min_cos_hf: float | None
@@ -701,6 +721,9 @@ class FullSizeLayout(TypedDict):
 
 class DescribeArgs(TypedDict):
     path: str
+    # The folder of the weight blob the package reads when it holds none
+    # (a release's package whose blob the app's download shares in).
+    weights: str | None
 
 
 class IoDescription(TypedDict):
@@ -953,6 +976,9 @@ class RunRequest(TypedDict):
     max_tokens: int
     # Draft tokens per verify_qK call (its K), or None for plain decode.
     speculate: int | None
+    # How the runtime build commits a verify call (layouts.rs `VerifyCommit`):
+    # main's accepted rows, or the branch's write-through caches.
+    verify_commit: VerifyCommit
     eos_token_ids: list[int]
     # Round every fp16 op output to fp16 in the interpreter (the device's arithmetic, closest).
     fp16: bool
@@ -963,6 +989,9 @@ class Speculation(TypedDict):
     calls: int
     drafts: int
     accepted_drafts: int
+    commit: VerifyCommit
+    # write-through: rows of rejected drafts left in the window caches.
+    stale_rows: int
 
 
 class RunResult(TypedDict):
@@ -1025,6 +1054,10 @@ class CompileRequest(TypedDict):
     output: str
     # Paths inside the compiled model to lay out (downloader.rs MODELC_FILES).
     files: list[str]
+    # chunkforge (any platform), coremltools or check (both, compared; macOS).
+    writer: str
+    # The model's name (metadata.json's generatedClassName, analytics' modelName).
+    name: str
 
 
 class CompileReply(TypedDict):

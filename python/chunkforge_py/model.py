@@ -18,6 +18,7 @@ from .checkpoint import Checkpoint
 from .contract import Attention as AttentionKind
 from .contract import ChunkPlan, Dims, FunctionPlan, LayerPlan
 from .roles import CACHE, MASK, NEW_ROWS, ROPE, Key, bind, in_order
+from .weights import Stored, kernels, shaped
 
 # Blocked positions of the additive masks, as the runtime writes them: fp16
 # -inf (0xFC00). Every row keeps at least one visible position, so softmax
@@ -95,8 +96,10 @@ class Projection(nn.Conv2d):
     def __init__(self, inp: int, out: int):
         super().__init__(inp, out, kernel_size=1, bias=False)
         # Where the weight comes from when the module does not hold it
-        # (`load_streamed`): called each time the projection runs.
-        self.fetch: Callable[[], torch.Tensor] | None = None
+        # (`load_streamed`): called each time the projection runs; a
+        # float32 tensor, or the weight in its stored form (`weights.Stored`,
+        # multiplied there by the native kernels).
+        self.fetch: Callable[[], Any] | None = None
         # What ``fetch`` reads from, for those who want part of the weight
         # (`load_streamed`: a `checkpoint.Fetcher` or a package's weight).
         self.source: Any = None
@@ -104,7 +107,10 @@ class Projection(nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fetch is None:
             return super().forward(x)
-        return self._conv_forward(x, self.fetch(), None)
+        w = self.fetch()
+        if isinstance(w, Stored):
+            return w.conv(x)
+        return self._conv_forward(x, w, None)
 
     def tokens(self, x: torch.Tensor, t: int) -> torch.Tensor:
         """The projection of token-major ``[1, t, in]`` as ``[1, t, out]``."""
@@ -259,7 +265,9 @@ class Chunk(nn.Module):
     ``function`` is one of the chunk plan's functions (default: its first):
     ``decode`` runs one token against the caches and returns them updated,
     ``verify`` runs K tokens against read-only caches and returns their new K/V
-    rows, ``prefill`` runs the first N tokens from empty caches and returns
+    rows and the caches with all K rows written (two runtime contracts: main
+    commits the accepted rows, the branch copies the caches back whole),
+    ``prefill`` runs the first N tokens from empty caches and returns
     every layer's K/V. ``forward`` takes the function's inputs in plan order
     and returns its outputs in plan order; in between, tensors are found by
     their role (roles.py), never by name. With ``trace_layers`` set, it also
@@ -305,9 +313,11 @@ class Chunk(nn.Module):
         that dtype first (`Checkpoint.get`). With ``stream`` the projections'
         weights are read when they run (`load_streamed`)."""
         if stream:
+            # float32 projections multiply the checkpoint's stored rows natively.
+            stored = dtype == torch.float32 and rounded_to is None and kernels()
             load_streamed(
                 self,
-                lambda n, shape: ckpt.fetcher(self.checkpoint_name(n), dtype),
+                lambda n, shape: ckpt.fetcher(self.checkpoint_name(n), dtype, stored=stored),
                 lambda n: ckpt.get(self.checkpoint_name(n), dtype, share=share),
             )
             return
@@ -355,6 +365,8 @@ class Chunk(nn.Module):
         caches = cast(Pair, {kind: (inp.get(Key(k)), inp.get(Key(v))) for kind, (k, v) in CACHE.items()})
         # decode: updated cache slots; verify: the t new rows; prefill: by layer.
         new_slots: dict[AttentionKind, list[tuple[torch.Tensor, torch.Tensor]]] = {"sliding": [], "full": []}
+        # verify: each slot with all t rows written (the branch's write-through).
+        through: dict[AttentionKind, list[tuple[torch.Tensor, torch.Tensor]]] = {"sliding": [], "full": []}
         layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Producer KV visible to shared layers: the emitting layer's updated cache
         # (local) or the shared KV input from an earlier chunk, by alias.
@@ -379,6 +391,11 @@ class Chunk(nn.Module):
                 else:
                     keys, values = self.update_cache(kind, caches[kind], kv["slot"], k_new, v_new, attn.head_dim, inp)
                     new_slots[kind].append((k_new, v_new) if self.kind == "verify" else (keys, values))
+                    if self.kind == "verify":
+                        # The window cache shifted by t with the rows at its end
+                        # (update_cache returned window + rows); the full cache as scattered.
+                        written = (keys[:, :, t:], values[:, :, t:]) if kind == "sliding" else (keys, values)
+                        through[kind].append(written)
                     keys = keys[..., : attn.head_dim]
                     values = values[..., : attn.head_dim]
                 produced = kv.get("alias")
@@ -410,6 +427,9 @@ class Chunk(nn.Module):
                     k_role, v_role = NEW_ROWS[kind]
                     out[Key(k_role)] = torch.cat([k for k, _ in slots], dim=0)
                     out[Key(v_role)] = torch.cat([v for _, v in slots], dim=0)
+                    k_role, v_role = CACHE[kind]
+                    out[Key(k_role)] = torch.cat([k for k, _ in through[kind]], dim=0)
+                    out[Key(v_role)] = torch.cat([v for _, v in through[kind]], dim=0)
                 else:
                     k_role, v_role = CACHE[kind]
                     out[Key(k_role)] = torch.stack([k[0] for k, _ in slots], dim=0)
@@ -564,7 +584,8 @@ def load_streamed(
 ) -> None:
     """Loads a module built on the meta device without holding its
     projections' weights: each `Projection` calls ``fetch(name, shape)``'s
-    function for its weight whenever it runs (weights.py says why), every
+    function for its weight whenever it runs (weights.py says why: a
+    tensor, or a `weights.Stored` weight the kernels multiply), every
     other parameter and buffer (norms, scalars: small) is ``get(name)`` now.
     Names are the module's own (``layers.3.mlp.up_proj.weight``)."""
     projections = {f"{n}.weight": m for n, m in module.named_modules() if isinstance(m, Projection)}
@@ -573,7 +594,7 @@ def load_streamed(
         shape = tuple(like.shape)
         if name in projections:
             source = fetch(name, shape)
-            projections[name].fetch = lambda source=source, shape=shape: source().view(shape)
+            projections[name].fetch = lambda source=source, shape=shape: shaped(source(), shape)
             projections[name].source = source
         else:
             state[name] = get(name).view(shape)

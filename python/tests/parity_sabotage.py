@@ -12,16 +12,18 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
 from chunkforge_py.contract import Sabotage as Asked
 from chunkforge_py.emulate.stepper import LayoutRunner
 from chunkforge_py.parity.check import Hooks
 from chunkforge_py.runtime import ChunkforgeError
+from chunkforge_py.weights import Stored
 
 
-def negated(source: Any) -> torch.Tensor:
-    """``-source()``: a corrupted weight, made anew at each use."""
-    return -source()
+def negated(source: Any) -> Any:
+    """``-source()``: a corrupted weight, made anew at each use (a stored
+    one negates every product instead, exactly the same values)."""
+    w = source()
+    return w.negated() if isinstance(w, Stored) else -w
 
 
 def corrupt_modules(modules: dict[str, Any], layer: int) -> str:

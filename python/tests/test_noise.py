@@ -9,7 +9,7 @@ from typing import cast
 import pytest
 import torch
 from chunkforge_py.checkpoint import Checkpoint
-from chunkforge_py.contract import ParityThresholds, WeightNoise
+from chunkforge_py.contract import NoiseDraw, ParityThresholds, WeightNoise
 from chunkforge_py.parity import noise
 from chunkforge_py.parity.artifacts import relative_mse
 from chunkforge_py.weights import Resident
@@ -44,7 +44,19 @@ REQ = cast(ParityThresholds, {"tol_cos_int4": 0.85, "min_top1_int4": 0.75})
 
 
 def floor(min_cos: float, top1: float) -> WeightNoise:
-    return {"min_cos": min_cos, "mean_cos": min_cos, "top1_agreement": top1}
+    """One draw."""
+    return spread((min_cos, top1))
+
+
+def spread(*draws: tuple[float, float]) -> WeightNoise:
+    """Draws of (min cos, top-1)."""
+    each: list[NoiseDraw] = [{"min_cos": c, "mean_cos": c, "top1_agreement": t} for c, t in draws]
+    return {
+        "min_cos": min(c for c, _ in draws),
+        "mean_cos": sum(c for c, _ in draws) / len(draws),
+        "top1_agreement": min(t for _, t in draws),
+        "draws": each,
+    }
 
 
 @pytest.mark.parametrize(
@@ -62,6 +74,16 @@ def floor(min_cos: float, top1: float) -> WeightNoise:
         ((0.95, 0.5), floor(0.99, 0.25), "inconclusive"),
         # Not measured: judged as it stands.
         ((0.26, 0.0), None, "fail"),
+        # Draws on both sides of the cos threshold: INT4 within their spread
+        # is as good as some draw of noise its size; below all of them it is
+        # worse than noise, wherever the threshold.
+        ((0.80, 1.0), spread((0.70, 1.0), (0.90, 1.0), (0.95, 1.0)), "inconclusive"),
+        ((0.60, 1.0), spread((0.70, 1.0), (0.90, 1.0), (0.95, 1.0)), "fail"),
+        # Every draw fails the threshold: explained, however INT4 compares.
+        ((0.20, 1.0), spread((0.30, 1.0), (0.40, 1.0)), "inconclusive"),
+        # One draw alone would have said inconclusive; the others pass the
+        # threshold and INT4 is worse than all of them.
+        ((0.26, 0.0), spread((0.31, 0.06), (0.95, 0.9), (0.97, 1.0)), "fail"),
     ],
 )
 def test_a_failed_int4_check_is_inconclusive_only_where_noise_of_its_size_fails_the_same_thresholds(

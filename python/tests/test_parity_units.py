@@ -118,6 +118,7 @@ def step(layout: str, n: int, ok: bool) -> dict[str, Any]:
 
 def program(n: int, cos: float) -> dict[str, Any]:
     return {"target": "two", "precision": "fp32", "step": n, "token": 1, "readback_token": 1, "cos_readback": cos,
+            "readback_margin": 1.0, "logit_change": 0.0,
             "ref_token": None, "cos_reference": None, "hf_token": None, "cos_hf": None}  # fmt: skip
 
 

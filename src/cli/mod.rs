@@ -100,8 +100,8 @@ pub enum Cmd {
     Exec(ExecCmd),
     /// Describe a built .mlpackage: spec version, inputs/outputs, palettized weights, layers (no model load; works on Linux).
     Inspect {
-        /// One .mlpackage folder (e.g. out/default/merged_chunk1.mlpackage), not the build
-        /// or release folder that holds it.
+        /// One .mlpackage folder (e.g. out/default/merged_chunk1.mlpackage), or a compiled
+        /// .mlmodelc with text MIL, not the build or release folder that holds it.
         package: PathBuf,
         /// Print JSON.
         #[arg(long)]
@@ -147,8 +147,10 @@ pub enum Cmd {
     /// load fail.
     ClientCheck(ClientCheckCmd),
     /// Turn an uncompiled release into the repository the app downloads: each package compiled
-    /// with coremltools' get_compiled_model_path() (text MIL), the files the app requests laid
-    /// out, chunk1's context checked, re-signed. macOS only (exit 2 elsewhere).
+    /// to the files the app requests (text MIL model.mil, coremldata.bin, metadata.json,
+    /// analytics, the weights linked), chunk1's context checked, the run book and
+    /// distribution.json made again, re-signed. chunkforge's own writer on Linux; Core ML's
+    /// compiler (coremltools get_compiled_model_path()) on macOS, where --check compares both.
     Compile(CompileCmd),
     /// Turn device bench logs (the runtime's [Load], [ComputePlan], [Profile] lines) into a
     /// verdict per decode layout, by the release's DEVICE_RUNBOOK.md.
@@ -181,6 +183,23 @@ pub enum BenchCmd {
     SideFiles(BenchSideFilesCmd),
     /// Time hashing + signing a release (1 big file, 8 smaller ones) against openssl and model_signing.
     Hash(HashBenchArgs),
+    /// `run` side by side with `run` before the native kernels (CHUNKFORGE_MATMUL=dense) and
+    /// transformers' own generate on the source checkpoint (bf16, sdpa), each a child process:
+    /// prefill and decode tokens per second, peak RSS.
+    Run(BenchRunCmd),
+    /// The product kernels on E2B's decode step: GB/s of stored weight read (4-bit LUT and
+    /// bf16) beside the machine's copy bandwidth in the same run, and few-token GFLOP/s.
+    Matmul {
+        /// Print the figures as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// A tenth of the layers and of the head (seconds; for tests).
+        #[arg(long)]
+        quick: bool,
+        /// The build to run (portable, avx2, avx512) [default: the fastest this CPU runs].
+        #[arg(long)]
+        isa: Option<String>,
+    },
     /// INT4 g=32 palettization: the Rust kernel vs coremltools 9.0 (kmeans1d and scikit-learn,
     /// 1 and 2 workers) on E2B-width matrices; seconds and MSE side by side.
     Palettize {
@@ -375,12 +394,45 @@ pub struct BenchParityCmd {
     /// (the default), side by side; fails unless the reports agree.
     #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline"])]
     pub dequant_baseline: bool,
+    /// Run it twice, each in a child process of its own: every weight made dense in
+    /// float32 and multiplied by torch (CHUNKFORGE_MATMUL=dense, before) and read as
+    /// stored and multiplied by the native kernels (the default), side by side; fails
+    /// unless the reports agree in every value but the last bits of their floats.
+    #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline", "dequant_baseline"])]
+    pub matmul_baseline: bool,
     /// Write the parity report here (the children of --order-baseline and --heap-baseline).
     #[arg(long, hide = true)]
     pub report: Option<PathBuf>,
     /// Print the wall time, peak RSS and verdict as JSON on the last line
     /// (the children of --order-baseline and --heap-baseline).
     #[arg(long, hide = true)]
+    pub json: bool,
+}
+
+/// `chunkforge bench run`.
+#[derive(Args, Clone)]
+pub struct BenchRunCmd {
+    /// Release folder (from `package` or `release`).
+    pub release_dir: PathBuf,
+    /// The checkpoint the release was built from, for transformers' side (without it,
+    /// and without GEMMA4_HF_DIR, transformers is not run).
+    #[arg(long, env = "GEMMA4_HF_DIR")]
+    pub hf_dir: Option<PathBuf>,
+    /// Prompt text, tokenized with the release's tokenizer and its ids repeated to
+    /// --prompt-tokens.
+    #[arg(long, default_value = "The quick brown fox")]
+    pub prompt: String,
+    /// Tokens of the prompt every side prefills.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_tokens: usize,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Leave out `run` before the kernels (at real size it takes seconds a token).
+    #[arg(long)]
+    pub no_baseline: bool,
+    /// Print the figures as JSON.
+    #[arg(long)]
     pub json: bool,
 }
 
@@ -460,15 +512,25 @@ pub struct PackageCmd {
     #[command(flatten)]
     pub release: ReleaseArgs,
     /// The checkpoint the side files and hf_model/ come from [default: build.json's
-    /// checkpoint folder]; its config.json must be the one the build was made from.
-    #[arg(long, conflicts_with = "onto")]
+    /// checkpoint folder]; its config.json and weights must be the ones the build was made
+    /// from. Not with --onto a release (they come from it).
+    #[arg(long)]
     pub hf_dir: Option<PathBuf>,
     /// An existing chunkforge release of the same checkpoint, or an upstream bundle of it
     /// (compiled .mlmodelc, swa/ or local layout): the build's packages go into a new
     /// release beside every file the build lacks (chunk1..4, prefill_chunk1..4, the side
-    /// files, hf_model/), carried from it after each is checked against the build.
+    /// files, hf_model/), carried from it after each is checked against the build. A
+    /// release must verify first (--onto-public-key); a bundle gives only its packages.
     #[arg(long, value_name = "DIR")]
     pub onto: Option<PathBuf>,
+    /// The public key --onto's release is verified with (its signature, and every file
+    /// against its signed digest) [default: the public key of --key].
+    #[arg(long, value_name = "PUB", requires = "onto")]
+    pub onto_public_key: Option<PathBuf>,
+    /// Carry --onto's release without verifying its signature: each file is checked
+    /// against its manifest.json only, and the new manifest records it as unverified.
+    #[arg(long, requires = "onto", conflicts_with = "onto_public_key")]
+    pub allow_unverified_onto: bool,
     /// Parity report JSON (`chunkforge parity --report`) of the build's checkpoint; its
     /// top-level `summary` object is embedded in the manifest. A failed report is refused.
     #[arg(long)]
@@ -564,7 +626,7 @@ pub struct ReleaseCmd {
     #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
     /// Then compile the release to the .mlmodelc the app fetches, as `chunkforge compile` does
-    /// (macOS only: elsewhere refused with exit 2 before anything is built).
+    /// (Core ML's compiler on macOS, chunkforge's writer elsewhere).
     #[arg(long)]
     pub compile: bool,
     /// Skip the build when --build-dir already holds a complete one of this checkpoint
@@ -605,7 +667,9 @@ pub struct RunCmd {
     #[arg(long, value_parser = named::<RuntimeBuild>())]
     pub runtime: Option<RuntimeBuild>,
     /// Speculative decoding with chunk1..4's verify_qK: K tokens per call (the
-    /// packages' K), drafts by prompt lookup.
+    /// packages' K), drafts by prompt lookup, committed as the --runtime build
+    /// does (main: the accepted rows; branch: write-through, the whole caches
+    /// verify returns).
     #[arg(long)]
     pub speculate: Option<usize>,
     /// Round every fp16 op output to fp16 in the MIL interpreter (the closest
@@ -620,7 +684,7 @@ pub struct RunCmd {
 /// `chunkforge exec`.
 #[derive(Args, Clone, Debug)]
 pub struct ExecCmd {
-    /// The .mlpackage to run.
+    /// The .mlpackage (or a compiled .mlmodelc with text MIL) to run.
     pub package: PathBuf,
     /// Function to run (default: the package's default function).
     #[arg(long)]
@@ -679,6 +743,10 @@ pub struct CompileCmd {
     /// ECDSA P-256 private key to re-sign it with.
     #[arg(long)]
     pub key: PathBuf,
+    /// Compile each package both ways, Core ML's compiler and chunkforge's writer, and fail
+    /// naming the first file that differs (macOS only: exit 2 elsewhere, before anything is read).
+    #[arg(long)]
+    pub check: bool,
 }
 
 /// `chunkforge client-check`.

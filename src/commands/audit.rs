@@ -16,6 +16,7 @@ use crate::records::{severity_text, split_by_severity, AuditFinding};
 const OP_TYPES_SHOWN: usize = 6;
 
 pub fn run(path: &Path, json: bool, print_op_types: bool, verbose: bool) -> Result<ExitStatus> {
+    super::plain_folder(path)?;
     let (packages, described_by) = audit::resolve(path)?;
     pyenv::activate(verbose)?;
     if print_op_types {

@@ -24,7 +24,7 @@ use crate::settings::{
     BuildCommand, BuildSettings, Env, ParityCommand, ParitySettings, JOINT_ENV, SHORTCUTS_ENV,
     WRITER_ENV,
 };
-use crate::{bench_palettize, hashbench, heap, sidefiles};
+use crate::{bench_matmul, bench_palettize, bench_run, hashbench, heap, sidefiles};
 
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
     match what {
@@ -32,9 +32,20 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
         BenchCmd::Parity(args) if args.order_baseline => bench_parity_pair(ParityPair::Order)?,
         BenchCmd::Parity(args) if args.heap_baseline => bench_parity_pair(ParityPair::Heap)?,
         BenchCmd::Parity(args) if args.dequant_baseline => bench_parity_pair(ParityPair::Dequant)?,
+        BenchCmd::Parity(args) if args.matmul_baseline => bench_parity_pair(ParityPair::Matmul)?,
         BenchCmd::Parity(args) => bench_parity(&args, verbose)?,
         BenchCmd::Build(args) => bench_build(args, verbose)?,
         BenchCmd::SideFiles(args) => bench_side_files(args, verbose)?,
+        BenchCmd::Matmul { json, quick, isa } => bench_matmul::run(json, quick, isa.as_deref())?,
+        BenchCmd::Run(args) => bench_run::run(&bench_run::BenchRunOptions {
+            release: &args.release_dir,
+            checkpoint: args.hf_dir.clone(),
+            prompt: &args.prompt,
+            prompt_tokens: args.prompt_tokens,
+            max_tokens: args.max_tokens,
+            baseline: !args.no_baseline,
+            json: args.json,
+        })?,
         BenchCmd::Palettize { json, quick, seed } => {
             bench_palettize::run(json, quick, seed, verbose)?
         }
@@ -42,8 +53,21 @@ pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
     Ok(ExitStatus::Success)
 }
 
-/// `bench parity`: one parity run, its wall time and peak RSS.
+/// `bench parity`: one parity run, its wall time and peak RSS, and the
+/// weights it made by source and form.
 fn bench_parity(args: &BenchParityCmd, verbose: bool) -> Result<()> {
+    // The weights made, written by the parity run at its end (the interpreter
+    // starts below and reads its environment then).
+    let stats = std::env::var_os(WEIGHT_STATS_ENV)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            let path = std::env::temp_dir().join(format!(
+                "chunkforge-bench-parity-weights-{}.json",
+                std::process::id()
+            ));
+            std::env::set_var(WEIGHT_STATS_ENV, &path);
+            path
+        });
     let started = Instant::now();
     // The build's context length, as `parity --artifacts` takes it.
     let build = args
@@ -76,8 +100,45 @@ fn bench_parity(args: &BenchParityCmd, verbose: bool) -> Result<()> {
             run.peak_rss_bytes as f64 / MIB,
             run.verdict
         );
+        if let Ok(bytes) = fs::read(&stats) {
+            let made: serde_json::Value = serde_json::from_slice(&bytes)?;
+            print!("{}", render_made(&made));
+        }
     }
     Ok(())
+}
+
+/// The weights a parity run made (`weights.write_stats`), by source and
+/// form, and the float32 projections made for parity's own products.
+fn render_made(stats: &serde_json::Value) -> String {
+    let rows = stats["made"].as_array().cloned().unwrap_or_default();
+    let mut s = String::from("weights made (kept by the resident budget or made for one use):\n");
+    s += &format!(
+        "  {:<13} {:<8} {:>8} {:>10}\n",
+        "for", "form", "makes", "GiB"
+    );
+    let mut dense_own = 0u64;
+    for r in &rows {
+        let (source, form) = (
+            r["source"].as_str().unwrap_or("?"),
+            r["form"].as_str().unwrap_or("?"),
+        );
+        let bytes = r["bytes"].as_u64().unwrap_or(0);
+        if source != "transformers" && matches!(form, "float32" | "float64") {
+            dense_own += bytes;
+        }
+        s += &format!(
+            "  {source:<13} {form:<8} {:>8} {:>10.2}\n",
+            r["makes"].as_u64().unwrap_or(0),
+            bytes as f64 / (1u64 << 30) as f64
+        );
+    }
+    s += &format!(
+        "float32 weights made for parity's own products: {:.2} GiB (transformers, the oracle, \
+         multiplies float tensors: its layers' weights are made for each call)\n",
+        dense_own as f64 / (1u64 << 30) as f64
+    );
+    s
 }
 
 /// One `bench parity --json` child's figures.
@@ -102,9 +163,16 @@ enum ParityPair {
     /// fresh pages or into memory the process already holds.
     Heap,
     /// `--dequant-baseline`: the packages' 4-bit weights dequantized from
-    /// unpacked indices (before) or from their stored bytes (the default,
-    /// `ops.lut_nibbles_to_dense`).
+    /// unpacked indices (before) or from their stored bytes
+    /// (`ops.lut_nibbles_to_dense`), both with float32 weights and torch's
+    /// products (`CHUNKFORGE_MATMUL=dense`: the kernels never dequantize).
     Dequant,
+    /// `--matmul-baseline`: every weight made dense in float32 and
+    /// multiplied by torch (before, `CHUNKFORGE_MATMUL=dense`) or read as
+    /// stored and multiplied by the native kernels (the default, src/matmul).
+    /// The products differ in the order of their sums, so the reports'
+    /// floats may differ in their last bits: every other value must agree.
+    Matmul,
 }
 
 impl ParityPair {
@@ -113,6 +181,23 @@ impl ParityPair {
             ParityPair::Order => "--order-baseline",
             ParityPair::Heap => "--heap-baseline",
             ParityPair::Dequant => "--dequant-baseline",
+            ParityPair::Matmul => "--matmul-baseline",
+        }
+    }
+
+    /// Set in both children.
+    fn common_env(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            ParityPair::Dequant => &[(MATMUL_ENV, "dense")],
+            _ => &[],
+        }
+    }
+
+    /// How far two floats of the reports may differ.
+    fn float_tolerance(self) -> f64 {
+        match self {
+            ParityPair::Matmul => f64::INFINITY,
+            _ => 1e-9,
         }
     }
 
@@ -121,6 +206,7 @@ impl ParityPair {
             ParityPair::Order => PARITY_ORDER_ENV,
             ParityPair::Heap => heap::ENV,
             ParityPair::Dequant => DEQUANT_ENV,
+            ParityPair::Matmul => MATMUL_ENV,
         }
     }
 
@@ -140,7 +226,11 @@ impl ParityPair {
             ],
             ParityPair::Dequant => [
                 ("indices unpacked (before)", "unpack"),
-                ("from the stored bytes (default)", "nibbles"),
+                ("from the stored bytes", "nibbles"),
+            ],
+            ParityPair::Matmul => [
+                ("float32 weights, torch (before)", "dense"),
+                ("stored weights, kernels (default)", "native"),
             ],
         }
     }
@@ -150,6 +240,7 @@ impl ParityPair {
             ParityPair::Order => "chunk by chunk vs step by step",
             ParityPair::Heap => "heap kept vs released",
             ParityPair::Dequant => "stored bytes vs unpacked",
+            ParityPair::Matmul => "native kernels vs float32 weights",
         }
     }
 }
@@ -190,7 +281,10 @@ fn bench_parity_pair(pair: ParityPair) -> Result<()> {
         runs[0].2.budget as f64 / MIB
     );
     let (before, after) = (&runs[0], &runs[1]);
-    let mut diff = ReportDiff::default();
+    let mut diff = ReportDiff {
+        tolerance: pair.float_tolerance(),
+        ..ReportDiff::default()
+    };
     diff.walk("", &before.3, &after.3);
     if let Some(first) = diff.mismatches.first() {
         bail!(
@@ -230,6 +324,7 @@ fn parity_children(
             .arg("--report")
             .arg(&report)
             .env(env, value)
+            .envs(pair.common_env().iter().copied())
             .env(WEIGHT_STATS_ENV, &stats)
             .stderr(std::process::Stdio::inherit())
             .output()
@@ -261,6 +356,8 @@ const PARITY_ORDER_ENV: &str = "CHUNKFORGE_PARITY_ORDER";
 const DEQUANT_ENV: &str = "CHUNKFORGE_DEQUANT";
 /// See `python/chunkforge_py/weights.py` (`STATS_ENV`).
 const WEIGHT_STATS_ENV: &str = "CHUNKFORGE_WEIGHT_STATS";
+/// How projections multiply (python/chunkforge_py/weights.py, `MATMUL_ENV`).
+pub(crate) const MATMUL_ENV: &str = "CHUNKFORGE_MATMUL";
 
 /// What a parity child made through `weights.RESIDENT`.
 struct WeightsMade {
@@ -273,6 +370,8 @@ struct WeightsMade {
 /// run's `seconds` left out, everything else equal.
 #[derive(Default)]
 struct ReportDiff {
+    /// How far two floats may differ (0 from `Default`: read as 1e-9).
+    tolerance: f64,
     values: usize,
     floats_differing: usize,
     largest: f64,
@@ -304,7 +403,12 @@ impl ReportDiff {
                     self.floats_differing += 1;
                     self.largest = self.largest.max(d);
                 }
-                if d.is_nan() || d > 1e-9 {
+                let tolerance = if self.tolerance > 0.0 {
+                    self.tolerance
+                } else {
+                    1e-9
+                };
+                if d.is_nan() || d > tolerance {
                     self.mismatches.push(format!("{path}: {x} vs {y}"));
                 }
             }

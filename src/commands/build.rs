@@ -30,6 +30,7 @@ pub(super) fn build(settings: &BuildSettings, out: &Path, verbose: bool) -> Resu
 pub fn run(args: BuildCmd, verbose: bool) -> Result<ExitStatus> {
     let env = Env::process();
     if let Some(dir) = &args.check {
+        super::plain_folder(dir)?;
         let settings = BuildSettings::resolve(BuildCommand::Check(&args, dir), &env)?;
         return check(dir, &settings, verbose);
     }

@@ -62,13 +62,32 @@ pub fn run(args: ClientCheckCmd) -> Result<ExitStatus> {
     }
     let compile = report.needs_compile().len();
     if report.ok() {
+        let count = |s: Status| report.requests.iter().filter(|r| r.status == s).count();
         println!(
-            "OK: the download completes and the runtime loads it{}",
+            "OK: every request finds its file ({} present{}{}), every shared blob is the same bytes, and the context length, the hard-coded widths{} and the verify outputs agree with the runtime{}",
+            count(Status::Present),
             if compile > 0 {
-                format!(" once compiled ({compile} requests need `chunkforge compile` on macOS)")
+                format!(", {compile} to be made by `chunkforge compile`")
             } else {
                 String::new()
-            }
+            },
+            match count(Status::Optional) {
+                0 => String::new(),
+                n => format!(", {n} absent that may 404"),
+            },
+            if report.client == chunkforge_release::downloader::Client::Branch {
+                ", slot counts"
+            } else {
+                ""
+            },
+            report
+                .pick
+                .as_ref()
+                .map(|p| format!("; it picks the {} layout", p.downloaded))
+                .unwrap_or_default()
+        );
+        println!(
+            "not checked here: that Core ML on the device compiles, loads and runs the packages (DEVICE_RUNBOOK.md)"
         );
     } else {
         eprintln!(

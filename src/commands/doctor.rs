@@ -45,7 +45,7 @@ pub fn run(venv_python: bool, verbose: bool) -> Result<ExitStatus> {
         (lim.can_predict, "Core ML prediction (MLModel.predict)"),
         (
             lim.can_compile_mlmodelc,
-            "compiling .mlpackage to .mlmodelc",
+            "Core ML's compiler (compile --check; chunkforge's own .mlmodelc writer runs everywhere)",
         ),
         (
             lim.can_load_compute_plan,

@@ -1,6 +1,6 @@
 //! `chunkforge inspect`: describe a built .mlpackage without loading it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
@@ -11,14 +11,36 @@ use crate::py::env as pyenv;
 
 pub fn run(package: &Path, json: bool, verbose: bool) -> Result<ExitStatus> {
     super::require_package(package, "inspect")?;
+    let weights = shared_weights(package);
     pyenv::activate(verbose)?;
-    let d = calls::describe(package, verbose)?;
+    let d = calls::describe(package, weights.as_deref(), verbose)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&d)?);
     } else {
         print_inspect(&d);
+        if let Some(w) = &weights {
+            println!(
+                "  weights: {} (the package holds none; the app's download shares this blob in)",
+                w.display()
+            );
+        }
     }
     Ok(ExitStatus::Success)
+}
+
+/// A release's package stored without its weight blob (the app's download
+/// links or copies another package's into it, e.g. `prefill/chunk1`) reads
+/// that package's blob, as `run` does: the release is the folder above it
+/// (`swa/`, `prefill/` or the root) that holds `manifest.json`.
+fn shared_weights(package: &Path) -> Option<PathBuf> {
+    package.ancestors().skip(1).take(2).find_map(|dir| {
+        if !dir.join(crate::manifest::MANIFEST_FILE).is_file() {
+            return None;
+        }
+        crate::folder::ReleaseFolder::open(dir)
+            .ok()?
+            .shared_weights(package)
+    })
 }
 
 fn print_inspect(d: &PackageDescription) {

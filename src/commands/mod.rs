@@ -2,7 +2,7 @@
 //! work through the library, renders its own output and says how it ended.
 
 mod audit;
-mod bench;
+pub(crate) mod bench;
 mod build;
 mod client_check;
 pub(crate) mod device_report;
@@ -108,14 +108,21 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Verify(args) => verify::run(args),
         Cmd::ClientCheck(args) => client_check::run(args),
         Cmd::Compile(args) => {
-            // Said before anything is read or written.
-            if let Some(why) = crate::compile::unsupported() {
+            // --check (both compilers) needs macOS: said before anything is read or written.
+            if let Some(why) = crate::compile::check_unsupported().filter(|_| args.check) {
                 anyhow::bail!("{}: {why}", args.release_dir.display());
             }
-            let n = crate::compile::compile_release(&args.release_dir, &args.key, verbose)?;
+            let writer = crate::compile::Writer::for_platform(args.check);
+            let n = crate::compile::compile_release(&args.release_dir, &args.key, writer, verbose)?;
             println!(
-                "compiled {n} packages in {}, re-signed",
-                args.release_dir.display()
+                "compiled {n} packages in {} with {}, re-signed{}",
+                args.release_dir.display(),
+                writer.name(),
+                if writer == crate::compile::Writer::Chunkforge {
+                    " (no device has loaded them yet: DEVICE_RUNBOOK.md's first step)"
+                } else {
+                    ""
+                }
             );
             Ok(ExitStatus::Success)
         }
@@ -148,8 +155,11 @@ fn resolve_checkpoint(hf_dir: Option<&Path>, verbose: bool) -> Result<PathBuf> {
 /// `exec`) that is not one `.mlpackage` folder; a build or release folder is
 /// answered with the packages inside it.
 fn require_package(path: &Path, command: &str) -> Result<()> {
-    if path.join("Manifest.json").is_file() {
-        return Ok(());
+    // An .mlpackage, or a compiled model with text MIL (read back as the same program).
+    if path.join("Manifest.json").is_file()
+        || (path.join("model.mil").is_file() && path.join("coremldata.bin").is_file())
+    {
+        return plain_folder(path);
     }
     if !path.exists() {
         anyhow::bail!(
@@ -183,6 +193,16 @@ fn require_package(path: &Path, command: &str) -> Result<()> {
         path.join(first).display(),
         packages.join(", ")
     )
+}
+
+/// Refuses an input folder (a package, a build) holding a symlink, a FIFO,
+/// socket or device, or a name that is not one plain path component,
+/// naming it: nothing is read through them (`hashing::Tree::refuse_odd`).
+fn plain_folder(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        crate::hashing::walk(dir, &|_| false)?.refuse_odd(dir)?;
+    }
+    Ok(())
 }
 
 /// coremltools and safetensors take paths as Python strings: refuse a path that

@@ -63,7 +63,8 @@ pub(super) fn audit_older_build(request: &mut PackageRequest, verbose: bool) -> 
 }
 
 fn request(a: PackageCmd) -> PackageRequest {
-    let onto = a.onto;
+    let (onto, onto_public_key, allow_unverified_onto) =
+        (a.onto, a.onto_public_key, a.allow_unverified_onto);
     let mut r = release_request(
         a.build_dir,
         a.release,
@@ -76,11 +77,13 @@ fn request(a: PackageCmd) -> PackageRequest {
         Compiled::not(NOT_COMPILED),
     );
     r.onto = onto;
+    r.onto_public_key = onto_public_key;
+    r.allow_unverified_onto = allow_unverified_onto;
     r
 }
 
 /// The manifest's note on an uncompiled release.
-pub(super) const NOT_COMPILED: &str = "not compiled: .mlpackage at the app's paths; `chunkforge compile RELEASE --key K` makes the .mlmodelc the app fetches (it needs macOS)";
+pub(super) const NOT_COMPILED: &str = "not compiled: .mlpackage at the app's paths; `chunkforge compile RELEASE --key K` makes the .mlmodelc the app fetches";
 
 /// Which parity reports that did not pass may be signed.
 pub(super) struct ParityAcceptance {
@@ -121,6 +124,8 @@ pub(super) fn release_request(
         encoders_from: r.encoders_from,
         audit: None,
         onto: None,
+        onto_public_key: None,
+        allow_unverified_onto: false,
     }
 }
 

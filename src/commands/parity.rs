@@ -17,6 +17,7 @@ use crate::settings::{ParityCommand, ParitySettings};
 
 /// The build a `--artifacts` folder holds (its `build.json`).
 pub(super) fn artifacts_build(build_dir: &Path) -> Result<BuildRecord> {
+    super::plain_folder(build_dir)?;
     let path = build_dir.join("build.json");
     let text = std::fs::read_to_string(&path).map_err(|e| {
         anyhow::anyhow!(
@@ -115,13 +116,13 @@ fn inconclusive_reasons(report: &ParityReport, ill: &[&OracleRecord]) -> Vec<Str
         reasons.push(format!(
             "the INT4 artifact {checks} of {} (against the fp32 reference: min cos {:.4}, top-1 \
              {:.1}%) {fail} no threshold that the fp32 model with Gaussian weight noise of the \
-             palettization's size does not fail too (min cos {:.4}, top-1 {:.1}%): this checkpoint \
-             moves that far under any change of its weights that size",
+             palettization's size does not explain (every draw fails it too, or INT4 lies within \
+             their spread: {}): this checkpoint moves that far under any change of its weights \
+             that size",
             names.join(", "),
             worst(|l| l.min_cos),
             100.0 * worst(|l| l.top1_agreement),
-            n.min_cos,
-            100.0 * n.top1_agreement
+            n.spread()
         ));
     }
     reasons

@@ -17,10 +17,6 @@ use crate::settings::{BuildCommand, BuildSettings, Env, ParityCommand, ParitySet
 
 pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
     let output = &args.release.output;
-    // --compile runs on macOS only: said before anything is built.
-    if let Some(why) = crate::compile::unsupported().filter(|_| args.compile) {
-        bail!("--compile: {why}; without --compile, `release` makes the uncompiled release here");
-    }
     let build_dir = args.build_dir.clone().unwrap_or_else(|| {
         let mut p = output.clone().into_os_string();
         p.push(".build");
@@ -106,10 +102,12 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
     let r = package(&request)?;
     eprintln!("{}", package_summary(&r, &request));
     if args.compile {
-        let n = crate::compile::compile_release(&request.output, &request.key, verbose)?;
+        let writer = crate::compile::Writer::for_platform(false);
+        let n = crate::compile::compile_release(&request.output, &request.key, writer, verbose)?;
         eprintln!(
-            "compiled {n} packages to .mlmodelc in {}, re-signed",
-            request.output.display()
+            "compiled {n} packages to .mlmodelc in {} with {}, re-signed",
+            request.output.display(),
+            writer.name()
         );
     }
     Ok(ExitStatus::Success)

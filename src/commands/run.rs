@@ -5,6 +5,7 @@ use anyhow::Result;
 use super::ExitStatus;
 use crate::cli::values::parse_prompt;
 use crate::cli::RunCmd;
+use crate::layouts::VerifyCommit;
 use crate::run::{self, Prompt, RunOptions, RunResult};
 
 pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
@@ -67,8 +68,18 @@ fn render(r: &RunResult) {
     );
     if let Some(s) = &r.speculation {
         eprintln!(
-            "speculation: verify_q{} x {} calls, {} of {} prompt-lookup drafts accepted",
-            s.k, s.calls, s.accepted_drafts, s.drafts
+            "speculation: verify_q{} x {} calls, {} of {} prompt-lookup drafts accepted, committed {}",
+            s.k,
+            s.calls,
+            s.accepted_drafts,
+            s.drafts,
+            match s.commit {
+                VerifyCommit::AcceptedRows => "as main does: the accepted rows written into the caches".to_string(),
+                VerifyCommit::WriteThrough => format!(
+                    "as the branch does (write-through): every call's caches copied back whole, so {} rows of rejected drafts stayed in the window caches and later steps attended to them",
+                    s.stale_rows
+                ),
+            }
         );
     }
 }

@@ -13,7 +13,7 @@ use crate::cli::{SideFilesArgs, SideFilesCmd};
 use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
 use crate::sidefiles::{write_side_files, SideFilesReport, SideFilesRequest};
-use crate::staging::{self, Staging};
+use crate::staging::Staging;
 use crate::staging::{OnLocked, OutputLock};
 
 /// What a run did, as `--json` prints it (and `bench side-files` reads it).
@@ -46,7 +46,11 @@ pub fn run(args: SideFilesCmd, verbose: bool) -> Result<ExitStatus> {
     let cfg = TextConfig::load(&dir)?;
     let ckpt = Checkpoint::open(&dir, &cfg)?;
     let out = &args.output;
-    staging::output_folder(out)?;
+    if out.exists() && !out.is_dir() {
+        bail!("{}: output path exists and is not a folder", out.display());
+    }
+    // The lock first: it notes whether this run creates the folder, and
+    // removes it with the lock file if the run ends without a result.
     let _lock = OutputLock::take(out, OnLocked::from_no_wait(args.no_wait))?;
     let staging = Staging::new(out)?;
     let model_name = match &args.options.model_name {

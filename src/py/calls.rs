@@ -99,7 +99,7 @@ entry_points! {
     BenchPalettize = "convert.bench_palettize"."run"(Dict BenchArgs)
         -> BenchReport;
     /// One package compiled to the `.mlmodelc` files the app requests
-    /// (`chunkforge compile`, macOS only).
+    /// (`chunkforge compile`: chunkforge's writer anywhere, Core ML's on macOS).
     CompilePackage = "convert.compiled"."compile_package"(Dict CompileRequest<'a>)
         -> CompileReply;
     /// Text from a release folder alone (`chunkforge run`).
@@ -175,8 +175,7 @@ pub fn call<E: EntryPoint>(request: &E::Request<'_>, verbose: bool) -> Result<E:
     .map_err(|e| PythonError {
         message: render_error(e, verbose),
     })?;
-    serde_json::from_str(&reply)
-        .map_err(|e| anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION))
+    serde_json::from_str(&reply).map_err(|e| bad_reply::<E>(&reply, &e))
 }
 
 /// `E(request)` with a `progress(what)` callback (its one object) telling
@@ -204,8 +203,39 @@ pub fn with_progress<E: EntryPoint>(
     .map_err(|e| PythonError {
         message: render_error(e, verbose),
     })?;
-    serde_json::from_str(&reply)
-        .map_err(|e| anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION))
+    serde_json::from_str(&reply).map_err(|e| bad_reply::<E>(&reply, &e))
+}
+
+/// A reply that is not `E::Reply`. Python writes a NaN or an infinity as
+/// the bare word `NaN` or `Infinity`, which is not JSON: that is said by
+/// name, with the field it stands in, since it means the computation
+/// overflowed on its inputs (a weight, a config value).
+fn bad_reply<E: EntryPoint>(reply: &str, e: &serde_json::Error) -> anyhow::Error {
+    let at = (e.line() == 1)
+        .then(|| e.column().saturating_sub(1))
+        .and_then(|c| reply.get(c..));
+    let word = ["NaN", "Infinity", "-Infinity"]
+        .into_iter()
+        .find(|w| at.is_some_and(|rest| rest.starts_with(w)));
+    match word {
+        Some(w) => {
+            let before = &reply[..reply.len() - at.map_or(0, str::len)];
+            let field = before
+                .rfind("\":")
+                .and_then(|end| {
+                    before[..end]
+                        .rfind('"')
+                        .map(|start| &before[start + 1..end])
+                })
+                .unwrap_or("?");
+            anyhow!(
+                "{}.{} computed {w} for `{field}`: a weight or config value made the computation overflow (rerun with --verbose for the Python side)",
+                E::MODULE,
+                E::FUNCTION
+            )
+        }
+        None => anyhow!("bad reply from {}.{}: {e}", E::MODULE, E::FUNCTION),
+    }
 }
 
 /// `E(request)` with `objects` (its `OBJECTS`, in order) as keyword
@@ -238,7 +268,7 @@ fn invoke<'py, E: EntryPoint>(
     }
 }
 
-/// One package compiled to the `.mlmodelc` files the app requests (macOS).
+/// One package compiled to the `.mlmodelc` files the app requests.
 pub fn compile_package(request: &CompileRequest, verbose: bool) -> Result<CompileReply> {
     call::<CompilePackage>(request, verbose)
 }
@@ -247,9 +277,20 @@ pub fn platform_limits(verbose: bool) -> Result<PlatformLimits> {
     call::<Platform>(&(), verbose)
 }
 
-pub fn describe(package: &std::path::Path, verbose: bool) -> Result<PackageDescription> {
+pub fn describe(
+    package: &std::path::Path,
+    weights: Option<&std::path::Path>,
+    verbose: bool,
+) -> Result<PackageDescription> {
     let path = package.to_string_lossy();
-    call::<Describe>(&PathArg { path: &path }, verbose)
+    let weights = weights.map(|w| w.to_string_lossy());
+    call::<Describe>(
+        &PathArg {
+            path: &path,
+            weights: weights.as_deref(),
+        },
+        verbose,
+    )
 }
 
 pub fn exec_function(request: &ExecRequest, verbose: bool) -> Result<ExecResult> {

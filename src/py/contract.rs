@@ -13,6 +13,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use chunkforge_model::checkpoint::Checkpoint;
+use chunkforge_model::layouts::VerifyCommit;
 use chunkforge_model::parity_checks::{CheckName, Thresholds};
 use chunkforge_model::plan::{self, ChunkPlan, Dims, Layout, LayoutKind};
 use chunkforge_model::records::{
@@ -348,6 +349,10 @@ pub struct FullSizeLayout {
 #[derive(Serialize, JsonSchema)]
 pub struct PathArg<'a> {
     pub path: &'a str,
+    /// The folder of the weight blob the package reads, when not its own
+    /// (a release's package stored without its blob, shared in by the app's
+    /// download).
+    pub weights: Option<&'a str>,
 }
 
 /// One input or output of a package's function.
@@ -558,6 +563,8 @@ pub struct RunRequest<'a> {
     pub prompt_ids: Option<&'a [i64]>,
     pub max_tokens: usize,
     pub speculate: Option<usize>,
+    /// How the runtime build whose download the run reads commits a verify call.
+    pub verify_commit: VerifyCommit,
     pub eos_token_ids: &'a [i64],
     pub fp16: bool,
 }
@@ -569,6 +576,10 @@ pub struct Speculation {
     pub calls: usize,
     pub drafts: usize,
     pub accepted_drafts: usize,
+    /// How the runtime build committed each call.
+    pub commit: VerifyCommit,
+    /// Write-through: rows of rejected drafts left in the window caches.
+    pub stale_rows: usize,
 }
 
 /// contract.py `RunResult`, plus what Rust adds.
@@ -646,6 +657,10 @@ pub struct CompileRequest<'a> {
     pub package: &'a str,
     pub output: &'a str,
     pub files: Vec<&'a str>,
+    /// `compile::Writer::name`.
+    pub writer: &'a str,
+    /// The model's name (`metadata.json`'s `generatedClassName`).
+    pub name: &'a str,
 }
 
 /// `compiled.compile_package`'s reply.

@@ -9,10 +9,14 @@ use pyo3::prelude::*;
 #[pymodule]
 pub mod chunkforge_native {
     use half::f16;
-    use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+    use numpy::{
+        PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyReadonlyArrayDyn,
+        PyReadwriteArray2, PyUntypedArrayMethods,
+    };
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
 
+    use crate::matmul as kernels;
     use crate::palette;
 
     /// The array's elements in memory order, or an error naming `label`.
@@ -57,6 +61,260 @@ pub mod chunkforge_native {
         let lut = PyArray1::from_vec(py, p.lut).reshape([p.groups, p.entries])?;
         let indices = PyArray1::from_vec(py, p.indices).reshape([rows, cols])?;
         Ok((lut, indices))
+    }
+
+    /// A weight's stored values as Python hands them: 4-bit indices (uint8),
+    /// bf16 / fp16 bits (uint16) or float32.
+    enum Held<'py> {
+        U8(PyReadonlyArrayDyn<'py, u8>),
+        U16(PyReadonlyArrayDyn<'py, u16>),
+        F32(PyReadonlyArrayDyn<'py, f32>),
+    }
+
+    /// The weight `(kind, data, lut, group_rows)` as the kernels read it,
+    /// or an error naming `label`.
+    struct Spec<'py> {
+        kind: String,
+        data: Held<'py>,
+        lut: Option<PyReadonlyArray2<'py, f32>>,
+        group_rows: usize,
+    }
+
+    /// `(kind, data, lut, group_rows)`: kind `lut4` (data uint8: two indices
+    /// a byte, low nibble first; lut float32 [groups, 16]), `bf16` or `fp16`
+    /// (data uint16 bits), `fp32` (data float32).
+    type SpecArgs<'py> = (
+        String,
+        Bound<'py, PyAny>,
+        Option<PyReadonlyArray2<'py, f32>>,
+        usize,
+    );
+
+    fn spec<'py>(args: SpecArgs<'py>, label: &str) -> PyResult<Spec<'py>> {
+        let (kind, data, lut, group_rows) = args;
+        let bad =
+            |what: &str| PyValueError::new_err(format!("{label}: a {kind} weight needs {what}"));
+        let held = match kind.as_str() {
+            "lut4" => Held::U8(data.extract().map_err(|_| bad("uint8 indices"))?),
+            "bf16" | "fp16" => Held::U16(data.extract().map_err(|_| bad("uint16 bits"))?),
+            "fp32" => Held::F32(data.extract().map_err(|_| bad("float32 values"))?),
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "{label}: unknown stored form {other} (lut4, bf16, fp16, fp32)"
+                )))
+            }
+        };
+        if kind == "lut4" && lut.is_none() {
+            return Err(bad("a LUT [groups, 16]"));
+        }
+        Ok(Spec {
+            kind,
+            data: held,
+            lut,
+            group_rows,
+        })
+    }
+
+    fn slice<'a, T: numpy::Element>(
+        a: &'a PyReadonlyArrayDyn<'_, T>,
+        label: &str,
+    ) -> PyResult<&'a [T]> {
+        a.as_slice().map_err(|_| {
+            PyValueError::new_err(format!(
+                "{label}: the weight's values must be C-contiguous and aligned"
+            ))
+        })
+    }
+
+    impl Spec<'_> {
+        fn weights(&self, label: &str) -> PyResult<kernels::Weights<'_>> {
+            Ok(match &self.data {
+                Held::U8(a) => kernels::Weights::Lut4 {
+                    packed: slice(a, label)?,
+                    lut: match &self.lut {
+                        Some(l) => l.as_slice().map_err(|_| {
+                            PyValueError::new_err(format!(
+                                "{label}: the LUT must be C-contiguous and aligned"
+                            ))
+                        })?,
+                        None => &[],
+                    },
+                    group_rows: self.group_rows,
+                },
+                Held::U16(a) if self.kind == "bf16" => kernels::Weights::Bf16(slice(a, label)?),
+                Held::U16(a) => kernels::Weights::F16(slice(a, label)?),
+                Held::F32(a) => kernels::Weights::F32(slice(a, label)?),
+            })
+        }
+    }
+
+    fn isa_of(isa: Option<&str>) -> PyResult<kernels::Isa> {
+        let Some(name) = isa else {
+            return Ok(kernels::best_isa());
+        };
+        let wanted = kernels::Isa::parse(name).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "unknown instruction set {name} (portable, avx2, avx512)"
+            ))
+        })?;
+        if !kernels::available_isas().contains(&wanted) {
+            return Err(PyValueError::new_err(format!(
+                "this CPU cannot run the {name} build"
+            )));
+        }
+        Ok(wanted)
+    }
+
+    /// matmul(x, weight, rows, cols, live=None, channels_first=False, name=None, isa=None) -> y
+    ///
+    /// `x · Wᵀ` for float32 `x [tokens, cols]` (any strides) and `weight`
+    /// `(kind, data, lut, group_rows)` of shape `[rows, cols]` in its stored
+    /// form (src/matmul: `lut4`, `bf16`, `fp16`, `fp32`), without a dense
+    /// copy of it. Returns float32 `[tokens, rows]`, or `[rows, tokens]`
+    /// with `channels_first`; only the first `live` tokens are computed (the
+    /// others are 0). The GIL is released while the rows run on all cores.
+    /// `name` labels errors; `isa` picks a build (default: the fastest).
+    #[pyfunction]
+    #[pyo3(signature = (x, weight, rows, cols, live = None, channels_first = false, name = None, isa = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn matmul<'py>(
+        py: Python<'py>,
+        x: PyReadonlyArray2<'py, f32>,
+        weight: SpecArgs<'py>,
+        rows: usize,
+        cols: usize,
+        live: Option<usize>,
+        channels_first: bool,
+        name: Option<&str>,
+        isa: Option<&str>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let label = name.unwrap_or("weight");
+        let spec = spec(weight, label)?;
+        let w = spec.weights(label)?;
+        let isa = isa_of(isa)?;
+        let view = x.as_array();
+        let (tokens, given) = view.dim();
+        if given != cols {
+            return Err(PyValueError::new_err(format!(
+                "{label} [{rows}, {cols}]: an input of {given} columns (x is [{tokens}, {given}])"
+            )));
+        }
+        let live = live.unwrap_or(tokens);
+        if live > tokens {
+            return Err(PyValueError::new_err(format!(
+                "{label}: {live} live tokens of {tokens}"
+            )));
+        }
+        let layout = if channels_first {
+            kernels::Layout::ChannelMajor
+        } else {
+            kernels::Layout::TokenMajor
+        };
+        let out = py
+            .detach(|| {
+                // The live tokens' rows, contiguous (x may be a transposed view).
+                let mut xs = Vec::with_capacity(live * cols);
+                for row in view.outer_iter().take(live) {
+                    xs.extend(row.iter().copied());
+                }
+                let input = kernels::Input {
+                    x: &xs,
+                    tokens,
+                    live,
+                };
+                kernels::matmul(&w, rows, cols, input, layout, isa)
+            })
+            .map_err(|e| PyValueError::new_err(format!("{label}: {e}")))?;
+        let shape = if channels_first {
+            [rows, tokens]
+        } else {
+            [tokens, rows]
+        };
+        PyArray1::from_vec(py, out).reshape(shape)
+    }
+
+    /// dense_rows(weight, rows, cols, start, stop, name=None) -> float32 [stop - start, cols]
+    ///
+    /// Rows `start..stop` of a stored weight as float32 (the values its
+    /// products use): the general path, for an op the kernels do not serve.
+    #[pyfunction]
+    #[pyo3(signature = (weight, rows, cols, start, stop, name = None))]
+    fn dense_rows<'py>(
+        py: Python<'py>,
+        weight: SpecArgs<'py>,
+        rows: usize,
+        cols: usize,
+        start: usize,
+        stop: usize,
+        name: Option<&str>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let label = name.unwrap_or("weight");
+        let spec = spec(weight, label)?;
+        let w = spec.weights(label)?;
+        let out = py
+            .detach(|| kernels::dense_rows(&w, rows, cols, start, stop))
+            .map_err(|e| PyValueError::new_err(format!("{label}: {e}")))?;
+        PyArray1::from_vec(py, out).reshape([stop - start, cols])
+    }
+
+    /// dense_rows_into(weight, rows, cols, start, out, name=None)
+    ///
+    /// `dense_rows` into ``out`` (float32 [n, cols], C-contiguous): rows
+    /// `start..start + n`, written into memory the caller reuses.
+    #[pyfunction]
+    #[pyo3(signature = (weight, rows, cols, start, out, name = None))]
+    fn dense_rows_into<'py>(
+        py: Python<'py>,
+        weight: SpecArgs<'py>,
+        rows: usize,
+        cols: usize,
+        start: usize,
+        mut out: PyReadwriteArray2<'py, f32>,
+        name: Option<&str>,
+    ) -> PyResult<()> {
+        let label = name.unwrap_or("weight");
+        let spec = spec(weight, label)?;
+        let w = spec.weights(label)?;
+        let dst = out.as_slice_mut().map_err(|_| {
+            PyValueError::new_err(format!("{label}: the output must be C-contiguous"))
+        })?;
+        py.detach(|| kernels::dense_rows_into(&w, rows, cols, start, dst))
+            .map_err(|e| PyValueError::new_err(format!("{label}: {e}")))
+    }
+
+    /// squared_error(a, b, rows, cols, name=None) -> (float, float)
+    ///
+    /// `(Σ (a − b)², Σ b²)` in float64 over two stored weights of one shape
+    /// (a read-back weight against the checkpoint's), the same whatever the
+    /// thread count.
+    #[pyfunction]
+    #[pyo3(signature = (a, b, rows, cols, name = None))]
+    fn squared_error<'py>(
+        py: Python<'py>,
+        a: SpecArgs<'py>,
+        b: SpecArgs<'py>,
+        rows: usize,
+        cols: usize,
+        name: Option<&str>,
+    ) -> PyResult<(f64, f64)> {
+        let label = name.unwrap_or("weight");
+        let (sa, sb) = (spec(a, label)?, spec(b, label)?);
+        let (wa, wb) = (sa.weights(label)?, sb.weights(label)?);
+        py.detach(|| kernels::squared_error(&wa, &wb, rows, cols))
+            .map_err(|e| PyValueError::new_err(format!("{label}: {e}")))
+    }
+
+    /// matmul_isas() -> (chosen, available): the build the kernels run here
+    /// (capped by CHUNKFORGE_MATMUL_ISA) and every build this CPU runs.
+    #[pyfunction]
+    fn matmul_isas() -> (String, Vec<String>) {
+        (
+            kernels::best_isa().name().to_string(),
+            kernels::available_isas()
+                .iter()
+                .map(|i| i.name().to_string())
+                .collect(),
+        )
     }
 
     /// indices_int4(weight, lut, group_size=32, nbits=4, name=None) -> indices

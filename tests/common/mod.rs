@@ -1,9 +1,13 @@
 //! Shared helpers for the integration tests: run the binary, make fixtures.
 #![allow(dead_code)]
 
+pub mod synthetic;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Mutex;
+
+use serde_json::Value;
 
 pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_chunkforge"))
@@ -27,6 +31,37 @@ pub fn run_env(args: &[&str], env: &[(&str, &str)]) -> Output {
         .envs(env.iter().copied())
         .output()
         .expect("spawn chunkforge")
+}
+
+/// Runs chunkforge with `args` where only the folders `writable` (and
+/// `/dev`, `/proc`) can be written: a private mount namespace (`unshare
+/// -rm`) in which each of them is bound over itself and the root then
+/// remounted read-only, so a write anywhere else fails with EROFS instead
+/// of happening. TMPDIR is the first of them. Panics, naming the reason,
+/// when the namespace cannot be made (a kernel without user namespaces).
+pub fn run_confined(args: &[&str], writable: &[&Path]) -> Output {
+    const SCRIPT: &str = r#"set -e
+while [ "$1" != "--" ]; do mount --bind "$1" "$1"; shift; done
+shift
+mount -o remount,bind,ro /
+exec "$@""#;
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-rm", "--propagation", "private", "sh", "-c", SCRIPT, "sh"]);
+    cmd.args(writable);
+    cmd.arg("--")
+        .arg(bin())
+        .args(args)
+        .env_remove("GEMMA4_HF_DIR");
+    if let Some(t) = writable.first() {
+        cmd.env("TMPDIR", t);
+    }
+    let o = cmd.output().expect("spawn unshare");
+    let err = stderr(&o);
+    assert!(
+        !(err.starts_with("unshare:") || err.starts_with("mount:")),
+        "cannot confine chunkforge to {writable:?} (unshare -rm, mount --bind): {err}"
+    );
+    o
 }
 
 /// Whether `o` is a run that SIGKILLed itself (the kill-at-step hook).
@@ -72,8 +107,9 @@ static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
 /// with what build.json must hold, so cached test fixtures and builds are
 /// made again (gen5: build.json records the checkpoint's weights, which
 /// `release --reuse-build` and `package --parity-report` require; gen6: chunk1_3way is no
-/// longer built; gen7: tiny E4B fixtures have 2 query heads per KV head).
-const FIXTURE_GENERATION: &str = "gen7";
+/// longer built; gen7: tiny E4B fixtures have 2 query heads per KV head;
+/// gen8: `verify_qK` also returns the branch's write-through caches).
+const FIXTURE_GENERATION: &str = "gen8";
 
 /// A cached fixture checkpoint under target/test-fixtures/<name>, made once
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.
@@ -331,43 +367,229 @@ pub fn copy_tree(from: &Path, to: &Path) {
     }
 }
 
-/// A stand-in for an upstream bundle's multimodal encoder files, as the
-/// app's lists name them (main's: vision, vision_video, audio and the audio
-/// side files), made once under the target dir: random bytes, text MIL.
+/// An upstream bundle's multimodal encoder files for the built-in
+/// checkpoint (text hidden size 64, no vision or audio config), made once:
+/// the three compiled encoders' `model.mil` signatures as upstream converts
+/// them (vision: fp32 `pixel_values` [1, 2520 | 630, 768] and int32
+/// `pixel_position_ids` in, fp16 `image_features` rows of the hidden size
+/// out; audio: fp16 `input_features` [1, 200, 128] in, the legacy
+/// `hidden_states` [1, 50, 1024] out, projected in Swift), stand-ins for the
+/// compiler's binary files, a mel filter bank, `audio_config.json` and the
+/// projection `.npy` files (1024 -> 1536 -> 64).
 pub fn encoder_bundle() -> PathBuf {
     let _guard = FIXTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures/encoder-bundle");
-    if dir.join("embed_proj_weight.npy").exists() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fixtures/encoder-bundle-2");
+    if dir.join("done").exists() {
         return dir;
     }
-    let models = ["vision.mlmodelc", "vision_video.mlmodelc", "audio.mlmodelc"];
-    let inner = [
-        "weights/weight.bin",
-        "coremldata.bin",
-        "model.mil",
-        "metadata.json",
-        "analytics/coremldata.bin",
-    ];
-    let plain = [
-        "mel_filterbank.bin",
-        "audio_config.json",
-        "output_proj_weight.npy",
-        "output_proj_bias.npy",
-        "embed_proj_weight.npy",
-    ];
-    let files = models
-        .iter()
-        .flat_map(|m| inner.iter().map(move |f| format!("{m}/{f}")))
-        .chain(plain.iter().map(|f| f.to_string()));
-    for (i, f) in files.enumerate() {
-        let p = dir.join(&f);
+    let write = |rel: &str, bytes: &[u8]| {
+        let p = dir.join(rel);
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        let bytes = if f.ends_with("model.mil") {
-            b"program(1.3)\n{}\n".to_vec()
-        } else {
-            (0..64 + i).map(|b| (b * 31 + i) as u8).collect()
-        };
         std::fs::write(p, bytes).unwrap();
+    };
+    let mil = |inputs: &str, out: &str| {
+        let name = out.rsplit(' ').next().unwrap();
+        format!(
+            "program(1.3)\n{{\n    func main<ios18>({inputs}) {{\n            {out} = const()[name = string(\"{name}\"), val = {}(0)];\n    }} -> ({name});\n}}\n",
+            out.rsplit_once(' ').unwrap().0
+        )
+    };
+    for (m, n) in [("vision.mlmodelc", 2520), ("vision_video.mlmodelc", 630)] {
+        let text = mil(
+            &format!("tensor<fp32, [1, {n}, 768]> pixel_values, tensor<int32, [1, {n}, 2]> pixel_position_ids"),
+            &format!("tensor<fp16, [1, {}, 64]> image_features", n / 9),
+        );
+        write(&format!("{m}/model.mil"), text.as_bytes());
     }
+    let text = mil(
+        "tensor<fp16, [1, 200, 128]> input_features",
+        "tensor<fp16, [1, 50, 1024]> hidden_states",
+    );
+    write("audio.mlmodelc/model.mil", text.as_bytes());
+    for (i, m) in ["vision.mlmodelc", "vision_video.mlmodelc", "audio.mlmodelc"]
+        .iter()
+        .enumerate()
+    {
+        for (j, f) in [
+            "weights/weight.bin",
+            "coremldata.bin",
+            "metadata.json",
+            "analytics/coremldata.bin",
+        ]
+        .iter()
+        .enumerate()
+        {
+            let bytes: Vec<u8> = (0..64 + i * 4 + j)
+                .map(|b| (b * 31 + i + j) as u8)
+                .collect();
+            write(&format!("{m}/{f}"), &bytes);
+        }
+    }
+    // Triangular-ish weights in [0, 1], 257 FFT bins x 128 mel bins, float32.
+    let bank: Vec<u8> = (0..257 * 128)
+        .flat_map(|i: usize| ((i % 11) as f32 / 10.0).to_le_bytes())
+        .collect();
+    write("mel_filterbank.bin", &bank);
+    write(
+        "audio_config.json",
+        br#"{"mel_frames": 200, "num_tokens": 50, "log_offset": 0.001}"#,
+    );
+    // .npy 1.0 files of fp16 values, as numpy.save writes them.
+    let npy = |dims: &[usize]| {
+        let t: Vec<String> = dims.iter().map(usize::to_string).collect();
+        let tuple = if t.len() == 1 {
+            format!("({},)", t[0])
+        } else {
+            format!("({})", t.join(", "))
+        };
+        let mut dict = format!("{{'descr': '<f2', 'fortran_order': False, 'shape': {tuple}, }}");
+        while (10 + dict.len() + 1) % 64 != 0 {
+            dict.push(' ');
+        }
+        dict.push('\n');
+        let mut out = b"\x93NUMPY\x01\x00".to_vec();
+        out.extend((dict.len() as u16).to_le_bytes());
+        out.extend(dict.as_bytes());
+        let n: usize = dims.iter().product();
+        out.extend((0..n).flat_map(|i| half::f16::from_f32((i % 13) as f32 / 64.0).to_le_bytes()));
+        out
+    };
+    write("output_proj_weight.npy", &npy(&[1536, 1024]));
+    write("output_proj_bias.npy", &npy(&[1536]));
+    write("embed_proj_weight.npy", &npy(&[64, 1536]));
+    write("done", b"");
     dir
+}
+
+/// `model.mil` text as coremltools' `get_compiled_model_path()` writes it,
+/// stating `chunk`'s functions (a manifest entry): each signature, and each
+/// output declared by a statement. The test's stand-in for a compiled
+/// package, for the synthetic releases whose packages are not programs.
+pub fn text_mil(chunk: &Value) -> String {
+    let tensor = |t: &Value| {
+        let dims: Vec<String> = t["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.to_string())
+            .collect();
+        format!(
+            "tensor<{}, [{}]>",
+            t["dtype"].as_str().unwrap(),
+            dims.join(", ")
+        )
+    };
+    let mut text = String::from(
+        "program(1.3)\n[buildInfo = dict<string, string>({{\"coremlc-component-MIL\", \"3500.14.1\"}})]\n{\n",
+    );
+    for f in chunk["functions"].as_array().unwrap() {
+        let inputs: Vec<String> = f["inputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| format!("{} {}", tensor(t), t["name"].as_str().unwrap()))
+            .collect();
+        text += &format!(
+            "    func {}<ios18>({}) {{\n",
+            f["name"].as_str().unwrap(),
+            inputs.join(", ")
+        );
+        let mut outs = Vec::new();
+        for t in f["outputs"].as_array().unwrap() {
+            let n = t["name"].as_str().unwrap();
+            text += &format!(
+                "            {} {n} = identity(x = var_0)[name = string(\"{n}\")];\n",
+                tensor(t)
+            );
+            outs.push(n.to_string());
+        }
+        text += &format!("    }} -> ({});\n", outs.join(", "));
+    }
+    text + "}\n"
+}
+
+/// A stand-in upstream bundle made from the chunkforge release `rel`: the app's
+/// repository with each package compiled (`text_mil`, the package's weight
+/// blob, stand-ins for the compiler's binary files) and no manifest or
+/// signature.
+pub fn stand_in_bundle(rel: &Path, out: &Path) {
+    let m = json_file(&rel.join("manifest.json"));
+    let packages: Vec<&Value> = m["chunks"].as_array().unwrap().iter().collect();
+    for f in m["files"].as_array().unwrap() {
+        let path = f["path"].as_str().unwrap();
+        if path.contains(".mlpackage/")
+            || ["manifest.json", "model.sig", "DEVICE_RUNBOOK.md"].contains(&path)
+        {
+            continue;
+        }
+        let dst = out.join(path);
+        std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+        std::fs::copy(rel.join(path), dst).unwrap();
+    }
+    for c in packages {
+        let file = c["file"].as_str().unwrap();
+        let compiled = out.join(file.replace(".mlpackage", ".mlmodelc"));
+        std::fs::create_dir_all(compiled.join("analytics")).unwrap();
+        std::fs::write(compiled.join("model.mil"), text_mil(c)).unwrap();
+        std::fs::write(compiled.join("coremldata.bin"), b"stand-in").unwrap();
+        std::fs::write(compiled.join("analytics/coremldata.bin"), b"stand-in").unwrap();
+        std::fs::write(compiled.join("metadata.json"), b"[]").unwrap();
+        // A package the release holds without its blob (shared in) is
+        // fetched without one from upstream too.
+        let blob = rel
+            .join(file)
+            .join("Data/com.apple.CoreML/weights/weight.bin");
+        if blob.is_file() {
+            std::fs::create_dir_all(compiled.join("weights")).unwrap();
+            std::fs::copy(blob, compiled.join("weights/weight.bin")).unwrap();
+        }
+    }
+}
+
+/// A fixed prompt whose greedy continuation on the built-in checkpoint changes
+/// token twice (most prompts there repeat one token), so the KV hand-off
+/// from prefill and the decode caches are both visible in the tokens. Where
+/// a continuation switches tokens the top two logits cross, so a switch can
+/// be a near-tie that fp16 weights or int8 embeddings move by one step (two
+/// of eight prompts tried: margins 0.07 and 0.03); this prompt's smallest
+/// margin is 0.39.
+pub const SENTENCE: &str = "Caches caches today it it quiet over today and";
+pub const TOKENS: usize = 16;
+
+pub fn ids(v: &serde_json::Value) -> Vec<i64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+/// transformers' own tokenizer and greedy `generate` on the source
+/// checkpoint: (prompt ids, generated ids).
+pub fn transformers_greedy(checkpoint: &Path, text: &str, n: usize) -> (Vec<i64>, Vec<i64>) {
+    let python = ok(&["doctor", "--venv-python"]).trim().to_string();
+    let script = r#"
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, text, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+print(json.dumps({"prompt": ids, "generated": out[0, len(ids):].tolist()}))
+"#;
+    let o = Command::new(python)
+        .args([
+            "-c",
+            script,
+            checkpoint.to_str().unwrap(),
+            text,
+            &n.to_string(),
+        ])
+        .output()
+        .expect("run the venv python");
+    assert!(o.status.success(), "transformers: {}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).lines().last().unwrap()).unwrap();
+    (ids(&v["prompt"]), ids(&v["generated"]))
 }

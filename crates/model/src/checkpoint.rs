@@ -456,6 +456,40 @@ pub fn broken_link(p: &Path) -> Option<String> {
     ))
 }
 
+/// Why the checkpoint file `path` (in the checkpoint folder `dir`), a
+/// symlink, is not one chunkforge follows, if it is not: a link must end at
+/// a regular file inside `dir`, or, for a Hugging Face cache snapshot
+/// (`models--ORG--NAME/snapshots/REV/`, whose every file links into the
+/// model's `blobs/`), inside that model's `blobs/` folder. A link anywhere
+/// else (a key, a file of another user) would be read into a build and
+/// copied into a signed release. None for a plain file or a missing one.
+pub fn link_outside(dir: &Path, path: &Path) -> Option<String> {
+    if !path.is_symlink() {
+        return None;
+    }
+    let target = path.canonicalize().ok()?;
+    if !target.is_file() {
+        return Some(format!(
+            "is a symlink to {}, which is not a regular file",
+            target.display()
+        ));
+    }
+    let home = dir.canonicalize().ok()?;
+    let blobs = home
+        .parent()
+        .filter(|p| p.file_name().is_some_and(|n| n == "snapshots"))
+        .and_then(Path::parent)
+        .map(|model| model.join("blobs"));
+    if target.starts_with(&home) || blobs.as_ref().is_some_and(|b| target.starts_with(b)) {
+        return None;
+    }
+    Some(format!(
+        "is a symlink to {}, outside the checkpoint folder{}: chunkforge follows a link only into the folder (or a Hugging Face cache snapshot's blobs/); copy the file in",
+        target.display(),
+        if blobs.is_some() { " and its cache's blobs/" } else { "" }
+    ))
+}
+
 /// Every tensor the text decoder needs (without prefix), with its expected shape.
 pub fn expected_tensors(cfg: &TextConfig) -> Vec<(String, Vec<usize>)> {
     let h = cfg.hidden_size;
@@ -564,7 +598,11 @@ pub fn check_folder(dir: &Path) -> Result<(), InputError> {
         ));
     }
     // Present in any form: a dangling symlink is for the config reader to name.
-    if std::fs::symlink_metadata(dir.join("config.json")).is_ok() {
+    let config = dir.join("config.json");
+    if std::fs::symlink_metadata(&config).is_ok() {
+        if let Some(why) = link_outside(dir, &config) {
+            return Err(ck(&config, why));
+        }
         return Ok(());
     }
     let snapshots = hf_cache_snapshots(dir);
@@ -641,7 +679,7 @@ impl Checkpoint {
         for p in [&index, &single] {
             // Hugging Face cache snapshots are symlinks into blobs/: follow them,
             // but name a dangling one or a loop instead of calling the file missing.
-            if let Some(why) = broken_link(p) {
+            if let Some(why) = broken_link(p).or_else(|| link_outside(dir, p)) {
                 return Err(ck(p, why));
             }
         }
@@ -688,6 +726,9 @@ impl Checkpoint {
                     f,
                     format!("shard listed in model.safetensors.index.json {why}"),
                 ));
+            }
+            if let Some(why) = link_outside(dir, f) {
+                return Err(ck(f, why));
             }
             if !f.exists() {
                 return Err(ck(

@@ -17,6 +17,11 @@ crate::named! {
     }
 }
 
+/// The smallest normal and the largest finite fp16 values: a factor the
+/// packages compute with in fp16 must lie between them.
+const F16_MIN_NORMAL: f64 = 6.103515625e-5;
+const F16_MAX: f64 = 65504.0;
+
 /// The fields of the text config that shape the decode graph.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TextConfig {
@@ -205,7 +210,13 @@ fn rope(
             Attention::Full => &["proportional", "default"],
         };
         let rope_type = f.one_of("rope_type", None, supported)?;
-        let theta = f.num("rope_theta", None, |x| x > 0.0, "a number > 0")?;
+        // Frequencies theta^(-2i/d) above 1 would overflow position * frequency.
+        let theta = f.num(
+            "rope_theta",
+            None,
+            |x| x > 1.0,
+            "a number > 1 (the rotation frequencies theta^(-2i/d) must not exceed 1)",
+        )?;
         match kind {
             Attention::Sliding => theta_s = theta,
             Attention::Full => theta_f = theta,
@@ -364,11 +375,12 @@ impl TextConfig {
         let final_logit_softcapping = f
             .get("final_logit_softcapping")
             .map(|_| {
+                // The packages compute tanh(x / cap) * cap in fp16.
                 f.num(
                     "final_logit_softcapping",
                     None,
-                    |x| x > 0.0,
-                    "a number > 0, or null for no capping",
+                    |x| (F16_MIN_NORMAL..=F16_MAX).contains(&x),
+                    "a number fp16 holds (6.1e-5 to 65504), or null for no capping",
                 )
             })
             .transpose()?;
@@ -718,18 +730,31 @@ pub(crate) mod tests {
             |v| v["final_logit_softcapping"] = json!("30.0"),
             &[
                 "`final_logit_softcapping` is \"30.0\"",
-                "a number > 0, or null",
+                "a number fp16 holds",
             ],
         );
         refused(
             |v| v["final_logit_softcapping"] = json!(0.0),
             &["`final_logit_softcapping` is 0.0"],
         );
+        // Tiny caps and thetas: positive, but what the packages compute
+        // with them overflows (parity would see NaN and Infinity).
+        refused(
+            |v| v["final_logit_softcapping"] = json!(1e-300),
+            &["`final_logit_softcapping` is 1e-300", "fp16 holds"],
+        );
+        refused(
+            |v| v["rope_parameters"]["full_attention"]["rope_theta"] = json!(1e-300),
+            &[
+                "`rope_parameters.full_attention.rope_theta` is 1e-300",
+                "a number > 1",
+            ],
+        );
         refused(
             |v| v["rope_parameters"]["sliding_attention"]["rope_theta"] = json!("10000"),
             &[
                 "`rope_parameters.sliding_attention.rope_theta` is \"10000\"",
-                "a number > 0",
+                "a number > 1",
             ],
         );
         refused(

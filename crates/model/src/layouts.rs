@@ -38,7 +38,129 @@ crate::named! {
     }
 }
 
+crate::named! {
+    /// How a runtime build commits a `verify_qK` call (ChunkedEngine.swift).
+    pub enum VerifyCommit {
+        /// Main: `commitAccepted` copies the accepted prefix of the `new_K/V_*`
+        /// rows into its caches (`commitKVSlices`; 72178c6).
+        AcceptedRows = "accepted-rows",
+        /// The branch: `verifyCandidates` copies `K/V_*_out` back into its
+        /// caches whole after every call (`copyBack`), all K rows written;
+        /// `commitAccepted` only advances the position, so the rows of
+        /// rejected drafts stay in the window caches (4cd6c6c).
+        WriteThrough = "write-through",
+    }
+}
+
+/// What a runtime does when an output it reads is missing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Missing {
+    /// Read force-unwrapped (`!`): the app crashes.
+    Crashes,
+    /// Read as an optional (`?`): the commit is skipped without a word, and
+    /// later steps attend to caches that lack the verified rows.
+    SkipsCommit,
+}
+
+/// One output of `verify_qK` a runtime build reads: the reference chunk
+/// (0-based, call order) and the output's name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VerifyRead {
+    pub chunk: usize,
+    pub output: &'static str,
+    pub missing: Missing,
+}
+
+/// A runtime build's side of `verify_qK`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VerifyContract {
+    pub commit: VerifyCommit,
+    pub reads: &'static [VerifyRead],
+    /// Where the upstream Swift reads them, for messages.
+    pub source: &'static str,
+    /// When it loads `verify_qK` at all.
+    pub loaded: &'static str,
+}
+
+const fn crash(chunk: usize, output: &'static str) -> VerifyRead {
+    VerifyRead {
+        chunk,
+        output,
+        missing: Missing::Crashes,
+    }
+}
+
+const fn skips(chunk: usize, output: &'static str) -> VerifyRead {
+    VerifyRead {
+        chunk,
+        output,
+        missing: Missing::SkipsCommit,
+    }
+}
+
+/// Main's `verifyCandidates` (ChunkedEngine.swift at 72178c6, near 1700-1740).
+const VERIFY_MAIN: VerifyContract = VerifyContract {
+    commit: VerifyCommit::AcceptedRows,
+    reads: &[
+        crash(0, "hidden_states_out"),
+        crash(0, "per_layer_combined_out"),
+        skips(0, "new_K_sliding"),
+        skips(0, "new_V_sliding"),
+        skips(0, "new_K_full"),
+        skips(0, "new_V_full"),
+        crash(1, "hidden_states_out"),
+        skips(1, "new_K_sliding"),
+        skips(1, "new_V_sliding"),
+        skips(1, "new_K_full"),
+        skips(1, "new_V_full"),
+        crash(1, "kv13_k"),
+        crash(1, "kv13_v"),
+        crash(1, "kv14_k"),
+        crash(1, "kv14_v"),
+        crash(2, "hidden_states_out"),
+        crash(3, "token_ids"),
+    ],
+    source: "ChunkedEngine.swift at main 72178c6, verifyCandidates",
+    loaded: "only with LLM_EAGLE3_ENABLE=1 or SPECULATIVE_PROFILE set",
+};
+
+/// The branch's `verifyCandidates` and `verifyCandidatesWithLogits`
+/// (ChunkedEngine.swift at 4cd6c6c, near 1205-1240 and 1340-1365).
+const VERIFY_BRANCH: VerifyContract = VerifyContract {
+    commit: VerifyCommit::WriteThrough,
+    reads: &[
+        crash(0, "hidden_states_out"),
+        crash(0, "per_layer_combined_out"),
+        crash(0, "K_sliding_out"),
+        crash(0, "V_sliding_out"),
+        crash(0, "K_full_out"),
+        crash(0, "V_full_out"),
+        crash(1, "hidden_states_out"),
+        crash(1, "K_sliding_out"),
+        crash(1, "V_sliding_out"),
+        crash(1, "K_full_out"),
+        crash(1, "V_full_out"),
+        crash(1, "kv13_k"),
+        crash(1, "kv13_v"),
+        crash(1, "kv14_k"),
+        crash(1, "kv14_v"),
+        crash(2, "hidden_states_out"),
+        crash(3, "token_ids"),
+    ],
+    source:
+        "ChunkedEngine.swift at fix/2chunk-kv-prefill-transfer 4cd6c6c, verifyCandidates (copyBack)",
+    loaded: "always, when chunk1..4 hold it",
+};
+
 impl Runtime {
+    /// Its side of the reference's `verify_qK`: what it reads and how it commits.
+    pub fn verify(self) -> &'static VerifyContract {
+        match self {
+            Runtime::Main => &VERIFY_MAIN,
+            Runtime::Merged => &VERIFY_BRANCH,
+        }
+    }
+
     /// How the run book names the build.
     pub fn describe(self) -> &'static str {
         match self {

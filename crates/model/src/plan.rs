@@ -803,8 +803,12 @@ impl Rows<'_> {
 }
 
 /// `verify_qK`: K draft tokens at positions p..p+K-1 against the caches as
-/// they stand (read, never written); `new_K/V_*` are the K new rows per slot
-/// at the layer's own head dim, for the runtime to commit the accepted prefix.
+/// they stand. It serves both runtime builds' verify contracts
+/// ([`crate::layouts::VerifyCommit`]): `new_K/V_*` are the K new rows per
+/// slot at the layer's own head dim, for main to commit the accepted prefix;
+/// `K/V_*_out` are the caches with all K rows written (window caches shifted
+/// by K, full caches at p..p+K-1), which the branch copies back whole
+/// (write-through) before it knows what is accepted.
 fn verify_contract(
     cfg: &TextConfig,
     ctx: usize,
@@ -883,6 +887,9 @@ fn verify_contract(
             out.push(TensorSpec::fp16(&format!("new_V_{kind}"), &shape, roles.1));
         }
     }
+    // The branch's write-through outputs: the decode function's cache
+    // outputs, by the same names and shapes.
+    out.extend(decode.outputs.iter().filter(|t| t.role.is_cache()).cloned());
     out.extend(r.aliases(&c.emits, alias_len));
     (inp, out)
 }
@@ -1423,6 +1430,53 @@ mod tests {
         assert!(three[1].consumes.is_empty());
         assert_eq!(three[2].consumes.len(), 2);
         assert_eq!(kind(LayoutKind::Three).kv_slot_map.len(), 15);
+    }
+
+    /// The reference's verify_qK returns every output either runtime build
+    /// reads from it (main's new rows, the branch's write-through caches), of
+    /// the shapes each expects.
+    #[test]
+    fn verify_serves_both_runtime_contracts() {
+        use crate::layouts::{Runtime, VerifyCommit};
+        let f = Functions::resolve(Mode::All, None, None);
+        let p = plan(&e2b(), 2048, Mode::All, None, &f).unwrap();
+        let four = &p
+            .layouts
+            .iter()
+            .find(|l| l.kind == REFERENCE)
+            .unwrap()
+            .chunks;
+        for rt in Runtime::ALL {
+            for r in rt.verify().reads {
+                let verify = four[r.chunk]
+                    .functions
+                    .iter()
+                    .find(|f| f.kind == FunctionKind::Verify)
+                    .unwrap();
+                assert!(
+                    verify.outputs.iter().any(|t| t.name == r.output),
+                    "{rt}: {} of {}",
+                    r.output,
+                    four[r.chunk].name
+                );
+            }
+        }
+        assert_eq!(Runtime::Merged.verify().commit, VerifyCommit::WriteThrough);
+        // The write-through caches are the decode function's cache outputs:
+        // window caches W long, full caches ctx long, at the caches' width.
+        let verify = &four[0].functions[1];
+        let shape = |n: &str| {
+            verify
+                .outputs
+                .iter()
+                .find(|t| t.name == n)
+                .unwrap()
+                .shape
+                .clone()
+        };
+        assert_eq!(shape("K_sliding_out"), [7, 1, 512, 64]);
+        assert_eq!(shape("V_full_out"), [1, 1, 2048, 64]);
+        assert_eq!(shape("new_K_sliding"), [7, 1, 3, 32]);
     }
 
     #[test]

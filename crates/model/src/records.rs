@@ -764,12 +764,60 @@ pub struct WorstWeight {
 
 /// The fp32 model with each projection's weight plus Gaussian noise of its
 /// palettization's relative MSE, against the reference: the INT4 check's
-/// noise floor (`parity/noise.py`).
+/// noise floor (`parity/noise.py`). Over its draws: the lowest min cos and
+/// top-1 and the mean cos, and each draw's figures (reports before draws
+/// have one draw, these figures).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct WeightNoise {
     pub min_cos: f64,
     pub mean_cos: f64,
     pub top1_agreement: f64,
+    #[serde(default)]
+    pub draws: Vec<NoiseDraw>,
+}
+
+/// One draw of `WeightNoise`: every weight's noise from its own seed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct NoiseDraw {
+    pub min_cos: f64,
+    pub mean_cos: f64,
+    pub top1_agreement: f64,
+}
+
+impl WeightNoise {
+    /// The draws (one, these figures, in a report before draws).
+    pub fn each(&self) -> Vec<NoiseDraw> {
+        if self.draws.is_empty() {
+            vec![NoiseDraw {
+                min_cos: self.min_cos,
+                mean_cos: self.mean_cos,
+                top1_agreement: self.top1_agreement,
+            }]
+        } else {
+            self.draws.clone()
+        }
+    }
+
+    /// `min cos a–b, top-1 c–d% over n draws` (one draw: its figures).
+    pub fn spread(&self) -> String {
+        let each = self.each();
+        let span = |f: fn(&NoiseDraw) -> f64, scale: f64, digits: usize| {
+            let lo = each.iter().map(f).fold(f64::INFINITY, f64::min) * scale;
+            let hi = each.iter().map(f).fold(f64::NEG_INFINITY, f64::max) * scale;
+            if each.len() == 1 {
+                format!("{lo:.digits$}")
+            } else {
+                format!("{lo:.digits$}–{hi:.digits$}")
+            }
+        };
+        format!(
+            "min cos {}, top-1 agreement {}% over {} draw{}",
+            span(|d| d.min_cos, 1.0, 6),
+            span(|d| d.top1_agreement, 100.0, 1),
+            each.len(),
+            if each.len() == 1 { "" } else { "s" }
+        )
+    }
 }
 
 /// A decode layout with its packages' INT4 weights, over every step.
@@ -874,6 +922,13 @@ pub struct ProgramRecord {
     pub token: i64,
     pub readback_token: i64,
     pub cos_readback: f64,
+    /// The read-back modules' top-2 logit margin at this step.
+    #[serde(default)]
+    pub readback_margin: Option<f64>,
+    /// The largest change of any logit from the read-back modules to the
+    /// program at this step (fp16 mode: what rounding every op moved).
+    #[serde(default)]
+    pub logit_change: Option<f64>,
     pub ref_token: Option<i64>,
     pub cos_reference: Option<f64>,
     pub hf_token: Option<i64>,
@@ -888,6 +943,13 @@ pub struct ProgramSummary {
     pub steps: u64,
     pub min_cos_readback: f64,
     pub tokens_match_readback: bool,
+    /// The largest logit change over the steps (`ProgramRecord::logit_change`).
+    #[serde(default)]
+    pub max_logit_change: Option<f64>,
+    /// The largest read-back top-2 margin at a step whose token differs
+    /// from the read-back's; none when every token matches.
+    #[serde(default)]
+    pub max_flip_margin: Option<f64>,
     pub min_cos_reference: Option<f64>,
     pub top1_reference: Option<f64>,
     pub min_cos_hf: Option<f64>,

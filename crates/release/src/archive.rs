@@ -7,6 +7,13 @@
 //! arrive corrupted. It reads sizes and offsets as 32-bit and the entry count
 //! as 16-bit (no zip64), so an archive it cannot read is refused
 //! ([`check_app_extractable`]). Beside it, `FILE.sha256` in `sha256sum` format.
+//!
+//! The archive is the release as it is (the repository layout), for mirrors
+//! and `verify --archive`. The app's own zip route cannot take it
+//! ([`app_route`] says why): it aborts any archive over
+//! [`downloader::ARCHIVE_LIMIT`] bytes, and after extracting one it looks
+//! for `chunk1.mlmodelc/weights/weight.bin` at the folder's root (the local
+//! names, compiled), where a release has `swa/chunk1.mlpackage`.
 
 use std::fs::{self, File};
 use std::io::{self, BufWriter};
@@ -16,6 +23,7 @@ use anyhow::{Context, Result};
 use zip::write::SimpleFileOptions;
 use zip::{CompressionMethod, DateTime, ZipWriter};
 
+use crate::downloader;
 use crate::hashing::{self, hex};
 use crate::zipwalk;
 
@@ -44,9 +52,11 @@ pub fn entry_options(len: u64) -> SimpleFileOptions {
 
 /// The largest archive, entry and entry count the app's extractor reads:
 /// 32-bit sizes and offsets, a 16-bit count (the end of central directory
-/// record's; no zip64).
-pub const APP_MAX_BYTES: u64 = u32::MAX as u64;
-pub const APP_MAX_ENTRIES: usize = u16::MAX as usize;
+/// record's; no zip64). One below each field's largest value: that value
+/// (0xFFFF entries, 0xFFFFFFFF bytes) marks a zip64 field, which the
+/// writer then emits and the strict reader (`verify --archive`) refuses.
+pub const APP_MAX_BYTES: u64 = u32::MAX as u64 - 1;
+pub const APP_MAX_ENTRIES: usize = u16::MAX as usize - 1;
 
 /// Bytes a stored archive of `entries` (name, size) takes at the least:
 /// per entry a local header (30 bytes + name) and a central directory
@@ -97,11 +107,38 @@ pub fn check_app_extractable(
     Ok(())
 }
 
-/// Writes the zip of every regular file under `root` to `out`; returns the
+/// Why the app's zip route (a `ModelInfo` whose `downloadURL` is not a
+/// Hugging Face repository's) cannot take an archive of `bytes` bytes whose
+/// entries are `names`: it lists any archive at 350,000,000 estimated bytes
+/// and aborts past 1.5 times that, and after extracting it finds the model
+/// only by [`downloader::ARCHIVE_ROOT_FILE`] at the folder's root, else the
+/// download ends in `extractionFailed` (ModelDownloader.swift at 72178c6,
+/// `download(_:)`, `finishDownload`). Empty when it can.
+pub fn app_route(names: &[String], bytes: u64) -> Vec<String> {
+    let mut out = Vec::new();
+    if bytes > downloader::ARCHIVE_LIMIT {
+        out.push(format!(
+            "it is {bytes} bytes, and the app aborts any archive past {} (1.5 x the {} bytes it assumes an archive has)",
+            downloader::ARCHIVE_LIMIT,
+            downloader::ARCHIVE_ESTIMATE
+        ));
+    }
+    if !names.iter().any(|n| n == downloader::ARCHIVE_ROOT_FILE) {
+        out.push(format!(
+            "it holds no {} at its root (the release's repository layout, swa/…, and uncompiled packages): after extracting it the app fails with extractionFailed",
+            downloader::ARCHIVE_ROOT_FILE
+        ));
+    }
+    out
+}
+
+/// Writes the zip of every regular file under `root` to `out` (a temporary
+/// name of the archive `shown`, which messages name); returns the
 /// archive's SHA-256 (hex). An archive the app could not extract is
 /// refused before a byte is written, and checked again once written.
-pub fn write(root: &Path, out: &Path) -> Result<String> {
+pub fn write(root: &Path, out: &Path, shown: &Path) -> Result<String> {
     let tree = hashing::walk(root, &|_| false)?;
+    tree.refuse_odd(root)?;
     let sizes: Vec<(String, u64)> = tree
         .files
         .iter()
@@ -113,7 +150,7 @@ pub fn write(root: &Path, out: &Path) -> Result<String> {
             Ok((rel.clone(), len))
         })
         .collect::<Result<_>>()?;
-    check_app_extractable(out, &sizes, stored_size(&sizes)).map_err(anyhow::Error::msg)?;
+    check_app_extractable(shown, &sizes, stored_size(&sizes)).map_err(anyhow::Error::msg)?;
     let f = File::create(out).with_context(|| format!("{}: cannot create", out.display()))?;
     let mut z = ZipWriter::new(BufWriter::with_capacity(1 << 20, f));
     for (rel, len) in &sizes {
@@ -133,7 +170,7 @@ pub fn write(root: &Path, out: &Path) -> Result<String> {
     let written = fs::metadata(out)
         .with_context(|| format!("{}: cannot stat", out.display()))?
         .len();
-    check_app_extractable(out, &sizes, written).map_err(anyhow::Error::msg)?;
+    check_app_extractable(shown, &sizes, written).map_err(anyhow::Error::msg)?;
     Ok(hashing::hash_file(out)?.hex())
 }
 
@@ -234,6 +271,29 @@ mod tests {
     use super::*;
     use zip::ZipArchive;
 
+    /// The app's zip route: 525,000,000 bytes at most, and the local names
+    /// of a compiled folder at the root.
+    #[test]
+    fn the_app_route_takes_a_compiled_folder_of_local_names_under_525_mb() {
+        let local = vec![
+            "chunk1.mlmodelc/weights/weight.bin".to_string(),
+            "cos_full.npy".to_string(),
+        ];
+        assert!(app_route(&local, 525_000_000).is_empty());
+        let why = app_route(&local, 525_000_001);
+        assert!(
+            why.len() == 1 && why[0].contains("past 525000000"),
+            "{why:?}"
+        );
+        let release =
+            vec!["swa/chunk1.mlpackage/Data/com.apple.CoreML/weights/weight.bin".to_string()];
+        let why = app_route(&release, 1000);
+        assert!(
+            why.len() == 1 && why[0].contains("extractionFailed"),
+            "{why:?}"
+        );
+    }
+
     #[test]
     fn same_input_same_bytes() {
         let base = std::env::temp_dir().join(format!("cf-zip-{}", std::process::id()));
@@ -241,9 +301,9 @@ mod tests {
         fs::create_dir_all(root.join("p.mlpackage/weights")).unwrap();
         fs::write(root.join("p.mlpackage/weights/weight.bin"), vec![3u8; 5000]).unwrap();
         fs::write(root.join("manifest.json"), "{}\n").unwrap();
-        let a = write(&root, &base.join("a.zip")).unwrap();
+        let a = write(&root, &base.join("a.zip"), &base.join("a.zip")).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(1100));
-        let b = write(&root, &base.join("b.zip")).unwrap();
+        let b = write(&root, &base.join("b.zip"), &base.join("b.zip")).unwrap();
         assert_eq!(a, b);
         fs::write(digest_path(&base.join("a.zip")), digest_line(&a, "a.zip")).unwrap();
         let (entries, problems) = check(&base.join("a.zip"));
@@ -272,17 +332,18 @@ mod tests {
         let over = vec![(name.clone(), fits), ("b".to_string(), 0)];
         let e = check_app_extractable(z, &over, stored_size(&over)).unwrap_err();
         assert!(
-            e.contains("r.zip: the archive would be 4.00 GiB (4294967373 bytes)"),
+            e.contains("r.zip: the archive would be 4.00 GiB (4294967372 bytes)"),
             "{e}"
         );
+        // 0xFFFFFFFF bytes and 0xFFFF entries are the zip64 marks: over.
         let big = vec![(name.clone(), APP_MAX_BYTES + 1)];
         let e = check_app_extractable(z, &big, stored_size(&big)).unwrap_err();
         assert!(
-            e.contains(&format!("entry '{name}' is 4.00 GiB (4294967296 bytes)")),
+            e.contains(&format!("entry '{name}' is 4.00 GiB (4294967295 bytes)")),
             "{e}"
         );
         let many = vec![("x".to_string(), 0u64); APP_MAX_ENTRIES + 1];
         let e = check_app_extractable(z, &many, stored_size(&many)).unwrap_err();
-        assert!(e.contains("65536 entries"), "{e}");
+        assert!(e.contains("65535 entries"), "{e}");
     }
 }

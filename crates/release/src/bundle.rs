@@ -24,7 +24,7 @@ use chunkforge_model::plan::Dtype;
 use crate::folder::{self, FolderError, FolderKind};
 use crate::manifest::{self, ContractTensor};
 use crate::paths::HF_MODEL_DIR;
-use crate::sidefiles::{self, SIDE_FILES};
+use crate::sidefiles;
 
 type Result<T, E = FolderError> = std::result::Result<T, E>;
 
@@ -78,6 +78,9 @@ impl Bundle {
     /// Opens the bundle `dir` of layout `kind`: `hf_model/config.json` and
     /// `model_config.json`, which must describe one model.
     pub fn open(dir: &Path, kind: FolderKind) -> Result<Bundle> {
+        // Nothing is read through a symlink, a FIFO or a name that is not
+        // plain (a link could carry a file from outside into the release).
+        folder::refuse_links(dir)?;
         let hf = dir.join(HF_MODEL_DIR);
         if !hf.join("config.json").is_file() {
             return Err(err(
@@ -105,31 +108,6 @@ impl Bundle {
             FolderKind::Repository => self.dir.join(manifest::package_file(name, true)),
             FolderKind::Local => self.dir.join(format!("{name}.mlmodelc")),
         }
-    }
-
-    /// The side file `name`'s path (under `swa/` for the RoPE tables in the
-    /// repository layout).
-    pub fn side_file(&self, name: &str) -> PathBuf {
-        let rel = SIDE_FILES.iter().find(|s| s.name == name).map_or_else(
-            || name.to_string(),
-            |s| s.path_in(self.kind == FolderKind::Repository),
-        );
-        self.dir.join(rel)
-    }
-
-    /// Every side file the runtime reads: there when it requires it, of the
-    /// size the config implies.
-    pub fn check_side_files(&self) -> Result<()> {
-        for spec in SIDE_FILES {
-            folder::check_side_file(
-                &self.side_file(spec.name),
-                spec,
-                &self.cfg,
-                self.context_length,
-                false,
-            )?;
-        }
-        Ok(())
     }
 
     /// Package `name`'s functions, read from its `model.mil`.

@@ -30,14 +30,15 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use chunkforge_model::layouts::{spec, LayoutKind};
-use chunkforge_model::plan::ANE_LAYER_CEILING;
+use chunkforge_model::layouts::{spec, LayoutKind, Missing, VerifyCommit, REFERENCE};
+use chunkforge_model::plan::{FunctionKind, ANE_LAYER_CEILING};
 
 use crate::bench::runtime_layout;
 use crate::downloader::{self, Client, Entry, Request, ShareHow, BRANCH_KV_HEADS, BRANCH_SLOTS};
 use crate::folder::ReleaseFolder;
 use crate::hashing;
 use crate::manifest::{self, Manifest, MANIFEST_FILE};
+use crate::staging::Staging;
 
 #[derive(Debug, thiserror::Error)]
 #[error("{}: {message}", path.display())]
@@ -98,6 +99,10 @@ chunkforge_model::named! {
         SideFile = "side-file",
         /// The layout the runtime picks cannot load.
         Layout = "layout",
+        /// An output the runtime reads from `verify_qK` is missing.
+        Verify = "verify",
+        /// The download's bytes pass main's safety stop.
+        Size = "size",
     }
 }
 
@@ -143,6 +148,13 @@ pub struct Report {
     pub requests: Vec<RequestResult>,
     pub problems: Vec<Problem>,
     pub pick: Option<Pick>,
+    /// The bytes the download fetches (a file to be compiled counted by its
+    /// blob's size, its small files by the app's estimate).
+    pub download_bytes: u64,
+    /// The sum of the list's `estimatedSize`.
+    pub estimated_bytes: u64,
+    /// Where main's safety stop aborts it (None: the branch has none).
+    pub abort_limit: Option<u64>,
     /// What the replay could not check here, and other facts for the user.
     pub notes: Vec<String>,
 }
@@ -268,14 +280,23 @@ pub fn check(o: &CheckOptions) -> Result<Report> {
         }),
     }
     widths(&r, entry, &pick, &mut problems);
+    verify(&r, entry, &mut problems, &mut notes);
+    let multimodal = o.multimodal || !entry.multimodal_toggle;
+    let download_bytes = size(&r, entry, multimodal, &mut problems, &mut notes);
     if !requests.iter().any(|q| q.status == Status::NeedsCompile) && !compiled {
         notes.push("no package is compiled and none is requested".into());
     }
     if requests.iter().any(|q| q.status == Status::NeedsCompile) {
         notes.push(
-            "the .mlmodelc requests need `chunkforge compile RELEASE --key K` on macOS; this replay checks the .mlpackage each is made from"
+            "the .mlmodelc requests need `chunkforge compile RELEASE --key K`; this replay checks the .mlpackage each is made from"
                 .into(),
         );
+    }
+    if compiled && !r.manifest.compiled.device_verified {
+        notes.push(format!(
+            "the .mlmodelc requests count as present: compiled by {}; no device has loaded them yet (manifest.json compiled.device_verified: false; DEVICE_RUNBOOK.md's first step loads every function on the phone)",
+            r.manifest.compiled.by.as_deref().unwrap_or("an unrecorded compiler")
+        ));
     }
     notes.push(
         "not checked here: that Core ML on the device compiles and loads the packages within memory, and their speed (DEVICE_RUNBOOK.md)"
@@ -286,12 +307,75 @@ pub fn check(o: &CheckOptions) -> Result<Report> {
         client: o.client,
         model_id: entry.model_id,
         compiled,
-        multimodal: o.multimodal || !entry.multimodal_toggle,
+        multimodal,
         requests,
         problems,
         pick,
+        download_bytes,
+        estimated_bytes: entry.estimate(multimodal),
+        abort_limit: entry.abort_limit(multimodal),
         notes,
     })
+}
+
+/// The bytes the entry's download fetches from the release
+/// ([`Entry::fetched_bytes`]), against main's safety stop (1.5 x its list's
+/// `estimatedSize`).
+fn size(
+    r: &Release,
+    entry: &Entry,
+    multimodal: bool,
+    problems: &mut Vec<Problem>,
+    notes: &mut Vec<String>,
+) -> u64 {
+    let len = |rel: &str| {
+        fs::metadata(r.dir.join(rel))
+            .ok()
+            .filter(|m| m.is_file())
+            .map(|m| m.len())
+    };
+    let (total, estimated) = entry.fetched_bytes(multimodal, &len);
+    let Some(limit) = entry.abort_limit(multimodal) else {
+        notes.push(format!(
+            "the download fetches {total} bytes; the {} entry has no size stop",
+            entry.client
+        ));
+        return total;
+    };
+    let how = if estimated > 0 {
+        format!(" ({estimated} files to be compiled counted at the app's estimate)")
+    } else {
+        String::new()
+    };
+    if total <= limit {
+        notes.push(format!(
+            "the download fetches {total} bytes{how}, within main's stop at {limit} ({} x the list's estimatedSize)",
+            downloader::ABORT_OVER_ESTIMATE
+        ));
+        return total;
+    }
+    let mut sizes: Vec<(String, u64)> = entry
+        .requests(multimodal)
+        .into_iter()
+        .filter_map(|q| len(&q.remote).map(|n| (q.remote, n)))
+        .collect();
+    sizes.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    sizes.truncate(3);
+    problems.push(Problem {
+        kind: ProblemKind::Size,
+        files: sizes.iter().map(|(f, _)| f.clone()).collect(),
+        message: format!(
+            "the download fetches {total} bytes{how}, over {limit}: main aborts a download once its bytes pass {} x its list's estimatedSize sum ({} bytes), \"exceeds expected by 50%+\" (ModelDownloader.swift at 72178c6, updateProgress); the largest files: {}",
+            downloader::ABORT_OVER_ESTIMATE,
+            entry.estimate(multimodal),
+            sizes
+                .iter()
+                .map(|(f, b)| format!("{f} ({b} bytes)"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    });
+    total
 }
 
 /// `path` relative to `dir`, for a report.
@@ -333,7 +417,7 @@ fn request(r: &Release, entry: &Entry, q: &Request, o: &CheckOptions) -> Request
             } else {
                 result(
                     Status::NeedsCompile,
-                    format!("needs `chunkforge compile` on macOS (made from {source})"),
+                    format!("needs `chunkforge compile RELEASE --key K` (made from {source})"),
                 )
             };
         }
@@ -564,35 +648,35 @@ fn context(r: &Release, ctx: usize, problems: &mut Vec<Problem>, notes: &mut Vec
     }
 }
 
-/// N of the first `tensor<fp16, [1, 1, 1, N]> causal_mask_full` in MIL text
-/// (the downloader's pattern: whitespace allowed around each token).
+/// The downloader's context pattern (ModelDownloader.swift,
+/// `isChunkCtxMismatched`, main 72178c6 and the branch 4cd6c6c):
+/// `tensor<fp16,\s*\[\s*1,\s*1,\s*1,\s*(\d+)\s*\]>\s*causal_mask_full`
+/// as NSRegularExpression (ICU) reads it: `\s` is ICU's white space
+/// `[\t\n\f\r\p{Z}]` (not vertical tab or NEL, which Rust's `\s` takes) and
+/// `\d` any decimal digit `\p{Nd}`. No space is allowed inside `tensor<fp16,`,
+/// before a comma or between `]` and `>`.
+const CONTEXT_PATTERN: &str = concat!(
+    r"tensor<fp16,[\t\n\f\r\p{Z}]*\[[\t\n\f\r\p{Z}]*1,[\t\n\f\r\p{Z}]*1,",
+    r"[\t\n\f\r\p{Z}]*1,[\t\n\f\r\p{Z}]*(\p{Nd}+)[\t\n\f\r\p{Z}]*\]>[\t\n\f\r\p{Z}]*causal_mask_full"
+);
+
+/// N of the downloader's context check on chunk1's MIL text: its pattern's
+/// first match, its digits read as Swift's `Int(_:)` reads them (ASCII, 64
+/// bits). None where the downloader finds no N: no match, or a first match
+/// whose digits `Int` refuses (other scripts' digits, too large); it then
+/// leaves the folder alone.
 pub fn mil_context(text: &str) -> Option<usize> {
-    let needle = "causal_mask_full";
-    let mut from = 0;
-    while let Some(at) = text[from..].find(needle) {
-        let end = from + at;
-        from = end + needle.len();
-        let before = text[..end].trim_end();
-        let Some(shape) = before.strip_suffix('>') else {
-            continue;
-        };
-        let Some(open) = shape.rfind("tensor<") else {
-            continue;
-        };
-        let inner: String = shape[open + "tensor<".len()..]
-            .chars()
-            .filter(|c| !c.is_whitespace())
-            .collect();
-        if let Some(dims) = inner
-            .strip_prefix("fp16,[1,1,1,")
-            .and_then(|d| d.strip_suffix(']'))
-        {
-            if let Ok(n) = dims.parse() {
-                return Some(n);
-            }
-        }
+    static PATTERN: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(CONTEXT_PATTERN).expect("the downloader's pattern compiles")
+    });
+    let digits = PATTERN.captures(text)?.get(1)?.as_str();
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
     }
-    None
+    digits
+        .parse::<i64>()
+        .ok()
+        .and_then(|n| usize::try_from(n).ok())
 }
 
 /// The widths the runtime hard-codes, and on the branch its slot counts.
@@ -684,6 +768,81 @@ fn widths(r: &Release, entry: &Entry, pick: &Option<Pick>, problems: &mut Vec<Pr
     }
 }
 
+/// The outputs the entry's runtime reads from the reference's `verify_qK`
+/// (main: the new rows; the branch: the write-through caches, force-unwrapped),
+/// in the contracts `manifest.json` records.
+fn verify(r: &Release, entry: &Entry, problems: &mut Vec<Problem>, notes: &mut Vec<String>) {
+    let names = spec(REFERENCE).package_names();
+    let contract = entry.runtime.verify();
+    let has_verify = |name: &str| {
+        r.manifest
+            .chunk(name)
+            .is_some_and(|c| c.functions.iter().any(|f| f.kind == FunctionKind::Verify))
+    };
+    if !names.iter().all(|n| has_verify(n)) {
+        notes.push(format!(
+            "{} hold no verify_qK: the runtime loads no verify functions and decodes without speculation",
+            spec(REFERENCE).range()
+        ));
+        return;
+    }
+    if !names
+        .iter()
+        .all(|n| entry.whole.contains(&n.as_str()) || entry.meta_only.contains(&n.as_str()))
+    {
+        notes.push(format!(
+            "the {} download does not fetch all of {}: the runtime finds no verify functions to load and decodes without speculation",
+            entry.client,
+            spec(REFERENCE).range()
+        ));
+        return;
+    }
+    let before = problems.len();
+    for read in contract.reads {
+        let Some(name) = names.get(read.chunk) else {
+            continue;
+        };
+        let Some(c) = r.manifest.chunk(name) else {
+            continue;
+        };
+        let found = c
+            .functions
+            .iter()
+            .filter(|f| f.kind == FunctionKind::Verify)
+            .any(|f| f.outputs.iter().any(|t| t.name == read.output));
+        if found {
+            continue;
+        }
+        problems.push(Problem {
+            kind: ProblemKind::Verify,
+            files: vec![r.package(name)],
+            message: format!(
+                "{name}'s verify_qK returns no {}, which {} reads ({}; it loads verify {}): {}",
+                read.output,
+                entry.runtime.describe(),
+                contract.source,
+                contract.loaded,
+                match read.missing {
+                    Missing::Crashes => "read force-unwrapped, so the app crashes on the first verify call",
+                    Missing::SkipsCommit => "read as an optional, so its commit is skipped and decode goes on without the verified rows",
+                }
+            ),
+        });
+    }
+    if problems.len() == before {
+        notes.push(format!(
+            "verify_qK: {} loads it {} and commits {}; every output it reads is there",
+            entry.runtime.describe(),
+            contract.loaded,
+            match contract.commit {
+                VerifyCommit::AcceptedRows => "the accepted rows (new_K/V_*)",
+                VerifyCommit::WriteThrough =>
+                    "write-through (the whole K/V_*_out caches after every call)",
+            }
+        ));
+    }
+}
+
 /// Writes the model folder as it stands after `report`'s download into
 /// `out` (which must not exist): every present request under its local name
 /// (an uncompiled package as `.mlpackage` under its local name), the shares
@@ -703,9 +862,23 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
         ));
     }
     let dir = Path::new(&report.release);
+    // Written into the release (directly or through a symlink), the folder
+    // would change the release, which then no longer verifies.
+    if crate::paths::inside(out, dir) {
+        return Err(err(
+            out,
+            format!(
+                "inside the release {} (once resolved): --materialize writes a folder outside it, which it leaves as it was",
+                dir.display()
+            ),
+        ));
+    }
+    // Read only where nothing leads out of the release.
+    crate::folder::refuse_links(dir).map_err(|e| err(&e.path, e.message))?;
     let entry = downloader::entry(report.client);
     let name = out
         .file_name()
+        .filter(|n| *n != "..")
         .ok_or_else(|| err(out, "not a folder path"))?
         .to_string_lossy()
         .into_owned();
@@ -713,14 +886,18 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let tmp = parent.join(format!(".{name}.partial-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&tmp);
+    remove_old_partials(&parent, &name);
+    // A staging folder beside `out`: removed by Ctrl-C, and by the next run
+    // in that folder after a kill.
+    let staging = Staging::new(&parent).map_err(|e| err(&parent, format!("{e:#}")))?;
+    let tmp = staging.dir.join(&name);
     let written = (|| -> Result<()> {
-        fs::create_dir_all(&tmp).map_err(|e| err(&tmp, format!("cannot create: {e}")))?;
+        fs::create_dir(&tmp).map_err(|e| err(&tmp, format!("cannot create: {e}")))?;
         let copy = |from: &Path, to: &Path| -> Result<()> {
             if let Some(p) = to.parent() {
-                fs::create_dir_all(p).map_err(|e| err(p, format!("cannot create: {e}")))?;
+                folders_under(&tmp, p)?;
             }
+            crate::publish::test_pause("copy");
             fs::copy(from, to)
                 .map(|_| ())
                 .map_err(|e| err(from, format!("cannot copy to {}: {e}", to.display())))
@@ -771,7 +948,7 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
                 continue;
             }
             if let Some(p) = to.parent() {
-                fs::create_dir_all(p).map_err(|e| err(p, format!("cannot create: {e}")))?;
+                folders_under(&tmp, p)?;
             }
             match entry.how {
                 // A copy where the file system cannot link, as the app does.
@@ -784,13 +961,53 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
             }
         }
         copy(&dir.join(MANIFEST_FILE), &tmp.join(MANIFEST_FILE))?;
-        fs::rename(&tmp, out)
-            .map_err(|e| err(out, format!("cannot rename {} to it: {e}", tmp.display())))
+        if fs::symlink_metadata(out).is_ok() {
+            return Err(err(out, "appeared while it was written: not replaced"));
+        }
+        staging
+            .publish(&[(tmp.clone(), out.to_path_buf())])
+            .map_err(|e| err(out, format!("{e:#}")))
     })();
-    if written.is_err() {
-        let _ = fs::remove_dir_all(&tmp);
+    written?;
+    staging.finish().map_err(|e| err(out, format!("{e:#}")))
+}
+
+/// Makes the folders of `path` below `root`, which must exist: never
+/// `root` itself, so nothing is made again in a staging folder that Ctrl-C
+/// removed (and no copy starts once Ctrl-C is being handled).
+fn folders_under(root: &Path, path: &Path) -> Result<()> {
+    crate::staging::stop_if_interrupted();
+    let rest = path.strip_prefix(root).unwrap_or(path);
+    let mut at = root.to_path_buf();
+    for c in rest.components() {
+        at.push(c);
+        match fs::create_dir(&at) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(err(&at, format!("cannot create: {e}")))
+            }
+            _ => {}
+        }
     }
-    written
+    Ok(())
+}
+
+/// Removes the `.NAME.partial-PID` folders an older chunkforge's
+/// `--materialize` into `parent/NAME` left when it was killed (its pid is
+/// gone).
+fn remove_old_partials(parent: &Path, name: &str) {
+    let prefix = format!(".{name}.partial-");
+    for e in fs::read_dir(parent).into_iter().flatten().flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = file
+            .strip_prefix(&prefix)
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Copies the tree `from` to `to`, leaving out the files whose path relative
@@ -798,13 +1015,16 @@ pub fn materialize(report: &Report, out: &Path) -> Result<()> {
 fn copy_tree(from: &Path, to: &Path, skip: &dyn Fn(&str) -> bool) -> Result<()> {
     let tree = hashing::walk(from, &|_| false)
         .map_err(|e| err(&e.path, format!("cannot list: {}", e.source)))?;
+    tree.refuse_odd(from)
+        .map_err(|e| err(&e.path, e.source.to_string()))?;
     for f in &tree.files {
+        crate::staging::stop_if_interrupted();
         if skip(f) {
             continue;
         }
         let dst = to.join(f);
         if let Some(p) = dst.parent() {
-            fs::create_dir_all(p).map_err(|e| err(p, format!("cannot create: {e}")))?;
+            folders_under(to.parent().unwrap_or(to), p)?;
         }
         fs::copy(from.join(f), &dst)
             .map_err(|e| err(&from.join(f), format!("cannot copy: {e}")))?;
@@ -820,9 +1040,36 @@ mod tests {
     fn mil_context_reads_the_downloaders_pattern() {
         let mil = "func main<ios18>(tensor<fp16, [1, 1, 64]> hidden_states, tensor<fp16, [1, 1, 1, 2048]> causal_mask_full, tensor<fp16, [1, 1, 1, 512]> causal_mask_sliding)";
         assert_eq!(mil_context(mil), Some(2048));
+        // Where the Swift regex allows white space, ICU's kinds of it.
         assert_eq!(
-            mil_context("tensor<fp16,[ 1,1 ,1, 8192 ] >  causal_mask_full"),
+            mil_context(
+                "tensor<fp16,\t[\n1,\u{a0}1,\u{2028}1,\r8192\u{3000}]>\x0c causal_mask_full"
+            ),
             Some(8192)
+        );
+        // Where it does not: a space before a comma, between `]` and `>`,
+        // inside `tensor<fp16,`; and kinds of white space ICU's \s lacks
+        // (vertical tab, NEL) where it allows some.
+        for negative in [
+            "tensor<fp16,[ 1,1 ,1, 8192 ] >  causal_mask_full",
+            "tensor<fp16, [1, 1, 1, 8192] > causal_mask_full",
+            "tensor<fp16, [1 , 1, 1, 8192]> causal_mask_full",
+            "tensor< fp16, [1, 1, 1, 8192]> causal_mask_full",
+            "tensor<fp16 , [1, 1, 1, 8192]> causal_mask_full",
+            "tensor<fp16,\x0b[1, 1, 1, 8192]> causal_mask_full",
+            "tensor<fp16, [1, 1, 1, 8192]>\u{85}causal_mask_full",
+        ] {
+            assert_eq!(mil_context(negative), None, "{negative:?}");
+        }
+        // A first match whose digits Swift's Int() refuses: no N at all,
+        // even with a readable match after it.
+        assert_eq!(
+            mil_context("tensor<fp16, [1, 1, 1, \u{664}\u{660}]> causal_mask_full tensor<fp16, [1, 1, 1, 40]> causal_mask_full"),
+            None
+        );
+        assert_eq!(
+            mil_context("tensor<fp16, [1, 1, 1, 99999999999999999999]> causal_mask_full"),
+            None
         );
         // Another shape or dtype is not the pattern; a later match is read.
         assert_eq!(

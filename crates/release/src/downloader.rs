@@ -94,7 +94,45 @@ pub struct Entry {
     /// Local-path prefixes whose 404 does not abort the download
     /// (`isOptionalMlmodelcFile`), besides [`OPTIONAL_404_SUFFIXES`].
     pub optional_404_prefixes: &'static [&'static str],
+    /// The `estimatedSize` of each package's `weights/weight.bin` in its list
+    /// (`mlc(..., weightSize:)`).
+    pub weight_estimates: &'static [(&'static str, u64)],
+    /// Main's safety stop: the download aborts once its bytes pass this
+    /// multiple of its list's `estimatedSize` sum ([`ABORT_OVER_ESTIMATE`]);
+    /// None: no such stop (the branch).
+    pub abort_over: Option<f64>,
+    /// The repository revision its `downloadURL` reads
+    /// (`https://huggingface.co/REPO/resolve/REVISION`).
+    pub revision: &'static str,
 }
+
+/// The one Hugging Face repository every entry's `downloadURL` names: a
+/// release published anywhere else needs an app change (a new `ModelInfo`).
+pub const REPOSITORY: &str = "mlboydaisuke/gemma-4-E2B-coreml";
+
+/// The folder every E2B entry keeps its download in (`ModelInfo.folderName`),
+/// under the app's `Documents/Models/` (`modelsDirectory`): the entries share
+/// it, and a file already there is not fetched again.
+pub const FOLDER_NAME: &str = "gemma4-e2b";
+
+/// Main's safety stop (ModelDownloader.swift at 72178c6, `updateProgress`,
+/// near 940-971): `bytes > Int64(Double(totalBytesForAllFiles) * 1.5)`
+/// aborts the download ("exceeds expected … by 50%+"). The bytes are those
+/// written so far (finished files and the ones in flight), so a download
+/// whose files add up to more than the limit aborts on the way.
+pub const ABORT_OVER_ESTIMATE: f64 = 1.5;
+
+/// A non-Hugging Face `downloadURL` is fetched as one zip, listed with this
+/// `estimatedSize` whatever its size (ModelDownloader.swift at 72178c6,
+/// `download(_:)`): with the safety stop, main aborts any archive over
+/// [`ARCHIVE_LIMIT`] bytes.
+pub const ARCHIVE_ESTIMATE: u64 = 350_000_000;
+pub const ARCHIVE_LIMIT: u64 = (ARCHIVE_ESTIMATE as f64 * ABORT_OVER_ESTIMATE) as u64;
+
+/// What the zip route must find at the extracted folder's root
+/// (`localModelURL`): the local names, not the repository's `swa/…`;
+/// without it the download ends in `extractionFailed`.
+pub const ARCHIVE_ROOT_FILE: &str = "chunk1.mlmodelc/weights/weight.bin";
 
 /// A 404 on a local path ending so does not abort any entry's download
 /// (`isOptionalMlmodelcFile`, main and the branch).
@@ -107,32 +145,51 @@ pub const OPTIONAL_404_SUFFIXES: &[&str] = &[
 const OPTIONAL_3WAY: &[&str] = &["chunk2_3way.mlmodelc/", "chunk3_3way.mlmodelc/"];
 
 /// The text decoder's side files every entry requests, (remote path, local
-/// path), in the app's order: main's `coreFiles`, the head of the branch's
-/// `extraFiles` (the same list).
-pub const CORE_FILES: &[(&str, &str)] = &[
-    ("model_config.json", "model_config.json"),
-    ("hf_model/tokenizer.json", "hf_model/tokenizer.json"),
+/// path, `estimatedSize`), in the app's order: main's `coreFiles`, the head
+/// of the branch's `extraFiles` (the same list).
+pub const CORE_FILES: &[(&str, &str, u64)] = &[
+    ("model_config.json", "model_config.json", 500),
     (
-        "hf_model/tokenizer_config.json",
-        "hf_model/tokenizer_config.json",
+        "hf_model/tokenizer.json",
+        "hf_model/tokenizer.json",
+        30_000_000,
     ),
-    ("hf_model/config.json", "hf_model/config.json"),
-    ("embed_tokens_q8.bin", "embed_tokens_q8.bin"),
-    ("embed_tokens_scales.bin", "embed_tokens_scales.bin"),
+    (
+        "hf_model/tokenizer_config.json",
+        "hf_model/tokenizer_config.json",
+        5_000,
+    ),
+    ("hf_model/config.json", "hf_model/config.json", 5_000),
+    ("embed_tokens_q8.bin", "embed_tokens_q8.bin", 402_653_184),
+    (
+        "embed_tokens_scales.bin",
+        "embed_tokens_scales.bin",
+        524_288,
+    ),
     (
         "embed_tokens_per_layer_q8.bin",
         "embed_tokens_per_layer_q8.bin",
+        2_348_810_240,
     ),
     (
         "embed_tokens_per_layer_scales.bin",
         "embed_tokens_per_layer_scales.bin",
+        524_288,
     ),
-    ("per_layer_projection.bin", "per_layer_projection.bin"),
-    ("per_layer_norm_weight.bin", "per_layer_norm_weight.bin"),
-    ("swa/cos_sliding.npy", "cos_sliding.npy"),
-    ("swa/sin_sliding.npy", "sin_sliding.npy"),
-    ("swa/cos_full.npy", "cos_full.npy"),
-    ("swa/sin_full.npy", "sin_full.npy"),
+    (
+        "per_layer_projection.bin",
+        "per_layer_projection.bin",
+        27_525_120,
+    ),
+    (
+        "per_layer_norm_weight.bin",
+        "per_layer_norm_weight.bin",
+        1_024,
+    ),
+    ("swa/cos_sliding.npy", "cos_sliding.npy", 4_194_432),
+    ("swa/sin_sliding.npy", "sin_sliding.npy", 4_194_432),
+    ("swa/cos_full.npy", "cos_full.npy", 8_388_736),
+    ("swa/sin_full.npy", "sin_full.npy", 8_388_736),
 ];
 
 /// Widths both runtime builds hard-code (ChunkedEngine.swift): the KV
@@ -164,6 +221,8 @@ pub struct Request {
     pub package: Option<&'static str>,
     /// The encoder file it belongs to, if any.
     pub encoder: Option<EncoderFile>,
+    /// Its `estimatedSize` in the app's list.
+    pub estimate: u64,
 }
 
 chunkforge_model::named! {
@@ -185,6 +244,8 @@ pub struct EncoderFile {
     /// [`MODELC_FILES`]) or a plain file (`mel_filterbank.bin`).
     pub path: &'static str,
     pub role: EncoderRole,
+    /// The `estimatedSize` of each of its requests, in order.
+    pub estimates: &'static [u64],
 }
 
 impl EncoderFile {
@@ -217,36 +278,57 @@ pub const MODELC_FILES: &[&str] = &[
     "analytics/coremldata.bin",
 ];
 
-const fn enc(path: &'static str, role: EncoderRole) -> EncoderFile {
-    EncoderFile { path, role }
+/// The `estimatedSize` of each of [`MODELC_FILES`] but the blob, whose
+/// estimate is the package's (`mlc`, `prefillMeta`).
+pub const MODELC_ESTIMATES: &[u64] = &[1_000, 450_000, 8_000, 250];
+
+const fn enc(path: &'static str, role: EncoderRole, estimates: &'static [u64]) -> EncoderFile {
+    EncoderFile {
+        path,
+        role,
+        estimates,
+    }
 }
 
 /// Main's `multimodalFiles` (ModelDownloader.swift at main 72178c6,
-/// `buildHuggingFaceFileList`, after `coreFiles`), in its order.
+/// `buildHuggingFaceFileList`, after `coreFiles`), in its order, with each
+/// request's `estimatedSize`.
 const MULTIMODAL_MAIN: &[EncoderFile] = &[
-    enc("vision.mlmodelc", EncoderRole::Vision),
+    enc(
+        "vision.mlmodelc",
+        EncoderRole::Vision,
+        &[320_000_000, 200_000, 50_000, 1_000, 1_000],
+    ),
     // The video encoder (64 tokens a frame); only main fetches it.
-    enc("vision_video.mlmodelc", EncoderRole::Vision),
-    enc("audio.mlmodelc", EncoderRole::Audio),
-    enc("mel_filterbank.bin", EncoderRole::Audio),
-    enc("audio_config.json", EncoderRole::Audio),
+    enc(
+        "vision_video.mlmodelc",
+        EncoderRole::Vision,
+        &[338_081_024, 418, 711_289, 2_721, 243],
+    ),
+    enc(
+        "audio.mlmodelc",
+        EncoderRole::Audio,
+        &[295_373_248, 1_000, 759_000, 3_000, 250],
+    ),
+    enc("mel_filterbank.bin", EncoderRole::Audio, &[131_584]),
+    enc("audio_config.json", EncoderRole::Audio, &[500]),
     // "Audio projection weights (Swift-side float32 computation)".
-    enc("output_proj_weight.npy", EncoderRole::Audio),
-    enc("output_proj_bias.npy", EncoderRole::Audio),
-    enc("embed_proj_weight.npy", EncoderRole::Audio),
+    enc("output_proj_weight.npy", EncoderRole::Audio, &[3_145_856]),
+    enc("output_proj_bias.npy", EncoderRole::Audio, &[3_200]),
+    enc("embed_proj_weight.npy", EncoderRole::Audio, &[4_718_720]),
 ];
 
 /// The branch's (ModelDownloader.swift at fix/2chunk-kv-prefill-transfer
 /// 4cd6c6c, `buildHuggingFaceFileList`, the tail of `extraFiles`): main's
 /// without `vision_video.mlmodelc`, not toggleable.
 const MULTIMODAL_BRANCH: &[EncoderFile] = &[
-    enc("vision.mlmodelc", EncoderRole::Vision),
-    enc("audio.mlmodelc", EncoderRole::Audio),
-    enc("mel_filterbank.bin", EncoderRole::Audio),
-    enc("audio_config.json", EncoderRole::Audio),
-    enc("output_proj_weight.npy", EncoderRole::Audio),
-    enc("output_proj_bias.npy", EncoderRole::Audio),
-    enc("embed_proj_weight.npy", EncoderRole::Audio),
+    MULTIMODAL_MAIN[0],
+    MULTIMODAL_MAIN[2],
+    MULTIMODAL_MAIN[3],
+    MULTIMODAL_MAIN[4],
+    MULTIMODAL_MAIN[5],
+    MULTIMODAL_MAIN[6],
+    MULTIMODAL_MAIN[7],
 ];
 
 /// Every multimodal file some entry fetches, once each, in entry order: the
@@ -280,6 +362,15 @@ const PREFILL_FROM_FOUR: &[(&str, &str)] = &[
     ("prefill_chunk4", "chunk4"),
 ];
 
+/// The legacy lists' blob estimates (`mlc(..., weightSize:)`, main 72178c6
+/// and the branch 4cd6c6c).
+const WEIGHTS_FOUR: &[(&str, u64)] = &[
+    ("chunk1", 155_436_864),
+    ("chunk2", 133_963_968),
+    ("chunk3", 325_282_880),
+    ("chunk4", 526_874_880),
+];
+
 /// Every entry that downloads a Gemma 4 E2B folder of the layouts chunkforge
 /// builds.
 pub const ENTRIES: &[Entry] = &[
@@ -295,6 +386,10 @@ pub const ENTRIES: &[Entry] = &[
         multimodal: MULTIMODAL_MAIN,
         multimodal_toggle: true,
         optional_404_prefixes: OPTIONAL_3WAY,
+        weight_estimates: WEIGHTS_FOUR,
+        abort_over: Some(ABORT_OVER_ESTIMATE),
+        // "n1024 branch ships the N=1024 batched prefill".
+        revision: "n1024",
     },
     Entry {
         client: Client::Main3Way,
@@ -319,6 +414,15 @@ pub const ENTRIES: &[Entry] = &[
         multimodal: MULTIMODAL_MAIN,
         multimodal_toggle: true,
         optional_404_prefixes: OPTIONAL_3WAY,
+        weight_estimates: &[
+            ("chunk1", 155_436_864),
+            ("chunk2_3way", 459_900_000),
+            ("chunk3_3way", 527_000_000),
+            ("prefill_chunk2", 133_963_968),
+            ("prefill_chunk3", 325_282_880),
+        ],
+        abort_over: Some(ABORT_OVER_ESTIMATE),
+        revision: "main",
     },
     Entry {
         client: Client::Branch,
@@ -332,6 +436,9 @@ pub const ENTRIES: &[Entry] = &[
         multimodal: MULTIMODAL_BRANCH,
         multimodal_toggle: false,
         optional_404_prefixes: &[],
+        weight_estimates: WEIGHTS_FOUR,
+        abort_over: None,
+        revision: "main",
     },
 ];
 
@@ -376,36 +483,102 @@ impl Entry {
                 chunkforge_model::layouts::repository_path(package)
                     .unwrap_or_else(|| package.to_string())
             );
-            for f in MODELC_FILES.iter().skip(usize::from(!with_blob)) {
+            let blob = self
+                .weight_estimates
+                .iter()
+                .find(|(p, _)| p == package)
+                .map_or(0, |(_, e)| *e);
+            let estimates = std::iter::once(blob).chain(MODELC_ESTIMATES.iter().copied());
+            for (f, estimate) in MODELC_FILES
+                .iter()
+                .zip(estimates)
+                .skip(usize::from(!with_blob))
+            {
                 out.push(Request {
                     remote: format!("{remote}/{f}"),
                     local: format!("{package}.mlmodelc/{f}"),
                     package: Some(package),
                     encoder: None,
+                    estimate,
                 });
             }
         }
-        for (remote, local) in CORE_FILES {
+        for (remote, local, estimate) in CORE_FILES {
             out.push(Request {
                 remote: remote.to_string(),
                 local: local.to_string(),
                 package: None,
                 encoder: None,
+                estimate: *estimate,
             });
         }
         if multimodal || !self.multimodal_toggle {
             for e in self.multimodal {
-                for r in e.requests() {
+                for (r, estimate) in e.requests().into_iter().zip(e.estimates) {
                     out.push(Request {
                         remote: r.clone(),
                         local: r,
                         package: None,
                         encoder: Some(*e),
+                        estimate: *estimate,
                     });
                 }
             }
         }
         out
+    }
+
+    /// The sum of its list's `estimatedSize` (`totalBytesForAllFiles`).
+    pub fn estimate(&self, multimodal: bool) -> u64 {
+        self.requests(multimodal).iter().map(|r| r.estimate).sum()
+    }
+
+    /// The bytes past which its download aborts (main's safety stop), if it
+    /// has one: `Int64(Double(total) * 1.5)`.
+    pub fn abort_limit(&self, multimodal: bool) -> Option<u64> {
+        self.abort_over
+            .map(|f| (self.estimate(multimodal) as f64 * f) as u64)
+    }
+
+    /// The bytes its download fetches from a release whose files have the
+    /// sizes `size(repository path)` gives (None: absent), and how many of
+    /// them are the app's estimates: a compiled file of a package the
+    /// release holds uncompiled counts as its `.mlpackage` blob (the same
+    /// bytes once compiled) or, for the compiler's small files, as the app
+    /// estimates it; what is absent counts nothing.
+    pub fn fetched_bytes(
+        &self,
+        multimodal: bool,
+        size: &dyn Fn(&str) -> Option<u64>,
+    ) -> (u64, usize) {
+        let (mut total, mut estimated) = (0, 0);
+        for q in self.requests(multimodal) {
+            if let Some(n) = size(&q.remote) {
+                total += n;
+                continue;
+            }
+            let Some((package, inner)) = q.remote.split_once(".mlmodelc/") else {
+                continue;
+            };
+            let blob = size(&format!("{package}.mlpackage/{PACKAGE_BLOB}"));
+            match (inner == COMPILED_BLOB, blob) {
+                (true, Some(n)) => total += n,
+                (false, Some(_)) => {
+                    total += q.estimate;
+                    estimated += 1;
+                }
+                (_, None) => {}
+            }
+        }
+        (total, estimated)
+    }
+
+    /// Its `downloadURL`.
+    pub fn url(&self) -> String {
+        format!(
+            "https://huggingface.co/{REPOSITORY}/resolve/{}",
+            self.revision
+        )
     }
 
     /// Whether a 404 on `local` leaves this entry's download going.
@@ -427,6 +600,39 @@ impl Entry {
         }
         package
     }
+}
+
+/// What `package` warns of: for each entry serving decode layouts
+/// `layouts` with a size stop, each multimodal setting whose download of the
+/// release (files sized by `size`, repository paths) passes it. Multimodal
+/// on is judged only when the release holds the entry's encoder files (else
+/// the download aborts on the first missing one anyway).
+pub fn oversized(layouts: &[LayoutKind], size: &dyn Fn(&str) -> Option<u64>) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in served(layouts) {
+        for multimodal in [false, true] {
+            let Some(limit) = e.abort_limit(multimodal) else {
+                continue;
+            };
+            let encoders = e.multimodal.iter().flat_map(|f| f.requests()).all(|r| {
+                size(&r).is_some() || OPTIONAL_404_SUFFIXES.iter().any(|s| r.ends_with(s))
+            });
+            if multimodal && !encoders {
+                continue;
+            }
+            let (total, _) = e.fetched_bytes(multimodal, size);
+            if total > limit {
+                out.push(format!(
+                    "the app's {} download ({}, multimodal {}) would fetch {total} bytes, over {limit}, {ABORT_OVER_ESTIMATE} x its list's estimatedSize: main aborts it on the way (ModelDownloader.swift at 72178c6, updateProgress); `chunkforge client-check RELEASE --client {}` names the largest files",
+                    e.client,
+                    e.model_id,
+                    if multimodal { "on" } else { "off" },
+                    e.client
+                ));
+            }
+        }
+    }
+    out
 }
 
 /// A share a release must hold good: `package` gets `from`'s blob in the
@@ -607,5 +813,68 @@ mod tests {
             2
         );
         assert_eq!(blob_in("prefill/chunk1.mlpackage"), PACKAGE_BLOB);
+    }
+
+    /// Main's safety stop, from the lists' `estimatedSize` as transcribed:
+    /// the sums of ModelDownloader.swift's `mlc`/`prefillMeta`/`coreFiles`/
+    /// `multimodalFiles` estimates at 72178c6, times 1.5, truncated.
+    #[test]
+    fn main_aborts_past_one_and_a_half_times_its_estimates() {
+        let limits: Vec<_> = [Client::Main, Client::Main3Way, Client::Branch]
+            .iter()
+            .map(|c| (entry(*c).abort_limit(false), entry(*c).abort_limit(true)))
+            .collect();
+        assert_eq!(
+            limits,
+            [
+                (Some(5_970_671_358), Some(7_415_447_437)),
+                (Some(6_660_020_163), Some(8_104_796_242)),
+                (None, None)
+            ]
+        );
+        assert_eq!(entry(Client::Main).estimate(false), 3_980_447_572);
+        // Every request has its estimate; only the blobs are large.
+        for e in ENTRIES {
+            for r in e.requests(true) {
+                assert!(r.estimate > 0, "{}: {}", e.client, r.remote);
+            }
+        }
+        assert_eq!(ARCHIVE_LIMIT, 525_000_000);
+        assert_eq!(
+            entry(Client::Main).url(),
+            "https://huggingface.co/mlboydaisuke/gemma-4-E2B-coreml/resolve/n1024"
+        );
+        assert_eq!(entry(Client::Branch).revision, "main");
+    }
+
+    /// What `package` warns of: a release whose files, as each entry it
+    /// serves fetches them, pass that entry's stop.
+    #[test]
+    fn oversized_releases_are_named_per_entry_and_setting() {
+        // An uncompiled release: .mlpackage folders, no encoders.
+        let small = |p: &str| -> Option<u64> {
+            let absent = p.contains(".mlmodelc") || p.contains("vision") || p.contains("audio");
+            (!absent).then_some(1_000)
+        };
+        assert!(oversized(&[LayoutKind::Four, LayoutKind::Three], &small).is_empty());
+        // An FP16-sized 3-way blob: the 3-way entry passes its stop (multimodal
+        // off; without encoders "on" aborts anyway), the legacy one does not
+        // fetch it.
+        let big = |p: &str| -> Option<u64> {
+            small(p).map(|n| {
+                if p.starts_with("swa/chunk2_3way.mlpackage/Data") {
+                    7_000_000_000
+                } else {
+                    n
+                }
+            })
+        };
+        let w = oversized(&[LayoutKind::Four, LayoutKind::Three], &big);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("main-3way") && w[0].contains("multimodal off"),
+            "{w:?}"
+        );
+        assert!(oversized(&[LayoutKind::Four], &big).is_empty());
     }
 }

@@ -108,9 +108,18 @@ pub struct RunPlan {
 /// symlinks (one could lead out of the folder, and `run` reads the folder
 /// alone, as the app does) and nothing but files and folders (a FIFO would
 /// block the read).
-fn refuse_links(dir: &Path) -> Result<()> {
+pub(crate) fn refuse_links(dir: &Path) -> Result<()> {
     let tree = hashing::walk(dir, &|_| false)
         .map_err(|e| err(&e.path, format!("cannot list: {}", e.source)))?;
+    if let Some(b) = tree.bad_names.first() {
+        return Err(err(
+            &dir.join(&b.path),
+            format!(
+                "file name {}, so it is not one plain path component (run reads only what the signature can name; verify refuses the folder too)",
+                b.why
+            ),
+        ));
+    }
     if let Some(l) = tree.symlinks.first() {
         return Err(err(
             &dir.join(l),
@@ -260,6 +269,12 @@ impl ReleaseFolder {
         Ok(())
     }
 
+    /// The size and SHA-256 (hex) the manifest lists for the release path
+    /// `rel` (None: not listed).
+    pub fn listed(&self, rel: &str) -> Option<(u64, String)> {
+        self.files.get(rel).cloned()
+    }
+
     /// Whether the manifest lists the tokenizer (a release made with
     /// `--no-tokenizer` does not).
     pub fn tokenizer(&self) -> Option<PathBuf> {
@@ -306,7 +321,16 @@ impl ReleaseFolder {
                     .chunk(name)
                     .map_or_else(|| manifest::package_file(name, false), |c| c.file.clone()),
             ),
-            FolderKind::Local => self.dir.join(format!("{name}.mlpackage")),
+            // As the app saves it: compiled, or (an uncompiled release's
+            // materialized download) the .mlpackage it would be compiled from.
+            FolderKind::Local => {
+                let compiled = self.dir.join(format!("{name}.mlmodelc"));
+                if compiled.is_dir() {
+                    compiled
+                } else {
+                    self.dir.join(format!("{name}.mlpackage"))
+                }
+            }
         }
     }
 
@@ -321,7 +345,7 @@ impl ReleaseFolder {
         let path = self.package_dir(name);
         let from = entry.blob_of(name);
         let source = self.package_dir(from);
-        let blob = source.join(downloader::PACKAGE_BLOB);
+        let blob = source.join(downloader::blob_in(&source.to_string_lossy()));
         if !blob.is_file() {
             let why = if from == name {
                 "missing: the package's weight blob".to_string()
@@ -330,7 +354,8 @@ impl ReleaseFolder {
                     "missing: the app's {} download gives {name} this blob ({} {})",
                     entry.client,
                     entry.how,
-                    path.join(downloader::PACKAGE_BLOB).display()
+                    path.join(downloader::blob_in(&path.to_string_lossy()))
+                        .display()
                 )
             };
             return Err(err(&blob, why));
@@ -339,6 +364,29 @@ impl ReleaseFolder {
             path,
             weights: blob.parent().map(Path::to_path_buf).unwrap_or_default(),
         })
+    }
+
+    /// The folder of the weight blob that the package folder `package`
+    /// (inside this release) reads when it holds none of its own: the blob
+    /// of the package some entry's download shares into it (every such pair
+    /// is the same bytes: `package` and `verify` check it). None when it
+    /// holds its blob, or is not one of the release's packages.
+    pub fn shared_weights(&self, package: &Path) -> Option<PathBuf> {
+        if package.join(downloader::PACKAGE_BLOB).is_file() {
+            return None;
+        }
+        let target = package.canonicalize().ok()?;
+        let name = self
+            .manifest
+            .chunks
+            .iter()
+            .map(|c| c.name.as_str())
+            .find(|n| self.package_dir(n).canonicalize().ok().as_ref() == Some(&target))?;
+        downloader::ENTRIES
+            .iter()
+            .filter(|e| e.blob_of(name) != name)
+            .find_map(|e| self.package_files(name, e).ok())
+            .map(|f| f.weights)
     }
 
     /// The token counts of `name`'s functions of `kind` in the manifest.
@@ -408,12 +456,6 @@ impl ReleaseFolder {
                 }
                 if !pkg.is_dir() {
                     return Err(err(&pkg, format!("missing: the {k} layout needs it")));
-                }
-                if pkg.extension().is_some_and(|e| e == "mlmodelc") {
-                    return Err(err(
-                        &pkg,
-                        format!("compiled (.mlmodelc): `run` executes the ML program of an .mlpackage, and a compiled model runs only in Core ML (macOS, iOS); the {k} layout needs it, so run this release on the device"),
-                    ));
                 }
                 self.check_chunk(&manifest, c)?;
                 packages.insert(c.name.clone(), self.package_files(&c.name, entry)?);

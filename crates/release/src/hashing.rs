@@ -21,6 +21,8 @@ use chunkforge_model::records::WeightsDigest;
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
+use crate::paths::check_rel_path;
+
 /// Files at least this large are streamed through the reader thread.
 const PIPELINE_MIN: u64 = 32 << 20;
 /// Buffer size for large files: big enough that syscall overhead vanishes
@@ -65,13 +67,39 @@ pub fn parse_hex32(text: &str) -> Option<[u8; 32]> {
     Some(out)
 }
 
-#[derive(Debug, thiserror::Error)]
-#[error("{}: could not {action}: {source}", path.display())]
+/// A file that could not be read, listed or accepted. An empty `action`
+/// says what is wrong with the entry itself (`source`'s text).
+#[derive(Debug)]
 pub struct HashError {
     pub path: PathBuf,
     pub action: &'static str,
-    #[source]
     pub source: io::Error,
+}
+
+impl std::fmt::Display for HashError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.action.is_empty() {
+            write!(f, "{}: {}", self.path.display(), self.source)
+        } else {
+            write!(
+                f,
+                "{}: could not {}: {}",
+                self.path.display(),
+                self.action,
+                self.source
+            )
+        }
+    }
+}
+
+impl std::error::Error for HashError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        if self.action.is_empty() {
+            None
+        } else {
+            Some(&self.source)
+        }
+    }
 }
 
 fn err<'a>(path: &'a Path, action: &'static str) -> impl FnOnce(io::Error) -> HashError + 'a {
@@ -241,21 +269,101 @@ pub fn cmp_components(a: &str, b: &str) -> Ordering {
     a.split('/').cmp(b.split('/'))
 }
 
-/// What a walk of a release folder found, as relative POSIX paths.
+/// What a walk of a folder found, as relative POSIX paths. Every path in
+/// `files`, `dirs`, `symlinks` and `special` is made of plain components
+/// ([`check_rel_path`]): a name that is not one is in `bad_names` instead,
+/// and nothing below a folder of such a name is listed.
 #[derive(Debug, Default)]
 pub struct Tree {
     /// Regular files, sorted by components.
     pub files: Vec<String>,
+    /// Folders, parents before their children.
+    pub dirs: Vec<String>,
     /// Symbolic links (never followed).
     pub symlinks: Vec<String>,
     /// Sockets, pipes, devices.
     pub special: Vec<String>,
-    /// Names that are not valid UTF-8 (cannot be listed in a signature).
-    pub unreadable_names: Vec<String>,
+    /// Names that are not one plain path component (a backslash, a control
+    /// character) or not valid UTF-8: they cannot be listed in a signature,
+    /// and a path joined from them could mean another file.
+    pub bad_names: Vec<BadName>,
+}
+
+/// A name a walk refused: its path as far as it can be shown, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadName {
+    /// The relative path, non-UTF-8 bytes replaced, control characters
+    /// escaped (`\n`), so that a message shows it on one line.
+    pub path: String,
+    pub why: &'static str,
+}
+
+impl std::fmt::Display for BadName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "file name '{}' {}: not one plain path component",
+            self.path, self.why
+        )
+    }
+}
+
+/// `name` with control characters escaped, for a message.
+pub fn shown(name: &str) -> String {
+    name.chars()
+        .flat_map(|c| {
+            let escaped: Vec<char> = if c.is_control() {
+                c.escape_default().collect()
+            } else {
+                vec![c]
+            };
+            escaped
+        })
+        .collect()
+}
+
+impl Tree {
+    /// The first entry that is not a regular file or folder with a plain
+    /// name, as an error naming it: what every input folder chunkforge
+    /// copies or reads must be (a symlink could lead out of it, a FIFO
+    /// would block the read, a name that is not plain could mean another
+    /// path).
+    pub fn refuse_odd(&self, root: &Path) -> Result<(), HashError> {
+        let odd = |rel: &str, why: String| HashError {
+            path: root.join(rel),
+            action: "",
+            source: io::Error::other(why),
+        };
+        if let Some(b) = self.bad_names.first() {
+            return Err(odd(
+                &b.path,
+                format!(
+                    "file name {}, so it is not one plain path component; rename it",
+                    b.why
+                ),
+            ));
+        }
+        if let Some(l) = self.symlinks.first() {
+            return Err(odd(
+                l,
+                "is a symlink; chunkforge reads no symlink in a build, release or bundle folder (one could lead out of it): copy the file in".into(),
+            ));
+        }
+        if let Some(s) = self.special.first() {
+            return Err(odd(
+                s,
+                "is not a regular file or folder (a FIFO, socket or device)".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Walks `root` without following symlinks. Entries for which `skip` returns
 /// true (given the relative path) are left out, with everything below them.
+/// A name that is not one plain path component is listed in `bad_names`
+/// (never turned into another path: `a\b` is not `a/b`), and nothing below
+/// it is read.
 pub fn walk(root: &Path, skip: &dyn Fn(&str) -> bool) -> Result<Tree, HashError> {
     let mut tree = Tree::default();
     let mut it = walkdir::WalkDir::new(root)
@@ -273,24 +381,38 @@ pub fn walk(root: &Path, skip: &dyn Fn(&str) -> bool) -> Result<Tree, HashError>
                     .unwrap_or_else(|| io::Error::other("filesystem loop")),
             }
         })?;
+        let ft = entry.file_type();
         let rel_path = entry.path().strip_prefix(root).unwrap_or(entry.path());
-        let Some(rel) = rel_path.to_str().map(|s| s.replace('\\', "/")) else {
-            tree.unreadable_names
-                .push(rel_path.to_string_lossy().into_owned());
-            continue;
+        let checked = match rel_path.to_str() {
+            None => Err("is not valid UTF-8"),
+            Some(rel) => check_rel_path(rel).map(|()| rel.to_string()),
+        };
+        let rel = match checked {
+            Ok(rel) => rel,
+            Err(why) => {
+                tree.bad_names.push(BadName {
+                    path: shown(&rel_path.to_string_lossy()),
+                    why,
+                });
+                if ft.is_dir() {
+                    it.skip_current_dir();
+                }
+                continue;
+            }
         };
         if skip(&rel) {
-            if entry.file_type().is_dir() {
+            if ft.is_dir() {
                 it.skip_current_dir();
             }
             continue;
         }
-        let ft = entry.file_type();
         if ft.is_symlink() {
             tree.symlinks.push(rel);
         } else if ft.is_file() {
             tree.files.push(rel);
-        } else if !ft.is_dir() {
+        } else if ft.is_dir() {
+            tree.dirs.push(rel);
+        } else {
             tree.special.push(rel);
         }
     }
@@ -298,6 +420,43 @@ pub fn walk(root: &Path, skip: &dyn Fn(&str) -> bool) -> Result<Tree, HashError>
     tree.symlinks.sort();
     tree.special.sort();
     Ok(tree)
+}
+
+/// The entry `root/rel` without following a symlink anywhere below `root`:
+/// its metadata (None: missing), or an error naming the first component of
+/// `rel` that is a symlink or whose name is not plain. What a reader of an
+/// input folder uses for a file it opens by name (a link in any folder on
+/// the way could lead out of `root`).
+pub fn entry_in(root: &Path, rel: &str) -> Result<Option<fs::Metadata>, HashError> {
+    let refuse = |at: PathBuf, why: String| HashError {
+        path: at,
+        action: "",
+        source: io::Error::other(why),
+    };
+    check_rel_path(rel).map_err(|why| refuse(root.join(rel), format!("the path {why}")))?;
+    let mut at = root.to_path_buf();
+    let parts: Vec<&str> = rel.split('/').collect();
+    for (i, part) in parts.iter().enumerate() {
+        at.push(part);
+        let meta = match fs::symlink_metadata(&at) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(err(&at, "inspect")(e)),
+        };
+        if meta.file_type().is_symlink() {
+            return Err(refuse(
+                at,
+                "is a symlink; chunkforge reads no symlink in a build, release or bundle folder (one could lead out of it): copy the file in".into(),
+            ));
+        }
+        if i + 1 == parts.len() {
+            return Ok(Some(meta));
+        }
+        if !meta.is_dir() {
+            return Ok(None);
+        }
+    }
+    Ok(None)
 }
 
 /// SHA-256 over `name\0sha256\n` lines, in the order given: the digest of a
@@ -320,23 +479,11 @@ pub fn tree_sha256(files: &BTreeMap<String, FileDigest>) -> String {
 }
 
 /// Size and SHA-256 of every regular file below `root`, by relative path
-/// (`/`-separated), hashed in parallel. A symlink or special file is an error:
-/// a package is plain files.
+/// (`/`-separated), hashed in parallel. A symlink, special file or name
+/// that is not plain is an error ([`Tree::refuse_odd`]): a package is plain files.
 pub fn file_digests(root: &Path) -> Result<BTreeMap<String, FileDigest>, HashError> {
     let tree = walk(root, &|_| false)?;
-    if let Some(odd) = tree
-        .symlinks
-        .iter()
-        .chain(&tree.special)
-        .chain(&tree.unreadable_names)
-        .next()
-    {
-        return Err(HashError {
-            path: root.join(odd),
-            action: "hash (not a regular file)",
-            source: io::Error::other("symlink, special file or non-UTF-8 name"),
-        });
-    }
+    tree.refuse_odd(root)?;
     let digests = hash_all(root, &tree.files);
     tree.files
         .into_iter()

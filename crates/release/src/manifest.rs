@@ -89,6 +89,33 @@ pub fn package_file(name: &str, compiled: bool) -> String {
     format!("{path}.{}", if compiled { "mlmodelc" } else { "mlpackage" })
 }
 
+/// Why `file` cannot be package `name`'s folder in a release, if it cannot:
+/// it must be the package at its remote path or at the root under its name
+/// (a local-layout release), `.mlpackage` or compiled `.mlmodelc`. So a
+/// manifest never leads a reader out of the folder (`..`, an absolute
+/// path) or to another package's files.
+pub fn check_package_file(name: &str, file: &str) -> Result<(), String> {
+    if let Err(why) = crate::paths::check_component(name) {
+        return Err(format!("package name '{name}' {why}"));
+    }
+    if let Err(why) = check_rel_path(file) {
+        return Err(format!("'{file}' {why}"));
+    }
+    let allowed = [
+        package_file(name, false),
+        package_file(name, true),
+        format!("{name}.mlpackage"),
+        format!("{name}.mlmodelc"),
+    ];
+    if !allowed.iter().any(|a| a == file) {
+        return Err(format!(
+            "'{file}' is not package {name}'s folder (one of {})",
+            allowed.join(", ")
+        ));
+    }
+    Ok(())
+}
+
 /// Whether a function of `layout` holds more layers than the Neural Engine
 /// is known to compile in one function ([`ANE_LAYER_CEILING`]).
 pub fn over_ceiling(layout: &Layout) -> bool {
@@ -530,6 +557,14 @@ impl EmbeddedParity {
 pub struct Compiled {
     pub mlmodelc: bool,
     pub note: String,
+    /// What wrote the `.mlmodelc` files: chunkforge's own writer (any
+    /// platform) or Core ML's compiler through coremltools (macOS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    /// Whether a device has loaded these compiled models; chunkforge never
+    /// sets it (DEVICE_RUNBOOK.md's first step is that load).
+    #[serde(default)]
+    pub device_verified: bool,
 }
 
 impl Compiled {
@@ -538,6 +573,8 @@ impl Compiled {
         Compiled {
             mlmodelc: false,
             note: why.into(),
+            by: None,
+            device_verified: false,
         }
     }
 }
@@ -676,10 +713,10 @@ impl JsonSchema for RelPath {
 
     fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         schemars::json_schema!({
-            "description": "Relative POSIX path: no leading '/', no backslash, no '.', '..' or empty component.",
+            "description": "Relative POSIX path: no leading '/', no backslash, no control character, no '.', '..' or empty component.",
             "type": "string",
             "minLength": 1,
-            "pattern": "^(?!/)(?!.*\\\\)(?!(.*/)?\\.\\.?(/|$))(?!.*//)[^\\u0000]+$"
+            "pattern": "^(?!/)(?!.*\\\\)(?!(.*/)?\\.\\.?(/|$))(?!.*//)[^\\u0000-\\u001f\\u007f-\\u009f]+$"
         })
     }
 }
@@ -747,6 +784,13 @@ pub struct OntoRecord {
     pub upstream: bool,
     /// The packages carried from it.
     pub packages: Vec<String>,
+    /// Whether its signature, and every carried file against its signed digest, verified. False: `package --allow-unverified-onto` carried a release unverified (each file checked against its unsigned manifest.json only), or an upstream bundle, which has no signature (only its packages are carried, checked against the plan's contracts).
+    #[serde(default)]
+    pub verified: bool,
+    /// The SHA-256 (hex) of the public key (PEM, as model_signing's key hint) its signature verified with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<Sha256Hex>")]
+    pub public_key_sha256: Option<String>,
 }
 
 /// One package whose weight blob the app takes from another package's: the
@@ -1059,7 +1103,30 @@ impl Manifest {
             }
         })?;
         let v = strict_json::from_slice(&bytes).map_err(|e| format!("not valid JSON: {e}"))?;
-        serde_json::from_value(v).map_err(|e| format!("not a chunkforge manifest: {e}"))
+        let m: Manifest =
+            serde_json::from_value(v).map_err(|e| format!("not a chunkforge manifest: {e}"))?;
+        m.check_paths()?;
+        Ok(m)
+    }
+
+    /// Every path the manifest states stays inside the release folder:
+    /// `files[].path` and `shared_blobs[].paths` are safe relative paths
+    /// ([`check_rel_path`]), each `chunks[].file` is its package's folder
+    /// ([`check_package_file`]). A reader joins them to the folder only
+    /// after this.
+    pub fn check_paths(&self) -> Result<(), String> {
+        for (i, c) in self.chunks.iter().enumerate() {
+            check_package_file(&c.name, &c.file).map_err(|e| format!("chunks[{i}].file: {e}"))?;
+        }
+        let listed = self.files.iter().map(|f| ("files[].path", &f.path)).chain(
+            self.shared_blobs
+                .iter()
+                .flat_map(|b| b.paths.iter().map(|p| ("shared_blobs[].paths", p))),
+        );
+        for (what, p) in listed {
+            check_rel_path(p).map_err(|why| format!("{what}: '{p}' {why}"))?;
+        }
+        Ok(())
     }
 
     /// The entry of package `name`.

@@ -5,24 +5,37 @@
 //! existing chunkforge release (repository or local layout), or an upstream
 //! bundle ([`crate::bundle`]: compiled `.mlmodelc`, no manifest).
 //!
+//! A release is carried only once its signature verifies ([`Trust`]: with
+//! `--onto-public-key`, else the public key of the key the new release is
+//! signed with) and every file against its signed digest, as `verify` does;
+//! `--allow-unverified-onto` carries it unverified, each file checked
+//! against DIR's own `manifest.json` only, and the new manifest records
+//! that (`onto.verified` false). DIR is read only where it holds no
+//! symlink and no name that is not a plain path component.
+//!
 //! Before anything is written, each carried file is checked against the
 //! build, in this order, and the first that disagrees is named:
 //! `hf_model/config.json` (the build's config.json digest, and the one DIR's
-//! manifest records), `model_config.json` (vocabulary, widths and
-//! `context_length` of the build's plan), the side files (the sizes the
-//! config implies, and DIR's manifest digests: `ReleaseFolder::check_files`),
-//! then each carried package (its contract as DIR's manifest states it,
-//! equal to the plan of the build's config at the build's context length;
-//! its files equal to DIR's manifest).
+//! manifest records), the weights digest DIR's manifest records (build.json's:
+//! the same config.json with other weights is another model), `model_config.json`
+//! (vocabulary, widths and `context_length` of the build's plan), the side
+//! files (the sizes the config implies, and DIR's manifest digests:
+//! `ReleaseFolder::check_files`), `hf_model/`'s other files (DIR's manifest
+//! digests), then each carried package (its contract as DIR's manifest
+//! states it, equal to the plan of the build's config at the build's context
+//! length; its files equal to DIR's manifest). `package` compares each
+//! carried file once more as it copies it.
 //!
-//! An upstream bundle records nothing, so it is checked against what its
-//! files state: its `hf_model/config.json` must plan the build's model
-//! (the same dimensions; the same bytes are not required), `model_config.json`
-//! the build's context length, the side files the sizes that config
-//! implies, and every carried package's `model.mil` the plan's contract,
-//! function by function. Its packages stay compiled in the release (the
-//! manifest lists them as `.mlmodelc`); `chunkforge compile` on macOS
-//! compiles the build's packages beside them.
+//! An upstream bundle is signed by no one and records nothing, so only what
+//! can be checked against the build's config and contracts is carried from
+//! it: its packages, each one's `model.mil` stating the plan's contract
+//! function by function (their weights cannot be checked, which a note
+//! says). Its `hf_model/config.json` must plan the build's model (the same
+//! dimensions), its `model_config.json` the build's context length; the
+//! side files and `hf_model/` of the release are made from the build's
+//! checkpoint, as without `--onto`. Its packages stay compiled in the
+//! release (the manifest lists them as `.mlmodelc`); `chunkforge compile` on
+//! macOS compiles the build's packages beside them.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -38,8 +51,9 @@ use crate::downloader;
 use crate::folder::{FolderKind, ReleaseFolder};
 use crate::hashing::{self, FileDigest};
 use crate::manifest::{self, Build, ContractTensor, OntoRecord, MANIFEST_FILE};
-use crate::paths::HF_MODEL_DIR;
-use crate::sidefiles::{self, MadeFrom, SideFileSpec, SIDE_FILES};
+use crate::paths::{HF_MODEL_DIR, HF_MODEL_FILES};
+use crate::sidefiles::{self, SIDE_FILES};
+use crate::verify;
 
 /// What DIR is.
 pub enum Source {
@@ -57,10 +71,23 @@ pub struct Onto {
     pub layouts: Vec<Layout>,
     /// The packages carried, by name.
     pub packages: Vec<String>,
-    /// RoPE tables an upstream bundle lacks or holds with other values than
-    /// its config gives, which the release gets made instead (with the
-    /// bundle's row count, if it has one).
-    pub remade: Vec<(&'static SideFileSpec, Option<usize>)>,
+    /// The SHA-256 (hex) of the public key (PEM) DIR's signature verified
+    /// with; None: not verified (`--allow-unverified-onto`, or an upstream
+    /// bundle, which has no signature).
+    pub verified_key: Option<String>,
+}
+
+/// How `package --onto` takes DIR's signature.
+pub enum Trust {
+    /// Verify it (and every file against its signed digest) with `key`;
+    /// `from` says where the key came from, for messages.
+    Key {
+        key: p256::ecdsa::VerifyingKey,
+        from: String,
+    },
+    /// `--allow-unverified-onto`: carry DIR unverified, each file checked
+    /// against DIR's own (unsigned) manifest only.
+    Unverified,
 }
 
 /// The layouts every release needs beside its decode layouts: the
@@ -69,10 +96,11 @@ pub struct Onto {
 const CARRIED_LAYOUTS: [LayoutKind; 2] = [REFERENCE, LayoutKind::Prefill];
 
 impl Onto {
-    /// Opens DIR and checks every file it would carry against `build`.
-    pub fn open(dir: &Path, build: &Build) -> Result<Onto> {
+    /// Opens DIR and checks every file it would carry against `build`,
+    /// DIR's signature first as `trust` says.
+    pub fn open(dir: &Path, build: &Build, trust: &Trust) -> Result<Onto> {
         if dir.join(MANIFEST_FILE).is_file() {
-            return Self::open_release(dir, build);
+            return Self::open_release(dir, build, trust);
         }
         match Bundle::detect(dir) {
             Some(kind) => Self::open_bundle(Bundle::open(dir, kind)?, build),
@@ -110,8 +138,9 @@ impl Onto {
         manifest::package_file(name, self.compiled())
     }
 
-    fn open_release(dir: &Path, build: &Build) -> Result<Onto> {
+    fn open_release(dir: &Path, build: &Build, trust: &Trust) -> Result<Onto> {
         let folder = ReleaseFolder::open(dir)?;
+        let verified_key = check_signature(dir, trust)?;
         let config = dir.join(HF_MODEL_DIR).join("config.json");
         let want = &build.record.checkpoint.config_sha256;
         let got = hashing::sha256_file(&config)?;
@@ -123,6 +152,7 @@ impl Onto {
                 folder.manifest.model.config_sha256
             );
         }
+        check_weights(dir, &folder, build)?;
         let dims = &build.record.plan.dims;
         let ctx = build.record.settings.ctx;
         let model_config = dir.join(sidefiles::MODEL_CONFIG);
@@ -159,6 +189,7 @@ impl Onto {
         }
         // Side files: the sizes the config implies, DIR's manifest digests.
         folder.check_files()?;
+        check_hf_model(&folder)?;
         let planned = folder.planned(ctx)?;
         let manifest = dir.join(MANIFEST_FILE);
         let (layouts, packages) = carried(build, &planned, |kind, c| {
@@ -170,7 +201,7 @@ impl Onto {
             source: Source::Release(Box::new(folder)),
             layouts,
             packages,
-            remade: Vec::new(),
+            verified_key,
         };
         for n in &onto.packages {
             onto.check_package_files(n)?;
@@ -179,9 +210,8 @@ impl Onto {
     }
 
     /// An upstream bundle against `build`: its config plans the build's
-    /// model at the build's context length, its side files have that
-    /// model's sizes, and each package it carries states the plan's
-    /// contract in its `model.mil`.
+    /// model at the build's context length, and each package it carries
+    /// states the plan's contract in its `model.mil`.
     fn open_bundle(b: Bundle, build: &Build) -> Result<Onto> {
         let ctx = build.record.settings.ctx;
         let config = b.dir.join(HF_MODEL_DIR).join("config.json");
@@ -223,14 +253,18 @@ impl Onto {
                 config.display()
             );
         }
-        if hashing::sha256_file(&config)? != build.record.checkpoint.config_sha256 {
-            eprintln!(
-                "note: {}: not byte for byte the build's config.json, but it plans the same model",
-                config.display()
-            );
-        }
-        b.check_side_files()?;
-        let remade = rope_to_remake(&b)?;
+        let encoders = downloader::all_encoder_files()
+            .iter()
+            .any(|e| b.dir.join(e.path).exists());
+        eprintln!(
+            "note: {}: an upstream bundle (no manifest, no signature): only its packages are carried, each checked against the build's contracts through its model.mil (their weights cannot be checked: nothing records them); the side files and hf_model/ are made from the build's checkpoint{}",
+            b.dir.display(),
+            if encoders {
+                "; its encoders only with --encoders-from (nothing checks them)"
+            } else {
+                ""
+            }
+        );
         let (layouts, packages) = carried(build, &planned, |kind, c| {
             let pkg = b.package_dir(&c.name);
             missing(&pkg, kind, c)?;
@@ -245,7 +279,7 @@ impl Onto {
             source: Source::Upstream(Box::new(b)),
             layouts,
             packages,
-            remade,
+            verified_key: None,
         })
     }
 
@@ -336,21 +370,64 @@ impl Onto {
         }
     }
 
-    /// The side files DIR carries: (source, path in the release).
+    /// The side files DIR carries: (source, path in the release). An
+    /// upstream bundle carries none (they are made from the checkpoint).
     pub fn side_files(&self) -> Vec<(PathBuf, String)> {
+        let Source::Release(f) = &self.source else {
+            return Vec::new();
+        };
         SIDE_FILES
             .iter()
-            .map(|s| {
-                let src = match &self.source {
-                    Source::Release(f) => f.side_file(s.name),
-                    Source::Upstream(b) => b.side_file(s.name),
-                };
-                (src, s.repository_path())
-            })
-            .filter(|(src, rel)| {
-                src.is_file() && !self.remade.iter().any(|(s, _)| s.repository_path() == *rel)
-            })
+            .map(|s| (f.side_file(s.name), s.repository_path()))
+            .filter(|(src, _)| src.is_file())
             .collect()
+    }
+
+    /// The size and SHA-256 (hex) DIR's manifest gives the file `src` of
+    /// DIR (signed, when DIR was verified): its entry in `files`, found by
+    /// its repository path in a local-layout DIR too, or for a package's
+    /// weight blob DIR's manifest holds back, the digest its `shares`
+    /// record. None for an upstream bundle, which records nothing. `Err`: a
+    /// release that gives it none.
+    pub fn listed(&self, src: &Path) -> Result<Option<(u64, String)>> {
+        let Source::Release(f) = &self.source else {
+            return Ok(None);
+        };
+        let rel = src.strip_prefix(&f.dir).unwrap_or(src).to_string_lossy();
+        let m = &f.manifest;
+        // A package's file, under its release path or its local name.
+        let in_package = m.chunks.iter().find_map(|c| {
+            [c.file.clone(), format!("{}.mlpackage", c.name)]
+                .iter()
+                .find_map(|d| rel.strip_prefix(&format!("{d}/")))
+                .map(|inner| (c, inner.to_string()))
+        });
+        let side = SIDE_FILES
+            .iter()
+            .find(|s| s.name == rel)
+            .map(|s| s.repository_path());
+        let found = f
+            .listed(&rel)
+            .or_else(|| {
+                let (c, inner) = in_package.as_ref()?;
+                f.listed(&format!("{}/{inner}", c.file))
+            })
+            .or_else(|| side.and_then(|p| f.listed(&p)))
+            .or_else(|| {
+                let (c, inner) = in_package.as_ref()?;
+                (inner == downloader::PACKAGE_BLOB)
+                    .then(|| m.shares.iter().find(|s| s.package == c.name))
+                    .flatten()
+                    .map(|s| (s.size, s.sha256.clone()))
+            });
+        match found {
+            Some(d) => Ok(Some(d)),
+            None => bail!(
+                "{}: not listed in {}, so nothing says what it should hold; --onto carries only the files DIR's manifest lists",
+                src.display(),
+                f.dir.join(MANIFEST_FILE).display()
+            ),
+        }
     }
 
     /// The blob of carried package `name` as built, when DIR holds it only
@@ -396,6 +473,8 @@ impl Onto {
                 layout: layout(f.kind).into(),
                 upstream: false,
                 packages: self.packages.clone(),
+                verified: self.verified_key.is_some(),
+                public_key_sha256: self.verified_key.clone(),
             },
             Source::Upstream(b) => OntoRecord {
                 model_id: b.model_name.clone(),
@@ -403,9 +482,95 @@ impl Onto {
                 layout: layout(b.kind).into(),
                 upstream: true,
                 packages: self.packages.clone(),
+                verified: false,
+                public_key_sha256: None,
             },
         }
     }
+}
+
+/// DIR's signature and every file against its signed digest, as `verify`
+/// checks them, with `trust`'s key; returns the key's SHA-256 (None:
+/// `--allow-unverified-onto`, said in a warning).
+fn check_signature(dir: &Path, trust: &Trust) -> Result<Option<String>> {
+    let (key, from) = match trust {
+        Trust::Key { key, from } => (key, from),
+        Trust::Unverified => {
+            eprintln!(
+                "warning: {}: its signature is not verified (--allow-unverified-onto): each carried file is checked against its {MANIFEST_FILE} only, which anyone could have rewritten; the new release's manifest records it as unverified (onto.verified false)",
+                dir.display()
+            );
+            return Ok(None);
+        }
+    };
+    let report = verify::verify_with(dir, key, None);
+    if !report.problems.is_empty() {
+        let n = report.problems.len();
+        let shown: Vec<&str> = report.problems.iter().take(5).map(String::as_str).collect();
+        bail!(
+            "{}: does not verify with {from} ({n} problem{}: {}{}); --onto carries only a release whose signature and files verify: give the key it was signed with (--onto-public-key PUB), or pass --allow-unverified-onto to carry it unverified (recorded in the manifest)",
+            dir.display(),
+            if n == 1 { "" } else { "s" },
+            shown.join("; "),
+            if n > shown.len() { "; ..." } else { "" }
+        );
+    }
+    Ok(Some(crate::sign::key_hint(key)))
+}
+
+/// DIR's packages were made from the build's weights: the digest DIR's
+/// manifest records (`model.weights_sha256`) is build.json's. The same
+/// config.json with other weights (a fine-tune, another seed) is another
+/// model, whose packages would compute other tokens beside the build's.
+fn check_weights(dir: &Path, folder: &ReleaseFolder, build: &Build) -> Result<()> {
+    let manifest = dir.join(MANIFEST_FILE);
+    let record = build.dir.join("build.json");
+    let want = build.record.checkpoint.weights.as_ref().map(|w| &w.sha256);
+    match (folder.manifest.model.weights_sha256.as_ref(), want) {
+        (Some(got), Some(want)) if got == want => Ok(()),
+        (Some(got), Some(want)) => bail!(
+            "{}: model.weights_sha256 is {got}, but {} records the build's weights as {want}: DIR's packages were made from other weights with the same config.json; --onto needs a release of the build's weights",
+            manifest.display(),
+            record.display()
+        ),
+        (None, _) => bail!(
+            "{}: records no model.weights_sha256 (packaged before chunkforge recorded the weights), so nothing ties its packages to the build's weights; package it again with this chunkforge",
+            manifest.display()
+        ),
+        (_, None) => bail!(
+            "{}: records no checkpoint.weights (built before chunkforge recorded them), so DIR's packages cannot be tied to the build's weights; rebuild",
+            record.display()
+        ),
+    }
+}
+
+/// Every `hf_model/` file DIR holds that a release ships is listed in its
+/// manifest with that size and digest (`check_files` covers config.json
+/// and the tokenizer; this, the rest: tokenizer_config.json,
+/// generation_config.json, chat_template.jinja, ...).
+fn check_hf_model(folder: &ReleaseFolder) -> Result<()> {
+    for name in HF_MODEL_FILES {
+        let rel = format!("{HF_MODEL_DIR}/{name}");
+        let path = folder.dir.join(&rel);
+        if !path.is_file() {
+            continue;
+        }
+        let d = hashing::hash_file(&path)?;
+        match folder.listed(&rel) {
+            Some((size, sha)) if size == d.size && sha == d.hex() => {}
+            Some(_) => bail!(
+                "{}: differs from what {} lists (changed after packaging)",
+                path.display(),
+                folder.dir.join(MANIFEST_FILE).display()
+            ),
+            None => bail!(
+                "{}: not listed in {} (added after packaging); --onto carries only the files DIR's manifest lists",
+                path.display(),
+                folder.dir.join(MANIFEST_FILE).display()
+            ),
+        }
+    }
+    Ok(())
 }
 
 /// A carried package's functions, as its `model.mil` states them, against
@@ -452,39 +617,6 @@ fn check_functions(
         }
     }
     Ok(())
-}
-
-/// The RoPE tables of bundle `b` the release must not carry: missing (the
-/// runtime would read rows of zeros) or with other values than `b`'s config
-/// gives (upstream's main-branch generator rotates every pair of the full
-/// layers; transformers rotates the first `partial_rotary_factor` of them).
-/// Each is said in a note.
-fn rope_to_remake(b: &Bundle) -> Result<Vec<(&'static SideFileSpec, Option<usize>)>> {
-    let mut out = Vec::new();
-    for spec in SIDE_FILES
-        .iter()
-        .filter(|s| matches!(s.made_from, MadeFrom::Rope(..)))
-    {
-        let path = b.side_file(spec.name);
-        if !path.is_file() {
-            eprintln!(
-                "note: {}: missing (the runtime would read rows of zeros); the release gets the table hf_model/config.json gives",
-                path.display()
-            );
-            out.push((spec, None));
-            continue;
-        }
-        let (bad, rows) = sidefiles::rope_mismatch(&b.cfg, spec, &path)?;
-        if let Some(row) = bad {
-            eprintln!(
-                "note: {}: row {row} is not the RoPE hf_model/config.json gives (upstream's generator rotates every pair of the full-attention layers, transformers the first {}% of them); the release gets the config's table, {rows} rows, instead",
-                path.display(),
-                (b.cfg.partial_rotary_factor_full * 100.0).round()
-            );
-            out.push((spec, Some(rows)));
-        }
-    }
-    Ok(out)
 }
 
 /// The layouts of `planned` the build lacks and the release carries, and

@@ -31,11 +31,13 @@ use crate::manifest::{
     ShareUse, WeightShare, MANIFEST_FILE,
 };
 use crate::onto::Onto;
-use crate::paths::{DISTRIBUTION_FILE, HF_MODEL_DIR, HF_MODEL_FILES, RUNBOOK_FILE, TOKENIZER_FILE};
+use crate::paths::{
+    self, DISTRIBUTION_FILE, HF_MODEL_DIR, HF_MODEL_FILES, RUNBOOK_FILE, TOKENIZER_FILE,
+};
 use crate::sidefiles::{self, SideFilesReport, SideFilesRequest};
 use crate::sign::{self, SIG_FILE};
-use crate::staging::Staging;
 use crate::staging::{OnLocked, OutputLock};
+use crate::staging::{Staging, TempFile};
 use chunkforge_model::checkpoint::Checkpoint;
 use chunkforge_model::config::TextConfig;
 use chunkforge_model::layouts::{spec, ReleaseLayout, Runtime};
@@ -80,6 +82,12 @@ pub struct PackageRequest {
     /// An existing release to carry every file the build lacks from
     /// (`--onto`; [`crate::onto`]).
     pub onto: Option<PathBuf>,
+    /// The public key `--onto`'s release is verified with (default: that
+    /// of `key`).
+    pub onto_public_key: Option<PathBuf>,
+    /// Carry `--onto`'s release without verifying its signature (recorded
+    /// in the manifest).
+    pub allow_unverified_onto: bool,
 }
 
 /// What `package` did, for the summary line.
@@ -129,7 +137,38 @@ fn build_checkpoint(
     }
     let cfg = TextConfig::load(&dir)?;
     let ckpt = Checkpoint::open(&dir, &cfg)?;
+    check_weights(build, &ckpt)?;
     Ok((dir, cfg, ckpt))
+}
+
+/// The checkpoint's weights are the ones the build was made from (its
+/// config.json alone does not say: a fine-tune or another seed has the same
+/// one): the side files are made from them, and a parity verdict signed
+/// beside them is about the build's. Reads the weights once more (seconds
+/// at real size: `bench hash`).
+fn check_weights(build: &Build, ckpt: &Checkpoint) -> Result<()> {
+    let record = build.dir.join("build.json");
+    let Some(want) = &build.record.checkpoint.weights else {
+        bail!(
+            "{}: records no checkpoint.weights (built before chunkforge recorded them), so nothing ties the checkpoint's side files to the build's packages; rebuild",
+            record.display()
+        );
+    };
+    let got = hashing::weights_digest(ckpt)?;
+    if got.sha256 != want.sha256 {
+        let differ = got.differences(want, "the checkpoint", "build.json");
+        bail!(
+            "{}: not the weights {} was built from (same config.json): {}; the side files would come from another model than the packages: give --hf-dir the checkpoint the build was made from",
+            ckpt.dir.display(),
+            record.display(),
+            if differ.is_empty() {
+                format!("weights digest {} vs {}", got.sha256, want.sha256)
+            } else {
+                differ.join("; ")
+            }
+        );
+    }
+    Ok(())
 }
 
 /// The `hf_model/` files to copy: (source, path in the release). Without a
@@ -142,12 +181,19 @@ fn hf_model_sources(hf_dir: &Path, no_tokenizer: bool) -> Result<Sources> {
             tokenizer.display()
         );
     }
-    Ok(HF_MODEL_FILES
+    let sources: Sources = HF_MODEL_FILES
         .iter()
         .filter(|n| !(no_tokenizer && **n == TOKENIZER_FILE))
         .map(|n| (hf_dir.join(n), format!("{HF_MODEL_DIR}/{n}")))
         .filter(|(src, _)| src.is_file())
-        .collect())
+        .collect();
+    // A link out of the checkpoint would copy that file into the release.
+    for (src, _) in &sources {
+        if let Some(why) = chunkforge_model::checkpoint::link_outside(hf_dir, src) {
+            bail!("{}: {why}", src.display());
+        }
+    }
+    Ok(sources)
 }
 
 /// Every full-attention mask of every function must span the context length
@@ -285,29 +331,10 @@ fn split_path(path: &Path, missing: &str) -> Result<(PathBuf, String)> {
     Ok((parent, name))
 }
 
-/// Where `path` is or will be once its missing folders are created: the
-/// longest existing ancestor resolved (symlinks, `..`), the rest appended
-/// (a `..` there undoes the folder before it, which will be created real).
+/// [`paths::canonical_target`], as an error naming `path`.
 fn canonical_target(path: &Path) -> Result<PathBuf> {
-    let abs = std::path::absolute(path)
-        .with_context(|| format!("{}: cannot resolve the path", path.display()))?;
-    let (mut base, rest) = abs
-        .ancestors()
-        .find_map(|a| {
-            let c = a.canonicalize().ok()?;
-            Some((c, abs.strip_prefix(a).ok()?.to_path_buf()))
-        })
-        .with_context(|| format!("{}: cannot resolve the path", path.display()))?;
-    for c in rest.components() {
-        match c {
-            std::path::Component::ParentDir => {
-                base.pop();
-            }
-            std::path::Component::Normal(n) => base.push(n),
-            _ => {}
-        }
-    }
-    Ok(base)
+    paths::canonical_target(path)
+        .with_context(|| format!("{}: cannot resolve the path", path.display()))
 }
 
 /// True when `line` is what `write_zip_staged` writes for an archive named `name`.
@@ -376,33 +403,17 @@ fn check_zip(z: &Path, output: &Path, build_dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Files of one package folder as (source, path inside the release), plus its
-/// sub-folders. Symlinks and special files in a build folder are errors.
 /// Files to copy: (source path, path inside the release).
 pub type Sources = Vec<(PathBuf, String)>;
 
+/// Files of one package folder as (source, path inside the release), plus its
+/// sub-folders (release paths). A symlink, a special file or a name that is
+/// not one plain path component is an error naming it
+/// ([`hashing::Tree::refuse_odd`]): no release path is made from it.
 fn package_files(src: &Path, pkg: &str) -> Result<(Sources, Vec<String>)> {
     let tree = hashing::walk(src, &|_| false)?;
-    if let Some(l) = tree.symlinks.first() {
-        bail!(
-            "{}: is a symlink; releases never contain symlinks (copy the file in the build folder)",
-            src.join(l).display()
-        );
-    }
-    if let Some(s) = tree.special.first().or(tree.unreadable_names.first()) {
-        bail!(
-            "{}: not a regular file with a UTF-8 name",
-            src.join(s).display()
-        );
-    }
-    let mut dirs = Vec::new();
-    for e in walkdir::WalkDir::new(src).min_depth(1) {
-        let e = e.with_context(|| format!("listing {}", src.display()))?;
-        if e.file_type().is_dir() {
-            let rel = e.path().strip_prefix(src).unwrap_or(e.path());
-            dirs.push(format!("{pkg}/{}", rel.to_string_lossy()));
-        }
-    }
+    tree.refuse_odd(src)?;
+    let dirs = tree.dirs.iter().map(|d| format!("{pkg}/{d}")).collect();
     let files = tree
         .files
         .into_iter()
@@ -424,24 +435,46 @@ fn tree_digest(pkg: &str, files: &[(String, FileDigest)]) -> String {
 
 /// Copies `sources` into `root` (creating `dirs` first), hashing each file as
 /// it is copied, in parallel. Returns (path in release, digest), sorted by
-/// path components.
+/// path components. Every release path is checked ([`paths::check_rel_path`])
+/// before it is joined to `root`, and every folder is made before the copy
+/// starts: a copy never makes a folder, so once Ctrl-C has removed the
+/// staging folder nothing is made again in its place (and copies stop).
 pub fn copy_tree(
     root: &Path,
     sources: &[(PathBuf, String)],
     dirs: &[String],
 ) -> Result<Vec<(String, FileDigest)>> {
-    for d in dirs {
-        fs::create_dir_all(root.join(d))
-            .with_context(|| format!("{}: cannot create", root.join(d).display()))?;
+    let mut folders = std::collections::BTreeSet::new();
+    let listed = dirs.iter().map(|d| (d.as_str(), true));
+    let files = sources.iter().map(|(_, rel)| (rel.as_str(), false));
+    for (rel, is_dir) in listed.chain(files) {
+        paths::check_rel_path(rel)
+            .map_err(|why| anyhow::anyhow!("{}: release path '{rel}' {why}", root.display()))?;
+        let mut at = if is_dir {
+            Some(rel)
+        } else {
+            rel.rsplit_once('/').map(|(d, _)| d)
+        };
+        while let Some(d) = at {
+            folders.insert(d.to_string());
+            at = d.rsplit_once('/').map(|(p, _)| p);
+        }
+    }
+    // Sorted, a folder comes before everything inside it.
+    for d in &folders {
+        let path = root.join(d);
+        match fs::create_dir(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(e).with_context(|| format!("{}: cannot create", path.display()))
+            }
+            _ => {}
+        }
     }
     let mut out: Vec<(String, FileDigest)> = sources
         .par_iter()
         .map(|(src, rel)| {
-            let dst = root.join(rel);
-            if let Some(p) = dst.parent() {
-                fs::create_dir_all(p)?;
-            }
-            Ok((rel.clone(), hashing::copy_hashed(src, &dst)?))
+            crate::staging::stop_if_interrupted();
+            Ok((rel.clone(), hashing::copy_hashed(src, &root.join(rel))?))
         })
         .collect::<Result<_>>()?;
     out.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
@@ -484,7 +517,8 @@ struct Checked<'b> {
     version: String,
     hf_dir: PathBuf,
     cfg: TextConfig,
-    /// The build's checkpoint (None with `--onto`: nothing is made from it).
+    /// The build's checkpoint (None with `--onto` a release: nothing is
+    /// made from it).
     ckpt: Option<Checkpoint>,
     inputs: Inputs,
 }
@@ -555,12 +589,10 @@ fn check_options(
     }
     let key = sign::load_private_key(&a.key)?;
     if let Some(u) = &a.base_url {
-        if !(u.starts_with("https://") || u.starts_with("http://"))
-            || u.contains(char::is_whitespace)
-        {
+        if let Err(why) = crate::distribution::check_base_url(u) {
             return Err(ReleaseInputError::Option {
                 option: "--base-url",
-                message: format!("{u:?} is not an http(s) URL"),
+                message: format!("{u:?} {why}"),
             }
             .into());
         }
@@ -610,21 +642,63 @@ fn check_paths(a: &PackageRequest, hf_dir: &Path) -> Result<Paths> {
     if let Some(z) = &a.zip {
         check_zip(z, &a.output, &a.build_dir)?;
     }
+    check_inputs_kept(a)?;
     if let Some(d) = encoders_dir(a) {
-        crate::encoders::encoder_sources(&d)?;
+        crate::encoders::encoder_sources(&d, &hf_dir.join("config.json"))?;
     }
     Ok((hf_sources, parent, name))
 }
 
+/// Refuses outputs that would change an input folder: the release and its
+/// archive go neither into `--onto`'s nor `--encoders-from`'s folder (left
+/// as they were), and replacing `--output` removes no input (resolved
+/// paths are compared: symlinks and `..` count).
+fn check_inputs_kept(a: &PackageRequest) -> Result<()> {
+    let inputs = [
+        ("--onto", a.onto.as_deref()),
+        ("--encoders-from", a.encoders_from.as_deref()),
+    ];
+    for (option, dir) in inputs {
+        let Some(dir) = dir else { continue };
+        let outputs = std::iter::once(("--output", a.output.as_path()))
+            .chain(a.zip.as_deref().map(|z| ("--zip", z)));
+        for (out_option, out) in outputs {
+            if paths::inside(out, dir) {
+                bail!(
+                    "{}: {out_option} must not be inside the {option} folder {} (package leaves it as it was)",
+                    out.display(),
+                    dir.display()
+                );
+            }
+        }
+    }
+    let folders = [("build", Some(a.build_dir.as_path()))]
+        .into_iter()
+        .chain(inputs)
+        .filter_map(|(what, d)| d.map(|d| (what, d)));
+    for (what, dir) in folders {
+        if paths::inside(dir, &a.output) {
+            bail!(
+                "{}: the {what} folder {} is inside it, and the release replaces it",
+                a.output.display(),
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Where the encoder files come from: `--encoders-from`, else `--onto`'s
 /// release when it holds any of the app's encoder files (a release packaged
-/// with encoders carries them on).
+/// with encoders carries them on). Never implicitly from an upstream bundle
+/// (no manifest): nothing checks its encoders, so it takes `--encoders-from`.
 fn encoders_dir(a: &PackageRequest) -> Option<PathBuf> {
     a.encoders_from.clone().or_else(|| {
         a.onto.clone().filter(|d| {
-            crate::downloader::all_encoder_files()
-                .iter()
-                .any(|e| d.join(e.path).exists())
+            d.join(MANIFEST_FILE).is_file()
+                && crate::downloader::all_encoder_files()
+                    .iter()
+                    .any(|e| d.join(e.path).exists())
         })
     })
 }
@@ -733,9 +807,10 @@ fn check<'b>(a: &PackageRequest, build: &'b Build, onto: Option<&Onto>) -> Resul
             );
         }
     }
-    // With --onto the side files and hf_model/ come from DIR (its config
-    // checked to be the build's), and the checkpoint is not read.
-    let (hf_dir, cfg, ckpt) = match onto {
+    // With --onto a release, the side files and hf_model/ come from DIR
+    // (its config checked to be the build's), and the checkpoint is not
+    // read; an upstream bundle carries only its packages.
+    let (hf_dir, cfg, ckpt) = match onto.filter(|o| !o.compiled()) {
         Some(o) => (o.dir().join(HF_MODEL_DIR), o.cfg().clone(), None),
         None => {
             let (d, c, k) = build_checkpoint(build, a.hf_dir.as_deref())?;
@@ -763,28 +838,45 @@ fn check<'b>(a: &PackageRequest, build: &'b Build, onto: Option<&Onto>) -> Resul
     })
 }
 
-/// Copies the packages (hashing them in the same read) and `hf_model/` into
-/// `root`, writes the side files there, and checks each package against
-/// build.json.
-fn stage_files(
-    a: &PackageRequest,
-    build: &Build,
-    c: &Checked,
-    root: &Path,
-    onto: Option<&Onto>,
-) -> Result<Staged> {
+/// What the release copies, read from its inputs and checked before
+/// anything is written ([`gather`]).
+struct Gathered {
+    /// Files to copy: the packages, `hf_model/`, the encoders.
+    sources: Sources,
+    /// The folders they go into (release paths).
+    dirs: Vec<String>,
+    /// The side files carried from `--onto`'s release.
+    side: Sources,
+    /// Each package: (name, release path, the folder it comes from).
+    pkgs: Vec<(String, String, PathBuf)>,
+    /// The weight blobs no entry the release serves fetches: each package's
+    /// is shared in from another package's, so the release holds it once.
+    held_back: Sources,
+    /// Blobs a carried package holds only through a share in DIR: their
+    /// digests as DIR's manifest records them.
+    held_known: Vec<(String, FileDigest)>,
+    /// The files carried from `--onto`'s DIR: (release path, source).
+    carried: Vec<(String, PathBuf)>,
+    /// The shares of the entries the release serves.
+    planned: Vec<downloader::PlannedShare>,
+}
+
+/// Every file the release copies, each folder walked and each name checked
+/// (no symlink, special file or name that is not one plain path component:
+/// [`package_files`]), the weight blobs the app shares found, and a `--zip`
+/// the app could not extract refused: before anything is written.
+fn gather(a: &PackageRequest, build: &Build, c: &Checked, onto: Option<&Onto>) -> Result<Gathered> {
     let carried = |n: &str| onto.filter(|o| o.carries(n));
-    let mut sources = c.inputs.hf_sources.clone();
-    let mut dirs = vec![HF_MODEL_DIR.to_string()];
-    let mut pkgs = Vec::new();
-    // The blobs no entry the release serves fetches: each package's is
-    // shared in from another package's, so the release holds it once.
-    let planned = planned_shares(a, build)?;
-    let mut held_back: Vec<(PathBuf, String)> = Vec::new();
-    // Blobs a carried package holds only through a share in DIR: their
-    // digests as DIR's manifest records them.
-    let mut held_known: Vec<(String, FileDigest)> = Vec::new();
-    let mut carried_paths: Vec<String> = Vec::new();
+    let mut g = Gathered {
+        sources: c.inputs.hf_sources.clone(),
+        dirs: vec![HF_MODEL_DIR.to_string()],
+        side: onto.map(Onto::side_files).unwrap_or_default(),
+        pkgs: Vec::new(),
+        held_back: Vec::new(),
+        held_known: Vec::new(),
+        carried: Vec::new(),
+        planned: planned_shares(a, build)?,
+    };
     for chunk in &c.chunks {
         let n = chunk.name();
         // A package carried from an upstream bundle stays compiled.
@@ -795,15 +887,29 @@ fn stage_files(
         };
         let (mut f, d) = package_files(&src, &pkg)?;
         if carried(n).is_some() {
-            carried_paths.extend(f.iter().map(|(_, rel)| rel.clone()));
+            g.carried
+                .extend(f.iter().map(|(src, rel)| (rel.clone(), src.clone())));
         }
         let blob = format!("{pkg}/{}", downloader::blob_in(&pkg));
         let has_blob = f.iter().any(|(_, rel)| *rel == blob);
-        match planned.iter().find(|s| s.package == n) {
+        match g.planned.iter().find(|s| s.package == n) {
             Some(share) if !share.stored => match f.iter().position(|(_, rel)| *rel == blob) {
-                Some(at) => held_back.push(f.remove(at)),
-                None => match carried(n).and_then(|o| o.held_blob(n, share.from)) {
-                    Some(d) => held_known.push((blob, d)),
+                Some(at) => g.held_back.push(f.remove(at)),
+                None => match carried(n).map(|o| (o, o.held_blob(n, share.from))) {
+                    Some((_, Some(d))) => g.held_known.push((blob, d)),
+                    // DIR holds it only through the share: the blob missing
+                    // is the one shared in.
+                    Some((o, None)) => {
+                        let from = o.release_file(share.from);
+                        return Err(ReleaseInputError::Build {
+                            path: o.package_dir(share.from).join(downloader::blob_in(&from)),
+                            message: format!(
+                                "missing: {n} holds no weight blob of its own in {}, and this one, which the app's download shares into it, is not there either",
+                                o.dir().display()
+                            ),
+                        }
+                        .into());
+                    }
                     None => {
                         return Err(ReleaseInputError::Build {
                             path: src.join(downloader::blob_in(&pkg)),
@@ -828,20 +934,27 @@ fn stage_files(
             }
             _ => {}
         }
-        dirs.push(pkg.clone());
-        dirs.extend(d);
-        sources.extend(f);
+        g.dirs.push(pkg.clone());
+        g.dirs.extend(d);
+        g.sources.extend(f);
         if a.compiled.mlmodelc && !carried(n).is_some_and(|o| o.compiled()) {
             let compiled = manifest::package_file(n, true);
             let (f, d) = package_files(&a.build_dir.join(format!("{n}.mlmodelc")), &compiled)?;
-            dirs.push(compiled);
-            dirs.extend(d);
-            sources.extend(f);
+            g.dirs.push(compiled);
+            g.dirs.extend(d);
+            g.sources.extend(f);
         }
-        pkgs.push((n.to_string(), pkg));
+        g.pkgs.push((n.to_string(), pkg, src));
     }
     if let Some(d) = encoders_dir(a) {
-        let enc = crate::encoders::encoder_sources(&d)?;
+        let config = c
+            .inputs
+            .hf_sources
+            .iter()
+            .find(|(_, rel)| rel == &format!("{HF_MODEL_DIR}/config.json"))
+            .map(|(src, _)| src.clone())
+            .unwrap_or_default();
+        let enc = crate::encoders::encoder_sources(&d, &config)?;
         for (e, clients) in &enc.absent {
             eprintln!(
                 "note: {} has no {} ({} encoder): the {} download{} abort{} on it with multimodal on",
@@ -853,41 +966,95 @@ fn stage_files(
                 if clients.len() == 1 { "s" } else { "" }
             );
         }
-        dirs.extend(enc.dirs);
-        sources.extend(enc.files);
+        g.dirs.extend(enc.dirs);
+        // From `--onto`'s release (no --encoders-from): carried, checked
+        // against DIR's manifest with the rest.
+        if a.encoders_from.is_none() && onto.is_some() {
+            g.carried.extend(
+                enc.files
+                    .iter()
+                    .map(|(src, rel)| (rel.clone(), src.clone())),
+            );
+        }
+        g.sources.extend(enc.files);
     }
-    if let Some((x, y)) = manifest::case_collisions(sources.iter().map(|(_, r)| r.as_str())).first()
+    if let Some((x, y)) =
+        manifest::case_collisions(g.sources.iter().map(|(_, r)| r.as_str())).first()
     {
         bail!(
             "{}: '{x}' and '{y}' are the same path on a case-insensitive file system (as on iOS and macOS), so the release could not be unpacked there; rename one",
             a.build_dir.display()
         );
     }
-    if onto.is_some() {
-        carried_paths.extend(c.inputs.hf_sources.iter().map(|(_, rel)| rel.clone()));
+    if let Some(o) = onto.filter(|o| !o.compiled()) {
+        g.carried.extend(
+            c.inputs
+                .hf_sources
+                .iter()
+                .chain(&g.side)
+                .map(|(src, rel)| (rel.clone(), src.clone())),
+        );
+        // Each carried file must be one DIR's manifest lists.
+        for (_, src) in &g.carried {
+            o.listed(src)?;
+        }
     }
-    let mut files = copy_tree(root, &sources, &dirs)?;
-    let side_files = match (onto, &c.ckpt) {
-        (Some(o), _) => {
+    check_zip_early(a, &g, c)?;
+    Ok(g)
+}
+
+/// Refuses, before anything is copied, a `--zip` the app's extractor could
+/// not read already from what is known now: every copied file with its
+/// size, and the files still to be written counted (the required side files
+/// at their sizes, the run book, `manifest.json`, `model.sig`,
+/// `distribution.json`). `write_zip_staged` checks the archive as written.
+fn check_zip_early(a: &PackageRequest, g: &Gathered, c: &Checked) -> Result<()> {
+    let Some(z) = &a.zip else {
+        return Ok(());
+    };
+    let mut entries: Vec<(String, u64)> = Vec::new();
+    for (src, rel) in g.sources.iter().chain(&g.side) {
+        let len = fs::metadata(src)
+            .with_context(|| format!("{}: cannot stat", src.display()))?
+            .len();
+        entries.push((rel.clone(), len));
+    }
+    if c.ckpt.is_some() {
+        for spec in sidefiles::SIDE_FILES.iter().filter(|s| s.required) {
+            let len = match spec.expected(&c.cfg) {
+                sidefiles::Expected::Bytes(n) => n,
+                _ => 0,
+            };
+            entries.push((spec.repository_path(), len));
+        }
+    }
+    let mut written = vec![RUNBOOK_FILE, MANIFEST_FILE, SIG_FILE];
+    if a.base_url.is_some() {
+        written.push(DISTRIBUTION_FILE);
+    }
+    entries.extend(written.into_iter().map(|n| (n.to_string(), 0)));
+    archive::check_app_extractable(z, &entries, archive::stored_size(&entries))
+        .map_err(anyhow::Error::msg)
+}
+
+/// Copies what [`gather`] found into `root` (hashing each file in the same
+/// read), writes the side files there, and checks each package against
+/// build.json (a carried one against DIR's manifest) and each carried file
+/// against DIR's manifest, as copied.
+fn write_files(
+    a: &PackageRequest,
+    build: &Build,
+    c: &Checked,
+    g: Gathered,
+    root: &Path,
+    onto: Option<&Onto>,
+) -> Result<Staged> {
+    let carried = |n: &str| onto.filter(|o| o.carries(n));
+    let mut files = copy_tree(root, &g.sources, &g.dirs)?;
+    let side_files = match (onto.filter(|o| !o.compiled()), &c.ckpt) {
+        (Some(_), _) => {
             let t = std::time::Instant::now();
-            let side = o.side_files();
-            let mut copied = copy_tree(root, &side, &[])?;
-            carried_paths.extend(copied.iter().map(|(rel, _)| rel.clone()));
-            for (spec, rows) in &o.remade {
-                let rel = spec.repository_path();
-                let target = root.join(&rel);
-                if let Some(p) = target.parent() {
-                    fs::create_dir_all(p)
-                        .with_context(|| format!("{}: cannot create", p.display()))?;
-                }
-                sidefiles::write_rope(
-                    &c.cfg,
-                    spec,
-                    rows.unwrap_or(c.inputs.rope_positions),
-                    &target,
-                )?;
-                copied.push((rel, hashing::hash_file(&target)?));
-            }
+            let copied = copy_tree(root, &g.side, &[])?;
             let report = SideFilesReport {
                 files: copied
                     .iter()
@@ -926,27 +1093,64 @@ fn stage_files(
             files.extend(side_digests);
             side_files
         }
-        (None, None) => unreachable!("check() opens the checkpoint without --onto"),
+        (None, None) => unreachable!("check() opens the checkpoint unless --onto a release"),
     };
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     // The held-back blobs count in their packages' trees as built.
-    let mut held: Vec<(String, FileDigest)> = held_back
+    let mut held: Vec<(String, FileDigest)> = g
+        .held_back
         .par_iter()
         .map(|(src, rel)| Ok((rel.clone(), hashing::hash_file(src)?)))
         .collect::<Result<_>>()?;
-    held.extend(held_known);
+    // Each carried file as copied (or hashed, when held back) is the one
+    // DIR's manifest lists: DIR cannot change between its check and the copy.
+    if let Some(o) = onto {
+        let sources: Vec<(&String, &PathBuf)> = g
+            .carried
+            .iter()
+            .map(|(rel, src)| (rel, src))
+            .chain(g.held_back.iter().map(|(src, rel)| (rel, src)))
+            .collect();
+        for (rel, src) in sources {
+            if !src.starts_with(o.dir()) {
+                continue;
+            }
+            let Some((size, sha)) = o.listed(src)? else {
+                continue;
+            };
+            let got = files.iter().chain(&held).find(|(r, _)| r == rel);
+            if let Some((_, d)) = got.filter(|(_, d)| d.size != size || d.hex() != sha) {
+                bail!(
+                    "{}: changed while it was copied (sha256 {}, {} lists {sha}); nothing was published",
+                    src.display(),
+                    d.hex(),
+                    o.dir().join(MANIFEST_FILE).display()
+                );
+            }
+        }
+    }
+    held.extend(g.held_known);
     let all: Vec<(String, FileDigest)> = files.iter().chain(&held).cloned().collect();
-    for (n, pkg) in &pkgs {
-        let recorded = match carried(n) {
-            Some(o) => o.chunk_record(n).0,
-            None => build.chunk_record(n).map(|r| r.sha256_tree.clone()),
+    for (n, pkg, src) in &g.pkgs {
+        let (recorded, by, after) = match carried(n) {
+            Some(o) => (
+                o.chunk_record(n).0,
+                o.dir().join(MANIFEST_FILE),
+                "it was packaged",
+            ),
+            None => (
+                build.chunk_record(n).map(|r| r.sha256_tree.clone()),
+                a.build_dir.join("build.json"),
+                "the build (an interrupted or edited build?)",
+            ),
         };
         let want = recorded.as_deref().unwrap_or("");
         let got = tree_digest(pkg, &all);
         if !want.is_empty() && want != got {
             bail!(
-                "{}: contents differ from what build.json recorded (sha256_tree {want}, now {got}); the package changed after the build",
-                a.build_dir.join(pkg).display()
+                "{}: contents differ from what {} records (sha256_tree {want}, now {got}); the package changed after {after}",
+                src.display(),
+                by.display()
             );
         }
     }
@@ -954,12 +1158,13 @@ fn stage_files(
         files,
         side_files,
         held,
-        planned,
-        carried: carried_paths,
+        planned: g.planned,
+        carried: g.carried.into_iter().map(|(rel, _)| rel).collect(),
+        pkgs: g.pkgs,
     })
 }
 
-/// What `stage_files` wrote.
+/// What `write_files` wrote.
 struct Staged {
     /// Every file of the release so far with its digest.
     files: Vec<(String, FileDigest)>,
@@ -969,8 +1174,10 @@ struct Staged {
     held: Vec<(String, FileDigest)>,
     /// The shares of the entries the release serves.
     planned: Vec<downloader::PlannedShare>,
-    /// The release paths of the files carried from `--onto`'s release.
+    /// The release paths of the files carried from `--onto`'s DIR.
     carried: Vec<String>,
+    /// Each package: (name, release path, the folder it came from).
+    pkgs: Vec<(String, String, PathBuf)>,
 }
 
 /// The shares of the download entries a release of `a.layout` serves.
@@ -985,16 +1192,28 @@ fn planned_shares(a: &PackageRequest, build: &Build) -> Result<Vec<downloader::P
 
 pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     let build = Build::load(&a.build_dir)?;
-    let onto = a
-        .onto
-        .as_deref()
-        .map(|d| Onto::open(d, &build))
-        .transpose()?;
+    let onto = match &a.onto {
+        Some(d) => Some(Onto::open(d, &build, &onto_trust(a)?)?),
+        None => None,
+    };
+    if let (Some(o), Some(h)) = (onto.as_ref().filter(|o| !o.compiled()), &a.hf_dir) {
+        return Err(ReleaseInputError::Option {
+            option: "--hf-dir",
+            message: format!(
+                "{}: --onto a release carries the side files and hf_model/ from {}; --hf-dir names the checkpoint only for an upstream bundle",
+                h.display(),
+                o.dir().display()
+            ),
+        }
+        .into());
+    }
     let build = match &onto {
         Some(o) => o.augment(&build),
         None => build,
     };
     let c = check(a, &build, onto.as_ref())?;
+    // Every input read and checked: only now is anything written.
+    let gathered = gather(a, &build, &c, onto.as_ref())?;
     let _lock = OutputLock::take(&a.output, a.on_locked)?;
     let staging = Staging::new(&c.inputs.parent)?;
     let root = staging.dir.join(&c.inputs.name);
@@ -1005,7 +1224,8 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         held,
         planned,
         carried,
-    } = stage_files(a, &build, &c, &root, onto.as_ref())?;
+        pkgs,
+    } = write_files(a, &build, &c, gathered, &root, onto.as_ref())?;
     let Checked {
         chunks,
         audit_errors,
@@ -1037,7 +1257,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         mark_compiled(&mut m, o, &a.compiled);
     }
     let all: Vec<(String, FileDigest)> = files.iter().chain(&held).cloned().collect();
-    m.shares = check_shares(&a.build_dir, &m, &planned, &all)?;
+    m.shares = check_shares(&a.build_dir, &pkgs, &m, &planned, &all)?;
     files.push(write_runbook(&root, &m)?);
     files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     if let Some(base) = inputs.base_url {
@@ -1046,6 +1266,11 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         files.sort_by(|a, b| hashing::cmp_components(&a.0, &b.0));
     }
     m.list_files(&files, inputs.base_url);
+    let sizes: BTreeMap<&str, u64> = files.iter().map(|(p, d)| (p.as_str(), d.size)).collect();
+    let kinds: Vec<_> = m.decode_layouts.iter().map(|l| l.kind).collect();
+    for w in downloader::oversized(&kinds, &|p| sizes.get(p).copied()) {
+        eprintln!("warning: {w}");
+    }
     if let Some(o) = &onto {
         mark_carried(&mut m, o, &carried, &all);
     }
@@ -1073,8 +1298,8 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
     let zip_report = match zip {
         Some((tmp_zip, tmp_sha, digest)) => {
             let z = a.zip.as_ref().expect("zip requested");
-            moves.push((tmp_zip, z.clone()));
-            moves.push((tmp_sha, archive::digest_path(z)));
+            moves.push((tmp_zip.publishing(), z.clone()));
+            moves.push((tmp_sha.publishing(), archive::digest_path(z)));
             Some((z.clone(), digest))
         }
         None => None,
@@ -1090,6 +1315,29 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         hf_model: hf_sources.into_iter().map(|(_, r)| r).collect(),
         audit_errors,
         audit_warnings,
+    })
+}
+
+/// How `--onto`'s DIR is verified: with `--onto-public-key`, else with the
+/// public key of `--key` (a release carried forward by its own signer);
+/// not at all with `--allow-unverified-onto`.
+fn onto_trust(a: &PackageRequest) -> Result<crate::onto::Trust> {
+    use crate::onto::Trust;
+    if a.allow_unverified_onto {
+        return Ok(Trust::Unverified);
+    }
+    Ok(match &a.onto_public_key {
+        Some(p) => Trust::Key {
+            key: sign::load_public_key(p)?,
+            from: format!("--onto-public-key {}", p.display()),
+        },
+        None => Trust::Key {
+            key: *sign::load_private_key(&a.key)?.verifying_key(),
+            from: format!(
+                "the public key of --key {} (give DIR's own with --onto-public-key)",
+                a.key.display()
+            ),
+        },
     })
 }
 
@@ -1156,6 +1404,7 @@ fn mark_compiled(m: &mut Manifest, o: &Onto, compiled: &Compiled) {
 /// included.
 fn check_shares(
     build_dir: &Path,
+    pkgs: &[(String, String, PathBuf)],
     m: &Manifest,
     planned: &[downloader::PlannedShare],
     files: &[(String, FileDigest)],
@@ -1165,20 +1414,27 @@ fn check_shares(
             .and_then(|p| files.iter().find(|(rel, _)| *rel == p))
             .map(|(_, d)| *d)
     };
-    let built = |package: &str| {
-        build_dir
+    // Each blob where it came from: the build folder, or `--onto`'s DIR.
+    let built = |package: &str| match pkgs.iter().find(|(n, _, _)| n == package) {
+        Some((_, rel, src)) => src.join(downloader::blob_in(rel)),
+        None => build_dir
             .join(format!("{package}.mlpackage"))
-            .join(downloader::PACKAGE_BLOB)
+            .join(downloader::PACKAGE_BLOB),
     };
     let mut out = Vec::new();
     for s in planned {
         let (Some(own), Some(src)) = (digest(s.package), digest(s.from)) else {
+            let missing = if digest(s.from).is_none() {
+                s.from
+            } else {
+                s.package
+            };
             bail!(
-                "{}: the release has no {} or {} to share a weight blob between (the app's {} download needs both)",
-                build_dir.display(),
-                s.package,
+                "{}: missing: the app's {} download shares {}'s weight blob into {}, which needs both",
+                built(missing).display(),
+                s.by.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>().join(", "),
                 s.from,
-                s.by.iter().map(|(c, _)| c.as_str()).collect::<Vec<_>>().join(", ")
+                s.package
             );
         };
         if own != src {
@@ -1214,7 +1470,7 @@ fn check_shares(
 /// Writes `DEVICE_RUNBOOK.md` into `root`, rendered from the manifest (the
 /// run book reads no file list, so the manifest before its files are listed
 /// says the same); returns its path in the release and digest.
-fn write_runbook(root: &Path, m: &Manifest) -> Result<(String, FileDigest)> {
+pub fn write_runbook(root: &Path, m: &Manifest) -> Result<(String, FileDigest)> {
     write_text(
         root,
         RUNBOOK_FILE,
@@ -1224,7 +1480,7 @@ fn write_runbook(root: &Path, m: &Manifest) -> Result<(String, FileDigest)> {
 
 /// Writes `value` as pretty JSON to `root/name`; returns its path in the
 /// release and digest.
-fn write_json<T: serde::Serialize>(
+pub fn write_json<T: serde::Serialize>(
     root: &Path,
     name: &str,
     value: &T,
@@ -1266,14 +1522,24 @@ pub fn sign_into(
 
 /// Writes the archive and its digest file beside their final names under
 /// temporary names; they are renamed into place after the release.
-fn write_zip_staged(root: &Path, z: &Path) -> Result<(PathBuf, PathBuf, String)> {
+/// They are removed if the run fails or is interrupted before the publish.
+fn write_zip_staged(root: &Path, z: &Path) -> Result<(TempFile, TempFile, String)> {
     let (dir, fname) = split_path(z, "--zip needs a file name")?;
     fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;
-    let tmp_zip = dir.join(format!(".{fname}.tmp-{}", std::process::id()));
-    let tmp_sha = dir.join(format!(".{fname}.sha256.tmp-{}", std::process::id()));
-    let digest = archive::write(root, &tmp_zip)?;
-    fs::write(&tmp_sha, archive::digest_line(&digest, &fname))
-        .with_context(|| format!("{}: cannot write", tmp_sha.display()))?;
+    let tmp_zip = TempFile::new(dir.join(format!(".{fname}.tmp-{}", std::process::id())));
+    let tmp_sha = TempFile::new(dir.join(format!(".{fname}.sha256.tmp-{}", std::process::id())));
+    let digest = archive::write(root, &tmp_zip.path, z)?;
+    let bytes = fs::metadata(&tmp_zip.path).map_or(0, |m| m.len());
+    let why = archive::app_route(&archive::names(&tmp_zip.path).unwrap_or_default(), bytes);
+    if !why.is_empty() {
+        eprintln!(
+            "note: {} is the release for mirrors and `verify --archive`; the app's zip route cannot download it: {}; the app downloads a release file by file from its Hugging Face repository",
+            z.display(),
+            why.join("; ")
+        );
+    }
+    fs::write(&tmp_sha.path, archive::digest_line(&digest, &fname))
+        .with_context(|| format!("{}: cannot write", tmp_sha.path.display()))?;
     Ok((tmp_zip, tmp_sha, digest))
 }
 
@@ -1288,6 +1554,7 @@ pub fn copy_sign_publish(src: &Path, out: &Path, key: &p256::ecdsa::SigningKey) 
     let root = staging.dir.join(&name);
     fs::create_dir(&root).with_context(|| format!("{}: cannot create", root.display()))?;
     let tree = hashing::walk(src, &|r| r == SIG_FILE)?;
+    tree.refuse_odd(src)?;
     let sources: Vec<(PathBuf, String)> = tree
         .files
         .iter()

@@ -39,9 +39,10 @@ fn durable() -> bool {
 /// publish at every point. `CHUNKFORGE_TEST_FAIL_AT_STEP=N` makes that step
 /// fail with an I/O error instead. `CHUNKFORGE_TEST_NO_EXCHANGE=1` takes the
 /// three-rename path used on file systems without an atomic exchange.
-/// `CHUNKFORGE_TEST_PAUSE_AFTER=lock|recovery` makes the run stop (say so on
-/// stderr, then sleep) once it has taken its output's lock, or once it has
-/// undone what killed runs left ([`test_pause`]), so a test can interrupt it
+/// `CHUNKFORGE_TEST_PAUSE_AFTER=lock|recovery|copy` makes the run stop (say so on
+/// stderr, then sleep) once it has taken its output's lock, once it has
+/// undone what killed runs left, or (`client-check --materialize`) as it
+/// copies its first file ([`test_pause`]), so a test can interrupt it
 /// exactly there.
 #[cfg(feature = "test-hooks")]
 mod hooks {

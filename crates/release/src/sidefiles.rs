@@ -433,11 +433,14 @@ pub fn write_side_files(req: &SideFilesRequest) -> Result<SideFilesReport> {
     // INT8 tables' row scales, by table, until their own row writes them.
     let mut row_scales: Vec<(&str, Vec<f16>)> = Vec::new();
     for spec in SIDE_FILES {
+        crate::staging::stop_if_interrupted();
         let t = Instant::now();
         let rel = spec.path_in(req.repository);
         let target = req.dest.join(&rel);
+        // One level below `dest` (`swa/`), never `dest` itself: nothing is
+        // made again in a staging folder that Ctrl-C removed.
         if let Some(dir) = target.parent().filter(|d| !d.is_dir()) {
-            fs::create_dir_all(dir).map_err(|source| SideFilesError::Io {
+            fs::create_dir(dir).map_err(|source| SideFilesError::Io {
                 path: dir.to_path_buf(),
                 action: "create the folder",
                 source,
@@ -1225,59 +1228,6 @@ impl RopeTable {
     }
 }
 
-/// The first row of the RoPE table at `path` (a `.npy` file, any row count)
-/// that is not what `cfg` gives for side file `spec`, with the row count;
-/// None for a row when every row agrees. Upstream's main-branch generator
-/// rotates every pair of the full layers, transformers only the first
-/// `partial_rotary_factor` of them: this tells the two apart.
-pub fn rope_mismatch(
-    cfg: &TextConfig,
-    spec: &SideFileSpec,
-    path: &Path,
-) -> Result<(Option<usize>, usize)> {
-    let MadeFrom::Rope(kind, wave) = spec.made_from else {
-        return Ok((None, 0));
-    };
-    let io_err = |e| SideFilesError::Io {
-        path: path.to_path_buf(),
-        action: "read",
-        source: e,
-    };
-    let bytes = std::fs::read(path).map_err(io_err)?;
-    // .npy 1.0: magic (6), version (2), header length (u16 LE), header.
-    let start = bytes
-        .get(8..10)
-        .map(|h| 10 + usize::from(u16::from_le_bytes([h[0], h[1]])))
-        .unwrap_or(bytes.len())
-        .min(bytes.len());
-    let table = RopeTable::of(cfg, kind);
-    let width = 2 * table.head_dim();
-    let data = &bytes[start..];
-    let mut row = vec![0u8; width];
-    let rows = data.len() / width;
-    for (p, got) in data.chunks_exact(width).enumerate() {
-        table.row(wave, p, &mut row);
-        if got != row.as_slice() {
-            return Ok((Some(p), rows));
-        }
-    }
-    Ok((None, rows))
-}
-
-/// Writes side file `spec` (a RoPE table) of `positions` rows to `target`,
-/// as `write_side_files` does.
-pub fn write_rope(
-    cfg: &TextConfig,
-    spec: &SideFileSpec,
-    positions: usize,
-    target: &Path,
-) -> Result<u64> {
-    match spec.made_from {
-        MadeFrom::Rope(kind, wave) => RopeTable::of(cfg, kind).write(wave, positions, target),
-        _ => unreachable!("{} is not a RoPE table", spec.name),
-    }
-}
-
 /// A `.npy` version 1.0 header for a C-order little-endian fp16 array of
 /// `shape`, byte for byte what `numpy.save` writes: the dict, spare spaces
 /// for growing the first axis, padding to a multiple of 64 bytes, a newline.
@@ -1811,25 +1761,6 @@ mod tests {
             t.row(Wave::Cos, p, &mut row);
             assert_eq!(body[p * 16..(p + 1) * 16], row[..], "position {p}");
         }
-        fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn rope_mismatch_tells_all_pairs_rotated_from_the_configs() {
-        let dir = temp_dir("rope-mismatch");
-        let cfg = tiny_config(&dir);
-        let spec = SIDE_FILES.iter().find(|s| s.name == COS_FULL).unwrap();
-        let ours = dir.join("ours.npy");
-        write_rope(&cfg, spec, 6, &ours).unwrap();
-        assert_eq!(rope_mismatch(&cfg, spec, &ours).unwrap(), (None, 6));
-        // Every pair rotating, as upstream's generator writes it: row 0 (all
-        // angles 0) agrees, row 1 does not.
-        assert!(cfg.partial_rotary_factor_full < 1.0);
-        let theirs = dir.join("theirs.npy");
-        RopeTable::new(cfg.global_head_dim, cfg.rope_theta_full, 1.0)
-            .write(Wave::Cos, 6, &theirs)
-            .unwrap();
-        assert_eq!(rope_mismatch(&cfg, spec, &theirs).unwrap(), (Some(1), 6));
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -22,6 +22,67 @@ const STAGING_PREFIX: &str = ".chunkforge-staging-";
 /// Staging folders of this process, removed by the Ctrl-C handler.
 static LIVE_STAGING: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
 
+/// Set by the Ctrl-C handler before it removes the staging folders: every
+/// copy loop checks it before it starts a file ([`stop_if_interrupted`]).
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Called before a copy starts a file: once Ctrl-C (or SIGTERM) is being
+/// handled, it never returns (the handler removes the staging folders and
+/// ends the process), so no file is started, and no error races the
+/// handler's exit status and message.
+pub fn stop_if_interrupted() {
+    if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        }
+    }
+}
+
+/// Temporary files this process writes beside their final names (an
+/// archive and its digest file), removed by the Ctrl-C handler.
+static LIVE_TEMPS: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// A temporary file beside its final name: removed when dropped (a failed
+/// run leaves nothing) and by the Ctrl-C handler, until [`TempFile::publishing`]
+/// hands it to a publish (which moves it, or after a failure keeps what the
+/// next run needs to put the previous outputs back).
+pub struct TempFile {
+    pub path: PathBuf,
+    armed: bool,
+}
+
+impl TempFile {
+    /// Registers `path` before anything creates it.
+    pub fn new(path: PathBuf) -> Self {
+        if let Ok(mut v) = LIVE_TEMPS.lock() {
+            v.push(path.clone());
+        }
+        TempFile { path, armed: true }
+    }
+
+    /// The path, now the publish's to move or keep.
+    pub fn publishing(mut self) -> PathBuf {
+        self.armed = false;
+        self.forget();
+        std::mem::take(&mut self.path)
+    }
+
+    fn forget(&self) {
+        if let Ok(mut v) = LIVE_TEMPS.lock() {
+            v.retain(|p| p != &self.path);
+        }
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = fs::remove_file(&self.path);
+            self.forget();
+        }
+    }
+}
+
 /// Child processes writing into this process's staging folders (a build's
 /// conversion workers): the Ctrl-C handler kills and reaps them first, so
 /// nothing writes into a staging folder after it is removed.
@@ -89,6 +150,8 @@ pub fn note_output(output: &Path) {
 /// `ExitStatus::Interrupted`, 130).
 pub fn install_interrupt_handler(exit_code: i32) {
     let _ = ctrlc::set_handler(move || {
+        // Copies stop starting files first; a publish under way finishes.
+        INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
         let _publishing = PUBLISH_LOCK.lock();
         let children = LIVE_CHILDREN.lock().map(|v| v.clone()).unwrap_or_default();
         for pid in children {
@@ -103,12 +166,18 @@ pub fn install_interrupt_handler(exit_code: i32) {
         // A folder with a journal holds previous entries a failed publish
         // could not put back: left for the next run to recover.
         for d in dirs.iter().filter(|d| !publish::has_journal(d)) {
-            // The main thread may still be writing into it: retry until it is gone.
-            for _ in 0..20 {
-                if fs::remove_dir_all(d).is_ok() || !d.exists() {
+            // A copy may still be finishing a file in it (none starts
+            // another, and none makes a folder): retry until it is gone.
+            for _ in 0..100 {
+                if fs::remove_dir_all(d).is_ok() && !d.exists() {
                     break;
                 }
+                std::thread::sleep(std::time::Duration::from_millis(20));
             }
+        }
+        let temps = LIVE_TEMPS.lock().map(|v| v.clone()).unwrap_or_default();
+        for t in temps {
+            let _ = fs::remove_file(t);
         }
         release_held_locks();
         eprintln!("\n{}", interrupt_report(&dirs));

@@ -66,6 +66,12 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
         anyhow::bail!("{}: {why}", dir.display());
     }
     let key = sign::load_public_key(&a.public_key)?;
+    Ok(verify_with(dir, &key, a.archive.as_deref()))
+}
+
+/// [`verify`] of the release folder `dir` with `key` (and the archive
+/// `archive`): what `package --onto` checks DIR with.
+pub fn verify_with(dir: &Path, key: &p256::ecdsa::VerifyingKey, zip: Option<&Path>) -> Report {
     let mut r = Report::default();
     let p = &mut r.problems;
     let sig_path = dir.join(SIG_FILE);
@@ -74,19 +80,19 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
     match std::fs::symlink_metadata(&sig_path).map(|m| m.file_type()) {
         Ok(t) if t.is_symlink() => {
             p.push(format!("{SIG_FILE}: is a symlink"));
-            return Ok(r);
+            return r;
         }
         Ok(t) if !t.is_file() => {
             p.push(format!("{SIG_FILE}: is not a regular file"));
-            return Ok(r);
+            return r;
         }
         _ => {}
     }
-    let v = match sign::verify_bundle(&sig_path, &key) {
+    let v = match sign::verify_bundle(&sig_path, key) {
         Ok(v) => v,
         Err(e) => {
             p.push(e.to_string());
-            return Ok(r);
+            return r;
         }
     };
 
@@ -130,7 +136,7 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
         Ok(t) => t,
         Err(e) => {
             p.push(e.to_string());
-            return Ok(r);
+            return r;
         }
     };
     for l in &tree.symlinks {
@@ -141,8 +147,11 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
     for s in &tree.special {
         p.push(format!("{s}: is not a regular file"));
     }
-    for u in &tree.unreadable_names {
-        p.push(format!("{u}: file name is not valid UTF-8"));
+    for b in &tree.bad_names {
+        p.push(format!(
+            "{}: file name {}, so it is not one plain path component (not hashed: it names no signed file)",
+            b.path, b.why
+        ));
     }
 
     let digests = hashing::hash_all(dir, &tree.files);
@@ -213,7 +222,7 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
         }
     }
 
-    if let Some(zip) = &a.archive {
+    if let Some(zip) = zip {
         let (entries, mut zp) = archive::check(zip);
         p.append(&mut zp);
         let mut expected: Vec<(String, [u8; 32])> =
@@ -224,7 +233,7 @@ pub fn verify(a: &VerifyArgs) -> Result<Report> {
         }
         p.extend(archive::compare(zip, &entries, &expected));
     }
-    Ok(r)
+    r
 }
 
 /// Checks `manifest.json` at `mpath` against the signed list and the files
@@ -298,7 +307,53 @@ pub fn check_manifest(
             ));
         }
     }
+    check_other_paths(&m, signed, p);
     check_shares(&m, actual, p);
+}
+
+/// The manifest's other paths stay in the folder: each `chunks[].file` is
+/// its package's folder there ([`manifest::check_package_file`]: never
+/// absolute, never `..`) holding signed files, each `shared_blobs[].paths`
+/// entry a safe relative path. `run`, `client-check` and `package --onto`
+/// read packages where `chunks[].file` says.
+fn check_other_paths(m: &Value, signed: &BTreeMap<String, [u8; 32]>, p: &mut Vec<String>) {
+    let chunks = m.get("chunks").and_then(Value::as_array);
+    for (i, c) in chunks.into_iter().flatten().enumerate() {
+        let text = |k: &str| c.get(k).and_then(Value::as_str);
+        let (Some(name), Some(file)) = (text("name"), text("file")) else {
+            p.push(format!(
+                "{MANIFEST_FILE}: chunks[{i}] needs a name and a file"
+            ));
+            continue;
+        };
+        match manifest::check_package_file(name, file) {
+            Err(e) => p.push(format!("{MANIFEST_FILE}: chunks[{i}].file {e}")),
+            Ok(()) => {
+                let inside = format!("{file}/");
+                if !signed.keys().any(|k| k.starts_with(&inside)) {
+                    p.push(format!(
+                        "{MANIFEST_FILE}: chunks[{i}].file '{file}' holds no signed file"
+                    ));
+                }
+            }
+        }
+    }
+    let blobs = m.get("shared_blobs").and_then(Value::as_array);
+    for (i, b) in blobs.into_iter().flatten().enumerate() {
+        let paths = b.get("paths").and_then(Value::as_array);
+        for path in paths.into_iter().flatten() {
+            let Some(path) = path.as_str() else { continue };
+            if let Err(why) = check_rel_path(path) {
+                p.push(format!(
+                    "{MANIFEST_FILE}: shared_blobs[{i}].paths: '{path}' {why}"
+                ));
+            } else if !signed.contains_key(path) {
+                p.push(format!(
+                    "{MANIFEST_FILE}: shared_blobs[{i}].paths: '{path}' is not a signed file"
+                ));
+            }
+        }
+    }
 }
 
 /// The weight blobs the app's downloader links or copies between packages

@@ -13,8 +13,12 @@ and that the packages' contracts are the plan of ``hf_model/config.json``.
 The prompt is prefilled by prefill_chunk1..4 into four-chunk caches, copied
 into the decode layout by the manifest's slot map, then decoded token by
 token, or with ``speculate`` K: K tokens per ``verify_qK`` call of chunk1..4
-(the last accepted token and K-1 prompt-lookup drafts), the accepted rows
-committed to the caches.
+(the last accepted token and K-1 prompt-lookup drafts), committed as the
+runtime build does (``verify_commit``): main writes the accepted rows into
+its caches; the branch copies the caches ``verify_qK`` returns back whole,
+every row written, and only advances the position past the accepted ones,
+so the rows of rejected drafts stay in the window caches, where the next
+steps attend to them.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import weights
 from ..contract import ChunkPlan, Dims, FunctionPlan, RunLayout, RunRequest, RunResult, Speculation
 from ..mil.chunk import ProgramChunk
 from ..mil.inspect import const_key, function_descriptions, io, read_package
 from ..mil.interp import Interpreter
 from ..model import Chunk
 from ..roles import ROPE, Key
-from ..runtime import ChunkforgeError
+from ..runtime import ChunkforgeError, release_memory
 from .stepper import Caches, LayoutRunner, PrefillRunner, copy_slots, empty_caches, write_prefill_kv
 from .stepper import function_of as find_function
 
@@ -295,10 +300,15 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
     tell(f"prefill: {n_prefill} of the prompt's {len(prompt)} tokens, one prefill_b{n_call} call ({prefill_names})")
     pre = prefill.run(emb, prompt[:n_prefill])
     margin = top_margin(prefill.modules[req["prefill"]["chunks"][-1]["name"]].last_logits)
-    # The runtime calls prefill once per prompt: let go of its programs.
+    # The runtime calls prefill once per prompt: let go of its programs, and
+    # of its weights in the resident budget, which the decode layout's need
+    # (at E4B size each holds about 2 GB of INT4 weights; those both read,
+    # from one blob, are read again once).
     del prefill, prefill_modules
     for c in req["prefill"]["chunks"]:
         programs.pop(c["name"], None)
+    weights.RESIDENT.release(lambda key: False)
+    release_memory()
     caches: Caches = empty_caches(reference["chunks"], torch.float32)
     write_prefill_kv(caches, reference["chunks"], pre["kv"], n_prefill, dims["sliding_window"])
     del pre["kv"]
@@ -320,7 +330,15 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
     margins = [margin]
     stopped = "eos" if token in eos else ""
     pos = len(prompt)
-    spec: Speculation = {"k": speculate, "calls": 0, "accepted_drafts": 0, "drafts": 0}
+    commit = req["verify_commit"]
+    spec: Speculation = {
+        "k": speculate,
+        "calls": 0,
+        "accepted_drafts": 0,
+        "drafts": 0,
+        "commit": commit,
+        "stale_rows": 0,
+    }
     t1 = time.perf_counter()
     while not stopped:
         if len(generated) >= req["max_tokens"]:
@@ -337,7 +355,11 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
             accepted = 1
             while accepted < speculate and tokens[accepted] == out["tokens"][accepted - 1]:
                 accepted += 1
-            runner.commit(out["new"], pos, accepted)
+            if commit == "write-through":
+                runner.commit_through(out["through"])
+                spec["stale_rows"] += speculate - accepted
+            else:
+                runner.commit(out["new"], pos, accepted)
             spec["calls"] += 1
             spec["drafts"] += speculate - 1
             spec["accepted_drafts"] += accepted - 1

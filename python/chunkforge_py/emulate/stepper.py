@@ -296,6 +296,8 @@ class LayoutRunner:
         """Chunk ``c`` of one ``verify_qK`` call (`call`), its new K/V rows kept."""
         out = self.call(c, self.verify_modules(), feeds, result)
         result.setdefault("new", {})[c["name"]] = {key: v for key, v in out.items() if key.role in NEW_ROW_ROLES}
+        # The caches with all K rows written (the branch's write-through contract).
+        result.setdefault("through", {})[c["name"]] = {key: v for key, v in out.items() if key.role in CACHE_ROLES}
 
     @staticmethod
     def verified(result: dict[str, Any], k: int) -> dict[str, Any]:
@@ -306,6 +308,7 @@ class LayoutRunner:
             "hidden": head[Key("hidden_out")].detach().float().view(k, -1),
             "trace": {layer: h.view(k, -1) for layer, h in result["trace"].items()},
             "new": result["new"],
+            "through": result["through"],
         }
 
     def commit(self, new: Caches, pos: int, k: int, chunks: list[ChunkPlan] | None = None) -> None:
@@ -329,6 +332,21 @@ class LayoutRunner:
                         upd = old.clone()
                         upd[:, :, pos : pos + k] = rows
                         cache[Key(cache_role)] = upd
+
+    def commit_through(self, through: Caches) -> None:
+        """The branch's commit (ChunkedEngine.swift at 4cd6c6c, ``copyBack``
+        in ``verifyCandidates``): every chunk's caches replaced by the
+        write-through caches its ``verify_qK`` returned, all K rows written
+        whatever was accepted; its ``commitAccepted`` then only advances the
+        position, so rejected rows stay in the window caches."""
+        for c in self.chunks:
+            written = through.get(c["name"], {})
+            cache = self.caches[c["name"]]
+            for key in list(cache):
+                if key.role in CACHE_ROLES:
+                    if key not in written:
+                        raise ValueError(f"{c['name']}: verify_qK returns no {key.role} cache to copy back")
+                    cache[key] = written[key]
 
     def load_prefill_kv(self, layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
         """Write prefill's per-layer K/V of positions 0..n-1 into this layout's
@@ -516,11 +534,16 @@ class PrefillRunner:
             }
         self.modules = modules
         self.rope: RopeSource = rope or (lambda pos, dt, n: rope_rows(dims, pos, dt, n))
+        # Whether the padding's projections are skipped (the native kernels'
+        # `live` tokens; the dense path computes every row).
+        self.skip_padding = weights.kernels()
 
     def run(self, emb: EmbeddingSource, prompt: list[int]) -> dict[str, Any]:
         """Prefill ``prompt`` (padded to the function's length with its last
         token): the token after it, its logit, every own-KV layer's K/V rows
-        and the per-layer hidden states [n, H]."""
+        of the prompt [1, kv, n, hd] and the per-layer hidden states [n, H].
+        With ``skip_padding`` (the default where the kernels run) the
+        padding's projections are not computed: what is returned is the same."""
         n, dt = len(prompt), torch.float32
         if not 0 < n <= self.tokens:
             raise ValueError(f"a prefill call of {self.tokens} tokens cannot take {n}")
@@ -534,17 +557,25 @@ class PrefillRunner:
             Key("last_position_mask"): last,
             **self.rope(0, dt, self.tokens),
         }
-        outs, trace = chain(self.chunks, self.modules, feeds)
+        if self.skip_padding:
+            # The padding's projections are not computed (`weights.live_tokens`
+            # says why that leaves every real row as it is); only the real
+            # rows are returned.
+            with weights.live_tokens(n, self.tokens):
+                outs, trace = chain(self.chunks, self.modules, feeds)
+        else:
+            outs, trace = chain(self.chunks, self.modules, feeds)
         layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for c in self.chunks:
             out = outs[c["name"]]
             for key, k_rows in out.items():
                 if key.role == "layer_k" and key.layer is not None:
-                    layer_kv[key.layer] = (k_rows, out[Key("layer_v", layer=key.layer)])
+                    layer_kv[key.layer] = (k_rows[:, :, :n], out[Key("layer_v", layer=key.layer)][:, :, :n])
             # Producer layers (only a model with KV sharing has them) hand on
             # their K/V as shared KV, not as their layer's rows.
             for use in c["emits"]:
-                layer_kv[use["layer"]] = (out[Key("shared_k", use["alias"])], out[Key("shared_v", use["alias"])])
+                k, v = out[Key("shared_k", use["alias"])], out[Key("shared_v", use["alias"])]
+                layer_kv[use["layer"]] = (k[:, :, :n], v[:, :, :n])
         head = outs[self.chunks[-1]["name"]]
         return {
             "token": int(head[Key("token_id")][0]),

@@ -41,11 +41,12 @@ def const_key(name: str) -> str:
     return name
 
 
-def read_package(path: str, program: bool = True) -> tuple[Any, Any, str]:
+def read_package(path: str, program: bool = True, weights_dir: str | None = None) -> tuple[Any, Any, str]:
     """A saved package's spec, its MIL program (None with ``program=False`` or
     for a non-ML-program model) and the default function's name, read without
     loading the model (works on Linux). Every function of a chunkforge
-    multifunction package holds the same weights."""
+    multifunction package holds the same weights. ``weights_dir``: the folder
+    of the blob it reads, when not its own (shared in by the app's download)."""
     from coremltools.converters.mil.frontend.milproto.load import load as mil_load
 
     # The spec is read straight from the package's files: coremltools'
@@ -54,7 +55,7 @@ def read_package(path: str, program: bool = True) -> tuple[Any, Any, str]:
     spec, model_file = read_model_spec(path)
     prog = None
     if program and spec.WhichOneof("Type") == "mlProgram":
-        weights = os.path.join(os.path.dirname(model_file), "weights")
+        weights = weights_dir or os.path.join(os.path.dirname(model_file), "weights")
         prog = mil_load(spec, specification_version=spec.specificationVersion, file_weights_dir=weights)
     return spec, prog, spec.description.defaultFunctionName or "main"
 
@@ -79,7 +80,7 @@ def function_descriptions(spec: Any) -> list[FunctionDescription]:
 
 def describe(args: DescribeArgs) -> PackageDescription:
     path = args["path"]
-    spec, prog, default = read_package(path)
+    spec, prog, default = read_package(path, weights_dir=args["weights"])
     kind = spec.WhichOneof("Type")
     desc = spec.description
     functions = function_descriptions(spec)

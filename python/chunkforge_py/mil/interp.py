@@ -42,11 +42,13 @@ the weights that budget holds plus one at a time.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -54,7 +56,7 @@ import torch
 
 from ..contract import ExecRequest, ExecResult
 from ..runtime import ChunkforgeError
-from ..weights import Lazy, value_of
+from ..weights import Lazy, Stored, kernels, value_of
 from . import ops
 from .ops import CONSTEXPR, OPS, Impl, OpError
 from .program import FLOATS, MLPackage, TensorType, tensor_type
@@ -126,6 +128,12 @@ class Step:
     lists: list[tuple[str, list[tuple[int, Any]]]]
     outputs: list[tuple[int, TensorType]]
     free: list[int] = field(default_factory=list)
+    # What `Function.run_torch` reads, prepared once: the constant inputs
+    # as the op takes them, those made on use (`Lazy`), and each output's
+    # declared shape (None when not fully known) and type.
+    fixed: dict[str, Any] = field(default_factory=dict)
+    made: list[tuple[str, Lazy]] = field(default_factory=list)
+    checks: list[tuple[int, tuple[int, ...] | None, str]] = field(default_factory=list)
 
 
 # What one binding of an op input resolves to: a slot (>= 0) or a constant.
@@ -153,6 +161,7 @@ class Function:
             self.inputs.append(IoSpec(inp.name, t.dtype, tuple(int(d) for d in t.shape if d is not None)))
             self._slot(inp.name)
         self.steps: list[Step] = []
+        self._taps: dict[tuple[str, ...], dict[int, list[tuple[str, int]]]] = {}
         self.op_types: dict[str, int] = {}
         for op in block.operations:
             self.op_types[op.type] = self.op_types.get(op.type, 0) + 1
@@ -214,9 +223,12 @@ class Function:
         dynamic: list[tuple[str, int]] = []
         lists: list[tuple[str, list[Binding]]] = []
         key_parts = [op.type.encode()]
+        weight_key = b""
         for arg in sorted(op.inputs):
             bindings = [self._binding(b, f"{what} input {arg}") for b in op.inputs[arg].arguments]
             key_parts += [arg.encode()] + [k for _, k in bindings]
+            if arg == "weight" and len(bindings) == 1:
+                weight_key = bindings[0][1]
             resolved = [r for r, _ in bindings]
             # Variadic inputs (concat's values) are lists even with one element.
             if arg == "values" and op.type in ("concat", "stack"):
@@ -228,6 +240,9 @@ class Function:
             else:
                 static[arg] = resolved[0][1]
         outputs = [(o.name, tensor_type(o.type, f"{self.where}: {what} output {o.name}")) for o in op.outputs]
+        if op.type in STORED_OPS and "weight" in static and kernels():
+            # A projection reads its fp16 (or fp32) constant as stored.
+            static["weight"] = self.interp.stored_const(weight_key, static["weight"])
         if op.type in CONSTEXPR:
             if dynamic or any(s >= 0 for _, items in lists for s, _ in items):
                 raise ChunkforgeError(f"{self.where}: {what}: a compile-time op reads a runtime value")
@@ -246,17 +261,13 @@ class Function:
             self.consts[name] = value
             self.const_keys[name] = key
             return
-        self.steps.append(
-            Step(
-                op.type,
-                name,
-                impl,
-                static,
-                dynamic,
-                lists,
-                [(self._slot(n), t) for n, t in outputs],
-            )
-        )
+        step = Step(op.type, name, impl, static, dynamic, lists, [(self._slot(n), t) for n, t in outputs])
+        step.fixed = {
+            k: ops.parameter(op.type, k, served(op.type, k, v)) for k, v in static.items() if not isinstance(v, Lazy)
+        }
+        step.made = [(k, v) for k, v in static.items() if isinstance(v, Lazy)]
+        step.checks = [(slot, known(t.shape), t.dtype) for slot, t in step.outputs]
+        self.steps.append(step)
 
     def _nibbles(
         self,
@@ -265,20 +276,23 @@ class Function:
         shape: tuple[int, ...],
         outputs: list[tuple[str, TensorType]],
         what: str,
-    ) -> Callable[[], torch.Tensor] | None:
+    ) -> Callable[[], Any] | None:
         """How to make a palettized weight straight from its 4-bit indices as
-        the weight file stores them (`ops.lut_nibbles_to_dense`), or None
+        the weight file stores them: as they are, for the native kernels
+        (`weights.Stored`), or dense (`ops.lut_nibbles_to_dense`); None
         where that does not apply (the op's own implementation runs)."""
         indices, lut = static.get("indices"), static.get("lut")
         if op_type != "constexpr_lut_to_dense" or set(static) - {"indices", "lut", "vector_axis"}:
             return None
-        if dequant_mode() == "unpack":
+        if not kernels() and dequant_mode() == "unpack":
             return None
         if not isinstance(indices, Lazy) or tuple(indices.shape) != shape or not isinstance(lut, Lazy | torch.Tensor):
             return None
         read = self.interp.packed_reader(indices)
         if read is None or ops.lut_of_rows(list(shape), torch.empty(tuple(lut.shape), device="meta")) is None:
             return None
+        if kernels() and len(shape) >= 2:
+            return partial(self._stored_lut4, read, lut, shape, what)
 
         def nibbles(a: dict[str, Any]) -> torch.Tensor:
             palettes = value_of(a["lut"])
@@ -287,6 +301,26 @@ class Function:
             return made if made is not None else ops.lut_to_dense(value_of(indices), palettes, None)
 
         return lambda: self._run_static(nibbles, {"lut": lut}, outputs, what)
+
+    def _stored_lut4(
+        self, read: Callable[[], np.ndarray | None], lut: Any, shape: tuple[int, ...], what: str
+    ) -> Stored:
+        """A 4-bit palettized weight as its weight file stores it, with its
+        LUT widened to float32 (exactly): `weights.Stored`."""
+        rows_lut = ops.lut_of_rows(list(shape), value_of(lut))
+        raw = read()
+        if rows_lut is None or raw is None:
+            raise ChunkforgeError(f"{self.where}: {what}: not a 4-bit per-row-group palettized weight")
+        groups = int(rows_lut.shape[0])
+        count = math.prod(shape)
+        return Stored(
+            "lut4",
+            np.ascontiguousarray(raw[: (count + 1) // 2]),
+            shape,
+            f"{self.where}: {what}",
+            lut=np.ascontiguousarray(rows_lut.float().numpy()),
+            group_rows=shape[0] // groups,
+        )
 
     def _run_static(
         self, impl: Impl, static: dict[str, Any], outputs: list[tuple[str, TensorType]], what: str
@@ -349,14 +383,17 @@ class Function:
         env: list[Any] = [None] * len(self.slots)
         for spec in self.inputs:
             env[self.slots[spec.name]] = settle(inputs[spec.name], spec.dtype, fp16)
-        tap_slots = {n: self.slots[n] for n in taps if n in self.slots}
         missing = [n for n in taps if n not in self.slots and n not in self.consts]
         if missing:
             raise ChunkforgeError(f"{self.where}: no value named {', '.join(missing)}")
+        tap_at = self._tap_steps(taps)
         tapped: dict[str, torch.Tensor] = {}
+        where = self.where
         with torch.no_grad():
-            for step in self.steps:
-                args = {k: value_of(v) for k, v in step.static.items()}
+            for i, step in enumerate(self.steps):
+                args = dict(step.fixed)
+                for k, lazy in step.made:
+                    args[k] = served(step.op_type, k, lazy.get())
                 for k, s in step.dynamic:
                     args[k] = env[s]
                 for k, items in step.lists:
@@ -364,22 +401,22 @@ class Function:
                 try:
                     res = step.impl(args)
                 except (OpError, RuntimeError, ValueError, IndexError, TypeError) as e:
-                    raise ChunkforgeError(f"{self.where}: op {step.op_type} {step.name} failed: {e}") from e
+                    raise ChunkforgeError(f"{where}: op {step.op_type} {step.name} failed: {e}") from e
                 outs = (res,) if isinstance(res, torch.Tensor) else res
-                if len(outs) != len(step.outputs):
+                if len(outs) != len(step.checks):
                     raise ChunkforgeError(
-                        f"{self.where}: op {step.op_type} {step.name} gave {len(outs)} outputs, "
-                        f"the program declares {len(step.outputs)}"
+                        f"{where}: op {step.op_type} {step.name} gave {len(outs)} outputs, "
+                        f"the program declares {len(step.checks)}"
                     )
-                for (slot, t), value in zip(step.outputs, outs, strict=True):
-                    if all(d is not None for d in t.shape) and tuple(value.shape) != t.shape:
+                for (slot, shape, dtype), value in zip(step.checks, outs, strict=True):
+                    if shape is not None and value.shape != shape:
                         raise ChunkforgeError(
-                            f"{self.where}: op {step.op_type} {step.name} gave shape {list(value.shape)}, "
-                            f"the program declares {list(t.shape)}"
+                            f"{where}: op {step.op_type} {step.name} gave shape {list(value.shape)}, "
+                            f"the program declares {list(shape)}"
                         )
-                    env[slot] = settle(value, t.dtype, fp16)
-                for n, s in tap_slots.items():
-                    if env[s] is not None and n not in tapped:
+                    env[slot] = settle(value, dtype, fp16)
+                if i in tap_at:
+                    for n, s in tap_at[i]:
                         tapped[n] = env[s]
                 for s in step.free:
                     env[s] = None
@@ -389,6 +426,17 @@ class Function:
         for n in taps:
             out[n] = tapped[n] if n in tapped else value_of(self.consts.get(n))
         return out
+
+    def _tap_steps(self, taps: tuple[str, ...]) -> dict[int, list[tuple[str, int]]]:
+        """Each tap by the step that writes it: taken when that step has run."""
+        if taps not in self._taps:
+            writer = {s: i for i, st in enumerate(self.steps) for s, _ in st.outputs}
+            at: dict[int, list[tuple[str, int]]] = {}
+            for n in taps:
+                if n in self.slots and self.slots[n] in writer:
+                    at.setdefault(writer[self.slots[n]], []).append((n, self.slots[n]))
+            self._taps[taps] = at
+        return self._taps[taps]
 
     def run(self, inputs: Mapping[str, np.ndarray], fp16: bool = False) -> dict[str, np.ndarray]:
         """The function on numpy arrays; outputs by name (fp16 outputs as float16
@@ -407,6 +455,19 @@ class Function:
         return result
 
 
+# Ops that multiply a `weights.Stored` weight (their ``weight`` input) with
+# the native kernels; any other op reading one gets it dense.
+STORED_OPS = frozenset({"conv", "linear"})
+
+
+def served(op_type: str, arg: str, value: Any) -> Any:
+    """An op's constant input as the op takes it: a `weights.Stored` weight
+    stays stored for a projection's weight, else is made dense."""
+    if isinstance(value, Stored) and not (op_type in STORED_OPS and arg == "weight"):
+        return value.dense()
+    return value
+
+
 # How 4-bit palettized weights are made: "nibbles" (the default: from the
 # stored bytes, `ops.lut_nibbles_to_dense`) or "unpack" (indices unpacked,
 # then gathered: the baseline of `bench parity --dequant-baseline`).
@@ -418,6 +479,12 @@ def dequant_mode() -> str:
     if mode not in ("nibbles", "unpack"):
         raise ChunkforgeError(f"{DEQUANT_ENV}={mode}: expected nibbles or unpack")
     return mode
+
+
+def known(shape: tuple[int | None, ...]) -> tuple[int, ...] | None:
+    """A shape whose every dimension is known, else None."""
+    dims = [d for d in shape if d is not None]
+    return tuple(dims) if len(dims) == len(shape) else None
 
 
 def count(shape: tuple[int | None, ...]) -> int:
@@ -456,6 +523,11 @@ class Interpreter:
         self._consts: dict[bytes, Any] = {}
         # Readers of the 4-bit weights' stored bytes, by their `Lazy`.
         self._packed: dict[Lazy, Callable[[], np.ndarray | None]] = {}
+        # Constants of the weight file, by const key: (value, type, what).
+        self._blob_consts: dict[bytes, tuple[Any, TensorType, str]] = {}
+        # Weights are keyed by the weight file they come from: packages
+        # that read one blob (a release's prefill_chunkN and chunkN) share them.
+        self.weights_key = os.path.realpath(self.package.weights_dir)
 
     @property
     def functions(self) -> list[str]:
@@ -474,15 +546,16 @@ class Interpreter:
 
     def constant(self, key: bytes, value: Any, what: str) -> Any:
         """A program value (a string, or a tensor), read once per package;
-        a weight read from the weight file is `Lazy`."""
+        a weight read from the weight file is `Lazy` (4-bit indices always:
+        the kernels read them as stored, whatever their size)."""
         if key not in self._consts:
             t = tensor_type(value.type, what) if value.type.WhichOneof("type") == "tensorType" else None
-            if (
-                value.WhichOneof("value") == "blobFileValue"
-                and t is not None
-                and all(d is not None for d in t.shape)
-                and count(t.shape) >= LAZY_ELEMENTS
-            ):
+            blob = (
+                value.WhichOneof("value") == "blobFileValue" and t is not None and all(d is not None for d in t.shape)
+            )
+            if blob and t is not None:
+                self._blob_consts[key] = (value, t, what)
+            if blob and t is not None and (count(t.shape) >= LAZY_ELEMENTS or (t.dtype == "uint4" and kernels())):
                 weight = self.lazy(key, lambda: self.weight(value, what), tuple(int(d or 0) for d in t.shape))
                 self._consts[key] = weight
                 if t.dtype == "uint4":
@@ -491,6 +564,30 @@ class Interpreter:
                 v = self.package.value(value, what)
                 self._consts[key] = v if isinstance(v, str) else to_torch(v)
         return self._consts[key]
+
+    def stored_const(self, key: bytes, current: Any) -> Any:
+        """A projection's weight constant ``current`` (const key ``key``) as
+        the kernels read it: an fp16 or fp32 constant of the weight file as
+        its stored values (`weights.Stored`, `Lazy`); anything else as it is
+        (a palettized weight is stored already)."""
+        meta = self._blob_consts.get(key)
+        if meta is None:
+            return current
+        value, t, what = meta
+        if t.dtype not in ("fp16", "fp32") or len(t.shape) < 2:
+            return current
+        skey = key + b"\0stored"
+        if skey not in self._consts:
+            shape = tuple(int(d or 0) for d in t.shape)
+
+            def make() -> Stored:
+                v = self.package.value(value, what)
+                assert not isinstance(v, str)
+                data = v.view(np.uint16) if t.dtype == "fp16" else np.ascontiguousarray(v, dtype=np.float32)
+                return Stored(t.dtype, data.reshape(shape[0], -1), shape, f"{self.path}: {what}")
+
+            self._consts[skey] = Lazy(("mil", self.weights_key, skey), make, shape)
+        return self._consts[skey]
 
     def weight(self, value: Any, what: str) -> torch.Tensor:
         """A tensor value read from the weight file."""
@@ -513,7 +610,7 @@ class Interpreter:
     def lazy(self, key: bytes, make: Any, shape: tuple[int, ...]) -> Lazy:
         """A weight of this package made on use (one `Lazy` per value, shared by its functions)."""
         if key not in self._consts:
-            self._consts[key] = Lazy(("mil", self.path, key), make, shape)
+            self._consts[key] = Lazy(("mil", self.weights_key, key), make, shape)
         value: Lazy = self._consts[key]
         return value
 

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..weights import Stored
+
 Args = dict[str, Any]
 Result = torch.Tensor | tuple[torch.Tensor, ...]
 Impl = Callable[[Args], Result]
@@ -44,6 +46,8 @@ class OpError(ValueError):
 
 
 def ints(v: Any) -> list[int]:
+    if isinstance(v, tuple):
+        return list(v)
     if isinstance(v, torch.Tensor):
         return [int(x) for x in v.reshape(-1).tolist()]
     return [int(x) for x in np.asarray(v).reshape(-1).tolist()]
@@ -57,17 +61,51 @@ def one_int(v: Any) -> int:
 
 
 def flag(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return bool(v[0])
     return bool(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else bool(v)
 
 
 def flags(v: Any, rank: int) -> list[bool]:
     if v is None:
         return [False] * rank
+    if isinstance(v, tuple):
+        return [bool(x) for x in v]
     return [bool(x) for x in v.reshape(-1).tolist()]
 
 
 def number(v: Any) -> float:
     return float(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else float(v)
+
+
+# Constant inputs that only parameterize an op (axes, shapes, slices,
+# flags; small integers or bools), and scalar float ones (eps, bounds): the
+# interpreter hands them to the op as a tuple or a float once read, not as
+# a tensor to read again at every run (`parameter`). Every helper above
+# takes either form.
+INT_PARAMS = frozenset(
+    {
+        "axis", "axes", "perm", "shape", "begin", "end", "stride", "begin_mask", "end_mask", "squeeze_mask",
+        "keep_dims", "transpose_x", "transpose_y", "split_sizes", "num_splits", "reps", "pad", "strides",
+        "dilations", "groups", "interleave", "k", "batch_dims", "ascending", "sort", "return_indices",
+        "exclusive", "reverse", "lower", "upper", "size", "vector_axis",
+    }
+)  # fmt: skip
+FLOAT_PARAMS = frozenset({"epsilon", "alpha", "constant_val"})
+# Ops that read one of those names as a tensor.
+TENSOR_PARAMS = frozenset({"range_1d"})
+
+
+def parameter(op_type: str, arg: str, value: Any) -> Any:
+    """A constant input as `Function` hands it to the op on every run."""
+    if op_type in TENSOR_PARAMS or not isinstance(value, torch.Tensor) or value.numel() > 64:
+        return value
+    if arg in INT_PARAMS and not value.dtype.is_floating_point:
+        return tuple(int(x) if value.dtype != torch.bool else bool(x) for x in value.reshape(-1).tolist())
+    floats = arg in FLOAT_PARAMS or (op_type == "clip" and arg == "beta")
+    if floats and value.dtype.is_floating_point and value.numel() == 1:
+        return float(value.reshape(-1)[0])
+    return value
 
 
 def text(v: Any) -> str:
@@ -250,7 +288,11 @@ def cast(a: Args) -> Result:
 
 @op("linear")
 def linear(a: Args) -> Result:
-    return F.linear(a["x"], a["weight"], a.get("bias"))
+    w = a["weight"]
+    if isinstance(w, Stored):
+        y = w.linear(a["x"])
+        return y + a["bias"] if a.get("bias") is not None else y
+    return F.linear(a["x"], w, a.get("bias"))
 
 
 @op("matmul")
@@ -279,6 +321,12 @@ def same_pads(size: list[int], kernel: list[int], strides: list[int], dilations:
 @op("conv")
 def conv(a: Args) -> Result:
     x, w = a["x"], a["weight"]
+    if isinstance(w, Stored):
+        if pointwise(a, x, w):
+            y = w.conv(x)
+            bias = a.get("bias")
+            return y + bias.reshape([1, -1] + [1] * (x.dim() - 2)) if bias is not None else y
+        w = w.dense()
     spatial = x.dim() - 2
     if spatial not in (1, 2, 3) or w.dim() != x.dim():
         raise OpError(f"conv of a rank-{x.dim()} input with a rank-{w.dim()} weight")
@@ -301,6 +349,27 @@ def conv(a: Args) -> Result:
         x = F.pad(x, [p for i in reversed(range(spatial)) for p in pads[2 * i : 2 * i + 2]])
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spatial]
     return fn(x, w, a.get("bias"), stride=strides, dilation=dilations, groups=groups)
+
+
+def pointwise(a: Args, x: torch.Tensor, w: Stored) -> bool:
+    """Whether a conv of ``w`` is a projection of every position (1x1
+    kernel, stride 1, no padding, one group): the kernels' product."""
+    spatial = x.dim() - 2
+    if spatial not in (1, 2, 3) or len(w.shape) != x.dim() or any(d != 1 for d in w.shape[2:]):
+        return False
+    if int(x.shape[1]) != w.cols:
+        return False
+    strides = ints(a["strides"]) if a.get("strides") is not None else [1] * spatial
+    groups = one_int(a["groups"]) if a.get("groups") is not None else 1
+    pad_type = text(a["pad_type"]) if a.get("pad_type") is not None else "valid"
+    pads = ints(a["pad"]) if pad_type == "custom" and a.get("pad") is not None else [0]
+    # A 1x1 kernel needs no padding for "same"; "custom" must pad nothing.
+    return (
+        groups == 1
+        and all(s == 1 for s in strides)
+        and pad_type in ("valid", "same", "same_lower", "custom")
+        and not any(pads)
+    )
 
 
 # ---- normalization ---------------------------------------------------------------

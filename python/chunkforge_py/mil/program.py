@@ -249,18 +249,49 @@ def read_model_spec(path: str) -> tuple[Any, str]:
     item its Manifest.json names), read without loading the model (works on
     Linux; coremltools' MLModel(path) would also rewrite Manifest.json, and a
     release must stay untouched). Every error names the package, and the
-    file when the file is at fault."""
+    file when the file is at fault. A compiled model (``.mlmodelc`` with a
+    text ``model.mil``) is read as the same spec: its description from
+    ``coremldata.bin``, its program parsed from ``model.mil`` (`modelc.read_compiled`)."""
+    if os.path.isfile(os.path.join(path, "model.mil")) and os.path.isfile(os.path.join(path, "coremldata.bin")):
+        from .modelc import read_compiled
+
+        return read_compiled(path)
     if not os.path.isdir(path):
         raise ChunkforgeError(f"{path}: not an .mlpackage folder")
     try:
         with open(os.path.join(path, "Manifest.json")) as f:
             manifest = json.load(f)
-        rel = os.path.join("Data", manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"])
+        item = manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"]
+        rel = os.path.join("Data", inside_package(path, item))
         with open(os.path.join(path, rel), "rb") as f:
             raw = f.read()
     except (OSError, KeyError, ValueError, TypeError) as e:
         raise ChunkforgeError(f"{path}: not a readable .mlpackage ({e})") from e
     return parse_spec(path, rel, raw), os.path.join(path, rel)
+
+
+def inside_package(package: str, item: Any) -> str:
+    """``item``, a path Manifest.json states below the package's ``Data/``,
+    if it stays there: relative, every component plain (no ``..``, ``.``,
+    empty, backslash or control character), reached through no symlink.
+    Anything else would read a file outside the package."""
+    if not isinstance(item, str) or not item or item.startswith("/"):
+        raise ChunkforgeError(
+            f"{package}: Manifest.json names the item {item!r}, which leaves the package's Data/ folder"
+        )
+    for part in item.split("/"):
+        if part in ("", ".", "..") or "\\" in part or any(ord(c) < 32 or ord(c) == 127 for c in part):
+            raise ChunkforgeError(
+                f"{package}: Manifest.json names the item {item!r}, which leaves the package's Data/ folder"
+            )
+    at = os.path.join(package, "Data")
+    for part in item.split("/"):
+        at = os.path.join(at, part)
+        if os.path.islink(at):
+            raise ChunkforgeError(f"{at}: a symlink; a package is read only from its own files")
+    if os.path.islink(os.path.join(package, "Data")):
+        raise ChunkforgeError(f"{os.path.join(package, 'Data')}: a symlink; a package is read only from its own files")
+    return item
 
 
 class MLPackage:

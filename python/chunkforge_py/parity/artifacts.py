@@ -34,7 +34,7 @@ from ..contract import (
 from ..emulate.stepper import LayoutRunner, PrefillRunner
 from ..model import Projection
 from ..runtime import ChunkforgeError, release_memory, trim_heap
-from ..weights import value_of
+from ..weights import Stored, relative_error, shaped, value_of
 from .check import Check, Parity, chunk_say, cosine, prefill_function
 from .layouts import prefill_record, verify_records
 from .noise import int4_verdict, weight_noise
@@ -107,16 +107,19 @@ def load_artifacts_into(
                 )
             # The package's weight first: its dequantization's temporaries
             # are gone before the checkpoint's weight is read.
-            packed = value_of(dense[key]).reshape(shape)
+            packed = shaped(value_of(dense[key]), shape)
             assert proj.fetch is not None, "parity's modules are streamed"
             # The checkpoint's weight a block of rows at a time where it can
-            # be read so (an E2B head is 1.6 GB in fp32 beside its read-back).
+            # be read so (an E2B head is 1.6 GB in fp32 beside its read-back);
+            # both in their stored forms where the kernels run.
             source = proj.source
-            if isinstance(source, Fetcher):
-                rel = relative_mse(packed, source.rows)
+            if isinstance(packed, Stored) and isinstance(source, Fetcher) and source.stored:
+                rel = relative_error(packed, source.read_stored())
+            elif isinstance(source, Fetcher):
+                rel = relative_mse(dense_of(packed), source.rows)
             else:
                 with weights.RESIDENT.passing():
-                    rel = relative_mse(packed, proj.fetch())
+                    rel = relative_mse(dense_of(packed), dense_of(proj.fetch()).reshape(shape))
             del packed
             trim_heap()
             rels[f"{chunk['name']}:{pname}"] = rel
@@ -159,9 +162,15 @@ RELATIVE_MSE_BLOCK = 1 << 26
 RELATIVE_MSE_ROWS = 1 << 22
 
 
-def packaged(value: Any, shape: tuple[int, ...]) -> torch.Tensor:
-    """A package's weight (a tensor or `weights.Lazy`) in a projection's shape."""
-    return value_of(value).reshape(shape)
+def packaged(value: Any, shape: tuple[int, ...]) -> Any:
+    """A package's weight (a tensor, `weights.Stored`, or `weights.Lazy` of
+    either) in a projection's shape."""
+    return shaped(value_of(value), shape)
+
+
+def dense_of(value: Any) -> torch.Tensor:
+    """A weight as float32 values (a stored one made dense: the general path)."""
+    return value.dense() if isinstance(value, Stored) else value
 
 
 class ArtifactsCheck(Check):

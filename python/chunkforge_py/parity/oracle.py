@@ -21,6 +21,7 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..contract import OracleRecord, ParityReport, Verdict
+from ..weights import Stored, kernels, making, tally
 from .check import Check, Parity, cosine, margin
 from .verdicts import judge
 
@@ -32,14 +33,26 @@ if TYPE_CHECKING:
 # eager attention in float64 (`oracle_record`).
 ORACLE_ATTENTION = "eager"
 SECOND_ATTENTION = "sdpa"
-# Head rows a float64 forward multiplies at a time (its fp64 copy of the
-# whole tied head would be 3.2 GB at E2B).
+# Head rows a forward multiplies at a time (a whole fp32 copy of the tied
+# head would be 1.6 GB at E2B, fp64 3.2 GB).
 HEAD_BLOCK = 1 << 15
 
 
-def let_go(module: torch.nn.Module, args: Any, output: Any) -> None:
-    """After a decoder layer's call: its weights back to the meta device (freed)."""
-    module.to("meta")
+class Buffers:
+    """Tensors reused between transformers' layer calls: each layer's weights
+    are made into the memory an earlier layer's of the same shapes used (on
+    this machine fresh pages cost more than the values written into them:
+    src/heap.rs), and given back after the call (`let_go`)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        free = self.free.get((shape, dtype))
+        return free.pop() if free else torch.empty(shape, dtype=dtype)
+
+    def give(self, t: torch.Tensor) -> None:
+        self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
 
 class Oracle:
@@ -61,6 +74,7 @@ class Oracle:
         self.ckpt = ckpt
         self.model = model
         self.dtype = dtype
+        self.buffers = Buffers()
         names = [k for k, _ in model.named_parameters()] + [k for k, _ in model.named_buffers()]
         present = {k for k in names if k != "lm_head.weight" and ckpt.prefix + k[len("model.") :] in ckpt.files}
         # Only the unused K/V projections of KV-shared layers may stay unloaded.
@@ -82,7 +96,7 @@ class Oracle:
         for i, layer in enumerate(model.model.layers):
             own = sorted(k[len(f"model.layers.{i}.") :] for k in present if k.startswith(f"model.layers.{i}."))
             layer.register_forward_pre_hook(self._bring(i, own))
-            layer.register_forward_hook(let_go)
+            layer.register_forward_hook(self.let_go)
         # Buffers computed at construction time (not stored in checkpoints) were
         # created on the meta device: build them again for real.
         model.model.rotary_emb = Gemma4TextRotaryEmbedding(config)
@@ -93,12 +107,47 @@ class Oracle:
     def weight(self, key: str) -> torch.Tensor:
         """A parameter or buffer of the model (``model.layers.3...``) from the
         checkpoint, in the model's dtype (through fp32: the values every
-        other module of parity sees)."""
-        return self.ckpt.fetcher(key[len("model.") :], torch.float32)().to(self.dtype)
+        other module of parity sees). transformers multiplies tensors, so
+        each is made for the call that reads it; what the resident budget
+        keeps between calls is the checkpoint's stored form, the one
+        parity's own modules read (`weights.Stored`)."""
+        return self._made(key)
+
+    def _made(self, key: str, reused: bool = False) -> torch.Tensor:
+        """`weight`, into memory of `Buffers` when ``reused`` (a decoder
+        layer's, given back after its call)."""
+        w = self.ckpt.fetcher(key[len("model.") :], torch.float32, stored=kernels())()
+        if not isinstance(w, Stored):
+            return w.to(self.dtype)
+        with making("transformers"):
+            if not reused:
+                return w.dense().to(self.dtype)
+            f32 = w.dense_into(self.buffers.take(w.shape, torch.float32))
+        if self.dtype == torch.float32:
+            return f32
+        tally("transformers", str(self.dtype).removeprefix("torch."), f32.numel() * self.dtype.itemsize)
+        out = self.buffers.take(w.shape, self.dtype).copy_(f32)
+        self.buffers.give(f32)
+        return out
+
+    def let_go(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """After a decoder layer's call: its weights back to `Buffers`, the
+        layer's to the meta device."""
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.device.type == "cpu" and t.is_contiguous():
+                self.buffers.give(t.data)
+        module.to("meta")
+
+    def head_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of the tied head (the embedding table) in float32."""
+        fetch = self.ckpt.fetcher("embed_tokens.weight", torch.float32, stored=kernels())
+        w = fetch()
+        with making("transformers"):
+            return w.rows_f32(start, stop) if isinstance(w, Stored) else w[start:stop]
 
     def _bring(self, index: int, own: list[str]) -> Any:
         def bring(module: torch.nn.Module, args: Any) -> None:
-            state = {k: self.weight(f"model.layers.{index}.{k}") for k in own}
+            state = {k: self._made(f"model.layers.{index}.{k}", reused=True) for k in own}
             module.load_state_dict(state, strict=False, assign=True)
 
         return bring
@@ -168,19 +217,15 @@ class Oracle:
                     use_cache=True,
                 )
                 hidden = out.last_hidden_state
-                # The tied head: lm_head is embed_tokens.
-                head = self.ckpt.fetcher("embed_tokens.weight", torch.float32)()
-                if self.dtype == torch.float32:
-                    logits = torch.nn.functional.linear(hidden, head)[0]
-                else:
-                    logits = torch.cat(
-                        [
-                            torch.nn.functional.linear(hidden[0], head[r : r + HEAD_BLOCK].to(self.dtype))
-                            for r in range(0, head.shape[0], HEAD_BLOCK)
-                        ],
-                        dim=-1,
-                    )
-                del head
+                # The tied head: lm_head is embed_tokens, a block of rows at a time.
+                vocab = model.config.vocab_size
+                logits = torch.cat(
+                    [
+                        torch.nn.functional.linear(hidden[0], self.head_rows(r, r + HEAD_BLOCK).to(self.dtype))
+                        for r in range(0, vocab, HEAD_BLOCK)
+                    ],
+                    dim=-1,
+                )
                 cap = model.config.final_logit_softcapping
                 if cap:
                     logits = torch.tanh(logits / cap) * cap

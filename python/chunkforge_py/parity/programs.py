@@ -42,7 +42,7 @@ from ..mil.inspect import const_key
 from ..mil.interp import Interpreter
 from ..model import Chunk, load_streamed
 from ..runtime import ChunkforgeError
-from ..weights import value_of
+from ..weights import Stored, kernels, value_of
 from .check import Check, Parity, caches_cosine, chunk_say, cosine
 from .verdicts import judge
 
@@ -75,11 +75,15 @@ class Programs:
         its default function) by torch parameter path with dots as
         underscores (`inspect_pkg.const_key`): tensors, or `weights.Lazy`."""
         interp = self.interpreter(name)
-        consts = interp.function(function or interp.default_function).consts
+        fn = interp.function(function or interp.default_function)
+        consts = fn.consts
         out: dict[str, Any] = {}
         # A weight's palettized value wins over any other constant of its name.
         for n in sorted(consts, key=lambda n: not n.endswith("_palettized")):
-            out.setdefault(const_key(n), consts[n])
+            # As the kernels read it (`Interpreter.stored_const`): an fp16
+            # matrix as its stored values, not made dense.
+            value = interp.stored_const(fn.const_keys[n], consts[n]) if kernels() else consts[n]
+            out.setdefault(const_key(n), value)
         return out
 
     def read_back(self, dims: Dims, chunks: list[ChunkPlan], kind: FunctionKind) -> dict[str, Any]:
@@ -139,8 +143,8 @@ class Lookup:
         return partial(value_of, self.find(name))
 
     def get(self, name: str) -> torch.Tensor:
-        value: torch.Tensor = value_of(self.find(name))
-        return value
+        value = value_of(self.find(name))
+        return value.dense() if isinstance(value, Stored) else value
 
 
 class CosineSums:
@@ -181,11 +185,16 @@ def summarize(records: list[ProgramRecord], tol: float, gated: bool, ill: Collec
     ref = [r for r in records if r["ref_token"] is not None]
     min_readback = min(r["cos_readback"] for r in records)
     tokens_match = all(r["token"] == r["readback_token"] for r in records)
+    changes = [r["logit_change"] for r in records if r["logit_change"] is not None]
+    flips = [r["readback_margin"] for r in records if r["token"] != r["readback_token"]]
+    known_flips = [m for m in flips if m is not None]
     failing = [r["step"] for r in records if r["cos_readback"] < tol or r["token"] != r["readback_token"]]
     return {
         "steps": len(records),
         "min_cos_readback": min_readback,
         "tokens_match_readback": tokens_match,
+        "max_logit_change": max(changes, default=None),
+        "max_flip_margin": None if len(known_flips) < len(flips) else max(known_flips, default=None),
         "min_cos_reference": min((r["cos_reference"] for r in records if r["cos_reference"] is not None), default=None),
         "top1_reference": mean([r["token"] == r["ref_token"] for r in ref]) if ref else None,
         "min_cos_hf": min((r["cos_hf"] for r in hf if r["cos_hf"] is not None), default=None),
@@ -194,6 +203,24 @@ def summarize(records: list[ProgramRecord], tol: float, gated: bool, ill: Collec
         "ok": (min_readback >= tol and tokens_match) if gated else True,
         "verdict": judge(failing, ill) if gated else "ok",
     }
+
+
+def logit_change(logits: torch.Tensor | None, readback_logits: torch.Tensor | None) -> float | None:
+    """The largest change of any logit between a program and the read-back
+    modules at one step: how far the program's arithmetic (in fp16 mode,
+    every op's output rounded to fp16) moved the logits. Where the read-back's
+    top-2 margin is inside twice this, that arithmetic may pick the runner-up."""
+    if logits is None or readback_logits is None:
+        return None
+    change = float((logits.double().reshape(-1) - readback_logits.double().reshape(-1)).abs().max())
+    return change if math.isfinite(change) else None
+
+
+def top2_margin(logits: torch.Tensor | None) -> float | None:
+    if logits is None:
+        return None
+    top = torch.topk(logits.double().reshape(-1), 2).values
+    return float(top[0] - top[1])
 
 
 def record(
@@ -206,6 +233,8 @@ def record(
     readback_hidden: torch.Tensor,
     ref: dict[str, Any] | None,
     hf: dict[str, Any] | None,
+    logits: torch.Tensor | None = None,
+    readback_logits: torch.Tensor | None = None,
 ) -> ProgramRecord:
     return {
         "target": target,
@@ -214,6 +243,8 @@ def record(
         "token": token,
         "readback_token": int(readback["token"]),
         "cos_readback": cosine(hidden, readback_hidden),
+        "readback_margin": top2_margin(readback_logits),
+        "logit_change": logit_change(logits, readback_logits),
         "ref_token": int(ref["token"]) if ref is not None else None,
         "cos_reference": cosine(hidden, ref["hidden"]) if ref is not None else None,
         "hf_token": int(hf["logits"][step].argmax()) if hf is not None else None,
@@ -271,7 +302,10 @@ def check_layout(
         rb = LayoutRunner.decoded(results["readback"][t])
         for precision in runners:
             got = LayoutRunner.decoded(results[precision][t])
-            rec = record(name, precision, t, got["token"], got["hidden"], rb, rb["hidden"], ref_results[t], hf)
+            rec = record(
+                name, precision, t, got["token"], got["hidden"], rb, rb["hidden"], ref_results[t], hf,
+                got["logits"], rb["logits"],
+            )  # fmt: skip
             # The caches the program wrote count too: the worse of the two cosines.
             rec["cos_readback"] = min(rec["cos_readback"], sums[precision][t].cosine())
             recs[precision].append(rec)
@@ -309,7 +343,7 @@ def check_verify(
                 recs.append(
                     record(
                         "verify_qK", precision, pos + i, got["tokens"][i], got["hidden"][i], rb,
-                        rb["trace"][last_layer], None, None,
+                        rb["trace"][last_layer], None, None, got["logits"][i], rb["logits"],
                     )
                 )  # fmt: skip
         out[precision] = recs
@@ -354,6 +388,8 @@ def check_prefill(
             "token": int(res["token"]),
             "readback_token": int(rb["token"]),
             "cos_readback": caches_cosine(caches.caches, readback_caches),
+            "readback_margin": top2_margin(rb["logits"]),
+            "logit_change": logit_change(pf.modules[prefill_layout["chunks"][-1]["name"]].last_logits, rb["logits"]),
             "ref_token": None,
             "cos_reference": None,
             "hf_token": None,

@@ -7,7 +7,7 @@
 
 use std::fmt::Write;
 
-use chunkforge_model::layouts::{spec, LoadLine, LAYOUTS, REFERENCE};
+use chunkforge_model::layouts::{spec, LoadLine, NameRule, LAYOUTS, REFERENCE};
 use chunkforge_model::plan::{LayoutKind, ANE_STABLE_LAYERS};
 use chunkforge_model::records::Verdict;
 
@@ -20,7 +20,8 @@ use super::runtime_layout::{move_aside, runtime_layout, Runtime, RuntimeLayout, 
 use super::targets::{
     fmt_number, fmt_percent, tok_target, BENCH_CONTEXT, COLD_RUNS, CONTROL, MAX_OFF_NEURAL_ENGINE,
 };
-use crate::manifest::Manifest;
+use crate::downloader::{self, Client, CORE_FILES, FOLDER_NAME};
+use crate::manifest::{self, Manifest};
 
 /// What the run book needs from a manifest.
 #[derive(Clone, Debug)]
@@ -39,8 +40,13 @@ pub struct RunbookFacts {
     pub parity_verdict: Option<Verdict>,
     /// Every package: name, first and last layer (manifest order).
     pub packages: Vec<(String, usize, usize)>,
+    /// Every package's folder in the release (`swa/chunk1.mlpackage`,
+    /// `prefill/chunk1.mlmodelc`, `merged_full.mlpackage`), by name.
+    pub package_files: Vec<(String, String)>,
     /// `decode_layouts[].kind`, with their packages.
     pub decode_layouts: Vec<(LayoutKind, Vec<String>)>,
+    /// The first step for compiled models no device has loaded ([`super::load_step`]).
+    pub load_step: Option<String>,
 }
 
 impl RunbookFacts {
@@ -59,16 +65,41 @@ impl RunbookFacts {
                 .iter()
                 .map(|c| (c.name.clone(), c.first_layer, c.last_layer))
                 .collect(),
+            package_files: m
+                .chunks
+                .iter()
+                .map(|c| (c.name.clone(), c.file.clone()))
+                .collect(),
             decode_layouts: m
                 .decode_layouts
                 .iter()
                 .map(|l| (l.kind, l.chunks.clone()))
                 .collect(),
+            load_step: super::load_step::render(m),
         }
     }
 
     fn has(&self, package: &str) -> bool {
         self.packages.iter().any(|p| p.0 == package)
+    }
+
+    /// Package `name`'s folder in the release.
+    fn file(&self, name: &str) -> String {
+        self.package_files
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or_else(
+                || manifest::package_file(name, self.compiled),
+                |(_, f)| f.clone(),
+            )
+    }
+
+    /// Package `name`'s folder in the model folder: its local name, compiled
+    /// or not as the release holds it.
+    fn local(&self, name: &str) -> String {
+        let file = self.file(name);
+        let ext = file.rsplit_once('.').map_or("mlpackage", |(_, e)| e);
+        format!("{name}.{ext}")
     }
 
     fn layers(&self, package: &str) -> Option<usize> {
@@ -213,29 +244,81 @@ fn layouts_on(layouts: &[&RuntimeLayout], runtime: Runtime) -> String {
         .join(", ")
 }
 
-/// The bench's command lines for moving `packages` (and their `.mlmodelc`
-/// when compiled) out of the model folder and back.
-fn moves(packages: &[&str], compiled: bool) -> (String, String) {
-    let mut paths = Vec::new();
-    for p in packages {
-        paths.push(format!("\"$MODEL_DIR/{p}.mlpackage\""));
-        if compiled {
-            paths.push(format!("\"$MODEL_DIR/{p}.mlmodelc\""));
-        }
-    }
+/// The bench's command lines for moving `packages` out of the model folder
+/// (under their local names) and back.
+fn moves(f: &RunbookFacts, packages: &[&str]) -> (String, String) {
+    let out: Vec<String> = packages
+        .iter()
+        .map(|p| format!("\"$MODEL_DIR/{}\"", f.local(p)))
+        .collect();
     let back: Vec<String> = packages
         .iter()
-        .flat_map(|p| {
-            let mut v = vec![format!("\"$STASH/{p}.mlpackage\"")];
-            if compiled {
-                v.push(format!("\"$STASH/{p}.mlmodelc\""));
-            }
-            v
-        })
+        .map(|p| format!("\"$STASH/{}\"", f.local(p)))
         .collect();
     (
-        format!("mkdir -p \"$STASH\"\nmv {} \"$STASH/\"", paths.join(" ")),
+        format!("mkdir -p \"$STASH\"\nmv {} \"$STASH/\"", out.join(" ")),
         format!("mv {} \"$MODEL_DIR/\"", back.join(" ")),
+    )
+}
+
+/// The shell lines that make the model folder from the release: every
+/// package under its local name (`swa/chunk1.mlpackage` ->
+/// `chunk1.mlpackage`, `prefill/chunk1.mlpackage` -> `prefill_chunk1.mlpackage`),
+/// the blobs the app's download shares into packages stored without one
+/// (only where the package has none, as `finishDownload` does), the side
+/// files and `hf_model/` at their local paths and the encoders the release
+/// carries: the folder the app's runtime reads, as `client-check
+/// --materialize` writes an entry's download of it.
+fn model_folder_lines(f: &RunbookFacts) -> String {
+    let mut lines = vec!["mkdir \"$MODEL_DIR\"".to_string()];
+    for (name, file) in &f.package_files {
+        lines.push(format!(
+            "cp -R \"$RELEASE/{file}\" \"$MODEL_DIR/{}\"",
+            f.local(name)
+        ));
+    }
+    for &(package, from) in downloader::entry(Client::Main).shares {
+        if !f.has(package) || !f.has(from) {
+            continue;
+        }
+        let to = format!("$MODEL_DIR/{}", f.local(package));
+        let to = format!("{to}/{}", downloader::blob_in(&to));
+        let src = format!("$MODEL_DIR/{}", f.local(from));
+        let src = format!("{src}/{}", downloader::blob_in(&src));
+        let dir = to.rsplit_once('/').map_or(to.as_str(), |(d, _)| d);
+        lines.push(format!(
+            "[ -e \"{to}\" ] || {{ mkdir -p \"{dir}\" && cp \"{src}\" \"{to}\"; }}"
+        ));
+    }
+    let hf = format!("{}/", crate::paths::HF_MODEL_DIR);
+    for (remote, local, _) in CORE_FILES.iter().filter(|(r, _, _)| !r.starts_with(&hf)) {
+        lines.push(format!("cp \"$RELEASE/{remote}\" \"$MODEL_DIR/{local}\""));
+    }
+    lines.push(format!(
+        "cp -R \"$RELEASE/{0}\" \"$MODEL_DIR/{0}\"",
+        crate::paths::HF_MODEL_DIR
+    ));
+    // Not read by the app; `chunkforge run "$MODEL_DIR"` reads the contracts in it.
+    lines.push(format!(
+        "cp \"$RELEASE/{0}\" \"$MODEL_DIR/{0}\"",
+        crate::manifest::MANIFEST_FILE
+    ));
+    let encoders: Vec<&str> = downloader::all_encoder_files()
+        .iter()
+        .map(|e| e.path)
+        .collect();
+    lines.push(format!(
+        "for f in {}; do [ ! -e \"$RELEASE/$f\" ] || cp -R \"$RELEASE/$f\" \"$MODEL_DIR/$f\"; done",
+        encoders.join(" ")
+    ));
+    lines.join("\n")
+}
+
+/// The shell line that copies the model folder into the app's container on
+/// the device, where its `ModelDownloader` keeps the entry's folder.
+fn device_copy_line() -> String {
+    format!(
+        "xcrun devicectl device copy to --device \"$DEVICE\" --domain-type appDataContainer --domain-identifier \"$APP_ID\" --source \"$MODEL_DIR\" --destination Documents/Models/{FOLDER_NAME} --remove-existing-content true"
     )
 }
 
@@ -245,6 +328,7 @@ pub fn render(f: &RunbookFacts) -> String {
     let layouts = f.layouts();
     let runtimes = f.runtimes();
     intro(&mut s, f);
+    s.push_str(f.load_step.as_deref().unwrap_or_default());
     layouts_in_release(&mut s, f, &layouts);
     before_the_bench(&mut s, f);
     environment(&mut s);
@@ -346,19 +430,32 @@ fn layouts_in_release(s: &mut String, f: &RunbookFacts, layouts: &[&RuntimeLayou
         spec(REFERENCE).range()
     );
     for l in layouts {
-        let own = spec(l.kind).package_names();
-        let borrowed = l.decode.first().filter(|p| own.first() != Some(p));
-        if let (Some(theirs), Some(mine)) = (borrowed, own.first().filter(|p| f.has(p))) {
-            line!(s,
-                "- The {} decode runs {}: `{mine}` ships too (the same layers and contract as `{theirs}`), but the runtime does not load it.",
-                l.name,
-                l.decode
-                    .iter()
-                    .map(|p| format!("`{p}`"))
-                    .collect::<Vec<_>>()
-                    .join(" + ")
-            );
+        let row = spec(l.kind);
+        if !row.borrows_first {
+            continue;
         }
+        // The layout's first chunk is the reference's own package: no copy
+        // of it is built, and one left from an older release is never loaded.
+        let first = l.decode.first().cloned().unwrap_or_default();
+        let copy = match row.names {
+            NameRule::Numbered { prefix, suffix } => format!("{prefix}1{suffix}"),
+            _ => String::new(),
+        };
+        line!(
+            s,
+            "- The {} decode runs {}: its first package is the reference's `{first}` itself{}.",
+            l.name,
+            l.decode
+                .iter()
+                .map(|p| format!("`{p}`"))
+                .collect::<Vec<_>>()
+                .join(" + "),
+            if !copy.is_empty() && f.has(&copy) {
+                format!("; `{copy}` ships too (an older build's copy of it), and the runtime never loads it")
+            } else {
+                String::new()
+            }
+        );
     }
     for runtime in Runtime::ALL {
         let needed = layouts
@@ -380,11 +477,26 @@ fn layouts_in_release(s: &mut String, f: &RunbookFacts, layouts: &[&RuntimeLayou
     line!(s);
 }
 
-/// Verify, the parity the manifest embeds, the copy to the device.
+/// Verify, the parity the manifest embeds, the model folder, the copy to the device.
 fn before_the_bench(s: &mut String, f: &RunbookFacts) {
     line!(s, "## Before the bench (on the Mac)");
     line!(s);
-    line!(s, "1. `chunkforge verify RELEASE --public-key KEY.pub`: the folder that goes to the device is this signed release.");
+    line!(s,
+        "The shell lines below read `RELEASE` (this release folder), `PUBLIC_KEY` (its public key), `MODEL_DIR` (a new folder: the model folder they make) and `STASH` (any folder outside it), and for the copy to the device `DEVICE` (the iPhone's identifier, from `xcrun devicectl list devices`) and `APP_ID` (the app's bundle identifier)."
+    );
+    line!(s);
+    line!(
+        s,
+        "1. The folder that goes to the device comes from this signed release:"
+    );
+    line!(s);
+    line!(s, "```sh");
+    line!(
+        s,
+        "chunkforge verify \"$RELEASE\" --public-key \"$PUBLIC_KEY\""
+    );
+    line!(s, "```");
+    line!(s);
     line!(s,
         "2. Parity: {}",
         match (f.parity_ok, f.parity_verdict) {
@@ -394,14 +506,30 @@ fn before_the_bench(s: &mut String, f: &RunbookFacts) {
             (None, _) => "`manifest.json` embeds no parity report: run `chunkforge parity` on the build's checkpoint before trusting device numbers.",
         }
     );
+    line!(s);
     line!(s,
-        "3. Copy the whole release folder to the device as the model folder (`$MODEL_DIR` below). Its packages are {}.",
-        if f.compiled {
-            "`.mlpackage` folders with their compiled `.mlmodelc` beside them"
-        } else {
-            "`.mlpackage` folders (not compiled to `.mlmodelc`)"
-        }
+        "3. The model folder. The release is laid out as the app's repository (`swa/chunk1…`, `prefill/chunk1…`, the RoPE tables under `swa/`); the runtime reads the local names the app's download saves (`chunk1…`, `prefill_chunk1…`, the RoPE tables at the root), and without a `chunk1` at the folder's root it takes the single-model path and fails. These lines make `$MODEL_DIR` with every package of the release under its local name, the weight blobs the download shares into prefill packages stored without one, the side files, `hf_model/` and the encoders the release carries (`chunkforge client-check \"$RELEASE\" --client main --materialize DIR` writes one entry's download the same way):"
     );
+    line!(s);
+    line!(s, "```sh");
+    line!(s, "{}", model_folder_lines(f));
+    line!(s, "```");
+    line!(s);
+    line!(s,
+        "4. Copy it into the app's container, where its downloader keeps the model (`Documents/Models/{FOLDER_NAME}`); `--remove-existing-content true` clears what an earlier copy or download left there. Force-quit the app first so that devicectl can write."
+    );
+    line!(s);
+    line!(s, "```sh");
+    line!(s, "{}", device_copy_line());
+    line!(s, "```");
+    line!(s);
+    if f.compiled {
+        line!(s, "Its packages are compiled `.mlmodelc` folders, the kind the app's model picker looks for.");
+    } else {
+        line!(s,
+            "Its packages are `.mlpackage` folders, not compiled: the app's model picker finds a model only by `chunk1.mlmodelc/weights/weight.bin`, so for the iPhone run `chunkforge compile RELEASE --key KEY.pem` first and make the folder from the compiled release (its run book is made again with it). The Mac's command-line bench (below) loads `.mlpackage` folders as they are."
+        );
+    }
     line!(s);
 }
 
@@ -412,7 +540,7 @@ fn environment(s: &mut String) {
     line!(s, "Set `COMPUTE_PLAN_AUDIT=1` for every launch: the runtime then prints the compute-plan audit (`[ComputePlan]` lines) the verdict needs. Without it a layout's verdict stays INCOMPLETE.");
     line!(s);
     line!(s, "- Xcode: Product > Scheme > Edit Scheme > Run > Arguments > Environment Variables: `COMPUTE_PLAN_AUDIT` = `1`.");
-    line!(s, "- The command-line bench: `COMPUTE_PLAN_AUDIT=1 ./coreml-llm-smoke --model \"$MODEL_DIR\" --prompt \"Explain attention.\" --max-tokens 100 > two-1.log 2>&1`.");
+    line!(s, "- The command-line bench on the Mac (upstream's `coreml-llm-smoke MODEL_DIR [PROMPT] [MAX_TOKENS]`), from the upstream clone: `COMPUTE_PLAN_AUDIT=1 swift run -c release coreml-llm-smoke \"$MODEL_DIR\" \"Explain attention.\" 100 > two-1.log 2>&1`.");
     line!(s);
 }
 
@@ -427,7 +555,7 @@ fn forcing_each_layout(
     line!(s);
     let order: Vec<&str> = RUNTIME_LAYOUTS.iter().map(|l| l.name).collect();
     line!(s,
-        "The runtime picks the decode layout by the packages in the model folder, trying {} in that order. Before a layout's runs, move aside the packages of the layouts tried before it; put them back after its runs. `$STASH` is any folder outside the model folder.",
+        "The runtime picks the decode layout by the packages in the model folder, trying {} in that order. Before a layout's runs, move aside the packages of the layouts tried before it and copy the folder to the device again (the copy replaces what is there); put them back after its runs.",
         order.join(", ")
     );
     for l in layouts {
@@ -445,10 +573,15 @@ fn forcing_each_layout(
                 s,
                 "Nothing to move aside: with every package in place the runtime picks it."
             );
+            line!(s);
+            line!(s, "```sh");
+            line!(s, "{}", device_copy_line());
+            line!(s, "```");
         } else {
-            let (out, back) = moves(&aside, f.compiled);
+            let (out, back) = moves(f, &aside);
             line!(s, "```sh");
             line!(s, "{out}");
+            line!(s, "{}", device_copy_line());
             line!(s, "```");
             line!(s);
             line!(s, "After its runs:");
@@ -662,7 +795,12 @@ mod tests {
         assert_eq!(names, ["four-chunk", "two-chunk"]);
         assert!(text.contains("| two-chunk | `merged_chunk1`, `merged_chunk2` | 15, 20 |"));
         assert!(!text.contains("### one-chunk"));
-        // Forcing the control moves the merged pair aside, and back.
+        // The three-chunk decode is not in a two-chunk release.
+        assert!(!text.contains("its first package is the reference's"));
+        // The model folder takes local names; forcing the control moves the
+        // merged pair aside there, and back.
+        assert!(text.contains("\" \"$MODEL_DIR/prefill_chunk1.mlpackage\"\n"));
+        assert!(text.contains("--source \"$MODEL_DIR\" --destination Documents/Models/gemma4-e2b"));
         assert!(text.contains("mv \"$MODEL_DIR/merged_chunk1.mlpackage\" \"$MODEL_DIR/merged_chunk2.mlpackage\" \"$STASH/\""));
         assert!(text.contains("mv \"$STASH/merged_chunk1.mlpackage\" \"$STASH/merged_chunk2.mlpackage\" \"$MODEL_DIR/\""));
         let t = tok_target(LayoutKind::Two).unwrap();
@@ -694,6 +832,9 @@ mod tests {
             m.chunks.push(c);
         }
         m.compiled.mlmodelc = true;
+        for c in &mut m.chunks {
+            c.file = manifest::package_file(&c.name, true);
+        }
         m.settings.ctx = 8192;
         m
     }
@@ -716,8 +857,23 @@ mod tests {
                 "{two}"
             );
         }
-        assert!(!two.contains("merged_chunk1.mlpackage"), "{two}");
+        assert!(!two.contains("merged_chunk1.mlmodelc"), "{two}");
+        assert!(!two.contains(".mlpackage"), "{two}");
         assert!(text.contains("### three-chunk\n\nNothing to move aside"));
+        // The model folder takes every package under its local name, and
+        // the three-chunk decode runs chunk1 itself (an old chunk1_3way is
+        // never loaded).
+        assert!(text.contains(
+            "cp -R \"$RELEASE/swa/chunk2_3way.mlmodelc\" \"$MODEL_DIR/chunk2_3way.mlmodelc\""
+        ));
+        assert!(text.contains(
+            "cp -R \"$RELEASE/prefill/chunk1.mlmodelc\" \"$MODEL_DIR/prefill_chunk1.mlmodelc\""
+        ));
+        assert!(text.contains("cp \"$RELEASE/swa/cos_full.npy\" \"$MODEL_DIR/cos_full.npy\""));
+        assert!(text.contains(
+            "its first package is the reference's `chunk1` itself; `chunk1_3way` ships too"
+        ));
+        assert!(!text.contains("`chunk2_3way` ships too"), "{text}");
         assert!(text.contains("context length is 8192"));
         assert!(text.contains("no target: measured against the control"));
         // Three-chunk needs the main runtime, the merged layouts the other

@@ -1,0 +1,1 @@
+//! Empty: this package only names the fixtures' crate (see Cargo.toml).
