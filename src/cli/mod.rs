@@ -825,6 +825,33 @@ mod tests {
         }
     }
 
+    /// `bench build`'s baselines refuse the conversion options they set
+    /// themselves, which live in the flattened `ConversionArgs`: a
+    /// `conflicts_with` naming an option by a name it no longer has is
+    /// silent in a release build (clap checks the names in debug builds only).
+    #[test]
+    fn bench_build_baselines_refuse_the_conversion_options_they_set() {
+        use clap::Parser;
+        for (baseline, option) in [
+            ("--baseline", &["--no-compose"][..]),
+            ("--baseline", &["--pass-pipeline", "coremltools"][..]),
+            (
+                "--shortcuts-baseline",
+                &["--pass-pipeline", "coremltools"][..],
+            ),
+        ] {
+            let args = ["chunkforge", "bench", "build", baseline]
+                .into_iter()
+                .chain(option.iter().copied());
+            let e = Cli::try_parse_from(args).err();
+            assert_eq!(
+                e.as_ref().map(|e| e.kind()),
+                Some(clap::error::ErrorKind::ArgumentConflict),
+                "{baseline} {option:?}: {e:?}"
+            );
+        }
+    }
+
     #[test]
     fn every_argument_has_a_help_text() {
         let mut missing = Vec::new();
