@@ -6,7 +6,7 @@
 //! benchmarks and the CLI's commands.
 
 pub use chunkforge_model::{
-    args, checkpoint, config, error, layouts, names, parity_checks, plan, records,
+    args, checkpoint, config, error, layouts, names, parity_checks, plan, quality, records,
 };
 pub use chunkforge_release::{
     archive, bench, client_check, downloader, folder, hashing, keykind, manifest, package, paths,
@@ -18,11 +18,14 @@ pub mod bench_matmul;
 pub mod bench_palettize;
 pub mod bench_run;
 pub mod build;
+pub mod builtin;
 pub mod cache_dir;
 pub mod cli;
 pub mod commands;
 pub mod compile;
+pub mod eval;
 pub mod fixture;
+pub mod gate;
 pub mod hashbench;
 pub mod heap;
 pub mod matmul;

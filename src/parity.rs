@@ -8,6 +8,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use schemars::JsonSchema;
 
+use crate::builtin;
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
 use crate::hashing;
@@ -23,16 +24,38 @@ use crate::staging;
 
 use crate::settings::ParitySettings;
 
-/// The default prompt shipped in `parity/default_prompt.json`.
+/// The default prompt shipped in `parity/default_prompt.json`: fixed random
+/// ids, for a checkpoint that has no prompt of its own.
 pub const DEFAULT_PROMPT: &str = include_str!("../parity/default_prompt.json");
+/// The built-in checkpoint's default prompt, `parity/builtin_prompt.json`:
+/// the task it was trained on (counting in words), as its tokenizer encodes it.
+pub const BUILTIN_PROMPT: &str = include_str!("../parity/builtin_prompt.json");
 
-fn default_prompt() -> Result<Vec<i64>> {
+/// The prompt parity feeds without `--prompt-ids`: for the built-in
+/// checkpoint its trained task, where its next-token guesses are confident,
+/// so INT4's top-1 agreement measures the palettization and not how often
+/// near-ties on text it never saw flip (on the random ids it sits at
+/// `--min-top1-int4` itself); for any other checkpoint the random ids.
+pub fn default_prompt(hf_dir: &Path) -> Result<Vec<i64>> {
     #[derive(serde::Deserialize, JsonSchema)]
     struct Prompt {
         prompt_ids: Vec<i64>,
     }
-    let p: Prompt = serde_json::from_str(DEFAULT_PROMPT)?;
+    let text = if is_builtin(hf_dir) {
+        BUILTIN_PROMPT
+    } else {
+        DEFAULT_PROMPT
+    };
+    let p: Prompt = serde_json::from_str(text)?;
     Ok(p.prompt_ids)
+}
+
+/// Whether `hf_dir` is the built-in checkpoint's folder (`builtin::dir`).
+fn is_builtin(hf_dir: &Path) -> bool {
+    match (hf_dir.canonicalize(), builtin::dir().canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
 }
 
 /// Runs parity and writes `--report`; returns the report (its
@@ -83,7 +106,7 @@ pub fn run(
         .collect();
     let prompt = match &opts.prompt_ids {
         Some(p) => p.clone(),
-        None => default_prompt()?,
+        None => default_prompt(hf_dir)?,
     };
     let req = ParityRequest {
         plan: DimsOnly {

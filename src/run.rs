@@ -13,7 +13,6 @@ use crate::plan;
 use crate::py::calls;
 use crate::py::contract::{RunFiles, RunRequest};
 pub use crate::py::contract::{RunResult, Speculation};
-use crate::sidefiles;
 
 /// What to generate.
 pub struct RunOptions<'a> {
@@ -119,18 +118,10 @@ pub fn run(o: &RunOptions) -> Result<RunResult> {
             }
         }
     }
-    let path = |name: &str| folder.side_file(name).to_string_lossy().into_owned();
-    let files = RunFiles {
-        embed_tokens_q8: path(sidefiles::EMBED_Q8),
-        embed_tokens_scales: path(sidefiles::EMBED_SCALES),
-        embed_tokens_per_layer_q8: path(sidefiles::PER_LAYER_Q8),
-        embed_tokens_per_layer_scales: path(sidefiles::PER_LAYER_SCALES),
-        cos_sliding: path(sidefiles::COS_SLIDING),
-        sin_sliding: path(sidefiles::SIN_SLIDING),
-        cos_full: path(sidefiles::COS_FULL),
-        sin_full: path(sidefiles::SIN_FULL),
-        tokenizer: tokenizer.map_or_else(String::new, |p| p.to_string_lossy().into_owned()),
-    };
+    let files = RunFiles::new(
+        &|name| folder.side_file(name).to_string_lossy().into_owned(),
+        tokenizer.map_or_else(String::new, |p| p.to_string_lossy().into_owned()),
+    );
     let req = RunRequest {
         release: o.release.to_string_lossy().into_owned(),
         packages: &packages,

@@ -328,6 +328,25 @@ fn int4_artifacts_of_a_full_build_agree_and_are_reported() {
         r["programs"].as_array().unwrap().len(),
         2 * (4 * 16 + 15 + 1)
     );
+    // The fp16 range of every program run in fp16: the op nearest to
+    // overflow, named with its package, function and layer; none overflows.
+    let range = &r["summary"]["fp16_range"];
+    assert_eq!(range["ok"], true, "{range}");
+    let nearest = &range["closest"][0];
+    assert!(nearest["margin_log2"].as_f64().unwrap() > 1.0, "{nearest}");
+    assert!(
+        nearest["layer"].is_string() && nearest["package"].is_string(),
+        "{nearest}"
+    );
+    assert!(range["fp16_runs"].as_u64().unwrap() > 0 && range["fp32_runs"].as_u64().unwrap() > 0);
+    assert!(
+        range["every"].is_null(),
+        "the parity report keeps the nearest only"
+    );
+    assert!(
+        out.contains("fp16 range: nearest to overflow (65504): "),
+        "{out}"
+    );
     let arts = &r["summary"]["artifacts"];
     // chunk1..4's verify_qK with the packages' own weights reproduces their INT4 decode.
     assert_eq!(arts["verify_qK"]["ok"], true, "{arts}");
@@ -505,8 +524,9 @@ fn artifacts_from_an_unquantized_or_missing_build_are_refused() {
 
 #[test]
 fn artifacts_holding_another_checkpoints_weights_fail_and_name_the_weight() {
-    // Same shapes, different weights (seed 1): every weight's relative error is ~2.
-    let other = fixture("e2b-seed1", &["--seed", "1"]);
+    // Same shapes as the built-in checkpoint (its vocabulary of 1024), different
+    // weights (random, seed 1): every weight's relative error is ~2.
+    let other = fixture("e2b-seed1-v1024", &["--seed", "1", "--vocab-size", "1024"]);
     let out = tempdir("seed1-two");
     ok(&[
         "build",
@@ -535,6 +555,44 @@ fn artifacts_holding_another_checkpoints_weights_fail_and_name_the_weight() {
             && line.contains("merged_chunk"),
         "{line}"
     );
+}
+
+/// Without `--prompt-ids`, parity on the built-in checkpoint feeds the task
+/// it was trained on (parity/builtin_prompt.json): the ids are its text as the
+/// checkpoint's tokenizer encodes it, and they are the prompt the report
+/// records. (The random ids of parity/default_prompt.json are text it never
+/// saw: its next-token guesses there are near-ties, and INT4 kept the fp32
+/// token at 12 of 16 steps, `--min-top1-int4` itself; on the counting task
+/// at 16 of 16 and at 128 of 128, the smallest top-2 margin 0.65.)
+#[test]
+fn the_builtin_checkpoints_default_prompt_is_its_counting_task_as_its_tokenizer_encodes_it() {
+    let shipped: serde_json::Value =
+        serde_json::from_str(include_str!("../parity/builtin_prompt.json")).unwrap();
+    let text = shipped["text"].as_str().unwrap();
+    assert!(text.starts_with(&common::counting(1, 3)), "{text}");
+    let want = common::builtin_prompt_ids(text);
+    let got: Vec<String> = ids(&shipped["prompt_ids"])
+        .iter()
+        .map(i64::to_string)
+        .collect();
+    assert_eq!(got.join(","), want);
+    assert!(got.len() >= 1024, "{}", got.len());
+    let report = tempdir("parity-builtin-prompt").join("report.json");
+    let (code, out) = parity(&[
+        "--mode",
+        "two",
+        "--steps",
+        "3",
+        "--no-oracle",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    let recorded: Vec<String> = ids(&json_file(&report)["prompt_ids"])
+        .iter()
+        .map(i64::to_string)
+        .collect();
+    assert_eq!(recorded, got[..3], "{out}");
 }
 
 /// The lines of `out` that start with `prefix`, each ending in OK.

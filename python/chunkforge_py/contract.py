@@ -634,6 +634,8 @@ class ParitySummary(TypedDict):
     # By layout or function, then precision (fp32, fp16).
     programs: dict[str, dict[str, ProgramSummary]] | None
     kl: KlSummary | None
+    # The fp16 range of the packages' programs as --artifacts ran them in fp16.
+    fp16_range: Fp16RangeReport | None
     seconds: float
 
 
@@ -1065,3 +1067,138 @@ class CompileReply(TypedDict):
     written: list[str]
     absent: list[str]
     coremltools: str
+
+
+# ---- the fp16 range (python/chunkforge_py/mil/fp16range.py; records.rs) ----------
+
+
+class Fp16Op(TypedDict):
+    """One fp16-typed op output as the fp16 runs saw it."""
+
+    package: str
+    function: str
+    op: str
+    op_type: str
+    # The audit's place of the op: a layer index, pre or head.
+    layer: str
+    # The largest finite |value| the op computed (before rounding to fp16).
+    max_abs: float
+    # log2(65504 / max_abs): how many doublings it is from overflowing (None: all zero).
+    margin_log2: float | None
+    # Elements finite before the rounding to fp16 and inf after.
+    overflow: int
+    # Elements inf or NaN where none of the op's inputs was, in fp16 runs and in fp32 runs (None: none ran).
+    made_nonfinite_fp16: int
+    made_nonfinite_fp32: int | None
+
+
+class Fp16RangeReport(TypedDict):
+    fp16_max: float
+    fp16_runs: int
+    fp32_runs: int
+    # fp16-typed op outputs seen.
+    outputs: int
+    # The outputs nearest to overflow, nearest first.
+    closest: list[Fp16Op]
+    # Ops making inf or NaN in fp16 that the fp32 runs do not make: the failure.
+    introduced: list[Fp16Op]
+    ok: bool
+    # Every output, nearest first (left out where the report is embedded).
+    every: NotRequired[list[Fp16Op]]
+
+
+# ---- eval (src/eval.rs) ---------------------------------------------------------
+
+
+class EvalLayout(TypedDict):
+    """One decode layout to evaluate: its plan, and where each of its packages is."""
+
+    layout: Layout
+    packages: dict[str, RunPackage]
+
+
+class EvalRequest(TypedDict):
+    """What `quality.text.evaluate` gets."""
+
+    # The release or build folder (for messages).
+    target: str
+    dims: Dims
+    layouts: list[EvalLayout]
+    # The runtime's side files (a release's, or made from the build's checkpoint) and the tokenizer.
+    files: RunFiles
+    text: str
+    # The text's tokens scored at most (the context holds the rest of a longer text).
+    max_tokens: int
+    # The source checkpoint, run by transformers.
+    checkpoint: CheckpointInfo
+    config_path: str
+    # Round every fp16 op output to fp16 (and record the fp16 range).
+    fp16: bool
+
+
+class Disagreement(TypedDict):
+    """A position where the package's top-1 token is not the source's."""
+
+    position: int
+    source_token: int
+    package_token: int
+    # The source's top logit minus its runner-up's there.
+    source_margin: float
+
+
+class LayoutQuality(TypedDict):
+    layout: LayoutKind
+    chunks: list[str]
+    perplexity: float
+    # Mean negative log-likelihood per scored token, nats.
+    nll: float
+    # KL(source ‖ package) per position, nats.
+    kl_mean: float
+    kl_max: float
+    kl_max_position: int
+    # Positions whose top-1 token is the source's.
+    top1: float
+    disagreements: list[Disagreement]
+    # The largest |package logit - source logit| over every position and token.
+    max_logit_error: float
+    seconds: float
+
+
+class SourceQuality(TypedDict):
+    perplexity: float
+    nll: float
+    # The smallest top-2 margin of the source over the scored positions.
+    min_margin: float
+    seconds: float
+
+
+class EvalResult(TypedDict):
+    """What `quality.text.evaluate` returns (Rust adds the rest of the report)."""
+
+    # Tokens of the text taken (<bos> included); the scored positions are one fewer.
+    tokens: int
+    positions: int
+    source: SourceQuality
+    layouts: list[LayoutQuality]
+    fp16_range: Fp16RangeReport | None
+    seconds: float
+
+
+# ---- the free-running gate (src/gate.rs) ----------------------------------------
+
+
+class SourceGreedyRequest(TypedDict):
+    """What `quality.gate.source_greedy` gets."""
+
+    checkpoint: CheckpointInfo
+    config_path: str
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+class SourceGreedy(TypedDict):
+    """transformers' greedy tokens after the prompt, each with the source's top-2 margin there."""
+
+    generated_ids: list[int]
+    margins: list[float]
+    seconds: float

@@ -108,8 +108,9 @@ def _fill(vocab: dict[str, int], merges: list[tuple[str, str]], vocab_size: int)
         pieces.append(a + b)
 
 
-def build_tokenizer(vocab_size: int) -> Any:
-    """The fixture tokenizer (a ``tokenizers.Tokenizer``) with exactly ``vocab_size`` tokens."""
+def build_tokenizer(vocab_size: int, text: str = TRAINING_TEXT) -> Any:
+    """The fixture tokenizer (a ``tokenizers.Tokenizer``) with exactly ``vocab_size`` tokens,
+    trained on ``text`` (the trained default checkpoint's is trained on its own corpus, `train`)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if vocab_size < MIN_VOCAB_SIZE:
@@ -126,7 +127,7 @@ def build_tokenizer(vocab_size: int) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    trained.train_from_iterator([TRAINING_TEXT], trainer=trainer)
+    trained.train_from_iterator([text], trainer=trainer)
     model = json.loads(trained.to_str())["model"]
     vocab: dict[str, int] = dict(model["vocab"])
     merges: list[tuple[str, str]] = [(a, b) for a, b in model["merges"]]
@@ -161,9 +162,10 @@ def _write_json(path: str, value: dict[str, Any]) -> None:
         f.write("\n")
 
 
-def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int) -> None:
-    """Writes ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into ``out_dir``."""
-    build_tokenizer(vocab_size).save(os.path.join(out_dir, "tokenizer.json"))
+def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int, text: str = TRAINING_TEXT) -> None:
+    """Writes ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``
+    (of `build_tokenizer`) into ``out_dir``."""
+    build_tokenizer(vocab_size, text).save(os.path.join(out_dir, "tokenizer.json"))
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
     _write_json(
         os.path.join(out_dir, "tokenizer_config.json"),

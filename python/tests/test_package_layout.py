@@ -11,7 +11,7 @@ from pathlib import Path
 import chunkforge_py
 
 ROOT = Path(chunkforge_py.__file__).parent
-SUBPACKAGES = {"convert", "mil", "parity", "emulate"}
+SUBPACKAGES = {"convert", "mil", "parity", "emulate", "quality"}
 # What each part may import of the others (the shared modules are "").
 ALLOWED = {
     "": set(),
@@ -19,6 +19,7 @@ ALLOWED = {
     "emulate": {"", "mil"},
     "convert": {"", "mil"},
     "parity": {"", "mil", "emulate"},
+    "quality": {"", "mil", "emulate", "parity"},
 }
 
 

@@ -51,7 +51,7 @@ def annotation(f: Any, name: str) -> Any:
 # Where Python replies with a name Rust handed it, typed `str` on purpose:
 # contract.LayoutKind is a name from the layout table (crates/model/src/layouts.rs),
 # which Python reads from the plan it is given, so a new layout needs no Python edit.
-ECHOED_NAMES = {"reply.layout"}
+ECHOED_NAMES = {"reply.layout", "reply.layouts[].layout"}
 
 
 class Compare:

@@ -35,7 +35,8 @@ pub struct Cli {
 #[derive(Args, Clone)]
 pub struct ModelArgs {
     /// Hugging Face Gemma 4 checkpoint folder (config.json + safetensors). Without
-    /// it (and without GEMMA4_HF_DIR) a small built-in random checkpoint is used.
+    /// it (and without GEMMA4_HF_DIR) the small built-in trained checkpoint is used
+    /// (checkpoints/default).
     #[arg(long, env = "GEMMA4_HF_DIR")]
     pub hf_dir: Option<PathBuf>,
 }
@@ -139,6 +140,10 @@ pub enum Cmd {
     Release(ReleaseCmd),
     /// Generate text from a release folder alone: the app's runtime emulated on the CPU.
     Run(RunCmd),
+    /// What a release (or build) costs against its source checkpoint, per decode layout, over a
+    /// text: perplexity of the packages' own programs and of transformers, KL, top-1 agreement,
+    /// the positions of disagreement; with --fp16, the fp16 range of the programs.
+    Eval(EvalCmd),
     /// Check a release folder's signature, files and manifest (and optionally its zip).
     Verify(VerifyCmd),
     /// Replay the app's download of a release folder (ModelDownloader.swift's lists): every
@@ -261,7 +266,8 @@ pub struct ParityCmd {
     /// [default: 512; with --artifacts, the build's (build.json)].
     #[arg(long, value_parser = args::ctx)]
     pub ctx: Option<usize>,
-    /// Prompt token ids (comma-separated); default: parity/default_prompt.json.
+    /// Prompt token ids (comma-separated); default: parity/builtin_prompt.json for the
+    /// built-in checkpoint, parity/default_prompt.json for any other.
     #[arg(long)]
     pub prompt_ids: Option<String>,
     /// Run the first N prompt tokens through the four-chunk reference, copy its KV
@@ -538,6 +544,10 @@ pub struct PackageCmd {
     /// Embed a failed parity report anyway, recorded as failed (`ok: false`).
     #[arg(long, requires = "parity_report")]
     pub allow_failed_parity: bool,
+    /// Eval report JSON (`chunkforge eval BUILD --report`) of the build: its figures
+    /// (perplexity, KL, top-1 per layout against the source) are recorded in the manifest.
+    #[arg(long)]
+    pub eval_report: Option<PathBuf>,
     #[command(flatten)]
     pub inconclusive: InconclusiveArgs,
 }
@@ -625,6 +635,11 @@ pub struct ReleaseCmd {
     /// Parity decode steps.
     #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
+    /// After parity, evaluate the build against its source over the project's text as
+    /// `chunkforge eval --fp16` does and record the figures in the signed manifest (an op
+    /// that makes inf or NaN in fp16 stops the release before signing).
+    #[arg(long)]
+    pub eval: bool,
     /// Then compile the release to the .mlmodelc the app fetches, as `chunkforge compile` does
     /// (Core ML's compiler on macOS, chunkforge's writer elsewhere).
     #[arg(long)]
@@ -679,6 +694,50 @@ pub struct RunCmd {
     /// Print {"layout", "prompt_ids", "generated_ids", "text", ...} as JSON.
     #[arg(long)]
     pub json: bool,
+    /// The free-running gate: also generate greedily with transformers on the source
+    /// checkpoint and hold the release's tokens to them; exit 1 at the first token that
+    /// differs, unless transformers' top-2 margin there is under --near-tie.
+    #[arg(long)]
+    pub against_source: bool,
+    /// The source checkpoint for --against-source [default: the built-in checkpoint, when
+    /// the release was made from it].
+    #[arg(long, requires = "against_source")]
+    pub hf_dir: Option<PathBuf>,
+    /// transformers' top-2 logit margin under which a divergence is a near-tie, excused
+    /// (--against-source).
+    #[arg(long, default_value_t = crate::bench::transcript::DEFAULT_NEAR_TIE, value_parser = args::non_negative)]
+    pub near_tie: f64,
+    /// Write the gate's transcript here (JSON: prompt ids, both token streams with their
+    /// margins, the verdict, versions, the checkpoint's digests), for `device-report --transcript`.
+    #[arg(long, requires = "against_source")]
+    pub transcript: Option<PathBuf>,
+}
+
+/// `chunkforge eval`.
+#[derive(Args, Clone)]
+pub struct EvalCmd {
+    /// A release folder (from `package` or `release`) or a build folder (build.json).
+    pub target: PathBuf,
+    /// The source checkpoint transformers runs [default: a build's own; for a release, the
+    /// built-in checkpoint when the release was made from it].
+    #[arg(long, env = "GEMMA4_HF_DIR")]
+    pub hf_dir: Option<PathBuf>,
+    /// The text (UTF-8) [default: the project's own, eval/default.txt].
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Tokens of the text read at most (<bos> included) [default: the context length].
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Round every fp16 op output to fp16 in the MIL interpreter, as `run --fp16`, and report
+    /// the fp16 range: the op nearest to overflow, and any that makes inf or NaN.
+    #[arg(long)]
+    pub fp16: bool,
+    /// Print the report as JSON (schema: eval/report.schema.json).
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the JSON report here (`package --eval-report` embeds it in the manifest).
+    #[arg(long)]
+    pub report: Option<PathBuf>,
 }
 
 /// `chunkforge exec`.
@@ -720,6 +779,11 @@ pub struct DeviceReportCmd {
     /// no error finding and no unparsed runtime line.
     #[arg(long, value_parser = named::<Level>())]
     pub require: Option<Level>,
+    /// A transcript of `run --against-source --transcript`: each log's `[Gate] tokens:`
+    /// line (the ids the device generated after the transcript's prompt ids) is held to
+    /// transformers' stream by the gate's rule; exit 1 when one fails.
+    #[arg(long)]
+    pub transcript: Option<PathBuf>,
 }
 
 /// `chunkforge verify`.

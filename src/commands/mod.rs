@@ -7,6 +7,7 @@ mod build;
 mod client_check;
 pub(crate) mod device_report;
 mod doctor;
+mod eval;
 mod exec;
 mod fixture;
 mod inspect;
@@ -28,9 +29,8 @@ use anyhow::Result;
 
 use crate::cli::{Cli, Cmd};
 use crate::config::TextConfig;
-use crate::py::env as pyenv;
+use crate::plan as planner;
 pub(crate) use crate::settings::Layout;
-use crate::{fixture as fixtures, plan as planner};
 
 /// How a command ended; the process exit code (README: Exit codes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,6 +105,7 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
         Cmd::Package(args) => package::run(args, verbose),
         Cmd::Release(args) => release::run(args, verbose),
         Cmd::Run(args) => run::run(args, verbose),
+        Cmd::Eval(args) => eval::run(args, verbose),
         Cmd::Verify(args) => verify::run(args),
         Cmd::ClientCheck(args) => client_check::run(args),
         Cmd::Compile(args) => {
@@ -137,17 +138,14 @@ pub fn run(cli: Cli) -> Result<ExitStatus> {
 }
 
 /// The checkpoint folder: `--hf-dir` / GEMMA4_HF_DIR, else the built-in
-/// random checkpoint (made on first use).
-fn resolve_checkpoint(hf_dir: Option<&Path>, verbose: bool) -> Result<PathBuf> {
+/// trained checkpoint (checked against its manifest, [`crate::builtin`]).
+fn resolve_checkpoint(hf_dir: Option<&Path>, _verbose: bool) -> Result<PathBuf> {
     match hf_dir {
         Some(d) => {
             crate::checkpoint::check_folder(d)?;
             Ok(d.to_path_buf())
         }
-        None => {
-            pyenv::activate(verbose)?;
-            fixtures::default_checkpoint(verbose)
-        }
+        None => crate::builtin::checkpoint(),
     }
 }
 

@@ -65,6 +65,7 @@ pub(super) fn audit_older_build(request: &mut PackageRequest, verbose: bool) -> 
 fn request(a: PackageCmd) -> PackageRequest {
     let (onto, onto_public_key, allow_unverified_onto) =
         (a.onto, a.onto_public_key, a.allow_unverified_onto);
+    let eval_report = a.eval_report;
     let mut r = release_request(
         a.build_dir,
         a.release,
@@ -77,6 +78,7 @@ fn request(a: PackageCmd) -> PackageRequest {
         Compiled::not(NOT_COMPILED),
     );
     r.onto = onto;
+    r.eval_report = eval_report;
     r.onto_public_key = onto_public_key;
     r.allow_unverified_onto = allow_unverified_onto;
     r
@@ -111,6 +113,7 @@ pub(super) fn release_request(
         model_id: r.model_id,
         base_url: r.base_url,
         parity_report,
+        eval_report: None,
         allow_failed_parity: accept.failed,
         accept_inconclusive_parity: accept.inconclusive,
         zip: r.zip,

@@ -150,6 +150,9 @@ pub(super) fn print_verdict(report: &ParityReport, opts: &ParitySettings) {
             o.hf_token
         );
     }
+    if let Some(range) = &summary.fp16_range {
+        println!("{}", range.line());
+    }
     match summary.verdict() {
         Verdict::Ok => {
             println!("PARITY OK across {} steps (cos >= {tol}).", opts.steps);

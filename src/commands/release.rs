@@ -85,6 +85,33 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         }
     }
 
+    let eval_report = if args.eval {
+        eprintln!("release: eval of the build against its source (fp16 arithmetic)");
+        let report = crate::eval::eval(&crate::eval::EvalOptions {
+            target: &build_dir,
+            text: None,
+            hf_dir: Some(&hf_dir),
+            max_tokens: None,
+            fp16: true,
+            verbose,
+        })?;
+        eprint!("{}", crate::eval::render(&report));
+        let path = build_dir.join("eval.json");
+        crate::staging::write_atomic(&path, &serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing the eval report {}", path.display()))?;
+        if report.result.fp16_range.as_ref().is_some_and(|r| !r.ok) {
+            eprintln!(
+                "error: the fp16 range check failed; nothing was signed (report: {}, build kept in {})",
+                path.display(),
+                build_dir.display()
+            );
+            return Ok(ExitStatus::CheckFailed);
+        }
+        Some(path)
+    } else {
+        None
+    };
+
     let compiled = Compiled::not(super::package::NOT_COMPILED);
     eprintln!("release 3/3: package and sign into {}", output.display());
     let mut request = release_request(
@@ -98,6 +125,7 @@ pub fn run(args: ReleaseCmd, verbose: bool) -> Result<ExitStatus> {
         },
         compiled,
     );
+    request.eval_report = eval_report;
     super::package::audit_older_build(&mut request, verbose)?;
     let r = package(&request)?;
     eprintln!("{}", package_summary(&r, &request));

@@ -1,12 +1,14 @@
 //! `chunkforge run`: generate from a release folder through the emulated runtime.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use super::ExitStatus;
 use crate::cli::values::parse_prompt;
 use crate::cli::RunCmd;
+use crate::gate::{self, GateInput};
 use crate::layouts::VerifyCommit;
 use crate::run::{self, Prompt, RunOptions, RunResult};
+use crate::staging;
 
 pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
     let prompt = match (&args.prompt, &args.prompt_ids) {
@@ -14,7 +16,7 @@ pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
         (Some(text), None) => Prompt::Text(text.clone()),
         (None, None) => unreachable!("clap requires --prompt or --prompt-ids"),
     };
-    let result = run::run(&RunOptions {
+    let mut result = run::run(&RunOptions {
         release: &args.release_dir,
         prompt,
         max_tokens: args.max_tokens as usize,
@@ -24,12 +26,35 @@ pub fn run(args: RunCmd, verbose: bool) -> Result<ExitStatus> {
         fp16: args.fp16,
         verbose,
     })?;
+    let mut status = ExitStatus::Success;
+    if args.against_source {
+        let transcript = gate::against_source(
+            &GateInput {
+                release: &args.release_dir,
+                prompt: args.prompt.as_deref(),
+                max_tokens: args.max_tokens as usize,
+                fp16: args.fp16,
+                near_tie: args.near_tie,
+                hf_dir: args.hf_dir.as_deref(),
+                verbose,
+            },
+            &result,
+        )?;
+        if let Some(path) = &args.transcript {
+            staging::write_atomic(path, &serde_json::to_vec_pretty(&transcript)?)
+                .with_context(|| format!("writing the transcript {}", path.display()))?;
+        }
+        if !transcript.judged.pass {
+            status = ExitStatus::CheckFailed;
+        }
+        result.gate = Some(transcript);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result)?);
     } else {
         render(&result);
     }
-    Ok(ExitStatus::Success)
+    Ok(status)
 }
 
 fn render(r: &RunResult) {
@@ -66,6 +91,13 @@ fn render(r: &RunResult) {
         r.note,
         r.load_seconds
     );
+    if let Some(t) = &r.gate {
+        eprintln!(
+            "against the source (transformers, {}): {}",
+            t.checkpoint.dir,
+            t.judged.line("the release", t.source.ids.len(), t.near_tie)
+        );
+    }
     if let Some(s) = &r.speculation {
         eprintln!(
             "speculation: verify_q{} x {} calls, {} of {} prompt-lookup drafts accepted, committed {}",

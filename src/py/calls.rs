@@ -105,6 +105,12 @@ entry_points! {
     /// Text from a release folder alone (`chunkforge run`).
     Emulate = "emulate.release"."run"(Dict RunRequest<'a>) -> RunResult,
         with ["progress"];
+    /// Each layout's programs against transformers over a text (`chunkforge eval`).
+    Evaluate = "quality.text"."evaluate"(Dict crate::py::contract::EvalRequest<'a>)
+        -> crate::quality::EvalResult, with ["progress"];
+    /// transformers' greedy tokens and margins (`run --against-source`).
+    SourceGreedyOf = "quality.gate"."source_greedy"(Dict crate::py::contract::SourceGreedyRequest<'a>)
+        -> crate::py::contract::SourceGreedy;
     /// The parity checks (`chunkforge parity`).
     Parity = "parity.run"."run"(Dict ParityRequest<'a>) -> ParityReport,
         with ["progress"];

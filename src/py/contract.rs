@@ -20,7 +20,9 @@ use chunkforge_model::records::{
     AuditFinding, ChunkStats, ComputePlanRecord, ConversionSettings, PackageWriter, PassStat,
     RuleCounts, Seconds, Severity,
 };
+use chunkforge_release::bench::transcript::Transcript;
 use chunkforge_release::folder::PackageFiles;
+use chunkforge_release::sidefiles;
 
 // ---- runtime (python/chunkforge_py/runtime.py) ----------------------------
 
@@ -545,6 +547,24 @@ pub struct RunFiles {
     pub tokenizer: String,
 }
 
+impl RunFiles {
+    /// The side files `run` reads, `path` giving each one's path by its
+    /// name in the release; `tokenizer` the tokenizer's (empty: none).
+    pub fn new(path: &dyn Fn(&str) -> String, tokenizer: String) -> Self {
+        RunFiles {
+            embed_tokens_q8: path(sidefiles::EMBED_Q8),
+            embed_tokens_scales: path(sidefiles::EMBED_SCALES),
+            embed_tokens_per_layer_q8: path(sidefiles::PER_LAYER_Q8),
+            embed_tokens_per_layer_scales: path(sidefiles::PER_LAYER_SCALES),
+            cos_sliding: path(sidefiles::COS_SLIDING),
+            sin_sliding: path(sidefiles::SIN_SLIDING),
+            cos_full: path(sidefiles::COS_FULL),
+            sin_full: path(sidefiles::SIN_FULL),
+            tokenizer,
+        }
+    }
+}
+
 /// contract.py `RunRequest`.
 #[derive(Serialize, JsonSchema)]
 pub struct RunRequest<'a> {
@@ -608,6 +628,10 @@ pub struct RunResult {
     pub download: String,
     #[serde(default = "emulation")]
     pub note: String,
+    /// The free-running gate against the source (`--against-source`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(skip)]
+    pub gate: Option<Transcript>,
 }
 
 fn emulation() -> String {
@@ -670,4 +694,46 @@ pub struct CompileReply {
     pub written: Vec<String>,
     pub absent: Vec<String>,
     pub coremltools: String,
+}
+
+// ---- eval (src/eval.rs, python/chunkforge_py/quality/text.py) -----------
+
+/// One decode layout to evaluate (contract.py `EvalLayout`).
+#[derive(Serialize, JsonSchema)]
+pub struct EvalLayout {
+    pub layout: Layout,
+    pub packages: BTreeMap<String, PackageFiles>,
+}
+
+/// contract.py `EvalRequest`.
+#[derive(Serialize, JsonSchema)]
+pub struct EvalRequest<'a> {
+    pub target: String,
+    pub dims: Dims,
+    pub layouts: Vec<EvalLayout>,
+    pub files: RunFiles,
+    pub text: &'a str,
+    pub max_tokens: usize,
+    pub checkpoint: CheckpointFiles,
+    pub config_path: String,
+    pub fp16: bool,
+}
+
+// ---- the free-running gate (src/gate.rs, python/chunkforge_py/quality/gate.py)
+
+/// contract.py `SourceGreedyRequest`.
+#[derive(Serialize, JsonSchema)]
+pub struct SourceGreedyRequest<'a> {
+    pub checkpoint: CheckpointFiles,
+    pub config_path: String,
+    pub prompt_ids: &'a [i64],
+    pub max_tokens: usize,
+}
+
+/// contract.py `SourceGreedy`.
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct SourceGreedy {
+    pub generated_ids: Vec<i64>,
+    pub margins: Vec<f64>,
+    pub seconds: f64,
 }

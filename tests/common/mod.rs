@@ -108,8 +108,9 @@ static FIXTURE_LOCK: Mutex<()> = Mutex::new(());
 /// made again (gen5: build.json records the checkpoint's weights, which
 /// `release --reuse-build` and `package --parity-report` require; gen6: chunk1_3way is no
 /// longer built; gen7: tiny E4B fixtures have 2 query heads per KV head;
-/// gen8: `verify_qK` also returns the branch's write-through caches).
-const FIXTURE_GENERATION: &str = "gen8";
+/// gen8: `verify_qK` also returns the branch's write-through caches; gen9: the
+/// built-in checkpoint is trained, checkpoints/default).
+const FIXTURE_GENERATION: &str = "gen9";
 
 /// A cached fixture checkpoint under target/test-fixtures/<name>, made once
 /// with `chunkforge fixture --out <dir> <extra...>` and shared by tests.
@@ -546,14 +547,88 @@ pub fn stand_in_bundle(rel: &Path, out: &Path) {
     }
 }
 
-/// A fixed prompt whose greedy continuation on the built-in checkpoint changes
-/// token twice (most prompts there repeat one token), so the KV hand-off
-/// from prefill and the decode caches are both visible in the tokens. Where
-/// a continuation switches tokens the top two logits cross, so a switch can
-/// be a near-tie that fp16 weights or int8 embeddings move by one step (two
-/// of eight prompts tried: margins 0.07 and 0.03); this prompt's smallest
-/// margin is 0.39.
-pub const SENTENCE: &str = "Caches caches today it it quiet over today and";
+/// `n` (0..=999) in words, as the built-in checkpoint learned to count
+/// (python/chunkforge_py/train.py `number_words`): `three hundred forty-two`.
+pub fn number_words(n: usize) -> String {
+    const ONES: [&str; 20] = [
+        "zero",
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "eleven",
+        "twelve",
+        "thirteen",
+        "fourteen",
+        "fifteen",
+        "sixteen",
+        "seventeen",
+        "eighteen",
+        "nineteen",
+    ];
+    const TENS: [&str; 10] = [
+        "", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety",
+    ];
+    assert!(n <= 999, "{n}: counting words cover 0..999");
+    match n {
+        0..=19 => ONES[n].to_string(),
+        20..=99 if n.is_multiple_of(10) => TENS[n / 10].to_string(),
+        20..=99 => format!("{}-{}", TENS[n / 10], ONES[n % 10]),
+        _ if n.is_multiple_of(100) => format!("{} hundred", ONES[n / 100]),
+        _ => format!("{} hundred {}", ONES[n / 100], number_words(n % 100)),
+    }
+}
+
+/// `count` numbers in words from `start`, each followed by a comma, joined
+/// by spaces (train.py `counting`): the synthetic task's text.
+pub fn counting(start: usize, count: usize) -> String {
+    (start..start + count)
+        .map(|i| format!("{},", number_words(i)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The synthetic task the built-in checkpoint was trained on
+/// (python/chunkforge_py/train.py): counting in words. Its right
+/// continuation is known without transformers (`counting(NEXT, ..)`), and
+/// changes token at every step with a wide margin, so the KV hand-off from
+/// prefill and the decode caches both show in the tokens.
+pub const SENTENCE: &str = "forty-seven, forty-eight, forty-nine,";
+/// The number the continuation of [`SENTENCE`] starts with.
+pub const NEXT: usize = 50;
+
+/// The built-in checkpoint's folder in this repository (checkpoints/default).
+pub fn builtin_checkpoint() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("checkpoints/default")
+}
+
+/// `text`'s token ids by the built-in checkpoint's tokenizer, `<bos>` first,
+/// as a comma-separated `--prompt-ids` value.
+pub fn builtin_prompt_ids(text: &str) -> String {
+    let python = ok(&["doctor", "--venv-python"]).trim().to_string();
+    let script = r#"
+import sys
+from tokenizers import Tokenizer
+ids = Tokenizer.from_file(sys.argv[1]).encode(sys.argv[2]).ids
+print(",".join(map(str, ids)))
+"#;
+    let o = Command::new(python)
+        .args(["-c", script])
+        .arg(builtin_checkpoint().join("tokenizer.json"))
+        .arg(text)
+        .output()
+        .expect("run the venv python");
+    assert!(o.status.success(), "tokenizers: {}", stderr(&o));
+    let ids = stdout(&o).trim().to_string();
+    assert!(ids.starts_with("2,"), "<bos> first: {ids}");
+    ids
+}
 pub const TOKENS: usize = 16;
 
 pub fn ids(v: &serde_json::Value) -> Vec<i64> {

@@ -8,10 +8,12 @@ pub mod args;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod fp16range;
 pub mod layouts;
 pub mod names;
 pub mod parity_checks;
 pub mod plan;
+pub mod quality;
 pub mod records;
 pub mod strict_json;
 

@@ -1031,6 +1031,9 @@ pub struct ParitySummary {
     /// KL(transformers ‖ reference) over the steps (None without the oracle).
     #[serde(default)]
     pub kl: Option<KlSummary>,
+    /// The fp16 range of the packages' programs as `--artifacts` ran them in fp16.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fp16_range: Option<crate::fp16range::Fp16RangeReport>,
     #[serde(default)]
     pub seconds: f64,
 }

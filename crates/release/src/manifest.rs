@@ -22,6 +22,7 @@ use chunkforge_model::plan::{
     AliasUse, ChunkPlan, Dims, Dtype, FunctionKind, FunctionPlan, Layout, LayoutKind, SlotCopy,
     TensorSpec, ANE_LAYER_CEILING,
 };
+use chunkforge_model::quality::{EmbeddedEval, EvalReport, EVAL_FORMAT};
 use chunkforge_model::records::{
     BuildRecord, ChunkRecord, ConversionSettings, ParityCheckpoint, ParityReport, ParitySummary,
     Verdict, BUILD_FORMAT, PARITY_FORMAT,
@@ -42,6 +43,8 @@ pub enum ReleaseInputError {
     Build { path: PathBuf, message: String },
     #[error("{}: {message}", path.display())]
     Parity { path: PathBuf, message: String },
+    #[error("{}: {message}", path.display())]
+    Eval { path: PathBuf, message: String },
     #[error("{option}: {message}")]
     Option {
         option: &'static str,
@@ -533,6 +536,67 @@ impl PredicateSummary {
     }
 }
 
+/// Reads `--eval-report` (`chunkforge eval --report` of the build, or of a
+/// release of it) and returns what the manifest records of it. The report
+/// must be about the build's checkpoint (config.json and weights digests)
+/// and its packages' precision, and its fp16 range check, if it ran, must
+/// have held.
+pub fn eval_summary(path: &Path, build: &Build) -> Result<EmbeddedEval, ReleaseInputError> {
+    let bad = |message: String| ReleaseInputError::Eval {
+        path: path.to_path_buf(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read ({e})")))?;
+    let v: Value = strict_json::from_str(&text)
+        .map_err(|e| bad(format!("not valid JSON ({e}); expected an eval report")))?;
+    if v.get("format") != Some(&Value::String(EVAL_FORMAT.into())) {
+        return Err(bad(format!(
+            "format is {}, expected \"{EVAL_FORMAT}\" (written by `chunkforge eval --report`)",
+            v.get("format").unwrap_or(&Value::Null)
+        )));
+    }
+    let report: EvalReport = serde_json::from_value(v)
+        .map_err(|e| bad(format!("is not a chunkforge eval report ({e})")))?;
+    let b = &build.record.checkpoint;
+    if report.checkpoint.config_sha256 != b.config_sha256 {
+        return Err(bad(format!(
+            "is about another checkpoint: its config.json digest is {}, the build's is {}; evaluate the build",
+            report.checkpoint.config_sha256, b.config_sha256
+        )));
+    }
+    match (&report.checkpoint.weights, &b.weights) {
+        (Some(theirs), Some(ours)) if theirs.sha256 == ours.sha256 => {}
+        _ => {
+            return Err(bad(
+                "is not about the weights the build was made from (or does not say); evaluate the build".into(),
+            ))
+        }
+    }
+    let precision = if build.record.settings.quantize {
+        "INT4"
+    } else {
+        "FP16"
+    };
+    if report.precision != precision {
+        return Err(bad(format!(
+            "evaluated {} packages, the build's are {precision}",
+            report.precision
+        )));
+    }
+    if let Some(bad_op) = report
+        .result
+        .fp16_range
+        .as_ref()
+        .and_then(|r| r.introduced.first())
+    {
+        return Err(bad(format!(
+            "its fp16 range check failed ({} makes inf or NaN in fp16 that fp32 does not); refusing to sign",
+            bad_op.name()
+        )));
+    }
+    Ok(report.embedded())
+}
+
 /// A parity report's summary as the manifest embeds it (`parity`): the
 /// report's typed summary, and whatever else a hand-written summary says,
 /// kept as written.
@@ -750,6 +814,10 @@ pub struct Manifest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "EmbeddedParity")]
     pub parity: Option<EmbeddedParity>,
+    /// What the release costs against its source checkpoint: the figures of the eval
+    /// report given to `package --eval-report` (`release --eval`; schema in eval/).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EmbeddedEval>,
     pub tools: Tools,
     /// Whether the packages were compiled to .mlmodelc (xcrun coremlcompiler, macOS only), and why not.
     pub compiled: Compiled,
@@ -1058,6 +1126,7 @@ impl Manifest {
             },
             settings: b.settings.clone(),
             parity: inp.parity.clone(),
+            eval: None,
             tools: Tools {
                 chunkforge: b.tool.chunkforge.clone(),
                 chunkforge_package: env!("CARGO_PKG_VERSION").into(),

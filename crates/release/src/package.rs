@@ -55,6 +55,8 @@ pub struct PackageRequest {
     pub model_id: Option<String>,
     pub base_url: Option<String>,
     pub parity_report: Option<PathBuf>,
+    /// An eval report of the build (`chunkforge eval --report`) whose figures the manifest records.
+    pub eval_report: Option<PathBuf>,
     pub allow_failed_parity: bool,
     /// Sign an inconclusive parity report (recorded as such).
     pub accept_inconclusive_parity: bool,
@@ -514,6 +516,7 @@ struct Checked<'b> {
     audit_errors: RuleCounts,
     audit_warnings: RuleCounts,
     parity: Option<manifest::EmbeddedParity>,
+    eval: Option<chunkforge_model::quality::EmbeddedEval>,
     version: String,
     hf_dir: PathBuf,
     cfg: TextConfig,
@@ -793,6 +796,11 @@ fn check<'b>(a: &PackageRequest, build: &'b Build, onto: Option<&Onto>) -> Resul
             )
         })
         .transpose()?;
+    let eval = a
+        .eval_report
+        .as_deref()
+        .map(|p| manifest::eval_summary(p, build))
+        .transpose()?;
     if let (Some(p), Some(s)) = (&a.parity_report, &parity) {
         if !s.ok() {
             let verdict = s.summary.verdict();
@@ -830,6 +838,7 @@ fn check<'b>(a: &PackageRequest, build: &'b Build, onto: Option<&Onto>) -> Resul
         audit_errors,
         audit_warnings,
         parity,
+        eval,
         version,
         hf_dir,
         cfg,
@@ -1231,6 +1240,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         audit_errors,
         audit_warnings,
         parity,
+        eval,
         version,
         inputs:
             Inputs {
@@ -1253,6 +1263,7 @@ pub fn package(a: &PackageRequest) -> Result<PackageReport> {
         compiled: &a.compiled,
     };
     let mut m = Manifest::build(&inputs)?;
+    m.eval = eval;
     if let Some(o) = onto.as_ref().filter(|o| o.compiled()) {
         mark_compiled(&mut m, o, &a.compiled);
     }

@@ -1,7 +1,9 @@
 //! The JSON schemas of the records chunkforge writes, generated from their
 //! types: `manifests/manifest.schema.json` from [`Manifest`] and
 //! `parity/report.schema.json` from [`ParityReport`],
-//! `manifests/distribution.schema.json` from [`Distribution`]. The checked-in files
+//! `manifests/distribution.schema.json` from [`Distribution`],
+//! `eval/report.schema.json` from [`EvalReport`] and
+//! `eval/transcript.schema.json` from [`Transcript`]. The checked-in files
 //! are these bytes; a test fails when they drift (and says how to write them
 //! again).
 
@@ -9,8 +11,10 @@ use schemars::generate::SchemaSettings;
 use schemars::JsonSchema;
 use serde_json::Value;
 
+use chunkforge_model::quality::EvalReport;
 use chunkforge_model::records::ParityReport;
 
+use crate::bench::transcript::Transcript;
 use crate::distribution::Distribution;
 use crate::manifest::Manifest;
 
@@ -18,6 +22,8 @@ use crate::manifest::Manifest;
 pub const MANIFEST_SCHEMA: &str = "manifests/manifest.schema.json";
 pub const PARITY_REPORT_SCHEMA: &str = "parity/report.schema.json";
 pub const DISTRIBUTION_SCHEMA: &str = "manifests/distribution.schema.json";
+pub const EVAL_REPORT_SCHEMA: &str = "eval/report.schema.json";
+pub const TRANSCRIPT_SCHEMA: &str = "eval/transcript.schema.json";
 
 /// The schema of `T` (JSON Schema 2020-12), as checked in at `path`.
 fn schema_of<T: JsonSchema>(path: &str) -> Value {
@@ -51,6 +57,14 @@ pub fn schemas() -> Vec<(&'static str, String)> {
         (
             DISTRIBUTION_SCHEMA,
             schema_of::<Distribution>(DISTRIBUTION_SCHEMA),
+        ),
+        (
+            EVAL_REPORT_SCHEMA,
+            schema_of::<EvalReport>(EVAL_REPORT_SCHEMA),
+        ),
+        (
+            TRANSCRIPT_SCHEMA,
+            schema_of::<Transcript>(TRANSCRIPT_SCHEMA),
         ),
     ]
     .into_iter()

@@ -18,13 +18,16 @@ import torch
 
 from ..contract import FunctionPlan
 from ..runtime import ChunkforgeError
+from .fp16range import Fp16Range
 from .interp import Interpreter
 
 
 class ProgramChunk:
-    def __init__(self, interp: Interpreter, function: FunctionPlan, fp16: bool = False):
+    def __init__(self, interp: Interpreter, function: FunctionPlan, fp16: bool = False, watch: Fp16Range | None = None):
         self.function = function
         self.fp16 = fp16
+        # Sees every fp16-typed op output of each call (`fp16range`).
+        self.watch = watch
         self.program = interp.function(function["name"])
         self.trace_layers: list[torch.Tensor] | None = None
         self.last_logits: torch.Tensor | None = None
@@ -46,7 +49,7 @@ class ProgramChunk:
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inputs = {t["name"]: a for t, a in zip(self.function["inputs"], args, strict=True)}
         taps = (self.logits_name,) if self.logits_name else ()
-        out = self.program.run_torch(inputs, self.fp16, taps)
+        out = self.program.run_torch(inputs, self.fp16, taps, self.watch)
         if self.logits_name:
             logits = out[self.logits_name]
             # One row per token for verify; decode and prefill (its last real token) give one.

@@ -58,6 +58,7 @@ from ..contract import ExecRequest, ExecResult
 from ..runtime import ChunkforgeError
 from ..weights import Lazy, Stored, kernels, value_of
 from . import ops
+from .fp16range import Fp16Range
 from .ops import CONSTEXPR, OPS, Impl, OpError
 from .program import FLOATS, MLPackage, TensorType, tensor_type
 
@@ -375,11 +376,19 @@ class Function:
             raise ChunkforgeError(f"{self.where}: " + "; ".join(problems))
 
     def run_torch(
-        self, inputs: Mapping[str, torch.Tensor], fp16: bool = False, taps: tuple[str, ...] = ()
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        fp16: bool = False,
+        taps: tuple[str, ...] = (),
+        watch: Fp16Range | None = None,
     ) -> dict[str, torch.Tensor]:
         """The function on torch tensors; outputs by name (and each of ``taps``,
-        an intermediate value by its program name)."""
+        an intermediate value by its program name). ``watch`` sees every
+        fp16-typed op output (`fp16range`)."""
         self.check_inputs(inputs)
+        names = {slot: name for name, slot in self.slots.items()} if watch is not None else {}
+        if watch is not None:
+            watch.started(fp16)
         env: list[Any] = [None] * len(self.slots)
         for spec in self.inputs:
             env[self.slots[spec.name]] = settle(inputs[spec.name], spec.dtype, fp16)
@@ -415,6 +424,8 @@ class Function:
                             f"the program declares {list(shape)}"
                         )
                     env[slot] = settle(value, dtype, fp16)
+                    if watch is not None and dtype == "fp16":
+                        watch.see(self, names[slot], step.op_type, [*args.values()], value, env[slot], fp16)
                 if i in tap_at:
                     for n, s in tap_at[i]:
                         tapped[n] = env[s]

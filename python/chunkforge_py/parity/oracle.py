@@ -152,7 +152,9 @@ class Oracle:
 
         return bring
 
-    def generate(self, prompt: list[int], n: int, generation_config: Any = None) -> list[int]:
+    def generate(
+        self, prompt: list[int], n: int, generation_config: Any = None, margins: list[float] | None = None
+    ) -> list[int]:
         """transformers' greedy ``generate`` of ``n`` tokens after ``prompt``
         (eager attention, its own KV cache), as
         ``AutoModelForCausalLM.from_pretrained(...).generate(..., do_sample=False)``
@@ -162,7 +164,8 @@ class Oracle:
         E2B: 9.4 GB in fp32) gives transformers only the rows of the ids it
         is called with (`_rows_only`), which its own module then scales.
         ``generation_config``: the checkpoint's (its end-of-text ids), as
-        ``from_pretrained`` reads it."""
+        ``from_pretrained`` reads it. ``margins``, if given, gets each
+        generated token's top-2 margin (its logit minus the runner-up's)."""
         inner = self.model.model
         table = self.weight("model.embed_tokens.weight")
         inner.embed_tokens.weight = torch.nn.Parameter(table, requires_grad=False)
@@ -177,10 +180,16 @@ class Oracle:
                     torch.tensor([prompt]),
                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                     generation_config=config,
+                    output_logits=margins is not None,
+                    return_dict_in_generate=True,
                 )
         finally:
             handle.remove()
-        return [int(t) for t in out[0, len(prompt) :]]
+        if margins is not None:
+            for logits in out.logits:
+                top = torch.topk(logits[0].double(), 2).values
+                margins.append(float(top[0] - top[1]))
+        return [int(t) for t in out.sequences[0, len(prompt) :]]
 
     def _rows_only(self, module: torch.nn.Module, args: Any) -> tuple[torch.Tensor]:
         """Before transformers' per-layer embedding lookup: its table becomes

@@ -28,6 +28,7 @@ import torch
 from ..contract import (
     ChunkPlan,
     Dims,
+    Fp16RangeReport,
     FunctionKind,
     ParityLayout,
     ParityReport,
@@ -38,6 +39,7 @@ from ..contract import (
 from ..emulate.release import SCALAR_DROPPED_AT_ONE
 from ..emulate.stepper import EmbeddingSource, LayoutRunner, PrefillRunner, function_of, schedule
 from ..mil.chunk import ProgramChunk
+from ..mil.fp16range import Fp16Range
 from ..mil.inspect import const_key
 from ..mil.interp import Interpreter
 from ..model import Chunk, load_streamed
@@ -60,6 +62,9 @@ class Programs:
     def __init__(self, build_dir: str):
         self.build_dir = build_dir
         self._interp: dict[str, Interpreter] = {}
+        # Every program run's fp16-typed op outputs (`fp16range`): the fp16
+        # range report, and the ops that make inf or NaN in fp16 only.
+        self.watch = Fp16Range()
 
     def interpreter(self, name: str) -> Interpreter:
         """The package ``name`` (``chunk1``), parsed once."""
@@ -108,7 +113,8 @@ class Programs:
         self, chunks: list[ChunkPlan], kind: FunctionKind, fp16: bool, tokens: int | None = None
     ) -> dict[str, Any]:
         return {
-            c["name"]: ProgramChunk(self.interpreter(c["name"]), function_of(c, kind, tokens), fp16) for c in chunks
+            c["name"]: ProgramChunk(self.interpreter(c["name"]), function_of(c, kind, tokens), fp16, self.watch)
+            for c in chunks
         }
 
 
@@ -410,6 +416,7 @@ class ProgramsCheck(Check):
         # By layout or function, then precision: its records, judged in `write`.
         self.records: dict[str, dict[Precision, list[ProgramRecord]]] = {}
         self.summaries: dict[str, dict[str, ProgramSummary]] = {}
+        self.fp16_range: Fp16RangeReport | None = None
 
     def compute(self) -> None:
         p = self.p
@@ -458,9 +465,16 @@ class ProgramsCheck(Check):
         }
         report["programs"] = [r for by in self.records.values() for recs in by.values() for r in recs]
         report["summary"]["programs"] = self.summaries or None
+        # The fp16 range of every program run (`fp16range`).
+        self.fp16_range = p.programs.watch.report(every=False) if p.programs is not None else None
+        report["summary"]["fp16_range"] = self.fp16_range
 
     def verdicts(self) -> list[Verdict]:
-        return [s["verdict"] for by in self.summaries.values() for s in by.values()]
+        found: list[Verdict] = [s["verdict"] for by in self.summaries.values() for s in by.values()]
+        if self.fp16_range is not None and not self.fp16_range["ok"]:
+            # An op the fp16 programs overflow in, where the fp32 ones stay finite.
+            found.append("fail")
+        return found
 
 
 CHECK = ProgramsCheck

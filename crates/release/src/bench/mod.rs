@@ -12,3 +12,4 @@ pub mod load_step;
 pub mod runbook;
 pub mod runtime_layout;
 pub mod targets;
+pub mod transcript;
