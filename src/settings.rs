@@ -23,14 +23,14 @@ use crate::test_hooks::Sabotage;
 
 /// Whether a unit's functions are converted together (`joint.convert_jobs`):
 /// `on` (the default) or `off` (one conversion per function, the reference:
-/// `bench build --joint-baseline`).
+/// `bench build --compare joint`).
 pub const JOINT_ENV: &str = "CHUNKFORGE_JOINT";
 /// Who writes bundled and composed packages ([`PackageWriter`]; `bench build
-/// --writer-baseline`).
+/// --compare writer`).
 pub const WRITER_ENV: &str = "CHUNKFORGE_WRITER";
 /// Whether conversions take chunkforge's shortcuts through coremltools' own
 /// code (python/chunkforge_py/convert/passes.py `shortcuts`): `on` (the default) or
-/// `off` (coremltools' code for every step: `bench build --shortcuts-baseline`).
+/// `off` (coremltools' code for every step: `bench build --compare shortcuts`).
 pub const SHORTCUTS_ENV: &str = "CHUNKFORGE_MIL_SHORTCUTS";
 
 /// The environment's switches that change a conversion, read once

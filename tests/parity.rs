@@ -873,7 +873,8 @@ fn chunk_by_chunk_and_step_by_step_parity_reports_agree() {
             "3",
             "--artifacts",
             build.to_str().unwrap(),
-            "--order-baseline",
+            "--compare",
+            "order",
         ],
         &[("CHUNKFORGE_RESIDENT_BYTES", "2378000")],
     );

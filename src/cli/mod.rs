@@ -16,7 +16,7 @@ use crate::parity_checks::Thresholds;
 use crate::py::contract::{AttentionSharpness, Shape};
 use crate::records::ConversionArgs;
 use values::DEFAULT_STEPS;
-pub use values::{choice, named, Jobs};
+pub use values::{choice, named, BuildComparison, Jobs, ParityComparison};
 
 #[derive(Parser)]
 #[command(
@@ -383,34 +383,15 @@ pub struct BenchParityCmd {
     /// The build whose packages are checked too, as `parity --artifacts`.
     #[arg(long)]
     pub artifacts: Option<PathBuf>,
-    /// Run it twice, each in a child process of its own: every layout step by step
-    /// (each step through all its chunks, before this order) and chunk by chunk (each
-    /// chunk over all steps: the default), side by side; fails unless the reports agree.
-    #[arg(long)]
-    pub order_baseline: bool,
-    /// Run it twice, each in a child process of its own: with glibc's heap defaults
-    /// (the default, CHUNKFORGE_HEAP=release) and with CHUNKFORGE_HEAP=keep (freed
-    /// memory kept for the next allocation: weights past the resident budget are made
-    /// again into memory the process holds), side by side; fails unless the reports agree.
-    #[arg(long, conflicts_with = "order_baseline")]
-    pub heap_baseline: bool,
-    /// Run it twice, each in a child process of its own: the packages' 4-bit weights
-    /// dequantized by unpacking their indices and gathering (CHUNKFORGE_DEQUANT=unpack,
-    /// before) and straight from the stored bytes, a table of value pairs per palette
-    /// (the default), side by side; fails unless the reports agree.
-    #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline"])]
-    pub dequant_baseline: bool,
-    /// Run it twice, each in a child process of its own: every weight made dense in
-    /// float32 and multiplied by torch (CHUNKFORGE_MATMUL=dense, before) and read as
-    /// stored and multiplied by the native kernels (the default), side by side; fails
-    /// unless the reports agree in every value but the last bits of their floats.
-    #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline", "dequant_baseline"])]
-    pub matmul_baseline: bool,
-    /// Write the parity report here (the children of --order-baseline and --heap-baseline).
+    /// Run it twice, each in a child process of its own, differing only in what is
+    /// compared, side by side; fails unless the two reports agree.
+    #[arg(long, value_parser = named::<ParityComparison>())]
+    pub compare: Option<ParityComparison>,
+    /// Write the parity report here (the children of --compare).
     #[arg(long, hide = true)]
     pub report: Option<PathBuf>,
     /// Print the wall time, peak RSS and verdict as JSON on the last line
-    /// (the children of --order-baseline and --heap-baseline).
+    /// (the children of --compare).
     #[arg(long, hide = true)]
     pub json: bool,
 }
@@ -478,33 +459,11 @@ pub struct BenchBuildCmd {
     /// as shipped (--jobs auto); prints them side by side.
     #[arg(long, conflicts_with_all = ["json", "pass_pipeline", "no_compose", "profile", "jobs"])]
     pub baseline: bool,
-    /// Run the build twice, each in a child process of its own, as given but for the
-    /// heap: with glibc's defaults (the default, CHUNKFORGE_HEAP=release: freed memory
-    /// goes back to the system) and with CHUNKFORGE_HEAP=keep (freed memory kept for the
-    /// next allocation); prints them side by side and requires byte-identical packages.
-    #[arg(long, conflicts_with_all = ["json", "baseline", "profile"])]
-    pub heap_baseline: bool,
-    /// Run the build twice, each in a child process of its own, as given but for who
-    /// writes bundled and composed packages: coremltools (CHUNKFORGE_WRITER=coremltools:
-    /// save_multifunction, and ct.convert of each composed program) and chunkforge (the
-    /// default: protobuf level, weights copied, not loaded); prints them side by side and
-    /// requires byte-identical packages.
-    #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "profile"])]
-    pub writer_baseline: bool,
-    /// Run the build twice, each in a child process of its own, as given but for the
-    /// shortcuts conversions take through coremltools' own code (python/chunkforge_py/
-    /// convert/passes.py `shortcuts`): off (CHUNKFORGE_MIL_SHORTCUTS=off: coremltools' code for
-    /// every step) and on (the default); prints them side by side and requires
+    /// Run the build twice, each in a child process of its own, as given but for what
+    /// is compared; prints them side by side and, but for `joint`, requires
     /// byte-identical packages.
-    #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "writer_baseline", "profile", "pass_pipeline"])]
-    pub shortcuts_baseline: bool,
-    /// Run the build twice, each in a child process of its own, as given but for how
-    /// the functions of a unit (chunkN's decode and verify, prefill_chunkN's prefill)
-    /// are converted: one conversion per function (CHUNKFORGE_JOINT=off) and one
-    /// conversion of them all, split into the functions (the default); prints them side
-    /// by side. The packages differ in op names only (python/tests/test_joint.py).
-    #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "writer_baseline", "shortcuts_baseline", "profile"])]
-    pub joint_baseline: bool,
+    #[arg(long, value_parser = named::<BuildComparison>(), conflicts_with_all = ["json", "baseline", "profile"])]
+    pub compare: Option<BuildComparison>,
     /// Print the build report JSON instead of a summary.
     #[arg(long)]
     pub json: bool,
@@ -899,10 +858,6 @@ mod tests {
         for (baseline, option) in [
             ("--baseline", &["--no-compose"][..]),
             ("--baseline", &["--pass-pipeline", "coremltools"][..]),
-            (
-                "--shortcuts-baseline",
-                &["--pass-pipeline", "coremltools"][..],
-            ),
         ] {
             let args = ["chunkforge", "bench", "build", baseline]
                 .into_iter()

@@ -47,7 +47,7 @@ crate::named! {
     /// level, weights copied, not loaded; the default) or `coremltools` (its
     /// MIL loader and serialiser: `save_multifunction`, `ct.convert` of the
     /// loaded program), the reference the first matches byte for byte
-    /// (`CHUNKFORGE_WRITER`, `bench build --writer-baseline`).
+    /// (`CHUNKFORGE_WRITER`, `bench build --compare writer`).
     pub enum PackageWriter {
         Chunkforge = "chunkforge",
         Coremltools = "coremltools",
