@@ -936,20 +936,13 @@ class BenchReport(TypedDict):
 RunLayout = Layout
 
 
-class RunFiles(TypedDict):
-    """Paths of the release's side files `run` reads (Rust checked each one's
-    size, header and manifest digest)."""
-
-    embed_tokens_q8: str
-    embed_tokens_scales: str
-    embed_tokens_per_layer_q8: str
-    embed_tokens_per_layer_scales: str
-    cos_sliding: str
-    sin_sliding: str
-    cos_full: str
-    sin_full: str
-    # hf_model/tokenizer.json (may be absent in a release made with --no-tokenizer).
-    tokenizer: str
+# Paths of the release's side files `run` reads (Rust checked each one's size,
+# header and manifest digest): every side file of Rust's `SIDE_FILES` by its
+# name without the extension (embed_tokens_q8, embed_tokens_scales,
+# embed_tokens_per_layer_q8, embed_tokens_per_layer_scales, cos_sliding,
+# sin_sliding, cos_full, sin_full, ...), and tokenizer: hf_model/tokenizer.json
+# (empty where a release made with --no-tokenizer has none).
+RunFiles = dict[str, str]
 
 
 class RunPackage(TypedDict):

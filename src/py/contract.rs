@@ -533,36 +533,30 @@ pub struct BenchReport {
 
 // ---- run (src/run.rs, python/chunkforge_py/emulate/release.py) ------------
 
-/// Paths of the side files the emulation reads (contract.py `RunFiles`).
+/// Paths of the side files the emulation reads (contract.py `RunFiles`):
+/// every side file of [`sidefiles::SIDE_FILES`] by its name without the
+/// extension (`embed_tokens_q8`, `cos_sliding`, ...), and `tokenizer`. A side
+/// file added to that table reaches the emulator with no change here.
 #[derive(Serialize, JsonSchema)]
-pub struct RunFiles {
-    pub embed_tokens_q8: String,
-    pub embed_tokens_scales: String,
-    pub embed_tokens_per_layer_q8: String,
-    pub embed_tokens_per_layer_scales: String,
-    pub cos_sliding: String,
-    pub sin_sliding: String,
-    pub cos_full: String,
-    pub sin_full: String,
-    pub tokenizer: String,
-}
+#[serde(transparent)]
+pub struct RunFiles(pub BTreeMap<String, String>);
 
 impl RunFiles {
-    /// The side files `run` reads, `path` giving each one's path by its
-    /// name in the release; `tokenizer` the tokenizer's (empty: none).
+    /// The side files, `path` giving each one's path by its name in the
+    /// release; `tokenizer` the tokenizer's (empty: none).
     pub fn new(path: &dyn Fn(&str) -> String, tokenizer: String) -> Self {
-        RunFiles {
-            embed_tokens_q8: path(sidefiles::EMBED_Q8),
-            embed_tokens_scales: path(sidefiles::EMBED_SCALES),
-            embed_tokens_per_layer_q8: path(sidefiles::PER_LAYER_Q8),
-            embed_tokens_per_layer_scales: path(sidefiles::PER_LAYER_SCALES),
-            cos_sliding: path(sidefiles::COS_SLIDING),
-            sin_sliding: path(sidefiles::SIN_SLIDING),
-            cos_full: path(sidefiles::COS_FULL),
-            sin_full: path(sidefiles::SIN_FULL),
-            tokenizer,
-        }
+        let mut files: BTreeMap<String, String> = sidefiles::SIDE_FILES
+            .iter()
+            .map(|spec| (side_file_key(spec.name).to_string(), path(spec.name)))
+            .collect();
+        files.insert("tokenizer".into(), tokenizer);
+        RunFiles(files)
     }
+}
+
+/// A side file's key in [`RunFiles`]: its name without the extension.
+pub fn side_file_key(name: &str) -> &str {
+    name.rsplit_once('.').map_or(name, |(stem, _)| stem)
 }
 
 /// contract.py `RunRequest`.
