@@ -397,16 +397,16 @@ mod tests {
     fn seam_json_is_current() {
         let mut text = serde_json::to_string_pretty(&declared()).unwrap();
         text.push('\n');
-        if std::env::var_os("CHUNKFORGE_BLESS").is_some() {
+        if chunkforge_model::generated::bless() {
             std::fs::write(SEAM_JSON, &text).unwrap();
         }
         let on_disk = std::fs::read_to_string(SEAM_JSON).unwrap_or_default();
         assert!(
             on_disk == text,
             "{SEAM_JSON} is not what src/py/calls.rs declares: a request or reply type of an \
-             entry point changed. Regenerate it (CHUNKFORGE_BLESS=1 cargo test --release --lib \
-             seam_json), then make python/chunkforge_py/contract.py agree \
-             (python/tests/test_seam.py says where it does not)"
+             entry point changed. {}, then make python/chunkforge_py/contract.py agree \
+             (python/tests/test_seam.py says where it does not)",
+            chunkforge_model::generated::REGENERATE
         );
     }
 

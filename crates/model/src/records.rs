@@ -270,15 +270,18 @@ impl ConversionArgs {
     /// The conversion these options ask for at context length `ctx` (the
     /// environment's switches are the settings' resolve step's).
     pub fn settings(&self, ctx: usize) -> ConversionSettings {
+        // Every option named: one added above and not lowered here does not compile.
+        let ConversionArgs {
+            no_quantize,
+            kmeans_workers,
+            palettizer,
+            pass_pipeline,
+            no_compose,
+        } = *self;
         ConversionSettings {
-            pass_pipeline: self.pass_pipeline,
-            compose: !self.no_compose,
-            ..ConversionSettings::shipped(
-                ctx,
-                !self.no_quantize,
-                self.palettizer,
-                self.kmeans_workers,
-            )
+            pass_pipeline,
+            compose: !no_compose,
+            ..ConversionSettings::shipped(ctx, !no_quantize, palettizer, kmeans_workers)
         }
     }
 }
