@@ -357,13 +357,23 @@ pub const PROGRAMS: Check = Check {
     name: CheckName::Programs,
     field: "summary.programs",
     rows: |r| {
-        programs(r)
+        let mut rows: Vec<Row> = programs(r)
             .map(|(name, precision, p)| Row {
                 name: format!("the {precision} program check of {name}"),
                 ok: p.ok,
                 recorded: p.verdict,
             })
-            .collect()
+            .collect();
+        // An op the fp16 programs overflow in where the fp32 ones stay
+        // finite: a failure of its own (programs.py adds its "fail").
+        if let Some(range) = r.summary.fp16_range.as_ref().filter(|f| !f.ok) {
+            rows.push(Row {
+                name: format!("the fp16 range of the programs ({})", range.line()),
+                ok: false,
+                recorded: Some(Verdict::Fail),
+            });
+        }
+        rows
     },
     lines: |r, _| {
         let opt = |v: Option<f64>, pct: bool| match v {
@@ -371,7 +381,14 @@ pub const PROGRAMS: Check = Check {
             Some(v) => format!("{v:.6}"),
             None => "-".into(),
         };
-        programs(r).zip((PROGRAMS.rows)(r)).map(|((name, precision, p), row)| {
+        let rows = (PROGRAMS.rows)(r);
+        // The fp16 range's row, after the programs' (its own line).
+        let extra: Vec<String> = rows
+            .iter()
+            .skip(programs(r).count())
+            .map(|row| format!("{}  {}", row.name, row.shown()))
+            .collect();
+        programs(r).zip(rows).map(|((name, precision, p), row)| {
             format!(
                 "program {name:<9} {precision}  vs read-back min cos {:.6} tokens match: {}  | vs reference min cos {} top-1 {}  | vs transformers min cos {} top-1 {}  ({} steps)  {}",
                 p.min_cos_readback,
@@ -383,9 +400,15 @@ pub const PROGRAMS: Check = Check {
                 p.steps,
                 if p.gated { row.shown() } else { "(reported)" }
             )
-        }).collect()
+        }).chain(extra).collect()
     },
     failure: |r, t| {
+        let overflow = r
+            .summary
+            .fp16_range
+            .as_ref()
+            .filter(|f| !f.ok)
+            .map(|f| f.line());
         programs(r)
             .filter(|(_, _, p)| !p.ok)
             .map(|(name, precision, p)| {
@@ -397,6 +420,7 @@ pub const PROGRAMS: Check = Check {
                     p.min_cos_readback, t.tol_cos
                 )
             })
+            .chain(overflow)
             .collect()
     },
 };
@@ -631,6 +655,31 @@ mod tests {
             .iter()
             .any(|l| l
                 .contains("--tol-cos-int4 0.85, --min-top1-int4 0.75, --max-weight-rel-mse 0.03")));
+        // An op overflowing in the fp16 programs only fails the programs
+        // check (programs.py adds its "fail"), with its own line and reason.
+        let overflow: ParityReport = serde_json::from_value(json!({
+            "steps": [], "oracle": [],
+            "summary": {"ok": false, "verdict": "fail",
+                "programs": {"four": {"fp16": {"steps": 4, "min_cos_readback": 1.0,
+                    "tokens_match_readback": true, "min_cos_reference": null, "top1_reference": null,
+                    "min_cos_hf": null, "top1_hf": null, "gated": false, "ok": true, "verdict": "ok"}}},
+                "fp16_range": {"fp16_max": 65504.0, "fp16_runs": 4, "fp32_runs": 4, "outputs": 10,
+                    "closest": [], "ok": false, "introduced": [{"package": "chunk1", "function": "decode_q1",
+                    "op": "exp_3", "op_type": "exp", "layer": "2", "max_abs": 1.0e5, "margin_log2": null,
+                    "overflow": 3, "made_nonfinite_fp16": 3, "made_nonfinite_fp32": 0}]}},
+        }))
+        .unwrap();
+        assert_eq!(overflow.verdict_of_checks(), Verdict::Fail);
+        let lines = (PROGRAMS.lines)(&overflow, &t);
+        assert_eq!(lines.len(), (PROGRAMS.rows)(&overflow).len());
+        assert!(
+            lines[1].contains("exp_3") && lines[1].ends_with("  FAIL"),
+            "{lines:?}"
+        );
+        assert!(overflow
+            .failure_lines(&t)
+            .iter()
+            .any(|l| l.contains("exp_3")));
         // Held, every check is silent after the verdict.
         let held: ParityReport =
             serde_json::from_value(json!({"steps": [], "oracle": [], "summary": {"ok": true}}))
