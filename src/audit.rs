@@ -7,31 +7,14 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
-use indexmap::IndexMap;
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
 
 use crate::config::Attention;
 use crate::layouts::{kind_of_package, spec, Bench};
 use crate::plan::{ChunkPlan, KvSource, LayoutKind, Plan};
 use crate::py::calls;
-use crate::records::{
-    severity_text, AuditFinding, AuditRecord, BuildRecord, ComputePlanRecord, RuleCounts, Severity,
-    AUDIT_FORMAT,
-};
-
-/// One package to audit.
-#[derive(Clone, Debug, Serialize, JsonSchema)]
-pub struct AuditPackage {
-    pub path: String,
-    /// The package's folder name (`chunk1.mlpackage`): what findings carry.
-    pub name: String,
-    /// The kind of each decoder layer by index (empty: unknown).
-    pub layer_kinds: BTreeMap<String, &'static str>,
-    /// A package of a layout with a device-bench target (two- and one-chunk):
-    /// the compute plan's ship verdict applies.
-    pub merged: bool,
-}
+use crate::py::contract::AuditArgs;
+pub use crate::py::contract::{AuditPackage, AuditReport, OpTypes, PackageAudit};
+use crate::records::{severity_text, AuditRecord, BuildRecord, AUDIT_FORMAT};
 
 impl AuditPackage {
     /// A package of a build, described by its chunk plan.
@@ -166,62 +149,6 @@ fn read_record(build_json: &Path) -> Result<BuildRecord> {
     })
 }
 
-#[derive(Serialize, JsonSchema)]
-pub struct AuditArgs<'a> {
-    packages: &'a [AuditPackage],
-    compute_plan: bool,
-}
-
-/// One function of an audited package.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct FunctionAudit {
-    pub name: String,
-    /// Ops run per call (const and constexpr_* ops excluded).
-    pub ops: u64,
-    pub const_ops: u64,
-    pub op_counts: BTreeMap<String, u64>,
-    pub findings: RuleCounts,
-}
-
-/// One audited package.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct PackageAudit {
-    pub package: String,
-    pub path: String,
-    pub functions: Vec<FunctionAudit>,
-    pub findings: RuleCounts,
-}
-
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct OpTable {
-    pub path: String,
-    pub sha256: String,
-}
-
-/// The rules' thresholds.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct Limits {
-    pub max_rank: u64,
-    pub max_dim: u64,
-    pub last_axis_1_min_elements: u64,
-}
-
-/// `audit.audit`'s report (what `chunkforge audit --json` prints).
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct AuditReport {
-    pub format: String,
-    pub op_table: OpTable,
-    pub limits: Limits,
-    pub packages: Vec<PackageAudit>,
-    pub findings: Vec<AuditFinding>,
-    pub total: u64,
-    pub errors: u64,
-    pub warnings: u64,
-    pub by_rule: RuleCounts,
-    pub severity: BTreeMap<String, Severity>,
-    pub compute_plan: ComputePlanRecord,
-}
-
 impl AuditReport {
     /// build.json's brief form: counts, and the first finding of each rule
     /// in each package.
@@ -268,14 +195,6 @@ pub fn run(packages: &[AuditPackage], verbose: bool) -> Result<AuditReport> {
         );
     }
     Ok(report)
-}
-
-/// `audit.op_types`' reply: the op types per layer kind found in the
-/// packages, in ane_op_types.json's shape (to regenerate and diff the table).
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct OpTypes {
-    pub layer_kinds: IndexMap<String, Vec<String>>,
-    pub output_dtypes: IndexMap<String, Vec<String>>,
 }
 
 /// The op types per layer kind of `packages`, in ane_op_types.json's shape.

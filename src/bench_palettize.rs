@@ -2,10 +2,9 @@
 //! Rust kernel and coremltools on the same matrices) and prints the table.
 
 use anyhow::Result;
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
 
 use crate::py::calls;
+use crate::py::contract::{BenchArgs, BenchReport, BenchResult};
 use crate::py::env as pyenv;
 use crate::records::Palettizer;
 
@@ -39,37 +38,6 @@ pub fn run(json_out: bool, quick: bool, seed: u64, verbose: bool) -> Result<()> 
         print!("{}", render(&report));
     }
     Ok(())
-}
-
-/// `bench_palettize.run`'s request.
-#[derive(Serialize, JsonSchema)]
-pub struct BenchArgs {
-    /// Small matrices only.
-    pub quick: bool,
-    pub seed: u64,
-    /// One stderr line per run.
-    pub progress: bool,
-}
-
-/// One implementation on one matrix.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct BenchResult {
-    pub shape: Vec<usize>,
-    #[serde(rename = "impl")]
-    pub implementation: String,
-    pub seconds: f64,
-    pub mse: f64,
-    pub lut_shape: Vec<usize>,
-}
-
-/// `bench_palettize.run`'s report (`--json` prints it).
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct BenchReport {
-    pub results: Vec<BenchResult>,
-    pub group_size: usize,
-    pub nbits: u32,
-    pub weight_std: f64,
-    pub seed: u64,
 }
 
 /// One table: per shape, every implementation with seconds, MSE, and how the

@@ -9,17 +9,22 @@ use anyhow::{anyhow, Context, Result};
 
 use crate::audit;
 use crate::checkpoint::Checkpoint;
+use crate::cli::values::Jobs;
 use crate::config::TextConfig;
 use crate::hashing;
 use crate::layouts::{spec, Purpose, REFERENCE};
 use crate::plan::{ChunkPlan, FunctionKind, Functions, LayoutKind, Mode, Plan};
 use crate::progress::{self, BuildProgress};
-use crate::py::calls::{self, CheckpointFiles, ChunkJob, ComposeJob, WeightCache};
+use crate::py::calls::WeightCache;
+use crate::py::contract::{
+    CheckpointFiles, ChunkJob, ComposeJob, ComposeSource, Composed, ConvertedChunk,
+    ConvertedFunction,
+};
 use crate::py::env as pyenv;
 use crate::py::worker::{self, BundleRequest, Stage, Task, TaskReply, Worker};
 use crate::records::{
-    BuildRecord, BuildRequest, BuildSeconds, CacheTotals, CheckpointRecord, ChunkRecord,
-    ChunkStats, ConversionSettings, FunctionRecord, Seconds, ToolVersions, BUILD_FORMAT,
+    BuildRecord, BuildSeconds, CacheTotals, CheckpointRecord, ChunkRecord, ChunkStats,
+    ConversionSettings, FunctionRecord, Seconds, ToolVersions, BUILD_FORMAT,
 };
 use crate::settings::BuildSettings;
 use crate::staging::OutputLock;
@@ -27,29 +32,6 @@ use crate::staging::{self, Staging};
 
 /// The phase the bundle of a multifunction package is timed under.
 const BUNDLE: &str = "bundle";
-
-/// `--jobs`: processes converting at once (this one and its conversion
-/// workers), or `auto` (`Pool::start`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Jobs {
-    Auto,
-    N(usize),
-}
-
-impl std::str::FromStr for Jobs {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "auto" => Ok(Jobs::Auto),
-            _ => match s.parse::<usize>() {
-                Ok(n) if n >= 1 => Ok(Jobs::N(n)),
-                _ => Err(format!(
-                    "{s}: expected auto or a number of processes (1 or more)"
-                )),
-            },
-        }
-    }
-}
 
 /// The memory a build may plan for with `--jobs auto`: half of upstream's
 /// 13 GB for a full-width `--mode both` (issue 15's target).
@@ -265,11 +247,32 @@ fn chunk_job(
     }
 }
 
+/// A `convert_chunk` reply (one per job of `convert_jobs`) for `chunk`
+/// checked: every function was converted, in order.
+fn converted_chunk(
+    chunk: &ChunkPlan,
+    converted: ConvertedChunk,
+) -> std::result::Result<ConvertedChunk, String> {
+    let sent: Vec<&str> = chunk.functions.iter().map(|f| f.name.as_str()).collect();
+    let got: Vec<&str> = converted
+        .functions
+        .iter()
+        .map(|f| f.name.as_str())
+        .collect();
+    if sent != got {
+        return Err(format!(
+            "the conversion of {} converted functions {got:?} of {sent:?}",
+            chunk.name
+        ));
+    }
+    Ok(converted)
+}
+
 /// The record of converted function `f` (`c`: its reply), under `name`.
 fn function_record(
     name: &str,
     f: &crate::plan::FunctionPlan,
-    c: calls::ConvertedFunction,
+    c: ConvertedFunction,
 ) -> FunctionRecord {
     FunctionRecord {
         name: name.to_string(),
@@ -285,7 +288,7 @@ fn function_record(
 /// A converted chunk's function records, summed seconds and summed counts.
 fn function_records(
     chunk: &ChunkPlan,
-    converted: calls::ConvertedChunk,
+    converted: ConvertedChunk,
 ) -> (Vec<FunctionRecord>, Seconds, ChunkStats) {
     let mut functions = Vec::new();
     let mut seconds = Seconds::new();
@@ -568,7 +571,7 @@ impl Step<'_> {
                 .into_iter()
                 .next()
                 .ok_or_else(|| anyhow!("building {}: no reply", source.name))?;
-            let converted = calls::converted_chunk(source, converted)
+            let converted = converted_chunk(source, converted)
                 .map_err(|e| anyhow!("building {}: {e}", source.name))?;
             composer.sourced(*i, converted);
         }
@@ -581,7 +584,7 @@ impl Step<'_> {
             let reply = results[*task].take().expect("every task ran");
             let mut out = Vec::new();
             for ((layout, chunk), converted) in unit.iter().zip(reply.converted) {
-                let converted = calls::converted_chunk(chunk, converted)
+                let converted = converted_chunk(chunk, converted)
                     .map_err(|e| anyhow!("building {}: {e}", chunk.name))?;
                 let (functions, mut seconds, mut stats) = function_records(chunk, converted);
                 if let Some(b) = &reply.bundle {
@@ -670,7 +673,7 @@ impl Step<'_> {
         composer: &mut Composer,
         started: Instant,
     ) -> Result<BuildRecord> {
-        let versions = calls::versions(self.verbose)?;
+        let versions = pyenv::versions(self.verbose)?;
         let config_sha = hashing::sha256_file(&hf_dir.join("config.json"))?;
         // Absolute, so `build --check` finds the same checkpoint from any folder.
         let recorded_dir = std::path::absolute(hf_dir)
@@ -946,7 +949,7 @@ impl Composer {
     }
 
     /// Source `i` was converted (for composition only).
-    fn sourced(&mut self, i: usize, converted: calls::ConvertedChunk) {
+    fn sourced(&mut self, i: usize, converted: ConvertedChunk) {
         let source = &self.four[i];
         for (f, c) in source.functions.iter().zip(converted.functions) {
             self.sources_seconds += c.seconds.values().sum::<f64>();
@@ -970,7 +973,7 @@ impl Composer {
         let range = self.tiling(chunk).expect("composes() checked the tiling");
         let from = self.from(chunk).join(" + ");
         let sources = range
-            .map(|i| calls::ComposeSource {
+            .map(|i| ComposeSource {
                 path: self.decode[i]
                     .as_ref()
                     .expect("missing_sources() gave every source a path")
@@ -998,7 +1001,7 @@ impl Composer {
     fn composed(
         &self,
         chunk: &ChunkPlan,
-        composed: calls::Composed,
+        composed: Composed,
     ) -> (Vec<FunctionRecord>, Seconds, ChunkStats, Vec<String>) {
         let f = &chunk.functions[0];
         let functions = vec![FunctionRecord {
@@ -1053,30 +1056,6 @@ fn units(plan: &Plan) -> Vec<Vec<(LayoutKind, &ChunkPlan)>> {
         }
     }
     units
-}
-
-/// A layout request with its mode and context known (a recorded one is
-/// checked to have both).
-#[derive(Clone, Debug)]
-pub struct Layout {
-    pub mode: Mode,
-    pub split: Option<String>,
-    pub ctx: usize,
-    pub verify_k: Option<usize>,
-    pub prefill_len: Option<Vec<usize>>,
-}
-
-impl Layout {
-    /// As build.json records it.
-    pub fn record(&self) -> BuildRequest {
-        BuildRequest {
-            mode: Some(self.mode),
-            split: self.split.clone(),
-            ctx: Some(self.ctx as u64),
-            verify_k: self.verify_k,
-            prefill_len: self.prefill_len.clone(),
-        }
-    }
 }
 
 /// Compares the packages of `old` with a fresh build in `fresh_dir`, printing

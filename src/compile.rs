@@ -33,8 +33,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::client_check::mil_context;
@@ -44,30 +42,11 @@ use crate::hashing::{self, FileDigest};
 use crate::manifest::{self, Compiled, Manifest, PredicateSummary, MANIFEST_FILE};
 use crate::package::{copy_tree, sign_into, split_output, write_json, write_runbook};
 use crate::paths::{DISTRIBUTION_FILE, RUNBOOK_FILE};
+use crate::py::calls;
+use crate::py::contract::CompileRequest;
 use crate::sign::{self, SIG_FILE};
 use crate::staging::Staging;
 use chunkforge_release::distribution::Distribution;
-
-/// `compiled.compile_package`'s request.
-#[derive(Serialize, JsonSchema)]
-pub struct CompileRequest<'a> {
-    pub package: &'a str,
-    pub output: &'a str,
-    pub files: Vec<&'a str>,
-    /// [`Writer::name`].
-    pub writer: &'a str,
-    /// The model's name (`metadata.json`'s `generatedClassName`).
-    pub name: &'a str,
-}
-
-/// `compiled.compile_package`'s reply.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct CompileReply {
-    pub output: String,
-    pub written: Vec<String>,
-    pub absent: Vec<String>,
-    pub coremltools: String,
-}
 
 /// What writes the `.mlmodelc` files.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -259,7 +238,7 @@ pub fn compile_release(dir: &Path, key: &Path, writer: Writer, verbose: bool) ->
         if let Some(p) = out.parent() {
             fs::create_dir_all(p).with_context(|| format!("{}: cannot create", p.display()))?;
         }
-        let mut reply = crate::py::calls::compile_package(
+        let mut reply = calls::compile_package(
             &CompileRequest {
                 package: &package.to_string_lossy(),
                 output: &out.to_string_lossy(),

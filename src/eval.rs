@@ -10,8 +10,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use schemars::JsonSchema;
-use serde::Serialize;
 
 use crate::checkpoint::Checkpoint;
 use crate::config::TextConfig;
@@ -19,11 +17,12 @@ use crate::folder::{PackageFiles, ReleaseFolder};
 use crate::hashing;
 use crate::layouts::{spec, Purpose, RunLayout};
 use crate::manifest::{Build, MANIFEST_FILE};
-use crate::plan::{self, Layout};
-use crate::py::calls::{self, CheckpointFiles};
+use crate::plan;
+use crate::py::calls;
+use crate::py::contract::RunFiles;
+use crate::py::contract::{CheckpointFiles, EvalLayout, EvalRequest};
 use crate::quality::{EvalReport, EvalResult, EvalText, EVAL_FORMAT};
 use crate::records::{ParityCheckpoint, ToolVersions};
-use crate::run::RunFiles;
 use crate::sidefiles::{self, SideFilesRequest};
 use crate::staging::Staging;
 
@@ -44,27 +43,6 @@ pub struct EvalOptions<'a> {
     /// Round every fp16 op output to fp16, and record the fp16 range.
     pub fp16: bool,
     pub verbose: bool,
-}
-
-/// One decode layout to evaluate (contract.py `EvalLayout`).
-#[derive(Serialize, JsonSchema)]
-pub struct EvalLayout {
-    layout: Layout,
-    packages: BTreeMap<String, PackageFiles>,
-}
-
-/// contract.py `EvalRequest`.
-#[derive(Serialize, JsonSchema)]
-pub struct EvalRequest<'a> {
-    target: String,
-    dims: plan::Dims,
-    layouts: Vec<EvalLayout>,
-    files: RunFiles,
-    text: &'a str,
-    max_tokens: usize,
-    checkpoint: CheckpointFiles,
-    config_path: String,
-    fp16: bool,
 }
 
 /// The checkpoint packages were made from, whose `config.json` is `config`
@@ -328,7 +306,7 @@ pub fn eval(o: &EvalOptions) -> Result<EvalReport> {
         },
         tool: ToolVersions {
             chunkforge: env!("CARGO_PKG_VERSION").into(),
-            python: calls::versions(o.verbose)?,
+            python: crate::py::env::versions(o.verbose)?,
         },
         result,
     })

@@ -8,8 +8,6 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
 
 use crate::bench::transcript::{judge, ReleaseStream, Stream, Transcript, TRANSCRIPT_FORMAT};
 use crate::checkpoint::Checkpoint;
@@ -17,26 +15,10 @@ use crate::config::TextConfig;
 use crate::folder::ReleaseFolder;
 use crate::hashing;
 use crate::manifest::MANIFEST_FILE;
-use crate::py::calls::{self, CheckpointFiles};
+use crate::py::calls;
+use crate::py::contract::{CheckpointFiles, SourceGreedyRequest};
 use crate::records::{ParityCheckpoint, ToolVersions};
 use crate::run::RunResult;
-
-/// contract.py `SourceGreedyRequest`.
-#[derive(Serialize, JsonSchema)]
-pub struct SourceGreedyRequest<'a> {
-    checkpoint: CheckpointFiles,
-    config_path: String,
-    prompt_ids: &'a [i64],
-    max_tokens: usize,
-}
-
-/// contract.py `SourceGreedy`.
-#[derive(Debug, Deserialize, JsonSchema)]
-pub struct SourceGreedy {
-    pub generated_ids: Vec<i64>,
-    pub margins: Vec<f64>,
-    pub seconds: f64,
-}
 
 /// What the gate compares: the release's run and how it was asked for.
 pub struct GateInput<'a> {
@@ -103,7 +85,7 @@ pub fn against_source(g: &GateInput, run: &RunResult) -> Result<Transcript> {
         },
         tool: ToolVersions {
             chunkforge: env!("CARGO_PKG_VERSION").into(),
-            python: calls::versions(g.verbose)?,
+            python: crate::py::env::versions(g.verbose)?,
         },
     })
 }

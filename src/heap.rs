@@ -18,7 +18,7 @@
 //! to 506 s, but the peak grows from 5.5 to 6.9 GB (the resident size stays
 //! at the heap's high-water mark, fragmentation included), over the 6.5 GiB
 //! the build plans for. So the default stays `release`, glibc's own
-//! behaviour; `bench build --heap-baseline` measures both on a machine.
+//! behaviour; `bench build --compare heap` measures both on a machine.
 
 /// The environment variable that selects the policy, and that tells the
 /// embedded Python (and worker processes) which one is in force.

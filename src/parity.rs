@@ -6,9 +6,7 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use indexmap::IndexMap;
 use schemars::JsonSchema;
-use serde::Serialize;
 
 use crate::builtin;
 use crate::checkpoint::Checkpoint;
@@ -16,26 +14,15 @@ use crate::config::TextConfig;
 use crate::hashing;
 use crate::layouts::{spec, Purpose, REFERENCE};
 use crate::manifest::Build;
+use crate::parity_checks::CHECKS;
 use crate::plan::{self, LayoutKind, Plan};
 use crate::progress;
-use crate::py::calls::{self, CheckpointFiles};
+use crate::py::calls;
+use crate::py::contract::{CheckpointFiles, DimsOnly, ParityLayout, ParityRequest};
 use crate::records::{ParityCheckpoint, ParityReport, ToolVersions, PARITY_FORMAT};
 use crate::staging;
 
-pub use crate::settings::ParitySettings;
-#[cfg(feature = "test-hooks")]
-pub use crate::test_hooks::Sabotage;
-
-/// `--steps`.
-pub const DEFAULT_STEPS: usize = 16;
-/// `--tol-cos`: the minimum cosine of the final normed hidden state per step.
-pub const DEFAULT_TOL_COS: f64 = 0.9999;
-/// `--tol-cos-int4`.
-pub const DEFAULT_TOL_COS_INT4: f64 = 0.85;
-/// `--min-top1-int4`.
-pub const DEFAULT_MIN_TOP1_INT4: f64 = 0.75;
-/// `--max-weight-rel-mse`.
-pub const DEFAULT_MAX_WEIGHT_REL_MSE: f64 = 0.03;
+use crate::settings::ParitySettings;
 
 /// The default prompt shipped in `parity/default_prompt.json`: fixed random
 /// ids, for a checkpoint that has no prompt of its own.
@@ -69,73 +56,6 @@ fn is_builtin(hf_dir: &Path) -> bool {
         (Ok(a), Ok(b)) => a == b,
         _ => false,
     }
-}
-
-/// Parses `--prompt-ids 2,105,23` (commas or spaces).
-pub fn parse_prompt(text: &str) -> Result<Vec<i64>> {
-    text.split(|c: char| c == ',' || c.is_whitespace())
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse::<i64>()
-                .with_context(|| format!("--prompt-ids: `{s}` is not a token id"))
-        })
-        .collect()
-}
-
-/// A layout as parity compares it: named by its kind.
-#[derive(Serialize, JsonSchema)]
-pub struct ParityLayout<'a> {
-    name: LayoutKind,
-    chunks: &'a [plan::ChunkPlan],
-    kv_slot_map: &'a [plan::SlotCopy],
-}
-
-impl<'a> From<&'a plan::Layout> for ParityLayout<'a> {
-    fn from(l: &'a plan::Layout) -> Self {
-        ParityLayout {
-            name: l.kind,
-            chunks: &l.chunks,
-            kv_slot_map: &l.kv_slot_map,
-        }
-    }
-}
-
-#[derive(Serialize, JsonSchema)]
-pub struct DimsOnly<'a> {
-    dims: &'a plan::Dims,
-}
-
-/// What `parity.run` is asked to check (contract.py `ParityRequest`).
-#[derive(Serialize, JsonSchema)]
-pub struct ParityRequest<'a> {
-    plan: DimsOnly<'a>,
-    /// The layout every other one is compared against.
-    reference: LayoutKind,
-    /// The decode layouts (the layout table's `Purpose::Decode` rows), the
-    /// reference first: Python judges exactly these records as the
-    /// reference's own computation (`judge_steps`); every other step
-    /// record is a function's.
-    layouts: Vec<ParityLayout<'a>>,
-    checkpoint: CheckpointFiles,
-    config_path: String,
-    prompt_ids: &'a [i64],
-    steps: usize,
-    tol_cos: f64,
-    prefill: usize,
-    prefill_layout: Option<ParityLayout<'a>>,
-    skip_prefill_copy: bool,
-    oracle: bool,
-    /// A weight broken on purpose (test builds only).
-    #[cfg(feature = "test-hooks")]
-    #[serde(flatten)]
-    sabotage: Option<Sabotage>,
-    artifacts: Option<String>,
-    /// `INT4` for a palettized build, `FP16` for a `--no-quantize` one.
-    artifacts_precision: Option<&'static str>,
-    artifact_layouts: IndexMap<LayoutKind, ParityLayout<'a>>,
-    tol_cos_int4: f64,
-    min_top1_int4: f64,
-    max_weight_rel_mse: f64,
 }
 
 /// Runs parity and writes `--report`; returns the report (its
@@ -198,10 +118,10 @@ pub fn run(
         config_path: hf_dir.join("config.json").to_string_lossy().into_owned(),
         prompt_ids: &prompt,
         steps: opts.steps,
-        tol_cos: opts.tol_cos,
+        checks: CHECKS.iter().map(|c| c.name).collect(),
+        thresholds: opts.thresholds,
         prefill: opts.prefill,
         prefill_layout,
-        skip_prefill_copy: opts.skip_prefill_copy,
         oracle: opts.oracle,
         #[cfg(feature = "test-hooks")]
         sabotage: opts.sabotage.clone(),
@@ -221,9 +141,6 @@ pub fn run(
             })
             .transpose()?,
         artifact_layouts,
-        tol_cos_int4: opts.tol_cos_int4,
-        min_top1_int4: opts.min_top1_int4,
-        max_weight_rel_mse: opts.max_weight_rel_mse,
     };
     for w in &requested.warnings {
         eprintln!("note: {w}");
@@ -242,10 +159,23 @@ pub fn run(
             ""
         }
     ));
+    #[cfg(feature = "test-hooks")]
+    if req.sabotage.is_some() {
+        crate::test_hooks::sabotage_importable()?;
+    }
     let result =
         calls::with_progress::<calls::Parity>(&req, verbose, progress::phases(&sp, "parity"));
     sp.finish_and_clear();
     let mut report = result?;
+    // The run's verdict is what Python's checks counted; the rows they wrote
+    // must say the same, check by check (`parity_checks::CHECKS`).
+    let (told, rows) = (report.summary.verdict(), report.verdict_of_checks());
+    if told != rows {
+        bail!(
+            "parity.run said {told}, but its checks' rows say {rows}: a check's unit \
+             (python/chunkforge_py/parity/) left a row out of its verdicts"
+        );
+    }
     report.format = PARITY_FORMAT.into();
     // Absolute, as build.json records it; the weights, so that `package`
     // can tell a report about another seed or a fine-tune with the same
@@ -260,7 +190,7 @@ pub fn run(
     report.prompt_ids = prompt.iter().take(opts.steps).copied().collect();
     report.tool = ToolVersions {
         chunkforge: env!("CARGO_PKG_VERSION").into(),
-        python: calls::versions(verbose)?,
+        python: crate::py::env::versions(verbose)?,
     };
     if let Some(path) = &opts.report {
         staging::write_atomic(path, &serde_json::to_vec_pretty(&report)?)

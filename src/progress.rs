@@ -1,6 +1,7 @@
 //! Progress display: one bar over chunks, a spinner per phase. Everything goes
 //! to stderr so `--json` output on stdout stays clean.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -38,6 +39,36 @@ pub fn phases(sp: &ProgressBar, prefix: &str) -> impl Fn(&str) + Send + Sync + '
             eprintln!("[{:>6.0} s] {msg}", start.elapsed().as_secs_f64());
         }
         sp.set_message(msg);
+    }
+}
+
+/// Shows each phase of a conversion as it starts: `(function, phase)`.
+pub type OnPhase = Arc<dyn Fn(&str, &str) + Send + Sync>;
+
+/// Each phase shown as a spinner under `progress`, the last one cleared when
+/// the returned guard is dropped.
+pub fn phase_spinners(progress: &BuildProgress) -> (OnPhase, PhaseGuard) {
+    let slot: Arc<Mutex<Option<ProgressBar>>> = Arc::default();
+    let shown = progress.clone();
+    let bars = Arc::clone(&slot);
+    let on_phase: OnPhase = Arc::new(move |function: &str, what: &str| {
+        let mut bar = bars.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(previous) = bar.take() {
+            previous.finish_and_clear();
+        }
+        *bar = Some(shown.phase(format!("{function}: {what}")));
+    });
+    (on_phase, PhaseGuard(slot))
+}
+
+/// Clears the last phase spinner of `phase_spinners` when dropped.
+pub struct PhaseGuard(Arc<Mutex<Option<ProgressBar>>>);
+
+impl Drop for PhaseGuard {
+    fn drop(&mut self) {
+        if let Some(last) = self.0.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            last.finish_and_clear();
+        }
     }
 }
 

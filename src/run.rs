@@ -2,19 +2,17 @@
 //! runtime emulated on the CPU (Python, torch). The folder is opened and
 //! checked here (`folder.rs`); the emulation is `chunkforge_py.emulate`.
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{bail, Result};
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
 
 pub use crate::folder::RunLayout;
-use crate::folder::{PackageFiles, ReleaseFolder, RunPlan};
-use crate::layouts::{spec, Missing, Runtime, VerifyCommit, REFERENCE};
-use crate::plan::{self, Layout, LayoutKind};
+use crate::folder::{ReleaseFolder, RunPlan};
+use crate::layouts::{spec, Missing, Runtime, REFERENCE};
+use crate::plan;
 use crate::py::calls;
-use crate::sidefiles;
+use crate::py::contract::{RunFiles, RunRequest};
+pub use crate::py::contract::{RunResult, Speculation};
 
 /// What to generate.
 pub struct RunOptions<'a> {
@@ -35,111 +33,6 @@ pub struct RunOptions<'a> {
 pub enum Prompt {
     Text(String),
     Ids(Vec<i64>),
-}
-
-/// Paths of the side files the emulation reads (contract.py `RunFiles`).
-#[derive(Serialize, JsonSchema)]
-pub struct RunFiles {
-    embed_tokens_q8: String,
-    embed_tokens_scales: String,
-    embed_tokens_per_layer_q8: String,
-    embed_tokens_per_layer_scales: String,
-    cos_sliding: String,
-    sin_sliding: String,
-    cos_full: String,
-    sin_full: String,
-    tokenizer: String,
-}
-
-impl RunFiles {
-    /// The side files `run` reads, `path` giving each one's path by its
-    /// name in the release; `tokenizer` the tokenizer's (empty: none).
-    pub fn new(path: &dyn Fn(&str) -> String, tokenizer: String) -> Self {
-        RunFiles {
-            embed_tokens_q8: path(sidefiles::EMBED_Q8),
-            embed_tokens_scales: path(sidefiles::EMBED_SCALES),
-            embed_tokens_per_layer_q8: path(sidefiles::PER_LAYER_Q8),
-            embed_tokens_per_layer_scales: path(sidefiles::PER_LAYER_SCALES),
-            cos_sliding: path(sidefiles::COS_SLIDING),
-            sin_sliding: path(sidefiles::SIN_SLIDING),
-            cos_full: path(sidefiles::COS_FULL),
-            sin_full: path(sidefiles::SIN_FULL),
-            tokenizer,
-        }
-    }
-}
-
-/// contract.py `RunRequest`.
-#[derive(Serialize, JsonSchema)]
-pub struct RunRequest<'a> {
-    release: String,
-    /// Every package's folder and the folder of the weight blob it reads
-    /// (contract.py `RunPackage`), as the app's download has them.
-    packages: &'a BTreeMap<String, PackageFiles>,
-    dims: plan::Dims,
-    decode: &'a Layout,
-    /// The reference layout: prefill's KV lands in its caches, and its
-    /// packages hold `verify_qK`.
-    reference: &'a Layout,
-    prefill: &'a Layout,
-    files: RunFiles,
-    prompt: Option<&'a str>,
-    prompt_ids: Option<&'a [i64]>,
-    max_tokens: usize,
-    speculate: Option<usize>,
-    /// How the runtime build whose download the run reads commits a verify call.
-    verify_commit: VerifyCommit,
-    eos_token_ids: &'a [i64],
-    fp16: bool,
-}
-
-/// contract.py `Speculation`.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct Speculation {
-    pub k: usize,
-    pub calls: usize,
-    pub drafts: usize,
-    pub accepted_drafts: usize,
-    /// How the runtime build committed each call.
-    pub commit: VerifyCommit,
-    /// Write-through: rows of rejected drafts left in the window caches.
-    pub stale_rows: usize,
-}
-
-/// contract.py `RunResult`, plus what Rust adds.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct RunResult {
-    pub layout: LayoutKind,
-    pub chunks: Vec<String>,
-    pub prompt_ids: Vec<i64>,
-    pub generated_ids: Vec<i64>,
-    /// Per generated token: its logit minus the runner-up's.
-    pub margins: Vec<f64>,
-    pub text: Option<String>,
-    pub stopped: String,
-    pub prefill_tokens: usize,
-    pub prefill_function: String,
-    pub load_seconds: f64,
-    pub prefill_seconds: f64,
-    pub decode_seconds: f64,
-    pub decode_tokens_per_second: f64,
-    pub speculation: Option<Speculation>,
-    #[serde(default)]
-    pub picked_by: String,
-    /// The app's download entry whose folder the run reads (main,
-    /// main-3way, branch): which weight blobs came from which package.
-    #[serde(default)]
-    pub download: String,
-    #[serde(default = "emulation")]
-    pub note: String,
-    /// The free-running gate against the source (`--against-source`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(skip)]
-    pub gate: Option<crate::bench::transcript::Transcript>,
-}
-
-fn emulation() -> String {
-    "CPU emulation of the app's runtime (torch, fp32): not device speed".into()
 }
 
 /// Opens and checks the folder, plans the layouts, then starts Python and

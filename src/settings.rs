@@ -9,28 +9,28 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 
-use crate::build::{Jobs, Layout};
-use crate::cli::{BenchBuildCmd, BenchParityCmd, BuildCmd, ParityCmd, ReleaseCmd};
+use crate::cli::values::{parse_prompt, Jobs, DEFAULT_STEPS};
+use crate::cli::{BenchBuildCmd, BenchParityCmd, BuildCmd, LayoutArgs, ParityCmd, ReleaseCmd};
 use crate::names::Named;
-use crate::parity;
-#[cfg(feature = "test-hooks")]
-use crate::parity::Sabotage;
+use crate::parity_checks::Thresholds;
 use crate::plan::{self, Mode};
 use crate::records::{
     BuildRecord, BuildRequest, ConversionSettings, PackageWriter, Palettizer, Switch,
 };
 use crate::staging::OnLocked;
+#[cfg(feature = "test-hooks")]
+use crate::test_hooks::Sabotage;
 
 /// Whether a unit's functions are converted together (`joint.convert_jobs`):
 /// `on` (the default) or `off` (one conversion per function, the reference:
-/// `bench build --joint-baseline`).
+/// `bench build --compare joint`).
 pub const JOINT_ENV: &str = "CHUNKFORGE_JOINT";
 /// Who writes bundled and composed packages ([`PackageWriter`]; `bench build
-/// --writer-baseline`).
+/// --compare writer`).
 pub const WRITER_ENV: &str = "CHUNKFORGE_WRITER";
 /// Whether conversions take chunkforge's shortcuts through coremltools' own
 /// code (python/chunkforge_py/convert/passes.py `shortcuts`): `on` (the default) or
-/// `off` (coremltools' code for every step: `bench build --shortcuts-baseline`).
+/// `off` (coremltools' code for every step: `bench build --compare shortcuts`).
 pub const SHORTCUTS_ENV: &str = "CHUNKFORGE_MIL_SHORTCUTS";
 
 /// The environment's switches that change a conversion, read once
@@ -120,25 +120,14 @@ pub struct BuildSettings {
 impl BuildSettings {
     /// The only way to make build settings.
     pub fn resolve(cmd: BuildCommand, env: &Env) -> Result<BuildSettings> {
-        // `build` and `bench build` take the same conversion options.
-        let options =
-            |layout: &Layout, quantize, palettizer, kmeans_workers, pipeline, no_compose: bool| {
-                let mut c =
-                    ConversionSettings::shipped(layout.ctx, quantize, palettizer, kmeans_workers);
-                c.pass_pipeline = pipeline;
-                c.compose = !no_compose;
-                c
-            };
         let (hf_dir, layout, conversion, profile, jobs, lock) = match cmd {
             BuildCommand::Build(a) => {
                 let layout = Layout::of(&a.layout);
-                let (q, p, k) = (!a.no_quantize, a.palettizer, a.kmeans_workers);
-                let conversion = options(&layout, q, p, k, a.pass_pipeline, a.no_compose);
                 let lock = Some(OnLocked::from_no_wait(a.no_wait));
                 (
                     a.model.hf_dir.clone(),
                     layout,
-                    conversion,
+                    &a.conversion,
                     false,
                     a.jobs,
                     lock,
@@ -147,7 +136,7 @@ impl BuildSettings {
             BuildCommand::Check(a, dir) => {
                 let mut recorded = recorded(&dir.join("build.json"), &a.model.hf_dir)?;
                 if let Some(p) = recorded.conversion.palettization.as_mut() {
-                    p.kmeans_workers = a.kmeans_workers;
+                    p.kmeans_workers = a.conversion.kmeans_workers;
                 }
                 recorded.jobs = a.jobs;
                 return Ok(recorded);
@@ -160,30 +149,16 @@ impl BuildSettings {
                     verify_k: a.functions.verify_k,
                     prefill_len: a.functions.prefill_len.clone(),
                 };
-                let conversion = ConversionSettings::shipped(
-                    layout.ctx,
-                    !a.no_quantize,
-                    Palettizer::Chunkforge,
-                    1,
-                );
                 let lock = Some(OnLocked::from_no_wait(a.release.no_wait));
-                (
-                    Some(hf_dir.to_path_buf()),
-                    layout,
-                    conversion,
-                    false,
-                    Jobs::Auto,
-                    lock,
-                )
+                let hf_dir = Some(hf_dir.to_path_buf());
+                (hf_dir, layout, &a.conversion, false, Jobs::Auto, lock)
             }
             BuildCommand::Bench(a) => {
                 let layout = Layout::of(&a.layout);
-                let (p, k) = (a.palettizer, a.kmeans_workers);
-                let conversion = options(&layout, true, p, k, a.pass_pipeline, a.no_compose);
                 (
                     a.model.hf_dir.clone(),
                     layout,
-                    conversion,
+                    &a.conversion,
                     a.profile,
                     a.jobs,
                     None,
@@ -192,8 +167,8 @@ impl BuildSettings {
         };
         Ok(BuildSettings {
             hf_dir,
+            conversion: env.apply(conversion.settings(layout.ctx))?,
             layout,
-            conversion: env.apply(conversion)?,
             profile,
             jobs,
             lock,
@@ -204,6 +179,41 @@ impl BuildSettings {
     pub fn functions(&self) -> plan::Functions {
         let l = &self.layout;
         plan::Functions::resolve(l.mode, l.verify_k, l.prefill_len.as_deref())
+    }
+}
+
+/// A layout request with its mode and context known (a recorded one is
+/// checked to have both).
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub mode: Mode,
+    pub split: Option<String>,
+    pub ctx: usize,
+    pub verify_k: Option<usize>,
+    pub prefill_len: Option<Vec<usize>>,
+}
+
+impl Layout {
+    /// The CLI's layout options.
+    pub fn of(args: &LayoutArgs) -> Self {
+        Layout {
+            mode: args.mode,
+            split: args.split.clone(),
+            ctx: args.ctx,
+            verify_k: args.functions.verify_k,
+            prefill_len: args.functions.prefill_len.clone(),
+        }
+    }
+
+    /// As build.json records it.
+    pub fn record(&self) -> BuildRequest {
+        BuildRequest {
+            mode: Some(self.mode),
+            split: self.split.clone(),
+            ctx: Some(self.ctx as u64),
+            verify_k: self.verify_k,
+            prefill_len: self.prefill_len.clone(),
+        }
     }
 }
 
@@ -318,21 +328,19 @@ pub struct ParitySettings {
     pub functions: plan::Functions,
     pub split: Option<String>,
     pub steps: usize,
-    pub tol_cos: f64,
+    /// What the checks are held to.
+    pub thresholds: Thresholds,
     pub ctx: usize,
     pub prompt_ids: Option<Vec<i64>>,
     pub prefill: usize,
-    pub skip_prefill_copy: bool,
     pub artifacts: Option<PathBuf>,
-    pub tol_cos_int4: f64,
-    pub min_top1_int4: f64,
-    pub max_weight_rel_mse: f64,
     pub report: Option<PathBuf>,
     pub oracle: bool,
     /// Sign on an INCONCLUSIVE verdict (`release --accept-inconclusive-parity`):
     /// the reference disagrees with transformers only at ill-conditioned steps.
     pub accept_inconclusive: bool,
-    /// A weight broken on purpose (`--corrupt-layer`; test builds only).
+    /// What a test build breaks on purpose (`--corrupt-layer`,
+    /// `--skip-prefill-copy`; test builds only).
     #[cfg(feature = "test-hooks")]
     pub sabotage: Option<Sabotage>,
 }
@@ -345,16 +353,12 @@ impl ParitySettings {
             mode: Mode::Both,
             functions: plan::Functions::resolve(Mode::Both, None, None),
             split: None,
-            steps: parity::DEFAULT_STEPS,
-            tol_cos: parity::DEFAULT_TOL_COS,
+            steps: DEFAULT_STEPS,
+            thresholds: Thresholds::default(),
             ctx: build.map_or(DEFAULT_PARITY_CTX, |b| b.settings.ctx),
             prompt_ids: None,
             prefill: 0,
-            skip_prefill_copy: false,
             artifacts: None,
-            tol_cos_int4: parity::DEFAULT_TOL_COS_INT4,
-            min_top1_int4: parity::DEFAULT_MIN_TOP1_INT4,
-            max_weight_rel_mse: parity::DEFAULT_MAX_WEIGHT_REL_MSE,
             report: None,
             oracle: true,
             accept_inconclusive: false,
@@ -385,19 +389,11 @@ impl ParitySettings {
                 )?,
                 split: a.split.clone(),
                 steps: a.steps,
-                tol_cos: a.tol_cos,
+                thresholds: a.thresholds,
                 ctx: a.ctx.unwrap_or(defaults.ctx),
-                prompt_ids: a
-                    .prompt_ids
-                    .as_deref()
-                    .map(parity::parse_prompt)
-                    .transpose()?,
+                prompt_ids: a.prompt_ids.as_deref().map(parse_prompt).transpose()?,
                 prefill: a.prefill,
-                skip_prefill_copy: a.skip_prefill_copy,
                 artifacts: a.artifacts.clone(),
-                tol_cos_int4: a.tol_cos_int4,
-                min_top1_int4: a.min_top1_int4,
-                max_weight_rel_mse: a.max_weight_rel_mse,
                 report: a.report.clone(),
                 oracle: !a.no_oracle,
                 accept_inconclusive: false,
@@ -546,16 +542,24 @@ mod tests {
 
     #[test]
     fn default_switches_are_not_recorded_and_others_are() {
+        let record =
+            |c: &ConversionSettings| ConversionSettings::recorded(c, serde_json::value::Serializer);
         let shipped = ConversionSettings::shipped(64, true, Palettizer::Chunkforge, 1);
-        let v = serde_json::to_value(&shipped).unwrap();
+        let v = record(&shipped).unwrap();
         assert!(
             v.get("writer").is_none() && v.get("mil_shortcuts").is_none(),
             "{v}"
         );
+        // The seam sends every field: Python keeps no default of its own.
+        let sent = serde_json::to_value(&shipped).unwrap();
+        assert_eq!(
+            (&sent["writer"], &sent["mil_shortcuts"]),
+            (&json!("chunkforge"), &json!(true))
+        );
         let other = Env::of(&[(WRITER_ENV, "coremltools"), (SHORTCUTS_ENV, "off")])
             .apply(shipped)
             .unwrap();
-        let v = serde_json::to_value(&other).unwrap();
+        let v = record(&other).unwrap();
         assert_eq!(
             (&v["writer"], &v["mil_shortcuts"]),
             (&json!("coremltools"), &json!(false))

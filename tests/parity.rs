@@ -44,6 +44,31 @@ fn default_checkpoint_both_passes_with_the_exact_success_line() {
             .count(),
         16
     );
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("reference KL vs transformers  mean ")
+                && l.ends_with("over 16 steps  OK")),
+        "{out}"
+    );
+}
+
+/// The KL check holds the reference's next-token distribution to
+/// transformers' by --max-kl: past it at a well-conditioned step, parity
+/// fails and says by how much.
+#[test]
+fn a_kl_past_max_kl_fails_the_run() {
+    let (code, out) = parity(&["--mode", "both", "--steps", "4", "--max-kl", "0"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("reference KL vs transformers") && l.ends_with("FAIL")),
+        "{out}"
+    );
+    assert!(
+        out.contains("the reference's next-token distribution leaves transformers': KL(transformers ‖ reference)")
+            && out.contains("over --max-kl 0"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -848,7 +873,8 @@ fn chunk_by_chunk_and_step_by_step_parity_reports_agree() {
             "3",
             "--artifacts",
             build.to_str().unwrap(),
-            "--order-baseline",
+            "--compare",
+            "order",
         ],
         &[("CHUNKFORGE_RESIDENT_BYTES", "2378000")],
     );

@@ -187,6 +187,28 @@ fn release_refuses_to_sign_when_parity_fails() {
         e.contains("--reuse-build") && e.contains("quantize false"),
         "{e}"
     );
+    // Nor one made with another conversion option release takes.
+    let o = run(&[
+        "release",
+        "--no-quantize",
+        "--layout",
+        "two",
+        "--pass-pipeline",
+        "coremltools",
+        "--key",
+        s(&keys().0),
+        "--output",
+        s(&out),
+        "--build-dir",
+        s(&fp16_dir().join("build")),
+        "--reuse-build",
+    ]);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("pass pipeline chunkforge (asked coremltools)"),
+        "{e}"
+    );
 }
 
 /// `run --json` of `release` with `args`.

@@ -234,9 +234,8 @@ class Palettization(TypedDict):
     granularity: str
     group_size: int
     palettizer: Literal["chunkforge", "coremltools"]
-    # coremltools' palettization mode (`--palettizer coremltools`); Rust
-    # leaves an empty one out (records from before it were replayed with it).
-    mode: NotRequired[str]
+    # coremltools' palettization mode (`--palettizer coremltools`).
+    mode: str
     # coremltools' k-means worker processes (`--palettizer coremltools`).
     kmeans_workers: int
 
@@ -262,14 +261,12 @@ class ConversionSettings(TypedDict):
     pass_pipeline: Literal["chunkforge", "coremltools"]
     # Compose decode packages from the four-chunk programs (build.rs `Composer`).
     compose: bool
-    # Convert a unit's functions together (joint.py); absent in older records.
-    joint: NotRequired[bool]
-    # Who writes bundled and composed packages (runtime.package_writer);
-    # sent only when not "chunkforge".
-    writer: NotRequired[PackageWriter]
-    # Take the shortcuts through coremltools' own code (runtime.mil_shortcuts);
-    # sent only when off.
-    mil_shortcuts: NotRequired[bool]
+    # Convert a unit's functions together (joint.py).
+    joint: bool
+    # Who writes bundled and composed packages (runtime.package_writer).
+    writer: PackageWriter
+    # Take the shortcuts through coremltools' own code (runtime.mil_shortcuts).
+    mil_shortcuts: bool
 
 
 class ChunkJob(TypedDict):
@@ -366,11 +363,11 @@ class BundleStats(TypedDict):
     weight_bytes: int
 
 
-# ---- parity (src/parity.rs) ---------------------------------------------
+# ---- parity (src/parity.rs, crates/model/src/parity_checks.rs) ------------
 
 
 class ParityLayout(TypedDict):
-    """parity.rs `ParityLayout`: a layout named by its kind."""
+    """contract.rs `ParityLayout`: a layout named by its kind."""
 
     name: LayoutKind
     chunks: list[ChunkPlan]
@@ -378,8 +375,8 @@ class ParityLayout(TypedDict):
 
 
 class ParityRequest(TypedDict):
-    """What `parity.run` gets. Rust sends every key; the ones read with a
-    default (NotRequired here) may be left out by a hand-made request."""
+    """What `parity.run` gets. Rust sends every key but the test build's
+    ``sabotage``."""
 
     plan: PlanDims
     # The layout every other one is compared against (the four-chunk one).
@@ -391,22 +388,40 @@ class ParityRequest(TypedDict):
     config_path: str
     prompt_ids: list[int]
     steps: int
-    tol_cos: float
-    prefill: NotRequired[int | None]
-    prefill_layout: NotRequired[ParityLayout | None]
-    skip_prefill_copy: NotRequired[bool]
-    oracle: NotRequired[bool]
-    corrupt_layer: NotRequired[int | None]
-    # Requires corrupt_layer.
-    corrupt_function: NotRequired[Literal["verify", "prefill"] | None]
+    # The checks to run, in order: each the unit chunkforge_py.parity.<name>
+    # (parity_checks.rs `CHECKS`; a name from Rust's table, as LayoutKind).
+    checks: list[str]
+    thresholds: ParityThresholds
+    prefill: int | None
+    prefill_layout: ParityLayout | None
+    oracle: bool
+    # Sent by a test build only (python/tests/parity_sabotage.py applies it).
+    sabotage: NotRequired[Sabotage]
     # The build folder whose packages' INT4 weights are checked, or None.
-    artifacts: NotRequired[str | None]
+    artifacts: str | None
     # INT4 (palettized build) or FP16 (--no-quantize), from the build's settings.
-    artifacts_precision: NotRequired[str | None]
+    artifacts_precision: str | None
     artifact_layouts: dict[LayoutKind, ParityLayout]
+
+
+class ParityThresholds(TypedDict):
+    """parity_checks.rs `Thresholds`: what the checks are held to (parity's options)."""
+
+    tol_cos: float
     tol_cos_int4: float
     min_top1_int4: float
     max_weight_rel_mse: float
+    max_kl: float
+
+
+class Sabotage(TypedDict):
+    """contract.rs `Sabotage` (test builds only): a weight of ``corrupt_layer``
+    broken in the compared layouts or, with ``corrupt_function``, in the
+    verify or prefill modules; or the prefill hand-off's KV copy skipped."""
+
+    corrupt_layer: int | None
+    corrupt_function: Literal["verify", "prefill"] | None
+    skip_prefill_copy: bool
 
 
 # records.rs `Verdict`: a check's or a run's outcome (verdicts.py).
@@ -535,7 +550,6 @@ class FirstFailure(TypedDict):
 class PrefillSummary(TypedDict):
     tokens: int
     function: str
-    kv_copied: bool
 
 
 class ProgramRecord(TypedDict):
@@ -579,6 +593,24 @@ class ProgramSummary(TypedDict):
     verdict: Verdict
 
 
+class KlRecord(TypedDict):
+    """KL(transformers ‖ reference) of the next-token distributions at one step (parity/kl.py)."""
+
+    step: int
+    kl: float
+
+
+class KlSummary(TypedDict):
+    """The KL check over every step: the mean and the largest, against --max-kl."""
+
+    steps: int
+    mean: float
+    max: float
+    max_step: int
+    ok: bool
+    verdict: Verdict
+
+
 class ParitySummary(TypedDict):
     ok: bool
     verdict: Verdict
@@ -601,7 +633,7 @@ class ParitySummary(TypedDict):
     artifacts_precision: str | None
     # By layout or function, then precision (fp32, fp16).
     programs: dict[str, dict[str, ProgramSummary]] | None
-    corrupted_chunk: str | None
+    kl: KlSummary | None
     # The fp16 range of the packages' programs as --artifacts ran them in fp16.
     fp16_range: Fp16RangeReport | None
     seconds: float
@@ -614,6 +646,7 @@ class ParityReport(TypedDict):
     oracle: list[OracleRecord]
     artifacts: list[ArtifactRecord]
     programs: list[ProgramRecord]
+    kl: list[KlRecord]
     summary: ParitySummary
 
 
@@ -633,9 +666,9 @@ class FixtureArgs(TypedDict):
     multimodal: bool
     shards: int
     sliding_window: int
-    vocab_size: NotRequired[int]
-    full_width: NotRequired[bool]
-    attention: NotRequired[AttentionSharpness | None]
+    vocab_size: int
+    full_width: bool
+    attention: AttentionSharpness | None
 
 
 class FixtureInfo(TypedDict):
@@ -692,7 +725,7 @@ class DescribeArgs(TypedDict):
     path: str
     # The folder of the weight blob the package reads when it holds none
     # (a release's package whose blob the app's download shares in).
-    weights: NotRequired[str | None]
+    weights: str | None
 
 
 class IoDescription(TypedDict):
@@ -873,11 +906,11 @@ class PlatformLimits(TypedDict):
 
 
 class BenchArgs(TypedDict):
-    """What `bench_palettize.run` gets (each key optional there)."""
+    """What `bench_palettize.run` gets."""
 
-    quick: NotRequired[bool]
-    seed: NotRequired[int]
-    progress: NotRequired[bool]
+    quick: bool
+    seed: int
+    progress: bool
 
 
 class BenchResult(TypedDict):
@@ -903,20 +936,13 @@ class BenchReport(TypedDict):
 RunLayout = Layout
 
 
-class RunFiles(TypedDict):
-    """Paths of the release's side files `run` reads (Rust checked each one's
-    size, header and manifest digest)."""
-
-    embed_tokens_q8: str
-    embed_tokens_scales: str
-    embed_tokens_per_layer_q8: str
-    embed_tokens_per_layer_scales: str
-    cos_sliding: str
-    sin_sliding: str
-    cos_full: str
-    sin_full: str
-    # hf_model/tokenizer.json (may be absent in a release made with --no-tokenizer).
-    tokenizer: str
+# Paths of the release's side files `run` reads (Rust checked each one's size,
+# header and manifest digest): every side file of Rust's `SIDE_FILES` by its
+# name without the extension (embed_tokens_q8, embed_tokens_scales,
+# embed_tokens_per_layer_q8, embed_tokens_per_layer_scales, cos_sliding,
+# sin_sliding, cos_full, sin_full, ...), and tokenizer: hf_model/tokenizer.json
+# (empty where a release made with --no-tokenizer has none).
+RunFiles = dict[str, str]
 
 
 class RunPackage(TypedDict):
@@ -940,17 +966,17 @@ class RunRequest(TypedDict):
     reference: RunLayout
     prefill: RunLayout
     files: RunFiles
-    prompt: NotRequired[str | None]
-    prompt_ids: NotRequired[list[int] | None]
+    prompt: str | None
+    prompt_ids: list[int] | None
     max_tokens: int
     # Draft tokens per verify_qK call (its K), or None for plain decode.
-    speculate: NotRequired[int | None]
+    speculate: int | None
     # How the runtime build commits a verify call (layouts.rs `VerifyCommit`):
     # main's accepted rows, or the branch's write-through caches.
-    verify_commit: NotRequired[VerifyCommit]
+    verify_commit: VerifyCommit
     eos_token_ids: list[int]
     # Round every fp16 op output to fp16 in the interpreter (the device's arithmetic, closest).
-    fp16: NotRequired[bool]
+    fp16: bool
 
 
 class Speculation(TypedDict):

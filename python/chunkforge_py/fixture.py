@@ -419,7 +419,7 @@ def write_fixture_json(args: FixtureArgs) -> FixtureInfo:
         multimodal=bool(args["multimodal"]),
         shards=int(args["shards"]),
         sliding_window=int(args["sliding_window"]),
-        vocab_size=int(args.get("vocab_size", 512)),
-        full_width=bool(args.get("full_width", False)),
-        attention=args.get("attention"),
+        vocab_size=args["vocab_size"],
+        full_width=args["full_width"],
+        attention=args["attention"],
     )

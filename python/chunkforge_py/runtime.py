@@ -125,19 +125,20 @@ def package_writer(settings: ConversionSettings | None) -> PackageWriter:
     `mil_write`, at the protobuf level) or ``coremltools`` (its MIL loader and
     serialiser: ``save_multifunction``, ``ct.convert`` of the loaded program),
     the reference the first must match byte for byte (`bench build
-    --writer-baseline`, python/tests/test_compose.py). The build's settings
-    say (Rust reads ``CHUNKFORGE_WRITER``; the default is not recorded)."""
-    return settings.get("writer", "chunkforge") if settings else "chunkforge"
+    --compare writer`, python/tests/test_compose.py). The build's settings
+    say (Rust reads ``CHUNKFORGE_WRITER`` and sends the field always); no
+    settings (a test's compose of loose packages): the default."""
+    return settings["writer"] if settings else "chunkforge"
 
 
 def mil_shortcuts(settings: ConversionSettings) -> bool:
     """Whether a conversion with chunkforge's pass pipeline takes the
     shortcuts through coremltools' own code (`passes.shortcuts`: on, the
     default) or runs coremltools' code for every step (off, the reference the
-    first must match byte for byte: `bench build --shortcuts-baseline`,
+    first must match byte for byte: `bench build --compare shortcuts`,
     tests/build.rs). The build's settings say (Rust reads
-    ``CHUNKFORGE_MIL_SHORTCUTS``; the default is not recorded)."""
-    return settings.get("mil_shortcuts", True)
+    ``CHUNKFORGE_MIL_SHORTCUTS`` and sends the field always)."""
+    return settings["mil_shortcuts"]
 
 
 def heap_kept() -> bool:

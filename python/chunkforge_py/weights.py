@@ -134,7 +134,7 @@ def nbytes(value: Any) -> int:
     return int(value.numel() * value.element_size())
 
 
-# Another budget, in bytes, for benchmarks (`bench parity --order-baseline`
+# Another budget, in bytes, for benchmarks (`bench parity --compare order`
 # on a small checkpoint with a budget as much smaller than its model as
 # 2.5 GiB is than a real-size one's, docs/benchmarks.md).
 RESIDENT_ENV = "CHUNKFORGE_RESIDENT_BYTES"
@@ -150,7 +150,7 @@ def budget_from_env() -> int:
     return int(value)
 
 
-# Where `write_stats` puts what the budget made (`bench parity --order-baseline`).
+# Where `write_stats` puts what the budget made (`bench parity --compare order`).
 STATS_ENV = "CHUNKFORGE_WEIGHT_STATS"
 
 

@@ -448,6 +448,9 @@ UNQUANTIZED = cast(
         "palettization": None,
         "pass_pipeline": "chunkforge",
         "compose": True,
+        "joint": True,
+        "writer": "chunkforge",
+        "mil_shortcuts": True,
     },
 )
 # chunkforge's roles of KV slots by attention kind: the caches and verify's new rows.

@@ -186,7 +186,7 @@ def test_checkpoint_rows_are_the_whole_tensors_rows_and_give_the_same_relative_m
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from chunkforge_py.checkpoint import Checkpoint as Ckpt
-    from chunkforge_py.parity import run as parity_run
+    from chunkforge_py.parity import artifacts as parity_run
     from safetensors.torch import save_file
 
     torch.manual_seed(0)

@@ -24,11 +24,11 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
-from chunkforge_py.contract import ChunkJob, ChunkPlan
+from chunkforge_py.contract import ChunkJob, ChunkPlan, ConversionSettings
 from chunkforge_py.mil import names as mil_names
 from chunkforge_py.mil import write as mil_write
 from chunkforge_py.mil.interp import Interpreter
@@ -59,7 +59,9 @@ def unit(build: dict[str, Any], name: str) -> list[ChunkPlan]:
 
 
 def jobs(build: dict[str, Any], chunks: list[ChunkPlan], out: Path, tag: str) -> list[ChunkJob]:
-    settings = json.loads((build["dir"] / "build.json").read_text())["settings"]
+    # build.json leaves out the writer and the shortcuts at their defaults; the seam sends them.
+    recorded = json.loads((build["dir"] / "build.json").read_text())["settings"]
+    settings = cast(ConversionSettings, {"writer": "chunkforge", "mil_shortcuts": True, **recorded})
     ckpt = checkpoint_info(build)
     return [
         {

@@ -995,7 +995,10 @@ def test_tracing_in_fp32_converts_to_the_program_an_fp16_trace_gives(build: dict
     b = build
     ckpt = checkpoint_of(b)
     recorded = json.loads((b["dir"] / "build.json").read_text())["settings"]
-    settings = cast(ConversionSettings, {**recorded, "palettization": None})
+    # build.json leaves out the writer and the shortcuts at their defaults; the seam sends them.
+    settings = cast(
+        ConversionSettings, {"writer": "chunkforge", "mil_shortcuts": True, **recorded, "palettization": None}
+    )
 
     def converted(chunk: Any, function: Any, how: str) -> Path:
         module = build_chunk(b["dims"], chunk, ckpt, torch.float16, function=function)

@@ -9,9 +9,9 @@ from typing import cast
 import pytest
 import torch
 from chunkforge_py.checkpoint import Checkpoint
-from chunkforge_py.contract import NoiseDraw, ParityRequest, WeightNoise
+from chunkforge_py.contract import NoiseDraw, ParityThresholds, WeightNoise
 from chunkforge_py.parity import noise
-from chunkforge_py.parity.run import relative_mse
+from chunkforge_py.parity.artifacts import relative_mse
 from chunkforge_py.weights import Resident
 from safetensors.torch import save_file
 
@@ -40,7 +40,7 @@ def test_noisy_weights_have_the_asked_relative_mse_whether_read_by_rows_or_whole
     assert not torch.equal(other, whole)
 
 
-REQ = cast(ParityRequest, {"tol_cos_int4": 0.85, "min_top1_int4": 0.75})
+REQ = cast(ParityThresholds, {"tol_cos_int4": 0.85, "min_top1_int4": 0.75})
 
 
 def floor(min_cos: float, top1: float) -> WeightNoise:

@@ -142,6 +142,9 @@ def shipped_settings(quantize: bool) -> ConversionSettings:
         "quantize": quantize,
         "pass_pipeline": "chunkforge",
         "compose": True,
+        "joint": True,
+        "writer": "chunkforge",
+        "mil_shortcuts": True,
         "palettization": {
             "nbits": 4,
             "granularity": "per_grouped_channel",

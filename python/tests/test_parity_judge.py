@@ -1,4 +1,4 @@
-"""How parity judges its step records (`parity.run.judge_steps`): a decode
+"""How parity judges its step records (`parity.layouts.judge_steps`): a decode
 layout is the same computation as the reference, so it is judged exactly,
 even at an ill-conditioned step; a function (verify_qK, prefill) computes in
 another order and is inconclusive there. Which records are a decode layout's
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from chunkforge_py.contract import ParityRequest, StepRecord
-from chunkforge_py.parity.run import decode_layouts, judge_steps
+from chunkforge_py.parity.layouts import decode_layouts, judge_steps
 
 PACKAGE = Path(__file__).resolve().parents[1] / "chunkforge_py"
 

@@ -217,6 +217,9 @@ class Compare:
                 prop = without_null(self.resolve(prop))
             if not self.sent and k in required and k in optional:
                 self.fail(name, f"Rust requires {k!r}: required in contract.py")
+            if self.sent and k in required and k in optional:
+                # Rust sends every field: Python keeps no default of its own.
+                self.fail(name, f"Rust always sends {k!r}: required in contract.py")
             self.check(hints[k], prop, f"{where}.{k}")
 
 

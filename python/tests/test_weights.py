@@ -212,7 +212,7 @@ def test_relative_mse_in_blocks_is_the_direct_formula(monkeypatch: pytest.Monkey
     """A weight past `RELATIVE_MSE_BLOCK` values is summed over blocks of
     rows (one row per block here, and a block not dividing the rows), with
     the direct formula's value."""
-    from chunkforge_py.parity import run as parity
+    from chunkforge_py.parity import artifacts as parity
 
     want = torch.from_numpy(RNG.standard_normal((37, 24)).astype(np.float32))
     got = want + torch.from_numpy(RNG.standard_normal((37, 24)).astype(np.float32)) * 0.01

@@ -16,10 +16,12 @@ use super::build::summary;
 use super::side_files::{rate, rope_positions, Outcome, MIB};
 use super::{resolve_checkpoint, ExitStatus};
 use crate::checkpoint::{Checkpoint, TensorInfo};
-use crate::cli::{BenchBuildCmd, BenchCmd, BenchParityCmd, BenchSideFilesCmd};
+use crate::cli::{
+    BenchBuildCmd, BenchCmd, BenchParityCmd, BenchSideFilesCmd, BuildComparison, ParityComparison,
+};
 use crate::config::TextConfig;
 use crate::progress::peak_rss_bytes;
-use crate::records::{BuildRecord, FunctionRecord, PassStat, Seconds, Verdict};
+use crate::records::{BuildRecord, FunctionRecord, PassPipeline, PassStat, Seconds, Verdict};
 use crate::settings::{
     BuildCommand, BuildSettings, Env, ParityCommand, ParitySettings, JOINT_ENV, SHORTCUTS_ENV,
     WRITER_ENV,
@@ -29,11 +31,10 @@ use crate::{bench_matmul, bench_palettize, bench_run, hashbench, heap, sidefiles
 pub fn run(what: BenchCmd, verbose: bool) -> Result<ExitStatus> {
     match what {
         BenchCmd::Hash(args) => hashbench::run(&args)?,
-        BenchCmd::Parity(args) if args.order_baseline => bench_parity_pair(ParityPair::Order)?,
-        BenchCmd::Parity(args) if args.heap_baseline => bench_parity_pair(ParityPair::Heap)?,
-        BenchCmd::Parity(args) if args.dequant_baseline => bench_parity_pair(ParityPair::Dequant)?,
-        BenchCmd::Parity(args) if args.matmul_baseline => bench_parity_pair(ParityPair::Matmul)?,
-        BenchCmd::Parity(args) => bench_parity(&args, verbose)?,
+        BenchCmd::Parity(args) => match args.compare {
+            Some(what) => bench_parity_pair(what)?,
+            None => bench_parity(&args, verbose)?,
+        },
         BenchCmd::Build(args) => bench_build(args, verbose)?,
         BenchCmd::SideFiles(args) => bench_side_files(args, verbose)?,
         BenchCmd::Matmul { json, quick, isa } => bench_matmul::run(json, quick, isa.as_deref())?,
@@ -149,116 +150,199 @@ struct ParityRun {
     verdict: String,
 }
 
-/// What `bench parity` compares in two child processes: the environment
-/// variable the two differ by, and its value and label in each.
-#[derive(Clone, Copy)]
-enum ParityPair {
-    /// `--order-baseline`: step by step (`CHUNKFORGE_PARITY_ORDER=step`: each
-    /// layout's steps one after another, each through every chunk, as
-    /// before) and chunk by chunk (the default: each chunk over every step,
-    /// `stepper.schedule`).
-    Order,
-    /// `--heap-baseline`: glibc's heap defaults and the heap kept (heap.rs):
-    /// weights past the resident budget are made again at each use, into
-    /// fresh pages or into memory the process already holds.
-    Heap,
-    /// `--dequant-baseline`: the packages' 4-bit weights dequantized from
-    /// unpacked indices (before) or from their stored bytes
-    /// (`ops.lut_nibbles_to_dense`), both with float32 weights and torch's
-    /// products (`CHUNKFORGE_MATMUL=dense`: the kernels never dequantize).
-    Dequant,
-    /// `--matmul-baseline`: every weight made dense in float32 and
-    /// multiplied by torch (before, `CHUNKFORGE_MATMUL=dense`) or read as
-    /// stored and multiplied by the native kernels (the default, src/matmul).
-    /// The products differ in the order of their sums, so the reports'
-    /// floats may differ in their last bits: every other value must agree.
-    Matmul,
+/// One `bench parity --compare` value's row: the environment variable the
+/// two child runs differ by, each run's label and value (the baseline
+/// first), what both runs also set, how far the reports' floats may differ,
+/// and how the result is named.
+struct ParityRow {
+    env: &'static str,
+    runs: [(&'static str, &'static str); 2],
+    common_env: &'static [(&'static str, &'static str)],
+    float_tolerance: f64,
+    versus: &'static str,
 }
 
-impl ParityPair {
-    fn flag(self) -> &'static str {
+impl ParityComparison {
+    fn row(self) -> ParityRow {
         match self {
-            ParityPair::Order => "--order-baseline",
-            ParityPair::Heap => "--heap-baseline",
-            ParityPair::Dequant => "--dequant-baseline",
-            ParityPair::Matmul => "--matmul-baseline",
-        }
-    }
-
-    /// Set in both children.
-    fn common_env(self) -> &'static [(&'static str, &'static str)] {
-        match self {
-            ParityPair::Dequant => &[(MATMUL_ENV, "dense")],
-            _ => &[],
-        }
-    }
-
-    /// How far two floats of the reports may differ.
-    fn float_tolerance(self) -> f64 {
-        match self {
-            ParityPair::Matmul => f64::INFINITY,
-            _ => 1e-9,
-        }
-    }
-
-    fn env(self) -> &'static str {
-        match self {
-            ParityPair::Order => PARITY_ORDER_ENV,
-            ParityPair::Heap => heap::ENV,
-            ParityPair::Dequant => DEQUANT_ENV,
-            ParityPair::Matmul => MATMUL_ENV,
-        }
-    }
-
-    /// (label, value) of the baseline, then of the other run.
-    fn runs(self) -> [(&'static str, &'static str); 2] {
-        match self {
-            ParityPair::Order => [
-                ("step by step (before)", "step"),
-                ("chunk by chunk (default)", "chunk"),
-            ],
-            ParityPair::Heap => [
-                ("heap released (default)", heap::Policy::Release.name()),
-                (
-                    "heap kept (CHUNKFORGE_HEAP=keep)",
-                    heap::Policy::Keep.name(),
-                ),
-            ],
-            ParityPair::Dequant => [
-                ("indices unpacked (before)", "unpack"),
-                ("from the stored bytes", "nibbles"),
-            ],
-            ParityPair::Matmul => [
-                ("float32 weights, torch (before)", "dense"),
-                ("stored weights, kernels (default)", "native"),
-            ],
-        }
-    }
-
-    fn versus(self) -> &'static str {
-        match self {
-            ParityPair::Order => "chunk by chunk vs step by step",
-            ParityPair::Heap => "heap kept vs released",
-            ParityPair::Dequant => "stored bytes vs unpacked",
-            ParityPair::Matmul => "native kernels vs float32 weights",
+            // Step by step (each layout's steps one after another, each
+            // through every chunk, as before) and chunk by chunk (each chunk
+            // over every step, `stepper.schedule`).
+            ParityComparison::Order => ParityRow {
+                env: PARITY_ORDER_ENV,
+                runs: [
+                    ("step by step (before)", "step"),
+                    ("chunk by chunk (default)", "chunk"),
+                ],
+                common_env: &[],
+                float_tolerance: 1e-9,
+                versus: "chunk by chunk vs step by step",
+            },
+            // Weights past the resident budget are made again at each use,
+            // into fresh pages or into memory the process already holds (heap.rs).
+            ParityComparison::Heap => ParityRow {
+                env: heap::ENV,
+                runs: [
+                    ("heap released (default)", heap::Policy::Release.name()),
+                    (
+                        "heap kept (CHUNKFORGE_HEAP=keep)",
+                        heap::Policy::Keep.name(),
+                    ),
+                ],
+                common_env: &[],
+                float_tolerance: 1e-9,
+                versus: "heap kept vs released",
+            },
+            // From unpacked indices or from their stored bytes
+            // (`ops.lut_nibbles_to_dense`), both with float32 weights and
+            // torch's products (the kernels never dequantize).
+            ParityComparison::Dequant => ParityRow {
+                env: DEQUANT_ENV,
+                runs: [
+                    ("indices unpacked (before)", "unpack"),
+                    ("from the stored bytes", "nibbles"),
+                ],
+                common_env: &[(MATMUL_ENV, "dense")],
+                float_tolerance: 1e-9,
+                versus: "stored bytes vs unpacked",
+            },
+            // The products differ in the order of their sums, so the
+            // reports' floats may differ in their last bits: every other
+            // value must agree.
+            ParityComparison::Matmul => ParityRow {
+                env: MATMUL_ENV,
+                runs: [
+                    ("float32 weights, torch (before)", "dense"),
+                    ("stored weights, kernels (default)", "native"),
+                ],
+                common_env: &[],
+                float_tolerance: f64::INFINITY,
+                versus: "native kernels vs float32 weights",
+            },
         }
     }
 }
 
-/// `bench parity --order-baseline` or `--heap-baseline`: the same parity
-/// run twice, each in a child process of its own (`ParityPair`), side by
-/// side. Fails unless the two reports agree: the same values, every float
-/// within 1e-9 (the cache cosines of the packages' programs are summed chunk
-/// by chunk, so their last bits may differ between orders).
-fn bench_parity_pair(pair: ParityPair) -> Result<()> {
+/// One `bench build --compare` value's row: the environment variable the
+/// two child builds differ by, each build's label and value (the reference
+/// first), whether their packages must be byte-identical, the phases whose
+/// seconds the result line sums (and what they are), and how it is named.
+struct BuildRow {
+    env: &'static str,
+    runs: [(&'static str, &'static str); 2],
+    identical: bool,
+    phases: &'static [&'static str],
+    phases_are: &'static str,
+    versus: &'static str,
+    /// Refused with `--pass-pipeline coremltools` (its pipeline is the one compared).
+    needs_own_pipeline: bool,
+}
+
+impl BuildComparison {
+    fn row(self) -> BuildRow {
+        match self {
+            // The allocator cannot change a value.
+            BuildComparison::Heap => BuildRow {
+                env: heap::ENV,
+                runs: [
+                    ("heap released (default)", heap::Policy::Release.name()),
+                    (
+                        "heap kept (CHUNKFORGE_HEAP=keep)",
+                        heap::Policy::Keep.name(),
+                    ),
+                ],
+                identical: true,
+                phases: &[],
+                phases_are: "",
+                versus: "heap kept vs released",
+                needs_own_pipeline: false,
+            },
+            // save_multifunction and ct.convert of the loaded program, or
+            // chunkforge's protobuf-level writer.
+            BuildComparison::Writer => BuildRow {
+                env: WRITER_ENV,
+                runs: [
+                    ("coremltools writer", "coremltools"),
+                    ("chunkforge writer (default)", "chunkforge"),
+                ],
+                identical: true,
+                phases: &["bundle", "compose"],
+                phases_are: "of bundles and compositions",
+                versus: "chunkforge's writer vs coremltools'",
+                needs_own_pipeline: false,
+            },
+            // Conversions of packages and of the sources of composed ones.
+            BuildComparison::Shortcuts => BuildRow {
+                env: SHORTCUTS_ENV,
+                runs: [
+                    ("coremltools' code (shortcuts off)", "off"),
+                    ("shortcuts on (default)", "on"),
+                ],
+                identical: true,
+                phases: &["convert", "sources"],
+                phases_are: "of conversions",
+                versus: "shortcuts vs coremltools' code",
+                needs_own_pipeline: true,
+            },
+            // The names of the ops the trace numbers differ
+            // (python/tests/test_joint.py checks the programs compute the
+            // same bits and the weights are the same bytes).
+            BuildComparison::Joint => BuildRow {
+                env: JOINT_ENV,
+                runs: [
+                    ("one conversion per function", "off"),
+                    ("functions together (default)", "on"),
+                ],
+                identical: false,
+                phases: &["load", "trace", "convert", "palettize", "save", "sources"],
+                phases_are: "of load, trace, conversion, palettization and save",
+                versus: "functions together vs one conversion each",
+                needs_own_pipeline: false,
+            },
+        }
+    }
+}
+
+/// This process's arguments without `--compare VALUE` (or `--compare=VALUE`)
+/// and without `flag`: what each child of a side-by-side bench runs.
+fn child_argv(flag: Option<&str>) -> Vec<std::ffi::OsString> {
+    without_compare(std::env::args_os().skip(1), flag)
+}
+
+/// `args` without `--compare VALUE`, `--compare=VALUE` and `flag`.
+fn without_compare(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+    flag: Option<&str>,
+) -> Vec<std::ffi::OsString> {
+    let mut out = Vec::new();
+    let mut args = args.into_iter();
+    while let Some(a) = args.next() {
+        if a == "--compare" {
+            args.next();
+        } else if a.to_string_lossy().starts_with("--compare=")
+            || Some(&*a.to_string_lossy()) == flag
+        {
+            continue;
+        } else {
+            out.push(a);
+        }
+    }
+    out
+}
+
+/// `bench parity --compare`: the same parity run twice, each in a child
+/// process of its own (`ParityComparison::row`), side by side. Fails unless
+/// the two reports agree: the same values, every float within the row's
+/// tolerance (1e-9 but for `matmul`: the cache cosines of the packages'
+/// programs are summed chunk by chunk, so their last bits may differ between
+/// orders).
+fn bench_parity_pair(what: ParityComparison) -> Result<()> {
+    let pair = what.row();
     let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
-    let argv: Vec<std::ffi::OsString> = std::env::args_os()
-        .skip(1)
-        .filter(|a| a != pair.flag())
-        .collect();
+    let argv = child_argv(None);
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-parity-{}", std::process::id()));
     fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    let runs = parity_children(pair, &exe, &argv, &tmp);
+    let runs = parity_children(what, &exe, &argv, &tmp);
     let _ = fs::remove_dir_all(&tmp);
     let runs = runs?;
     println!(
@@ -282,7 +366,7 @@ fn bench_parity_pair(pair: ParityPair) -> Result<()> {
     );
     let (before, after) = (&runs[0], &runs[1]);
     let mut diff = ReportDiff {
-        tolerance: pair.float_tolerance(),
+        tolerance: pair.float_tolerance,
         ..ReportDiff::default()
     };
     diff.walk("", &before.3, &after.3);
@@ -294,7 +378,7 @@ fn bench_parity_pair(pair: ParityPair) -> Result<()> {
     }
     println!(
         "{}: {:.2}x faster wall, {:.2}x the peak RSS, {:.2}x the weights made; reports agree ({} values, {} floats differ, by at most {:.1e})",
-        pair.versus(),
+        pair.versus,
         before.1.seconds / after.1.seconds.max(1e-9),
         after.1.peak_rss_bytes as f64 / (before.1.peak_rss_bytes as f64).max(1.0),
         after.2.bytes as f64 / (before.2.bytes as f64).max(1.0),
@@ -305,26 +389,27 @@ fn bench_parity_pair(pair: ParityPair) -> Result<()> {
     Ok(())
 }
 
-/// The two children of `bench parity` for `pair`, their reports in `tmp`.
+/// The two children of `bench parity --compare what`, their reports in `tmp`.
 fn parity_children(
-    pair: ParityPair,
+    what: ParityComparison,
     exe: &Path,
     argv: &[std::ffi::OsString],
     tmp: &Path,
 ) -> Result<Vec<(&'static str, ParityRun, WeightsMade, serde_json::Value)>> {
     let mut runs = Vec::new();
-    let env = pair.env();
-    for (i, (label, value)) in pair.runs().into_iter().enumerate() {
+    let pair = what.row();
+    let env = pair.env;
+    for (i, (label, value)) in pair.runs.into_iter().enumerate() {
         let report = tmp.join(format!("{i}.json"));
         let stats = tmp.join(format!("{i}-weights.json"));
-        eprintln!("bench parity {}: {env}={value}", pair.flag());
+        eprintln!("bench parity --compare {what}: {env}={value}");
         let out = Command::new(exe)
             .args(argv)
             .arg("--json")
             .arg("--report")
             .arg(&report)
             .env(env, value)
-            .envs(pair.common_env().iter().copied())
+            .envs(pair.common_env.iter().copied())
             .env(WEIGHT_STATS_ENV, &stats)
             .stderr(std::process::Stdio::inherit())
             .output()
@@ -426,17 +511,9 @@ fn bench_build(args: BenchBuildCmd, verbose: bool) -> Result<()> {
     if args.baseline {
         return bench_build_baseline();
     }
-    if args.heap_baseline {
-        return bench_build_heap_baseline();
-    }
-    if args.writer_baseline {
-        return bench_build_writer_baseline();
-    }
-    if args.shortcuts_baseline {
-        return bench_build_shortcuts_baseline();
-    }
-    if args.joint_baseline {
-        return bench_build_joint_baseline();
+    if let Some(what) = args.compare {
+        refuse_pipeline(what, &args)?;
+        return bench_build_compare(what);
     }
     let tmp = std::env::temp_dir().join(format!("chunkforge-bench-{}", std::process::id()));
     let settings = BuildSettings::resolve(BuildCommand::Bench(&args), &Env::process())?;
@@ -556,7 +633,7 @@ type Child<'a> = (&'static str, &'a [&'a str], &'a [(&'a str, &'a str)]);
 /// that asked for them.
 fn bench_children(flag: &str, children: &[Child]) -> Result<Vec<(&'static str, BuildRecord)>> {
     let exe = std::env::current_exe().context("cannot find the chunkforge executable")?;
-    let argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).filter(|a| a != flag).collect();
+    let argv = child_argv(Some(flag));
     let mut runs = Vec::new();
     for (label, extra, env) in children {
         let mut what = extra.join(" ");
@@ -619,30 +696,6 @@ fn print_children(runs: &[(&str, BuildRecord)]) {
     }
 }
 
-/// Two child builds that differ only in one environment variable (`env`:
-/// the reference's value, then the default's), printed side by side; fails
-/// unless every package is byte-identical. Returns (reference, default).
-fn bench_env_pair(
-    flag: &str,
-    env: &str,
-    reference: (&'static str, &str),
-    default: (&'static str, &str),
-    what: &str,
-) -> Result<(BuildRecord, BuildRecord)> {
-    let runs = bench_children(
-        flag,
-        &[
-            (reference.0, &[], &[(env, reference.1)]),
-            (default.0, &[], &[(env, default.1)]),
-        ],
-    )?;
-    print_children(&runs);
-    let mut runs = runs.into_iter().map(|(_, r)| r);
-    let (x, y) = (runs.next().unwrap(), runs.next().unwrap());
-    same_packages(&x, &y, what)?;
-    Ok((x, y))
-}
-
 /// Seconds of the phases `keys` of a build, summed (over processes).
 fn phase_seconds(r: &BuildRecord, keys: &[&str]) -> f64 {
     // An empty float sum is -0.0 (printed "-0.0s"); adding 0.0 makes it +0.0.
@@ -662,96 +715,48 @@ fn speedup(reference: &BuildRecord, ours: &BuildRecord) -> String {
     )
 }
 
-/// `bench build --heap-baseline`: the same build with glibc's heap defaults
-/// and with the heap kept (heap.rs), side by side; every package must be
-/// byte-identical (the allocator cannot change a value).
-fn bench_build_heap_baseline() -> Result<()> {
-    let (released, kept) = bench_env_pair(
-        "--heap-baseline",
-        heap::ENV,
-        ("heap released (default)", heap::Policy::Release.name()),
-        (
-            "heap kept (CHUNKFORGE_HEAP=keep)",
-            heap::Policy::Keep.name(),
-        ),
-        "the two heaps",
-    )?;
-    println!(
-        "heap kept vs released: {}; all {} packages byte-identical",
-        speedup(&released, &kept),
-        kept.chunks.len()
-    );
+/// `--compare shortcuts` compares the shortcuts through chunkforge's pass
+/// pipeline: refused with another one.
+fn refuse_pipeline(what: BuildComparison, args: &BenchBuildCmd) -> Result<()> {
+    let pipeline = args.conversion.pass_pipeline;
+    if what.row().needs_own_pipeline && pipeline != PassPipeline::Chunkforge {
+        bail!("bench build --compare {what} compares chunkforge's pass pipeline: it cannot run with --pass-pipeline {pipeline}");
+    }
     Ok(())
 }
 
-/// `bench build --writer-baseline`: the same build with bundles and
-/// compositions written by coremltools (save_multifunction, ct.convert of
-/// the loaded program) and by chunkforge's protobuf-level writer, side by
-/// side; every package must be byte-identical.
-fn bench_build_writer_baseline() -> Result<()> {
-    let (reference, ours) = bench_env_pair(
-        "--writer-baseline",
-        WRITER_ENV,
-        ("coremltools writer", "coremltools"),
-        ("chunkforge writer (default)", "chunkforge"),
-        "the two writers",
-    )?;
-    let written = ["bundle", "compose"];
-    println!(
-        "chunkforge's writer vs coremltools': {} ({:.1}s vs {:.1}s of bundles and compositions); all {} packages byte-identical",
-        speedup(&reference, &ours),
-        phase_seconds(&ours, &written),
-        phase_seconds(&reference, &written),
-        ours.chunks.len()
-    );
-    Ok(())
-}
-
-/// `bench build --shortcuts-baseline`: the same build with coremltools' own
-/// code for every step of each conversion and with chunkforge's shortcuts
-/// through it, side by side; every package must be byte-identical.
-fn bench_build_shortcuts_baseline() -> Result<()> {
-    let (reference, ours) = bench_env_pair(
-        "--shortcuts-baseline",
-        SHORTCUTS_ENV,
-        ("coremltools' code (shortcuts off)", "off"),
-        ("shortcuts on (default)", "on"),
-        "the builds with and without shortcuts",
-    )?;
-    // Conversions of packages and of the sources of composed ones.
-    let converted = ["convert", "sources"];
-    println!(
-        "shortcuts vs coremltools' code: {} ({:.1}s vs {:.1}s of conversions); all {} packages byte-identical",
-        speedup(&reference, &ours),
-        phase_seconds(&ours, &converted),
-        phase_seconds(&reference, &converted),
-        ours.chunks.len()
-    );
-    Ok(())
-}
-
-/// `bench build --joint-baseline`: the same build with one conversion per
-/// function and with each unit's functions converted together, side by side.
-/// Their packages are not byte-identical: the names of the ops the trace
-/// numbers differ (python/tests/test_joint.py checks the programs compute
-/// the same bits and the weights are the same bytes).
-fn bench_build_joint_baseline() -> Result<()> {
+/// `bench build --compare what`: the same build twice, each in a child
+/// process of its own, differing only in the row's environment variable
+/// (`BuildComparison::row`: the reference's value, then the default's),
+/// side by side; fails unless every package is byte-identical where the row
+/// says they must be.
+fn bench_build_compare(what: BuildComparison) -> Result<()> {
+    let row = what.row();
+    let flag = format!("--compare {what}");
+    let [reference, default] = row.runs;
     let runs = bench_children(
-        "--joint-baseline",
+        &flag,
         &[
-            ("one conversion per function", &[], &[(JOINT_ENV, "off")]),
-            ("functions together (default)", &[], &[(JOINT_ENV, "on")]),
+            (reference.0, &[], &[(row.env, reference.1)]),
+            (default.0, &[], &[(row.env, default.1)]),
         ],
     )?;
     print_children(&runs);
-    let (reference, ours) = (&runs[0].1, &runs[1].1);
-    let converted = ["load", "trace", "convert", "palettize", "save", "sources"];
-    println!(
-        "functions together vs one conversion each: {} ({:.1}s vs {:.1}s of load, trace, conversion, palettization and save)",
-        speedup(reference, ours),
-        phase_seconds(ours, &converted),
-        phase_seconds(reference, &converted),
-    );
+    let (x, y) = (&runs[0].1, &runs[1].1);
+    let mut line = format!("{}: {}", row.versus, speedup(x, y));
+    if !row.phases.is_empty() {
+        line += &format!(
+            " ({:.1}s vs {:.1}s {})",
+            phase_seconds(y, row.phases),
+            phase_seconds(x, row.phases),
+            row.phases_are
+        );
+    }
+    if row.identical {
+        same_packages(x, y, &format!("the two runs of --compare {what}"))?;
+        line += &format!("; all {} packages byte-identical", y.chunks.len());
+    }
+    println!("{line}");
     Ok(())
 }
 
@@ -1063,4 +1068,61 @@ fn plain_io(path: &Path, sources: &[TensorInfo], bytes: u64) -> Result<Timing> {
     drop(f);
     let _ = fs::remove_file(path);
     Ok((written, sync))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn children_run_without_the_comparison() {
+        let args = [
+            "parity",
+            "--compare",
+            "heap",
+            "--steps",
+            "4",
+            "--compare=order",
+            "--baseline",
+        ];
+        let kept = without_compare(args.map(Into::into), Some("--baseline"));
+        assert_eq!(
+            kept,
+            ["parity", "--steps", "4"].map(std::ffi::OsString::from)
+        );
+    }
+
+    /// `--compare shortcuts` compares chunkforge's pass pipeline: refused
+    /// with coremltools', accepted with the default.
+    #[test]
+    fn shortcuts_comparison_refuses_another_pipeline() {
+        let parse = |extra: &[&str]| match crate::cli::Cli::try_parse_from(
+            ["chunkforge", "bench", "build", "--compare", "shortcuts"]
+                .iter()
+                .chain(extra),
+        )
+        .unwrap()
+        .command
+        {
+            crate::cli::Cmd::Bench {
+                what: BenchCmd::Build(args),
+            } => args,
+            _ => unreachable!(),
+        };
+        let refused = refuse_pipeline(
+            BuildComparison::Shortcuts,
+            &parse(&["--pass-pipeline", "coremltools"]),
+        );
+        assert!(refused
+            .unwrap_err()
+            .to_string()
+            .contains("--pass-pipeline coremltools"));
+        refuse_pipeline(BuildComparison::Shortcuts, &parse(&[])).unwrap();
+        refuse_pipeline(
+            BuildComparison::Heap,
+            &parse(&["--pass-pipeline", "coremltools"]),
+        )
+        .unwrap();
+    }
 }

@@ -31,7 +31,7 @@ pub fn run(venv_python: bool, verbose: bool) -> Result<ExitStatus> {
     );
     println!("python package dir:  {}", pyenv::python_dir().display());
     pyenv::activate(verbose).context("setting up the Python environment")?;
-    let v = calls::versions(verbose)?;
+    let v = pyenv::versions(verbose)?;
     println!(
         "embedded interpreter: Python {}",
         v.get("python").map_or("?", String::as_str)

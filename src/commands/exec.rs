@@ -4,7 +4,8 @@ use anyhow::Result;
 
 use super::{require_utf8, ExitStatus};
 use crate::cli::ExecCmd;
-use crate::py::calls::{self, ExecRequest, ExecResult};
+use crate::py::calls;
+use crate::py::contract::{ExecRequest, ExecResult};
 use crate::py::env as pyenv;
 
 pub fn run(args: ExecCmd, verbose: bool) -> Result<ExitStatus> {

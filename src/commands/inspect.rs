@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 
 use super::ExitStatus;
-use crate::py::calls::{self, PackageDescription};
+use crate::py::calls;
+use crate::py::contract::PackageDescription;
 use crate::py::env as pyenv;
 
 pub fn run(package: &Path, json: bool, verbose: bool) -> Result<ExitStatus> {

@@ -27,10 +27,10 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 
-pub(crate) use crate::build::Layout;
-use crate::cli::{Cli, Cmd, LayoutArgs};
+use crate::cli::{Cli, Cmd};
 use crate::config::TextConfig;
 use crate::plan as planner;
+pub(crate) use crate::settings::Layout;
 
 /// How a command ended; the process exit code (README: Exit codes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -231,17 +231,4 @@ fn plan_for(dir: &Path, request: &Layout) -> Result<(TextConfig, planner::Plan)>
         &functions,
     )?;
     Ok((cfg, plan))
-}
-
-impl Layout {
-    /// The CLI's layout options.
-    pub fn of(args: &LayoutArgs) -> Self {
-        Layout {
-            mode: args.mode,
-            split: args.split.clone(),
-            ctx: args.ctx,
-            verify_k: args.functions.verify_k,
-            prefill_len: args.functions.prefill_len.clone(),
-        }
-    }
 }

@@ -10,7 +10,7 @@ use crate::checkpoint::Checkpoint;
 use crate::cli::ParityCmd;
 use crate::config::TextConfig;
 use crate::parity;
-use crate::parity_checks::{artifact_check_name, Thresholds};
+use crate::parity_checks::artifact_check_name;
 use crate::py::env as pyenv;
 use crate::records::{BuildRecord, LayoutArtifacts, OracleRecord, ParityReport, Verdict};
 use crate::settings::{ParityCommand, ParitySettings};
@@ -72,18 +72,8 @@ pub(super) fn exit_status(verdict: Verdict) -> ExitStatus {
 
 /// One line per row of every check (`parity_checks::CHECKS`).
 pub(super) fn print_checks(report: &ParityReport, opts: &ParitySettings) {
-    for line in report.check_lines(&thresholds(opts)) {
+    for line in report.check_lines(&opts.thresholds) {
         println!("{line}");
-    }
-}
-
-/// The thresholds `opts` hold the checks to.
-fn thresholds(opts: &ParitySettings) -> Thresholds {
-    Thresholds {
-        tol_cos: opts.tol_cos,
-        tol_cos_int4: opts.tol_cos_int4,
-        min_top1_int4: opts.min_top1_int4,
-        max_weight_rel_mse: opts.max_weight_rel_mse,
     }
 }
 
@@ -143,7 +133,7 @@ fn inconclusive_reasons(report: &ParityReport, ill: &[&OracleRecord]) -> Vec<Str
 /// whatever the verdict.
 pub(super) fn print_verdict(report: &ParityReport, opts: &ParitySettings) {
     let summary = &report.summary;
-    let tol = opts.tol_cos;
+    let tol = opts.thresholds.tol_cos;
     let ill: Vec<_> = report.oracle.iter().filter(|o| o.ill_conditioned).collect();
     for o in &ill {
         println!(
@@ -181,7 +171,7 @@ pub(super) fn print_verdict(report: &ParityReport, opts: &ParitySettings) {
         Verdict::Fail => {}
     }
     println!("PARITY FAIL");
-    for line in report.failure_lines(&thresholds(opts)) {
+    for line in report.failure_lines(&opts.thresholds) {
         println!("{line}");
     }
 }

@@ -166,6 +166,39 @@ fn reusable(dir: &Path, hf_dir: &Path, settings: &BuildSettings) -> Result<Build
             old.conversion.quantize
         ));
     }
+    // The conversion options release takes too (ConversionArgs): a build
+    // made with others made other packages.
+    let (was, asked) = (&old.conversion, &settings.conversion);
+    let palettizer =
+        |c: &crate::records::ConversionSettings| c.palettization.as_ref().map(|p| p.palettizer);
+    if palettizer(was) != palettizer(asked) {
+        differs.push(format!(
+            "palettizer {} (asked {})",
+            palettizer(was).map_or("none".into(), |p| p.to_string()),
+            palettizer(asked).map_or("none".into(), |p| p.to_string())
+        ));
+    }
+    if was.pass_pipeline != asked.pass_pipeline {
+        differs.push(format!(
+            "pass pipeline {} (asked {})",
+            was.pass_pipeline, asked.pass_pipeline
+        ));
+    }
+    if was.compose != asked.compose {
+        differs.push(format!(
+            "{} (asked {})",
+            if was.compose {
+                "composed"
+            } else {
+                "--no-compose"
+            },
+            if asked.compose {
+                "composed"
+            } else {
+                "--no-compose"
+            }
+        ));
+    }
     let sha = hashing::sha256_file(&hf_dir.join("config.json"))?;
     if sha != record.checkpoint.config_sha256 {
         differs.push(format!(

@@ -3,10 +3,10 @@
 use anyhow::{Context, Result};
 
 use super::ExitStatus;
+use crate::cli::values::parse_prompt;
 use crate::cli::RunCmd;
 use crate::gate::{self, GateInput};
 use crate::layouts::VerifyCommit;
-use crate::parity::parse_prompt;
 use crate::run::{self, Prompt, RunOptions, RunResult};
 use crate::staging;
 

@@ -7,26 +7,20 @@
 //! kept current by this module's tests), so a renamed function or field fails
 //! a test instead of a run.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, Result};
-use indicatif::ProgressBar;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyTuple};
 use schemars::JsonSchema;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use super::env::render_error;
-use super::error::PythonError;
-use crate::checkpoint::Checkpoint;
-use crate::plan::{ChunkPlan, Dims};
-use crate::progress::BuildProgress;
-use crate::records::{
-    ChunkStats, ConversionSettings, PackageWriter, ParityReport, PassStat, Seconds, Versions,
-};
+use super::contract::*;
+use super::error::{render_error, PythonError};
+use crate::progress::OnPhase;
+use crate::records::{ParityReport, Versions};
 
 /// How an entry point takes its request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, JsonSchema)]
@@ -92,33 +86,33 @@ entry_points! {
     /// One function of a package on the arrays of an .npz (`chunkforge exec`).
     ExecFunction = "mil.interp"."exec_function"(Dict ExecRequest<'a>) -> ExecResult;
     /// A random-weight checkpoint (`chunkforge fixture`).
-    WriteFixture = "fixture"."write_fixture_json"(Dict crate::fixture::FixtureRequest<'a>)
-        -> crate::fixture::FixtureInfo;
+    WriteFixture = "fixture"."write_fixture_json"(Dict FixtureRequest<'a>)
+        -> FixtureInfo;
     /// The tensors of a published-size checkpoint (`fixture --full-size`).
-    FullSizeLayoutOf = "fixture"."full_size_layout_json"(Dict crate::fixture::FullSizeRequest<'a>)
-        -> crate::fixture::FullSizeLayout;
+    FullSizeLayoutOf = "fixture"."full_size_layout_json"(Dict FullSizeRequest<'a>)
+        -> FullSizeLayout;
     /// The static ANE audit of packages (and the compute plan on macOS).
-    Audit = "mil.audit"."audit"(Dict crate::audit::AuditArgs<'a>) -> crate::audit::AuditReport;
+    Audit = "mil.audit"."audit"(Dict AuditArgs<'a>) -> AuditReport;
     /// The op types per layer kind of packages (`audit --print-op-types`).
-    OpTypes = "mil.audit"."op_types"(Dict crate::audit::AuditArgs<'a>) -> crate::audit::OpTypes;
+    OpTypes = "mil.audit"."op_types"(Dict AuditArgs<'a>) -> super::contract::OpTypes;
     /// The INT4 kernel against coremltools (`bench palettize`).
-    BenchPalettize = "convert.bench_palettize"."run"(Dict crate::bench_palettize::BenchArgs)
-        -> crate::bench_palettize::BenchReport;
+    BenchPalettize = "convert.bench_palettize"."run"(Dict BenchArgs)
+        -> BenchReport;
     /// One package compiled to the `.mlmodelc` files the app requests
     /// (`chunkforge compile`: chunkforge's writer anywhere, Core ML's on macOS).
-    CompilePackage = "convert.compiled"."compile_package"(Dict crate::compile::CompileRequest<'a>)
-        -> crate::compile::CompileReply;
+    CompilePackage = "convert.compiled"."compile_package"(Dict CompileRequest<'a>)
+        -> CompileReply;
     /// Text from a release folder alone (`chunkforge run`).
-    Emulate = "emulate.release"."run"(Dict crate::run::RunRequest<'a>) -> crate::run::RunResult,
+    Emulate = "emulate.release"."run"(Dict RunRequest<'a>) -> RunResult,
         with ["progress"];
     /// Each layout's programs against transformers over a text (`chunkforge eval`).
-    Evaluate = "quality.text"."evaluate"(Dict crate::eval::EvalRequest<'a>)
+    Evaluate = "quality.text"."evaluate"(Dict crate::py::contract::EvalRequest<'a>)
         -> crate::quality::EvalResult, with ["progress"];
     /// transformers' greedy tokens and margins (`run --against-source`).
-    SourceGreedyOf = "quality.gate"."source_greedy"(Dict crate::gate::SourceGreedyRequest<'a>)
-        -> crate::gate::SourceGreedy;
+    SourceGreedyOf = "quality.gate"."source_greedy"(Dict crate::py::contract::SourceGreedyRequest<'a>)
+        -> crate::py::contract::SourceGreedy;
     /// The parity checks (`chunkforge parity`).
-    Parity = "parity.run"."run"(Dict crate::parity::ParityRequest<'a>) -> ParityReport,
+    Parity = "parity.run"."run"(Dict ParityRequest<'a>) -> ParityReport,
         with ["progress"];
     /// The build's palettization cache (`WeightCache::new`).
     NewWeightCache = "convert.palettize"."WeightCache"(Keywords WeightCacheArgs) -> PyObjectReply;
@@ -175,26 +169,6 @@ impl schemars::transform::Transform for WithoutDocs {
             object.remove("description");
         }
         schemars::transform::transform_subschemas(self, schema);
-    }
-}
-
-/// A Python object a call makes and Rust keeps (not JSON).
-pub struct PyObjectReply;
-
-impl JsonSchema for PyObjectReply {
-    fn schema_name() -> std::borrow::Cow<'static, str> {
-        "PyObject".into()
-    }
-    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-        schemars::json_schema!({"description": "a Python object, kept by Rust"})
-    }
-}
-
-impl<'de> Deserialize<'de> for PyObjectReply {
-    fn deserialize<D: serde::Deserializer<'de>>(_: D) -> Result<Self, D::Error> {
-        Err(serde::de::Error::custom(
-            "a Python object is not read as JSON",
-        ))
     }
 }
 
@@ -300,119 +274,13 @@ fn invoke<'py, E: EntryPoint>(
     }
 }
 
-/// `runtime.configure`'s request.
-#[derive(Serialize, JsonSchema)]
-pub struct ConfigureArgs {
-    pub verbose: bool,
-}
-
-/// `runtime.versions`' request: the packages whose versions are asked for.
-#[derive(Serialize, JsonSchema)]
-pub struct VersionsArgs {
-    pub packages: Vec<String>,
-}
-
-/// Versions of the Python-side tools, by package: `python` first, then every
-/// pinned package ([`super::env::pinned_packages`]) as installed.
-pub fn versions(verbose: bool) -> Result<Versions> {
-    let packages = super::env::pinned_packages()
-        .into_iter()
-        .map(|(name, _)| name.to_string())
-        .collect();
-    call::<VersionsOf>(&VersionsArgs { packages }, verbose)
-}
-
 /// One package compiled to the `.mlmodelc` files the app requests.
-pub fn compile_package(
-    request: &crate::compile::CompileRequest,
-    verbose: bool,
-) -> Result<crate::compile::CompileReply> {
+pub fn compile_package(request: &CompileRequest, verbose: bool) -> Result<CompileReply> {
     call::<CompilePackage>(request, verbose)
-}
-
-/// What coremltools can and cannot do on this platform.
-#[derive(Debug, Deserialize, JsonSchema)]
-pub struct PlatformLimits {
-    pub system: String,
-    pub machine: String,
-    pub can_predict: bool,
-    pub can_compile_mlmodelc: bool,
-    pub can_load_compute_plan: bool,
 }
 
 pub fn platform_limits(verbose: bool) -> Result<PlatformLimits> {
     call::<Platform>(&(), verbose)
-}
-
-/// One input or output of a package's function.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct Feature {
-    pub name: String,
-    pub shape: Vec<i64>,
-    pub dtype: String,
-}
-
-/// One function of a package.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct FunctionDescription {
-    pub name: String,
-    pub inputs: Vec<Feature>,
-    pub outputs: Vec<Feature>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mil_ops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub projection_ops: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub int4_g32_projection_ops: Option<u64>,
-}
-
-/// One palettized weight.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct Lut {
-    pub name: String,
-    pub weight_shape: Vec<i64>,
-    pub lut_shape: Vec<i64>,
-    pub indices_dtype: String,
-}
-
-/// One projection op (1x1 `conv`, or `linear` in older builds) and where its weight comes from.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct ProjectionOp {
-    pub op: String,
-    pub weight: String,
-    pub weight_op: String,
-}
-
-/// `inspect_pkg.describe`: a package as read from disk.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct PackageDescription {
-    pub path: String,
-    pub specification_version: u64,
-    pub model_type: String,
-    pub default_function: Option<String>,
-    pub inputs: Vec<Feature>,
-    pub outputs: Vec<Feature>,
-    pub functions: Vec<FunctionDescription>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub opset: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mil_ops: Option<u64>,
-    #[serde(default)]
-    pub palettized: Vec<Lut>,
-    #[serde(default)]
-    pub projections: Vec<ProjectionOp>,
-    #[serde(default)]
-    pub layers: Vec<u64>,
-}
-
-/// `inspect_pkg.describe`'s request.
-#[derive(Serialize, JsonSchema)]
-pub struct PathArg<'a> {
-    path: &'a str,
-    /// The folder of the weight blob the package reads, when not its own
-    /// (a release's package stored without its blob, shared in by the app's
-    /// download).
-    weights: Option<&'a str>,
 }
 
 pub fn describe(
@@ -431,98 +299,8 @@ pub fn describe(
     )
 }
 
-/// `mil_interp.exec_function`'s request: one function of a package on the
-/// arrays of an .npz.
-#[derive(Serialize, JsonSchema)]
-pub struct ExecRequest<'a> {
-    pub package: &'a str,
-    pub function: Option<&'a str>,
-    pub inputs: &'a str,
-    pub output: &'a str,
-    pub fp16: bool,
-}
-
-/// A tensor `exec` read or wrote.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct ExecTensor {
-    pub name: String,
-    pub shape: Vec<i64>,
-    pub dtype: String,
-}
-
-/// `mil_interp.exec_function`'s reply.
-#[derive(Debug, Serialize, Deserialize, JsonSchema)]
-pub struct ExecResult {
-    pub package: String,
-    pub function: String,
-    pub fp16: bool,
-    pub ops: u64,
-    pub inputs: Vec<ExecTensor>,
-    pub outputs: Vec<ExecTensor>,
-    pub output: String,
-    pub load_seconds: f64,
-    pub run_seconds: f64,
-}
-
 pub fn exec_function(request: &ExecRequest, verbose: bool) -> Result<ExecResult> {
     call::<ExecFunction>(request, verbose)
-}
-
-/// The checkpoint as Python opens it: the tensor-name prefix and each
-/// (prefixed) tensor name's safetensors file.
-#[derive(Clone, Serialize, Deserialize, JsonSchema)]
-pub struct CheckpointFiles {
-    pub prefix: String,
-    pub files: BTreeMap<String, String>,
-}
-
-impl CheckpointFiles {
-    pub fn of(ckpt: &Checkpoint) -> Self {
-        CheckpointFiles {
-            prefix: ckpt.prefix.clone(),
-            files: ckpt
-                .files
-                .iter()
-                .map(|(k, v)| (k.clone(), v.to_string_lossy().into_owned()))
-                .collect(),
-        }
-    }
-}
-
-/// One package to convert: its plan (every function), the model's dims, the
-/// checkpoint, the settings, and where each function's package goes.
-#[derive(Clone, Serialize, Deserialize, JsonSchema)]
-pub struct ChunkJob {
-    pub dims: Dims,
-    pub chunk: ChunkPlan,
-    pub checkpoint: CheckpointFiles,
-    pub settings: ConversionSettings,
-    /// In the chunk's function order.
-    pub paths: Vec<String>,
-    /// Time (and probe) every coremltools graph pass.
-    pub profile: bool,
-}
-
-/// One converted function: its counts and seconds per phase.
-#[derive(Serialize, Deserialize, JsonSchema)]
-pub struct ConvertedFunction {
-    pub name: String,
-    pub stats: ChunkStats,
-    pub seconds: Seconds,
-    pub passes: Option<BTreeMap<String, PassStat>>,
-}
-
-/// `convert.convert_chunk`'s reply.
-#[derive(Serialize, Deserialize, JsonSchema)]
-pub struct ConvertedChunk {
-    pub functions: Vec<ConvertedFunction>,
-}
-
-/// `palettize.WeightCache`'s arguments.
-#[derive(Serialize, JsonSchema)]
-pub struct WeightCacheArgs {
-    /// Conversions that hold each weight (an entry is dropped after its last).
-    pub uses: usize,
 }
 
 /// The build's palettization cache, a `palettize.WeightCache`: made once per
@@ -568,19 +346,6 @@ pub struct ChunkError {
     pub error: PyErr,
 }
 
-/// Shows each phase of a conversion as it starts: `(function, phase)`.
-pub type OnPhase = Arc<dyn Fn(&str, &str) + Send + Sync>;
-
-/// `joint.convert_jobs`'s request: every job of a task, converted together
-/// with `joint` (the jobs are of the same layers), loading and tracing on
-/// `threads` torch threads.
-#[derive(Serialize, JsonSchema)]
-pub struct ConvertJobsArgs<'a> {
-    pub jobs: &'a [ChunkJob],
-    pub joint: bool,
-    pub threads: usize,
-}
-
 /// `joint.convert_jobs` with the build's `cache` and a `progress(function,
 /// phase)` callback telling `on_phase` each phase as it starts; one
 /// `convert_chunk` reply per job, or the error with the function it was in.
@@ -612,98 +377,8 @@ pub fn convert_jobs(
     result.map_err(|error| ChunkError { function, error })
 }
 
-/// A `convert_chunk` reply (one per job of `convert_jobs`) for `chunk`
-/// checked: every function was converted, in order.
-pub fn converted_chunk(
-    chunk: &ChunkPlan,
-    converted: ConvertedChunk,
-) -> std::result::Result<ConvertedChunk, String> {
-    let sent: Vec<&str> = chunk.functions.iter().map(|f| f.name.as_str()).collect();
-    let got: Vec<&str> = converted
-        .functions
-        .iter()
-        .map(|f| f.name.as_str())
-        .collect();
-    if sent != got {
-        return Err(format!(
-            "the conversion of {} converted functions {got:?} of {sent:?}",
-            chunk.name
-        ));
-    }
-    Ok(converted)
-}
-
-/// Each phase shown as a spinner under `progress`, the last one cleared when
-/// the returned guard is dropped.
-pub fn phase_spinners(progress: &BuildProgress) -> (OnPhase, PhaseGuard) {
-    let slot: Arc<Mutex<Option<ProgressBar>>> = Arc::default();
-    let shown = progress.clone();
-    let bars = Arc::clone(&slot);
-    let on_phase: OnPhase = Arc::new(move |function: &str, what: &str| {
-        let mut bar = bars.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(previous) = bar.take() {
-            previous.finish_and_clear();
-        }
-        *bar = Some(shown.phase(format!("{function}: {what}")));
-    });
-    (on_phase, PhaseGuard(slot))
-}
-
-/// Clears the last phase spinner of `phase_spinners` when dropped.
-pub struct PhaseGuard(Arc<Mutex<Option<ProgressBar>>>);
-
-impl Drop for PhaseGuard {
-    fn drop(&mut self) {
-        if let Some(last) = self.0.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            last.finish_and_clear();
-        }
-    }
-}
-
-/// `convert.combine`'s reply: the bundle's weight blob size.
-#[derive(Serialize, Deserialize, JsonSchema)]
-pub struct Bundle {
-    pub weight_bytes: u64,
-}
-
-/// `convert.combine`'s request: single-function packages `(path, function)`
-/// bundled into multifunction ones `(path, [function, ...])` sharing one
-/// weight blob, written by `writer`.
-#[derive(Serialize, JsonSchema)]
-pub struct BundleArgs<'a> {
-    pub parts: &'a [(String, String)],
-    pub targets: &'a [(String, Vec<String>)],
-    pub writer: PackageWriter,
-}
-
 pub fn combine(args: &BundleArgs) -> PyResult<Bundle> {
     Python::attach(|py| reply_of::<Combine>(&invoke::<Combine>(py, args, &[])?))
-}
-
-/// One source of a composed package: a single-function four-chunk decode
-/// package and its chunk plan (that one function).
-#[derive(Clone, Serialize, Deserialize, JsonSchema)]
-pub struct ComposeSource {
-    pub path: String,
-    pub chunk: ChunkPlan,
-}
-
-/// `compose.compose_job`'s job: the target chunk (one decode function) from
-/// its sources, in layer order, written to `path`.
-#[derive(Clone, Serialize, Deserialize, JsonSchema)]
-pub struct ComposeJob {
-    pub target: ChunkPlan,
-    pub sources: Vec<ComposeSource>,
-    pub path: String,
-    /// The build's: deployment target and compute units of the package.
-    pub settings: ConversionSettings,
-}
-
-/// `compose.compose_job`'s reply.
-#[derive(Serialize, Deserialize, JsonSchema)]
-pub struct Composed {
-    pub stats: ChunkStats,
-    pub seconds: Seconds,
 }
 
 pub fn compose(job: &ComposeJob) -> PyResult<Composed> {
@@ -722,16 +397,16 @@ mod tests {
     fn seam_json_is_current() {
         let mut text = serde_json::to_string_pretty(&declared()).unwrap();
         text.push('\n');
-        if std::env::var_os("CHUNKFORGE_BLESS").is_some() {
+        if chunkforge_model::generated::bless() {
             std::fs::write(SEAM_JSON, &text).unwrap();
         }
         let on_disk = std::fs::read_to_string(SEAM_JSON).unwrap_or_default();
         assert!(
             on_disk == text,
             "{SEAM_JSON} is not what src/py/calls.rs declares: a request or reply type of an \
-             entry point changed. Regenerate it (CHUNKFORGE_BLESS=1 cargo test --release --lib \
-             seam_json), then make python/chunkforge_py/contract.py agree \
-             (python/tests/test_seam.py says where it does not)"
+             entry point changed. {}, then make python/chunkforge_py/contract.py agree \
+             (python/tests/test_seam.py says where it does not)",
+            chunkforge_model::generated::REGENERATE
         );
     }
 

@@ -17,7 +17,11 @@ use sha2::{Digest, Sha256};
 use crate::cache_dir::cache_dir;
 use crate::hashing::hex;
 use crate::progress;
+use crate::records::Versions;
 use crate::staging::{OnLocked, OutputLock};
+
+use super::contract::{ConfigureArgs, VersionsArgs};
+pub use super::error::render_error;
 
 /// The pinned Python requirements, compiled in so the stamp always matches the
 /// binary: torch and the CUDA libraries it links, installed without dependency
@@ -329,39 +333,17 @@ pub fn activate(verbose: bool) -> Result<()> {
         Ok(())
     })
     .map_err(|e| anyhow::anyhow!(render_error(e, verbose)))?;
-    super::calls::call::<super::calls::Configure>(&super::calls::ConfigureArgs { verbose }, verbose)
+    super::calls::call::<super::calls::Configure>(&ConfigureArgs { verbose }, verbose)
 }
 
-/// Renders a Python exception for the user: the message, plus the traceback with `--verbose`.
-pub fn render_error(err: PyErr, verbose: bool) -> String {
-    Python::attach(|py| {
-        let value = err.value(py);
-        let kind = value
-            .get_type()
-            .name()
-            .map(|n| n.to_string())
-            .unwrap_or_default();
-        let msg = value.str().map(|s| s.to_string()).unwrap_or_default();
-        let mut out = if kind == "ChunkforgeError" {
-            msg
-        } else {
-            format!("{kind}: {msg}")
-        };
-        if verbose {
-            if let Ok(tb) = py
-                .import("traceback")
-                .and_then(|m| m.call_method1("format_exception", (value,)))
-            {
-                if let Ok(lines) = tb.extract::<Vec<String>>() {
-                    out.push_str("\n\nPython traceback:\n");
-                    out.push_str(&lines.concat());
-                }
-            }
-        } else {
-            out.push_str(" (run with --verbose for the Python traceback)");
-        }
-        out
-    })
+/// Versions of the Python-side tools, by package: `python` first, then every
+/// pinned package ([`pinned_packages`]) as installed.
+pub fn versions(verbose: bool) -> Result<Versions> {
+    let packages = pinned_packages()
+        .into_iter()
+        .map(|(name, _)| name.to_string())
+        .collect();
+    super::calls::call::<super::calls::VersionsOf>(&VersionsArgs { packages }, verbose)
 }
 
 #[cfg(test)]

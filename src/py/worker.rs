@@ -21,12 +21,12 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::calls::{
-    self, Bundle, BundleArgs, ChunkJob, ComposeJob, Composed, ConvertJobsArgs, ConvertedChunk,
-    OnPhase, WeightCache,
+use super::calls::{self, WeightCache};
+use super::contract::{
+    Bundle, BundleArgs, ChunkJob, ComposeJob, Composed, ConvertJobsArgs, ConvertedChunk,
 };
 use super::env as pyenv;
-use crate::progress::{self, BuildProgress};
+use crate::progress::{self, BuildProgress, OnPhase};
 use crate::records::PackageWriter;
 use crate::staging;
 
@@ -441,13 +441,13 @@ pub fn run_all(
         for w in workers.iter_mut() {
             let (next, store) = (&next, &store);
             s.spawn(move || {
-                let (on_phase, _spinners) = calls::phase_spinners(progress);
+                let (on_phase, _spinners) = progress::phase_spinners(progress);
                 while let Some(i) = next() {
                     store(i, w.run(&tasks[i], &on_phase));
                 }
             });
         }
-        let (on_phase, spinners) = calls::phase_spinners(progress);
+        let (on_phase, spinners) = progress::phase_spinners(progress);
         while let Some(i) = next() {
             store(i, execute(&tasks[i], cache, &on_phase, verbose));
         }

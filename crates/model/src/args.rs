@@ -1,7 +1,14 @@
 //! Value parsers for command-line options: a value outside what the option
 //! means (a NaN tolerance, a context no model has, an id that is a path) is
 //! refused while the arguments are parsed, naming the option, instead of
-//! failing later inside Python or an allocator.
+//! failing later inside Python or an allocator. And the parsers of the
+//! closed sets (a [`crate::named!`] enum, a layout selector), whose possible
+//! values `--help` lists.
+
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+
+use crate::layouts::Choice;
+use crate::names::Named;
 
 /// Longest `--ctx`: 131072 (128 Ki) positions, the longest context window of
 /// the Gemma 4 models. Positions past it were never trained, and the cache is
@@ -90,6 +97,44 @@ pub fn model_id(s: &str) -> Result<String, String> {
         ));
     }
     Ok(s.to_string())
+}
+
+/// A value parser whose possible values (listed in `--help`, checked while
+/// parsing) are `values`: (name, help).
+fn values_parser<T>(values: Vec<(&'static str, String)>) -> impl TypedValueParser<Value = T>
+where
+    T: std::str::FromStr + Clone + Send + Sync + 'static,
+{
+    let values = values.into_iter().map(|(name, doc)| {
+        let value = PossibleValue::new(name);
+        match doc.trim() {
+            "" => value,
+            doc => value.help(doc.trim_end_matches('.').to_string()),
+        }
+    });
+    PossibleValuesParser::new(values).map(|s| {
+        s.parse::<T>()
+            .ok()
+            .expect("clap only passes one of the possible values")
+    })
+}
+
+/// A value parser for a [`crate::named!`] enum: its names are the
+/// possible values.
+pub fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
+    values_parser(
+        T::NAMES
+            .iter()
+            .zip(T::DOCS)
+            .map(|(n, d)| (*n, d.to_string()))
+            .collect(),
+    )
+}
+
+/// A value parser for a layout selector: the layouts of the layout table it
+/// admits (each with its packages as help) and its words.
+pub fn choice<T: Choice + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
+    values_parser(T::choices())
 }
 
 #[cfg(test)]

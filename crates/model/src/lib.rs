@@ -8,6 +8,8 @@ pub mod args;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod fp16range;
+pub mod generated;
 pub mod layouts;
 pub mod names;
 pub mod parity_checks;

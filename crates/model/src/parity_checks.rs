@@ -2,43 +2,76 @@
 //! check's rows sit in the report, each row's name and verdict, its lines of
 //! the printout and what its failure says. `failed_checks`, the run's verdict
 //! and `chunkforge parity`'s output all go through the table, so a check
-//! cannot be left out of one of them. Python's `verdicts.CHECKS` (python/chunkforge_py/parity/verdicts.py) is the same
-//! table on the other side of the seam (the same `field`s); a test on each
-//! side fails when the report holds a verdict no check claims.
+//! cannot be left out of one of them. On the other side of the seam each
+//! check is a unit, `chunkforge_py.parity.<name>`, which computes its rows
+//! and their verdicts; the request names the units to run, in this table's
+//! order ([`CheckName`]), and what they are held to ([`Thresholds`]). A test
+//! here fails when the report holds a verdict no check claims, and one in
+//! python/tests/test_parity_units.py when a check has no unit.
 
+use clap::{Args, Command, FromArgMatches};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::args;
 use crate::records::{
-    ArtifactSummary, OracleRecord, ParityReport, ProgramSummary, StepRecord, Verdict,
+    ArtifactSummary, KlSummary, OracleRecord, ParityReport, ProgramSummary, StepRecord, Verdict,
 };
 
-/// The thresholds a run held its checks to, for the printout of a failure
-/// (`chunkforge parity`'s settings).
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// What parity's checks are held to, each threshold a field: `parity`'s
+/// options (flattened into its command line, with their defaults here
+/// only), the settings a run resolves, and the request's `thresholds`
+/// (python/chunkforge_py/contract.py `ParityThresholds`), as they are.
+#[derive(Args, Clone, Copy, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Thresholds {
+    /// Minimum cosine of the final normed hidden state per step.
+    #[arg(long, default_value_t = 0.9999, value_parser = args::cosine)]
     pub tol_cos: f64,
+    /// Minimum cosine per step for the INT4 artifacts.
+    #[arg(long, default_value_t = 0.85, value_parser = args::cosine)]
     pub tol_cos_int4: f64,
+    /// Minimum fraction of steps whose INT4 token equals the reference's.
+    #[arg(long, default_value_t = 0.75, value_parser = args::fraction)]
     pub min_top1_int4: f64,
+    /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
+    #[arg(long, default_value_t = 0.03, value_parser = args::non_negative)]
     pub max_weight_rel_mse: f64,
+    /// Largest KL(transformers ‖ reference) of the next-token distributions, in nats,
+    /// allowed at any step (an fp32 reference stays under 1e-10 where transformers
+    /// agrees with itself).
+    #[arg(long, default_value_t = 1e-4, value_parser = args::non_negative)]
+    pub max_kl: f64,
 }
 
-impl Thresholds {
-    /// The value of the option `flag` (one of [`Check::thresholds`]).
-    fn value(&self, flag: &str) -> f64 {
-        match flag {
-            "--tol-cos" => self.tol_cos,
-            "--tol-cos-int4" => self.tol_cos_int4,
-            "--min-top1-int4" => self.min_top1_int4,
-            "--max-weight-rel-mse" => self.max_weight_rel_mse,
-            _ => f64::NAN,
-        }
+impl Default for Thresholds {
+    /// The options' defaults: `parity` given none of them (`release`'s gate
+    /// and `bench parity` hold their checks to these).
+    fn default() -> Self {
+        let options = Thresholds::augment_args(Command::new("thresholds"));
+        let given = options
+            .try_get_matches_from(["thresholds"])
+            .expect("every threshold has a default");
+        Thresholds::from_arg_matches(&given).expect("every threshold has a default")
     }
+}
 
-    /// `--tol-cos-int4 0.85, --min-top1-int4 0.75`: `flags` with their values.
-    fn text(&self, flags: &[&str]) -> String {
-        flags
-            .iter()
-            .map(|f| format!("{f} {}", self.value(f)))
-            .collect::<Vec<_>>()
-            .join(", ")
+/// `--tol-cos-int4 0.85, --min-top1-int4 0.75`: the thresholds named, each
+/// as its option (a field's name as clap makes it an option) and its value.
+macro_rules! options {
+    ($t:expr, $($field:ident),+ $(,)?) => {
+        [$(format!("--{} {}", stringify!($field).replace('_', "-"), $t.$field)),+].join(", ")
+    };
+}
+
+crate::named! {
+    /// Parity's checks by name: each is a [`Check`] here and the unit
+    /// `chunkforge_py.parity.<name>` in Python, run in this order.
+    pub enum CheckName {
+        Layouts = "layouts",
+        Oracle = "oracle",
+        Artifacts = "artifacts",
+        Programs = "programs",
+        Kl = "kl",
     }
 }
 
@@ -81,13 +114,11 @@ impl Row {
 
 /// One of parity's checks.
 pub struct Check {
-    /// Its name, as Python's `verdicts.CHECKS` names it.
-    pub name: &'static str,
+    /// Its name: the Python unit that computes it.
+    pub name: CheckName,
     /// Where its verdict-carrying rows sit in the report: object keys from
     /// the report's root, dot-separated (lists and maps between are walked).
     pub field: &'static str,
-    /// The options it is held to.
-    pub thresholds: &'static [&'static str],
     /// Every row, with whether it held and its recorded verdict.
     pub rows: fn(&ParityReport) -> Vec<Row>,
     /// Its lines of the printout, one per row.
@@ -97,14 +128,13 @@ pub struct Check {
 }
 
 /// Every check, in the order the printout and the messages list them.
-pub const CHECKS: [Check; 4] = [LAYOUTS, ORACLE, ARTIFACTS, PROGRAMS];
+pub const CHECKS: [Check; 5] = [LAYOUTS, ORACLE, ARTIFACTS, PROGRAMS, KL];
 
 /// Every decode layout, verify_qK and prefill function against the four-chunk
 /// reference, step by step.
 pub const LAYOUTS: Check = Check {
-    name: "layouts",
+    name: CheckName::Layouts,
     field: "steps",
-    thresholds: &["--tol-cos"],
     rows: |r| {
         let name = |i, s: &StepRecord| format!("steps[{i}] (layout {}, step {})", s.layout, s.step);
         let at = |(i, s)| Row::new(name(i, s), s.ok, s.verdict);
@@ -145,9 +175,8 @@ pub const LAYOUTS: Check = Check {
 /// The four-chunk reference against transformers, step by step, with
 /// transformers' noise floor there.
 pub const ORACLE: Check = Check {
-    name: "oracle",
+    name: CheckName::Oracle,
     field: "oracle",
-    thresholds: &["--tol-cos"],
     rows: |r| {
         let name = |i, o: &OracleRecord| format!("oracle[{i}] (layout reference, step {})", o.step);
         let at = |(i, o)| Row::new(name(i, o), o.ok, o.verdict);
@@ -226,9 +255,8 @@ pub fn artifact_check_name(name: &str) -> String {
 /// Each decode layout with its packages' weights read back, and verify_qK and
 /// the prefill function with theirs, against the same build's four-chunk decode.
 pub const ARTIFACTS: Check = Check {
-    name: "artifacts",
+    name: CheckName::Artifacts,
     field: "summary.artifacts",
-    thresholds: &["--tol-cos-int4", "--min-top1-int4", "--max-weight-rel-mse"],
     rows: |r| {
         let at = |(name, a): (&String, &ArtifactSummary)| Row {
             name: artifact_check_name(name),
@@ -286,7 +314,7 @@ pub const ARTIFACTS: Check = Check {
                 ArtifactSummary::Layout(l) => format!(
                     "{p} artifacts of {name} {}: thresholds {}; tokens match the other layouts' INT4 models: {}{}",
                     if l.verdict == Some(Verdict::Inconclusive) { "inconclusive" } else { "fail" },
-                    t.text(ARTIFACTS.thresholds),
+                    options!(t, tol_cos_int4, min_top1_int4, max_weight_rel_mse),
                     l.tokens_match_other_layouts,
                     l.weight_noise.as_ref().map(|n| format!(
                         "; weight noise of the palettization's size: {}",
@@ -326,17 +354,26 @@ fn tokens_shown(p: &ProgramSummary) -> String {
 /// Each package's own program, run by the MIL interpreter, against the
 /// read-back modules (the gate), the fp32 reference and transformers.
 pub const PROGRAMS: Check = Check {
-    name: "programs",
+    name: CheckName::Programs,
     field: "summary.programs",
-    thresholds: &["--tol-cos"],
     rows: |r| {
-        programs(r)
+        let mut rows: Vec<Row> = programs(r)
             .map(|(name, precision, p)| Row {
                 name: format!("the {precision} program check of {name}"),
                 ok: p.ok,
                 recorded: p.verdict,
             })
-            .collect()
+            .collect();
+        // An op the fp16 programs overflow in where the fp32 ones stay
+        // finite: a failure of its own (programs.py adds its "fail").
+        if let Some(range) = r.summary.fp16_range.as_ref().filter(|f| !f.ok) {
+            rows.push(Row {
+                name: format!("the fp16 range of the programs ({})", range.line()),
+                ok: false,
+                recorded: Some(Verdict::Fail),
+            });
+        }
+        rows
     },
     lines: |r, _| {
         let opt = |v: Option<f64>, pct: bool| match v {
@@ -344,7 +381,14 @@ pub const PROGRAMS: Check = Check {
             Some(v) => format!("{v:.6}"),
             None => "-".into(),
         };
-        programs(r).zip((PROGRAMS.rows)(r)).map(|((name, precision, p), row)| {
+        let rows = (PROGRAMS.rows)(r);
+        // The fp16 range's row, after the programs' (its own line).
+        let extra: Vec<String> = rows
+            .iter()
+            .skip(programs(r).count())
+            .map(|row| format!("{}  {}", row.name, row.shown()))
+            .collect();
+        programs(r).zip(rows).map(|((name, precision, p), row)| {
             format!(
                 "program {name:<9} {precision}  vs read-back min cos {:.6} tokens match: {}  | vs reference min cos {} top-1 {}  | vs transformers min cos {} top-1 {}  ({} steps)  {}",
                 p.min_cos_readback,
@@ -356,9 +400,15 @@ pub const PROGRAMS: Check = Check {
                 p.steps,
                 if p.gated { row.shown() } else { "(reported)" }
             )
-        }).collect()
+        }).chain(extra).collect()
     },
     failure: |r, t| {
+        let overflow = r
+            .summary
+            .fp16_range
+            .as_ref()
+            .filter(|f| !f.ok)
+            .map(|f| f.line());
         programs(r)
             .filter(|(_, _, p)| !p.ok)
             .map(|(name, precision, p)| {
@@ -370,7 +420,50 @@ pub const PROGRAMS: Check = Check {
                     p.min_cos_readback, t.tol_cos
                 )
             })
+            .chain(overflow)
             .collect()
+    },
+};
+
+/// The reference's next-token distribution against transformers', over the
+/// teacher-forced steps: the mean and the largest KL(transformers ‖ reference).
+pub const KL: Check = Check {
+    name: CheckName::Kl,
+    field: "summary.kl",
+    rows: |r| {
+        let at = |k: &KlSummary| {
+            Row::new(
+                "the KL check (transformers ‖ reference)".into(),
+                k.ok,
+                Some(k.verdict),
+            )
+        };
+        r.summary.kl.iter().map(at).collect()
+    },
+    lines: |r, _| {
+        let rows = (KL.rows)(r);
+        r.summary.kl.iter().zip(rows).map(|(k, row)| {
+            format!(
+                "reference KL vs transformers  mean {:.2e}  max {:.2e} at step {:>3}  over {} steps  {}",
+                k.mean,
+                k.max,
+                k.max_step,
+                k.steps,
+                row.shown()
+            )
+        }).collect()
+    },
+    failure: |r, t| {
+        r.summary.kl.iter().filter(|k| !k.ok).map(|k| {
+            format!(
+                "the reference's next-token distribution leaves transformers': KL(transformers ‖ reference) \
+                 {:.3e} at step {} (mean {:.3e}), over {}",
+                k.max,
+                k.max_step,
+                k.mean,
+                options!(t, max_kl)
+            )
+        }).collect()
     },
 };
 
@@ -453,6 +546,34 @@ mod tests {
         }
     }
 
+    /// The table is [`CheckName`]'s, in its order: each name a check, the
+    /// request's list of units.
+    #[test]
+    fn every_check_is_named_once_in_order() {
+        let names: Vec<CheckName> = CHECKS.iter().map(|c| c.name).collect();
+        assert_eq!(names, CheckName::ALL);
+    }
+
+    /// The defaults are the options' (and the printout names a threshold
+    /// by its option).
+    #[test]
+    fn thresholds_default_to_the_options_defaults() {
+        let t = Thresholds::default();
+        assert_eq!(
+            (
+                t.tol_cos,
+                t.tol_cos_int4,
+                t.min_top1_int4,
+                t.max_weight_rel_mse
+            ),
+            (0.9999, 0.85, 0.75, 0.03)
+        );
+        assert_eq!(
+            options!(t, tol_cos, max_weight_rel_mse),
+            "--tol-cos 0.9999, --max-weight-rel-mse 0.03"
+        );
+    }
+
     /// A new kind of row with a verdict in the report (a KL check's, say)
     /// needs its `Check`: otherwise `failed_checks`, the verdict and the
     /// printout would not see it.
@@ -494,15 +615,11 @@ mod tests {
             "steps": [step], "oracle": [oracle],
             "summary": {"ok": false, "verdict": "fail",
                 "first_failure": {"layout": "two", "step": 3, "cos": 0.5, "ref_token": 1, "token": 2},
-                "artifacts": {"two": layout_artifacts}, "programs": {"two": {"fp32": program}}},
+                "artifacts": {"two": layout_artifacts}, "programs": {"two": {"fp32": program}},
+                "kl": {"steps": 4, "mean": 0.5, "max": 1.0, "max_step": 3, "ok": false, "verdict": "fail"}},
         }))
         .unwrap();
-        let t = Thresholds {
-            tol_cos: 0.9999,
-            tol_cos_int4: 0.85,
-            min_top1_int4: 0.75,
-            max_weight_rel_mse: 0.03,
-        };
+        let t = Thresholds::default();
         assert_eq!(
             report.failed_checks().len(),
             CHECKS.len(),
@@ -538,6 +655,31 @@ mod tests {
             .iter()
             .any(|l| l
                 .contains("--tol-cos-int4 0.85, --min-top1-int4 0.75, --max-weight-rel-mse 0.03")));
+        // An op overflowing in the fp16 programs only fails the programs
+        // check (programs.py adds its "fail"), with its own line and reason.
+        let overflow: ParityReport = serde_json::from_value(json!({
+            "steps": [], "oracle": [],
+            "summary": {"ok": false, "verdict": "fail",
+                "programs": {"four": {"fp16": {"steps": 4, "min_cos_readback": 1.0,
+                    "tokens_match_readback": true, "min_cos_reference": null, "top1_reference": null,
+                    "min_cos_hf": null, "top1_hf": null, "gated": false, "ok": true, "verdict": "ok"}}},
+                "fp16_range": {"fp16_max": 65504.0, "fp16_runs": 4, "fp32_runs": 4, "outputs": 10,
+                    "closest": [], "ok": false, "introduced": [{"package": "chunk1", "function": "decode_q1",
+                    "op": "exp_3", "op_type": "exp", "layer": "2", "max_abs": 1.0e5, "margin_log2": null,
+                    "overflow": 3, "made_nonfinite_fp16": 3, "made_nonfinite_fp32": 0}]}},
+        }))
+        .unwrap();
+        assert_eq!(overflow.verdict_of_checks(), Verdict::Fail);
+        let lines = (PROGRAMS.lines)(&overflow, &t);
+        assert_eq!(lines.len(), (PROGRAMS.rows)(&overflow).len());
+        assert!(
+            lines[1].contains("exp_3") && lines[1].ends_with("  FAIL"),
+            "{lines:?}"
+        );
+        assert!(overflow
+            .failure_lines(&t)
+            .iter()
+            .any(|l| l.contains("exp_3")));
         // Held, every check is silent after the verdict.
         let held: ParityReport =
             serde_json::from_value(json!({"steps": [], "oracle": [], "summary": {"ok": true}}))

@@ -5,10 +5,12 @@
 
 use std::collections::BTreeMap;
 
+use clap::Args;
 use indexmap::IndexMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::args::named;
 use crate::plan::{FunctionKind, LayoutKind, Mode, Plan};
 
 /// `build.json`'s `format`.
@@ -45,7 +47,7 @@ crate::named! {
     /// level, weights copied, not loaded; the default) or `coremltools` (its
     /// MIL loader and serialiser: `save_multifunction`, `ct.convert` of the
     /// loaded program), the reference the first matches byte for byte
-    /// (`CHUNKFORGE_WRITER`, `bench build --writer-baseline`).
+    /// (`CHUNKFORGE_WRITER`, `bench build --compare writer`).
     pub enum PackageWriter {
         Chunkforge = "chunkforge",
         Coremltools = "coremltools",
@@ -58,6 +60,28 @@ crate::named! {
     pub enum Switch {
         On = "on",
         Off = "off",
+    }
+}
+
+crate::named! {
+    /// `ct.target` member: the oldest OS the packages load on (the runtime
+    /// needs iOS 18's multifunction packages and INT4 palettes).
+    pub enum DeploymentTarget {
+        Ios18 = "iOS18",
+    }
+}
+
+crate::named! {
+    /// `ct.precision` member: the packages compute in fp16.
+    pub enum ComputePrecision {
+        Float16 = "FLOAT16",
+    }
+}
+
+crate::named! {
+    /// `ct.ComputeUnit` member: the units the packages are converted for.
+    pub enum ComputeUnits {
+        CpuAndNe = "CPU_AND_NE",
     }
 }
 
@@ -74,7 +98,8 @@ pub struct Palettization {
     pub group_size: usize,
     #[serde(default = "default_palettizer")]
     pub palettizer: Palettizer,
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    /// Empty only in records from before it (`settings::recorded` fills it in).
+    #[serde(default)]
     pub mode: String,
     #[serde(default = "one")]
     pub kmeans_workers: usize,
@@ -100,13 +125,13 @@ pub struct ConversionSettings {
     pub ctx: usize,
     /// `ct.target` member.
     #[serde(default = "shipped_target")]
-    pub minimum_deployment_target: String,
+    pub minimum_deployment_target: DeploymentTarget,
     /// `ct.precision` member.
     #[serde(default = "shipped_precision")]
-    pub compute_precision: String,
+    pub compute_precision: ComputePrecision,
     /// `ct.ComputeUnit` member.
     #[serde(default = "shipped_units")]
-    pub compute_units: String,
+    pub compute_units: ComputeUnits,
     pub quantize: bool,
     #[serde(default)]
     pub palettization: Option<Palettization>,
@@ -123,14 +148,14 @@ pub struct ConversionSettings {
     #[serde(default)]
     pub joint: bool,
     /// Who writes bundled and composed packages (the packages are the same
-    /// bytes either way). Recorded only when not the default, so records
-    /// and manifests of default builds read as before the field.
-    #[serde(default = "default_writer", skip_serializing_if = "is_default_writer")]
+    /// bytes either way). build.json and the manifest record it only when not
+    /// the default (`ConversionSettings::recorded`).
+    #[serde(default = "default_writer")]
     pub writer: PackageWriter,
     /// Conversions take chunkforge's shortcuts through coremltools' own code
     /// (python/chunkforge_py/convert/passes.py `shortcuts`; the same bytes either
-    /// way). Recorded only when off.
-    #[serde(default = "on", skip_serializing_if = "is_on")]
+    /// way). build.json and the manifest record it only when off.
+    #[serde(default = "on")]
     pub mil_shortcuts: bool,
 }
 
@@ -138,28 +163,20 @@ fn default_writer() -> PackageWriter {
     PackageWriter::Chunkforge
 }
 
-fn is_default_writer(w: &PackageWriter) -> bool {
-    *w == default_writer()
-}
-
 fn on() -> bool {
     true
 }
 
-fn is_on(b: &bool) -> bool {
-    *b
+fn shipped_target() -> DeploymentTarget {
+    DeploymentTarget::Ios18
 }
 
-fn shipped_target() -> String {
-    "iOS18".into()
+fn shipped_precision() -> ComputePrecision {
+    ComputePrecision::Float16
 }
 
-fn shipped_precision() -> String {
-    "FLOAT16".into()
-}
-
-fn shipped_units() -> String {
-    "CPU_AND_NE".into()
+fn shipped_units() -> ComputeUnits {
+    ComputeUnits::CpuAndNe
 }
 
 impl ConversionSettings {
@@ -199,6 +216,73 @@ impl ConversionSettings {
     /// The palettizer, if the build palettizes.
     pub fn palettizer(&self) -> Option<Palettizer> {
         self.palettization.as_ref().map(|p| p.palettizer)
+    }
+
+    /// `settings` as build.json and the manifest record them
+    /// (`serialize_with`): every field but the writer when it is the default
+    /// and the shortcuts when on, so the records of default builds read as
+    /// before those fields. The seam sends every field (Python keeps no
+    /// default of its own).
+    pub fn recorded<S: serde::Serializer>(settings: &Self, s: S) -> Result<S::Ok, S::Error> {
+        let mut v = serde_json::to_value(settings).map_err(serde::ser::Error::custom)?;
+        if let serde_json::Value::Object(fields) = &mut v {
+            if settings.writer == default_writer() {
+                fields.remove("writer");
+            }
+            if settings.mil_shortcuts {
+                fields.remove("mil_shortcuts");
+            }
+        }
+        v.serialize(s)
+    }
+}
+
+/// The options that change a conversion, one group flattened into `build`,
+/// `bench build` and `release` and lowered by [`ConversionArgs::settings`]
+/// alone: a new one is a field here, one in [`ConversionSettings`] and its
+/// line in `settings`, then Python's use of it (contract.py
+/// `ConversionSettings` is held to the type by python/tests/test_seam.py).
+#[derive(Args, Clone, Debug)]
+pub struct ConversionArgs {
+    /// Skip INT4 palettization (FP16 weights).
+    #[arg(long)]
+    pub no_quantize: bool,
+    /// coremltools k-means worker processes for palettization.
+    #[arg(long, default_value_t = 1)]
+    pub kmeans_workers: usize,
+    /// INT4 palettizer: chunkforge (Rust kernel: optimal, deterministic, each distinct
+    /// weight once per build) or coremltools (its own k-means, for comparison).
+    #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
+    pub palettizer: Palettizer,
+    /// MIL pass pipeline: chunkforge (coremltools' default without the passes that
+    /// cannot change a chunkforge program; byte-identical packages, about half the
+    /// conversion time) or coremltools (its whole default pipeline).
+    #[arg(long, default_value = "chunkforge", value_parser = named::<PassPipeline>())]
+    pub pass_pipeline: PassPipeline,
+    /// Convert every layout's packages from torch, instead of composing the decode
+    /// packages the four-chunk layout tiles (three-chunk, two-chunk, one-chunk, a
+    /// --split on four-chunk boundaries) from the four-chunk decode programs.
+    #[arg(long)]
+    pub no_compose: bool,
+}
+
+impl ConversionArgs {
+    /// The conversion these options ask for at context length `ctx` (the
+    /// environment's switches are the settings' resolve step's).
+    pub fn settings(&self, ctx: usize) -> ConversionSettings {
+        // Every option named: one added above and not lowered here does not compile.
+        let ConversionArgs {
+            no_quantize,
+            kmeans_workers,
+            palettizer,
+            pass_pipeline,
+            no_compose,
+        } = *self;
+        ConversionSettings {
+            pass_pipeline,
+            compose: !no_compose,
+            ..ConversionSettings::shipped(ctx, !no_quantize, palettizer, kmeans_workers)
+        }
     }
 }
 
@@ -418,6 +502,7 @@ pub struct BuildRecord {
     pub tool: ToolVersions,
     pub checkpoint: CheckpointRecord,
     pub request: BuildRequest,
+    #[serde(serialize_with = "ConversionSettings::recorded")]
     pub settings: ConversionSettings,
     pub plan: Plan,
     pub chunks: Vec<ChunkRecord>,
@@ -829,7 +914,6 @@ pub struct Localisation {
 pub struct PrefillSummary {
     pub tokens: u64,
     pub function: String,
-    pub kv_copied: bool,
 }
 
 /// One step of a package's own program run by the MIL interpreter.
@@ -881,6 +965,28 @@ pub struct ProgramSummary {
     pub verdict: Option<Verdict>,
 }
 
+/// Transformers' next-token distribution against the reference's at one
+/// teacher-forced step: KL(transformers ‖ reference), in nats.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct KlRecord {
+    pub step: i64,
+    pub kl: f64,
+}
+
+/// The KL check over every step: the mean and the largest per-token
+/// KL(transformers ‖ reference), against `--max-kl`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct KlSummary {
+    pub steps: u64,
+    pub mean: f64,
+    pub max: f64,
+    /// The step of the largest.
+    pub max_step: i64,
+    pub ok: bool,
+    /// What a failure here means (`parity/verdicts.py`).
+    pub verdict: Verdict,
+}
+
 /// The verdict of a parity run (`ok` is the one field a hand-written summary
 /// must have).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -925,11 +1031,12 @@ pub struct ParitySummary {
     /// By layout or function, then precision (`fp32`, `fp16`).
     #[serde(default)]
     pub programs: Option<IndexMap<String, IndexMap<String, ProgramSummary>>>,
+    /// KL(transformers ‖ reference) over the steps (None without the oracle).
     #[serde(default)]
-    pub corrupted_chunk: Option<String>,
+    pub kl: Option<KlSummary>,
     /// The fp16 range of the packages' programs as `--artifacts` ran them in fp16.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fp16_range: Option<crate::quality::Fp16RangeReport>,
+    pub fp16_range: Option<crate::fp16range::Fp16RangeReport>,
     #[serde(default)]
     pub seconds: f64,
 }
@@ -963,6 +1070,8 @@ pub struct ParityReport {
     pub artifacts: Vec<ArtifactRecord>,
     #[serde(default)]
     pub programs: Vec<ProgramRecord>,
+    #[serde(default)]
+    pub kl: Vec<KlRecord>,
     pub summary: ParitySummary,
     #[serde(default)]
     #[schemars(extend("const" = PARITY_FORMAT))]

@@ -689,6 +689,29 @@ mod tests {
     use super::*;
     use chunkforge_model::layouts::{kind_of_package, spec, SpansRule, LAYOUTS};
 
+    /// `CORE_FILES` transcribes the app's list by its literal names: every
+    /// one outside `hf_model/` is a side file a release writes, fetched from
+    /// where the release puts it and saved under the side file's own name;
+    /// a renamed side file (or a file the app adds) fails here.
+    #[test]
+    fn core_files_are_side_files() {
+        use crate::sidefiles::SIDE_FILES;
+        for (remote, local, _) in CORE_FILES
+            .iter()
+            .filter(|(r, _, _)| !r.starts_with("hf_model/"))
+        {
+            let spec = SIDE_FILES
+                .iter()
+                .find(|s| s.name == *local)
+                .unwrap_or_else(|| panic!("{local}: in CORE_FILES but no side file of SIDE_FILES"));
+            assert_eq!(
+                *remote,
+                spec.repository_path(),
+                "{local}: fetched from where the release puts it"
+            );
+        }
+    }
+
     /// The reference chunks a package's layers span (a group of `Groups`
     /// rows, one chunk of the reference).
     fn group(name: &str) -> (usize, usize) {

@@ -808,6 +808,7 @@ pub struct Manifest {
     /// The packages that prefill: batched prefill packages when the build has them, else the reference's chunks token by token.
     pub prefill: PrefillLayout,
     /// Conversion settings from build.json.
+    #[serde(serialize_with = "ConversionSettings::recorded")]
     pub settings: ConversionSettings,
     /// The `summary` object of the parity report given to `package --parity-report` (schema in parity/).
     #[serde(default, skip_serializing_if = "Option::is_none")]

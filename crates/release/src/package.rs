@@ -1067,13 +1067,19 @@ fn write_files(
             let report = SideFilesReport {
                 files: copied
                     .iter()
-                    .map(|(rel, d)| sidefiles::SideFile {
-                        path: rel.into(),
-                        bytes: d.size,
-                        role: sidefiles::role_of(rel),
-                        seconds: 0.0,
+                    .map(|(rel, d)| {
+                        Ok(sidefiles::SideFile {
+                            path: rel.into(),
+                            bytes: d.size,
+                            role: sidefiles::role_of(rel).with_context(|| {
+                                format!(
+                                    "{rel}: carried as a side file, but no side file has that name"
+                                )
+                            })?,
+                            seconds: 0.0,
+                        })
                     })
-                    .collect(),
+                    .collect::<Result<_>>()?,
                 bytes_read: copied.iter().map(|(_, d)| d.size).sum(),
                 seconds: t.elapsed().as_secs_f64(),
             };

@@ -80,12 +80,12 @@ pub fn schemas() -> Vec<(&'static str, String)> {
 mod tests {
     use super::*;
 
-    /// The checked-in schemas are the types' own. With
-    /// `CHUNKFORGE_WRITE_SCHEMAS=1` the test writes them instead.
+    /// The checked-in schemas are the types' own. `scripts/generate-all.sh`
+    /// has the test write them instead.
     #[test]
     fn checked_in_schemas_are_generated_from_the_types() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let write = std::env::var_os("CHUNKFORGE_WRITE_SCHEMAS").is_some();
+        let write = chunkforge_model::generated::bless();
         for (path, text) in schemas() {
             let file = root.join(path);
             if write {
@@ -95,8 +95,8 @@ mod tests {
             let on_disk = std::fs::read_to_string(&file).unwrap_or_default();
             assert!(
                 on_disk == text,
-                "{path} is not the schema of its type; regenerate it with \
-                 `CHUNKFORGE_WRITE_SCHEMAS=1 cargo test --release -p chunkforge-release --lib schemas`"
+                "{path} is not the schema of its type; {}",
+                chunkforge_model::generated::REGENERATE
             );
         }
     }

@@ -262,10 +262,10 @@ pub fn spec_of(path: &str) -> Option<&'static SideFileSpec> {
         .find(|f| f.name == path || f.repository_path() == path)
 }
 
-/// The role of the side file at `path` (`model_config.json`'s for a path no
-/// row names).
-pub fn role_of(path: &str) -> Role {
-    spec_of(path).map_or(Role::Config, |f| f.role)
+/// The role of the side file at `path`; None for a path no row of
+/// [`SIDE_FILES`] names.
+pub fn role_of(path: &str) -> Option<Role> {
+    spec_of(path).map(|f| f.role)
 }
 
 /// What to write, and where.

@@ -174,9 +174,9 @@ def run(args: BenchArgs) -> BenchReport:
     """
     # coremltools warns once per group when kmeans1d is off; that is the point here.
     logging.getLogger("coremltools").setLevel(logging.ERROR)
-    shapes = QUICK_SHAPES if args.get("quick") else FULL_SHAPES
-    show = bool(args.get("progress", True))
-    seed = int(args.get("seed", 0))
+    shapes = QUICK_SHAPES if args["quick"] else FULL_SHAPES
+    show = args["progress"]
+    seed = args["seed"]
     # Imports and first-call set-up (coremltools takes seconds to import) stay
     # out of the timings: every implementation runs once on a tiny weight first.
     tiny = make_weight((GROUP, 64), seed)

@@ -24,7 +24,7 @@ infers each constant's type and value once; `sized_underflow_check`,
 `const_reinference_without_compare` and `fast_fp16_cast_value` spare
 copies and passes over every weight. They go with the "chunkforge"
 pipeline (`CHUNKFORGE_MIL_SHORTCUTS=off` turns them off, `bench build
---shortcuts-baseline` compares); "coremltools" is coremltools' own
+--compare shortcuts` compares); "coremltools" is coremltools' own
 behaviour, pass for pass, for comparison (`bench build --baseline`).
 """
 
@@ -293,7 +293,7 @@ def shortcuts(enabled: bool = True) -> Iterator[None]:
     Rust palettizer, `palettize.whole_weight_compression` goes with them.
     None changes the program: with them and without them
     (`CHUNKFORGE_MIL_SHORTCUTS=off`) every package is byte-identical (`bench
-    build --shortcuts-baseline`; tests/build.rs)."""
+    build --compare shortcuts`; tests/build.rs)."""
     with (
         validate_once(enabled),
         terse_program_text(enabled),

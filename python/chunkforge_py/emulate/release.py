@@ -237,7 +237,7 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
     dims = req["dims"]
     ctx = dims["ctx"]
     started = time.perf_counter()
-    if req.get("prompt_ids") is not None:
+    if req["prompt_ids"] is not None:
         prompt = list(req["prompt_ids"] or [])
     else:
         from tokenizers import Tokenizer
@@ -254,7 +254,7 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
 
     emb = ReleaseEmbeddings(req)
     rope = RopeTables(req)
-    fp16 = bool(req.get("fp16"))
+    fp16 = req["fp16"]
     programs: dict[str, Interpreter] = {}
 
     def program(name: str) -> Interpreter:
@@ -280,7 +280,7 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
     decode_layout = req["decode"]
     # The reference layout: prefill writes its caches, its packages verify.
     reference = req["reference"]
-    speculate = req.get("speculate") or 0
+    speculate = req["speculate"] or 0
     verify = modules(reference, "verify") if speculate else None
     if speculate and decode_layout["kind"] != reference["kind"]:
         raise ChunkforgeError(f"speculative decoding verifies with the {reference['kind']} layout: run that layout")
@@ -330,7 +330,7 @@ def run(req: RunRequest, progress: Callable[[str], None] | None = None) -> RunRe
     margins = [margin]
     stopped = "eos" if token in eos else ""
     pos = len(prompt)
-    commit = req.get("verify_commit") or "accepted-rows"
+    commit = req["verify_commit"]
     spec: Speculation = {
         "k": speculate,
         "calls": 0,

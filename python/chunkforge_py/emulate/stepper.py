@@ -471,7 +471,7 @@ def hand_on(feeds: Tensors, out: Tensors) -> None:
 
 # `schedule`'s order: chunk-major (the default), or step-major
 # (CHUNKFORGE_PARITY_ORDER=step: each call through every chunk before the
-# next, as the runtime runs them; `bench parity --order-baseline` compares).
+# next, as the runtime runs them; `bench parity --compare order` compares).
 ORDER_ENV = "CHUNKFORGE_PARITY_ORDER"
 
 

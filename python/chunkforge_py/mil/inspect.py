@@ -80,7 +80,7 @@ def function_descriptions(spec: Any) -> list[FunctionDescription]:
 
 def describe(args: DescribeArgs) -> PackageDescription:
     path = args["path"]
-    spec, prog, default = read_package(path, weights_dir=args.get("weights"))
+    spec, prog, default = read_package(path, weights_dir=args["weights"])
     kind = spec.WhichOneof("Type")
     desc = spec.description
     functions = function_descriptions(spec)

@@ -481,7 +481,7 @@ def served(op_type: str, arg: str, value: Any) -> Any:
 
 # How 4-bit palettized weights are made: "nibbles" (the default: from the
 # stored bytes, `ops.lut_nibbles_to_dense`) or "unpack" (indices unpacked,
-# then gathered: the baseline of `bench parity --dequant-baseline`).
+# then gathered: the baseline of `bench parity --compare dequant`).
 DEQUANT_ENV = "CHUNKFORGE_DEQUANT"
 
 

@@ -860,7 +860,7 @@ def lut_nibbles_to_dense(packed: np.ndarray, shape: list[int], lut: torch.Tensor
     each group's 16-entry palette becomes a 256-entry table of value pairs
     (one per byte, as an int64 holding both float32s), and one gather per
     byte writes two values, the same bits as unpacking and gathering, in a
-    fifth of the time (`chunkforge bench parity --dequant-baseline`). None when the palettes
+    fifth of the time (`chunkforge bench parity --compare dequant`). None when the palettes
     are not 16 per group or a group does not start on a byte."""
     rows_lut = lut_of_rows(shape, lut)
     if rows_lut is None or int(rows_lut.shape[1]) != 16:

@@ -40,10 +40,10 @@ import torch
 
 from .. import weights
 from ..checkpoint import Checkpoint, Fetcher
-from ..contract import Dims, NoiseDraw, ParityLayout, ParityRequest, Verdict, WeightNoise
+from ..contract import Dims, NoiseDraw, ParityLayout, ParityThresholds, Verdict, WeightNoise
 from ..emulate.stepper import Embeddings, LayoutRunner
 from ..model import Projection
-from .programs import cosine
+from .check import cosine
 
 # Values per block of rows while a noisy weight is made (fp32: 16 MB).
 NOISE_BLOCK = 1 << 22
@@ -161,7 +161,7 @@ def weight_noise(
     }
 
 
-def int4_verdict(min_cos: float, top1: float, noise: WeightNoise | None, req: ParityRequest) -> Verdict:
+def int4_verdict(min_cos: float, top1: float, noise: WeightNoise | None, t: ParityThresholds) -> Verdict:
     """A layout's INT4 check whose weights and tokens held but whose cosine or
     top-1 did not: inconclusive when the noise draws (`weight_noise`) explain
     every threshold INT4 fails (each draw fails it too, or INT4's figure lies
@@ -173,6 +173,6 @@ def int4_verdict(min_cos: float, top1: float, noise: WeightNoise | None, req: Pa
     def explained(value: float, threshold: float, spread: list[float]) -> bool:
         return value >= threshold or max(spread) < threshold or value >= min(spread)
 
-    cos_explained = explained(min_cos, req["tol_cos_int4"], [d["min_cos"] for d in draws])
-    top1_explained = explained(top1, req["min_top1_int4"], [d["top1_agreement"] for d in draws])
+    cos_explained = explained(min_cos, t["tol_cos_int4"], [d["min_cos"] for d in draws])
+    top1_explained = explained(top1, t["min_top1_int4"], [d["top1_agreement"] for d in draws])
     return "inconclusive" if cos_explained and top1_explained else "fail"

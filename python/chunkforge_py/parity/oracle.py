@@ -1,4 +1,7 @@
-"""The independent oracle: Hugging Face ``Gemma4ForCausalLM`` on the same weights.
+"""The oracle check: the four-chunk reference against transformers, step by
+step, with transformers' noise floor there (the report's ``oracle``; Rust's
+`parity_checks::ORACLE`); and the oracle itself, Hugging Face
+``Gemma4ForCausalLM`` on the same weights.
 
 transformers' own code runs every step of the computation (its masks, RoPE,
 per-layer inputs, KV sharing and decoder layers); only the weights are
@@ -17,14 +20,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..checkpoint import Checkpoint
+from ..contract import OracleRecord, ParityReport, Verdict
 from ..weights import RESIDENT, Stored, kernels, making, tally
+from .check import Check, Parity, cosine, margin
+from .verdicts import judge
 
 if TYPE_CHECKING:
     from ..emulate.stepper import Embeddings
 
 # transformers' attention implementations: eager is the oracle's (in fp32);
 # the oracle's noise floor is measured against sdpa attention in fp32 and
-# eager attention in float64 (parity.py `oracle_record`).
+# eager attention in float64 (`oracle_record`).
 ORACLE_ATTENTION = "eager"
 SECOND_ATTENTION = "sdpa"
 # Head rows a forward multiplies at a time (a whole fp32 copy of the tied
@@ -244,3 +250,87 @@ class Oracle:
         finally:
             model.config._attn_implementation = ORACLE_ATTENTION
         return {"hidden": hidden[0], "logits": logits}
+
+
+def oracle_record(
+    step: int, ref: dict[str, Any], hf: dict[str, Any], opinions: list[dict[str, Any]], tol: float
+) -> OracleRecord:
+    """The reference against transformers at ``step``, with how far
+    transformers moves from itself on the same inputs there: the same
+    model, weights and inputs computed another way (``opinions``: sdpa
+    attention instead of eager, and float64), the worst of them. The sdpa
+    kernel orders the attention's arithmetic differently; float64 rounds the
+    projections and attention 2^29 times finer (transformers' norms still
+    compute in fp32), so it also sees where rounding anywhere else decides
+    the result. The step is ill-conditioned when that floor is past the
+    tolerance (cosine below ``tol``) or the top-2 logit gap is inside it (at
+    most twice the largest logit change: each of the two logits may move by
+    that much). There, agreement with transformers cannot be asked of the
+    reference any more than of transformers itself."""
+    logits, hidden = hf["logits"][step], hf["hidden"][step]
+    hf_token = int(logits.argmax())
+    c = cosine(ref["hidden"], hidden)
+    floor_cos = min(cosine(hidden, o["hidden"][step]) for o in opinions)
+    floor_logit = max(float((logits.double() - o["logits"][step].double()).abs().max()) for o in opinions)
+    gap = margin(logits)
+    ok = c >= tol and hf_token == ref["token"]
+    ill = floor_cos < tol or gap <= 2 * floor_logit
+    return {
+        "step": step,
+        "hf_token": hf_token,
+        "ref_token": ref["token"],
+        "cos": c,
+        "margin": gap,
+        "ok": ok,
+        "floor_cos": floor_cos,
+        "floor_logit": floor_logit,
+        "ill_conditioned": ill,
+        "verdict": judge([] if ok else [step], [step] if ill else []),
+    }
+
+
+class OracleCheck(Check):
+    """The oracle check (the module docstring). It gives the later checks
+    transformers' outputs (``Parity.hf``) and the ill-conditioned steps
+    (``Parity.ill``); without the oracle (``--no-oracle``) it has no rows."""
+
+    def __init__(self, p: Parity) -> None:
+        super().__init__(p)
+        self.records: list[OracleRecord] = []
+
+    def compute(self) -> None:
+        p = self.p
+        if not p.req["oracle"]:
+            return
+        prompt = p.prompt[: p.steps]
+        # transformers reads each weight once per forward (`Oracle.teacher_forced`
+        # keeps none): the reference's weights leave the budget first, so its
+        # 2.5 GiB is not held beside the layers' float copies (at E2B size the
+        # float64 pass's made this run's peak, 5.9 GiB with them).
+        RESIDENT.release(lambda key: not (isinstance(key, tuple) and key[:1] == ("checkpoint",)))
+        p.say("transformers (eager attention)")
+        model = Oracle(p.req["config_path"], p.ckpt)
+        hf = model.teacher_forced(prompt, p.emb)
+        # transformers against itself: another attention kernel, and float64.
+        p.say(f"transformers ({SECOND_ATTENTION} attention), its noise floor")
+        opinions = [model.teacher_forced(prompt, p.emb, SECOND_ATTENTION)]
+        del model
+        p.say("transformers (float64), its noise floor")
+        opinions.append(Oracle(p.req["config_path"], p.ckpt, torch.float64).teacher_forced(prompt, p.emb))
+        self.records = [oracle_record(t, p.ref_results[t], hf, opinions, p.tol) for t in range(p.steps)]
+        p.hf = hf
+        p.ill = {o["step"] for o in self.records if o["ill_conditioned"]}
+
+    def write(self, report: ParityReport) -> None:
+        ran = bool(self.records)
+        report["oracle"] = self.records
+        summary = report["summary"]
+        summary["oracle_ok"] = all(o["ok"] for o in self.records) if ran else None
+        summary["oracle_min_cos"] = min((o["cos"] for o in self.records), default=None)
+        summary["ill_conditioned"] = [o["step"] for o in self.records if o["ill_conditioned"]] if ran else None
+
+    def verdicts(self) -> list[Verdict]:
+        return [o["verdict"] for o in self.records]
+
+
+CHECK = OracleCheck

@@ -1,8 +1,10 @@
-"""`parity --artifacts`, the packages' own programs: every function of every
-package of the build executed op by op by the MIL interpreter (mil_interp.py)
-with the packaged weights, fed as the runtime feeds it.
+"""The programs check (`parity --artifacts`), the packages' own programs: every
+function of every package of the build executed op by op by the MIL
+interpreter (mil/interp.py) with the packaged weights, fed as the runtime
+feeds it (the report's ``programs`` and ``summary.programs``; Rust's
+`parity_checks::PROGRAMS`).
 
-The read-back check (parity.py) runs *our torch modules* with the weights the
+The artifacts check (artifacts.py) runs *our torch modules* with the weights the
 packages hold; it cannot see a program that computes something else (a
 frontend or pass bug, an edited program). This one runs the program itself and
 holds it against those same read-back modules: in fp32 mode the two compute the
@@ -23,7 +25,17 @@ from typing import Any, Literal
 
 import torch
 
-from ..contract import ChunkPlan, Dims, FunctionKind, ParityLayout, ProgramRecord, ProgramSummary
+from ..contract import (
+    ChunkPlan,
+    Dims,
+    Fp16RangeReport,
+    FunctionKind,
+    ParityLayout,
+    ParityReport,
+    ProgramRecord,
+    ProgramSummary,
+    Verdict,
+)
 from ..emulate.release import SCALAR_DROPPED_AT_ONE
 from ..emulate.stepper import EmbeddingSource, LayoutRunner, PrefillRunner, function_of, schedule
 from ..mil.chunk import ProgramChunk
@@ -33,20 +45,12 @@ from ..mil.interp import Interpreter
 from ..model import Chunk, load_streamed
 from ..runtime import ChunkforgeError
 from ..weights import Stored, kernels, value_of
+from .check import Check, Parity, caches_cosine, chunk_say, cosine
 from .verdicts import judge
 
 # (name, fp16 rounding after every op)
 Precision = Literal["fp32", "fp16"]
 PRECISIONS: tuple[tuple[Precision, bool], ...] = (("fp32", False), ("fp16", True))
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Cosine of two hidden states; -1 (as far apart as it gets) when either
-    holds a NaN or Inf, which a broken program can produce and JSON cannot carry."""
-    a, b = a.double().reshape(-1), b.double().reshape(-1)
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return -1.0
-    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
 class Programs:
@@ -147,12 +151,6 @@ class Lookup:
     def get(self, name: str) -> torch.Tensor:
         value = value_of(self.find(name))
         return value.dense() if isinstance(value, Stored) else value
-
-
-def caches_cosine(a: Any, b: Any) -> float:
-    """Cosine over every cache slot of every chunk at once."""
-    keys = sorted((c, key) for c in a for key in a[c])
-    return cosine(torch.cat([a[c][k].reshape(-1) for c, k in keys]), torch.cat([b[c][k].reshape(-1) for c, k in keys]))
 
 
 class CosineSums:
@@ -269,10 +267,8 @@ def check_layout(
     prompt: list[int],
     ref_results: list[dict[str, Any]],
     hf: dict[str, Any] | None,
-    tol: float,
-    ill: Collection[int],
     progress: Callable[[str, int], None] | None = None,
-) -> tuple[dict[str, ProgramSummary], list[ProgramRecord]]:
+) -> dict[Precision, list[ProgramRecord]]:
     """The layout's decode programs, over every step, in both precisions.
     The comparison is our modules with every weight read back from the
     packages (``Programs.read_back``), stepped first; every program step
@@ -319,10 +315,7 @@ def check_layout(
             # The caches the program wrote count too: the worse of the two cosines.
             rec["cos_readback"] = min(rec["cos_readback"], sums[precision][t].cosine())
             recs[precision].append(rec)
-    summaries: dict[str, ProgramSummary] = {
-        precision: summarize(recs[precision], tol, not fp16, ill) for precision, fp16 in PRECISIONS
-    }
-    return summaries, [r for precision, _ in PRECISIONS for r in recs[precision]]
+    return recs
 
 
 def check_verify(
@@ -333,14 +326,11 @@ def check_verify(
     emb: EmbeddingSource,
     prompt: list[int],
     readback: list[dict[str, Any]],
-    tol: float,
-    ill: Collection[int],
-) -> tuple[dict[str, ProgramSummary], list[ProgramRecord]]:
+) -> dict[Precision, list[ProgramRecord]]:
     """chunk1..4's verify_qK programs, K teacher-forced tokens per call with
     every row committed, against the read-back decode of the same positions
     (the pre-norm hidden state after the last layer, and the token)."""
-    summaries: dict[str, ProgramSummary] = {}
-    all_records: list[ProgramRecord] = []
+    out: dict[Precision, list[ProgramRecord]] = {}
     last_layer = max(readback[0]["trace"])
     for precision, fp16 in PRECISIONS:
         chunks = four["chunks"]
@@ -362,9 +352,8 @@ def check_verify(
                         rb["trace"][last_layer], None, None, got["logits"][i], rb["logits"],
                     )
                 )  # fmt: skip
-        summaries[precision] = summarize(recs, tol, not fp16, ill)
-        all_records += recs
-    return summaries, all_records
+        out[precision] = recs
+    return out
 
 
 def check_prefill(
@@ -377,9 +366,7 @@ def check_prefill(
     prompt: list[int],
     readback: list[dict[str, Any]],
     readback_caches: Any,
-    tol: float,
-    ill: Collection[int],
-) -> tuple[str, dict[str, ProgramSummary], list[ProgramRecord]]:
+) -> tuple[str, dict[Precision, list[ProgramRecord]]]:
     """prefill_chunk1..4's programs on the first ``n`` prompt tokens (the
     shortest function that holds them): the token after the prompt against the
     read-back decode's at step n - 1, and the caches it leaves (loaded into
@@ -387,8 +374,7 @@ def check_prefill(
     after n steps, by cosine over every slot."""
     fits = sorted(f["tokens"] for f in prefill_layout["chunks"][0]["functions"] if f["tokens"] >= n)
     function = f"prefill_b{fits[0]}"
-    summaries: dict[str, ProgramSummary] = {}
-    all_records: list[ProgramRecord] = []
+    out: dict[Precision, list[ProgramRecord]] = {}
     for precision, fp16 in PRECISIONS:
         pf = PrefillRunner(
             dims,
@@ -415,6 +401,80 @@ def check_prefill(
             "hf_token": None,
             "cos_hf": None,
         }
-        summaries[precision] = summarize([rec], tol, not fp16, ill)
-        all_records.append(rec)
-    return function, summaries, all_records
+        out[precision] = [rec]
+    return function, out
+
+
+class ProgramsCheck(Check):
+    """The programs check (the module docstring): after the artifacts
+    check, each decode layout's programs, and the reference's verify and
+    prefill programs against its read-back four-chunk decode; without
+    ``--artifacts`` it has no rows."""
+
+    def __init__(self, p: Parity) -> None:
+        super().__init__(p)
+        # By layout or function, then precision: its records, judged in `write`.
+        self.records: dict[str, dict[Precision, list[ProgramRecord]]] = {}
+        self.summaries: dict[str, dict[str, ProgramSummary]] = {}
+        self.fp16_range: Fp16RangeReport | None = None
+
+    def compute(self) -> None:
+        p = self.p
+        if p.programs is None:
+            return
+        for name, layout in p.req["artifact_layouts"].items():
+            self.records[name] = check_layout(
+                p.programs,
+                name,
+                layout,
+                p.dims,
+                p.emb,
+                p.prompt,
+                p.ref_results[: p.steps],
+                p.hf,
+                chunk_say(p.say, f"{name} programs (MIL interpreter)"),
+            )
+            if name == p.reference and p.readback is not None:
+                p.say(f"{name}: the packages' verify and prefill programs (MIL interpreter)")
+                self.functions(layout, *p.readback)
+
+    def functions(self, four: ParityLayout, q: LayoutRunner, q_results: list[dict[str, Any]]) -> None:
+        """chunk1..4's verify_qK and prefill_chunk1..4's prefill programs, run by
+        the interpreter, against the read-back four-chunk decode ``q``
+        (``q_results``: its steps)."""
+        p = self.p
+        assert p.programs is not None
+        k = p.verify_k()
+        if k and p.steps >= k:
+            self.records["verify_qK"] = check_verify(p.programs, four, k, p.dims, p.emb, p.prompt, q_results)
+        n = p.prefill
+        pf_layout = p.req["prefill_layout"]
+        if n and pf_layout:
+            again = LayoutRunner(p.dims, four, p.ckpt, modules=q.modules)
+            again.steps(p.emb, p.prompt[:n], 0)
+            function, recs = check_prefill(
+                p.programs, pf_layout, four, n, p.dims, p.emb, p.prompt, q_results, again.caches
+            )
+            self.records[function] = recs
+
+    def write(self, report: ParityReport) -> None:
+        p = self.p
+        self.summaries = {
+            name: {precision: summarize(by[precision], p.tol, not fp16, p.ill) for precision, fp16 in PRECISIONS}
+            for name, by in self.records.items()
+        }
+        report["programs"] = [r for by in self.records.values() for recs in by.values() for r in recs]
+        report["summary"]["programs"] = self.summaries or None
+        # The fp16 range of every program run (`fp16range`).
+        self.fp16_range = p.programs.watch.report(every=False) if p.programs is not None else None
+        report["summary"]["fp16_range"] = self.fp16_range
+
+    def verdicts(self) -> list[Verdict]:
+        found: list[Verdict] = [s["verdict"] for by in self.summaries.values() for s in by.values()]
+        if self.fp16_range is not None and not self.fp16_range["ok"]:
+            # An op the fp16 programs overflow in, where the fp32 ones stay finite.
+            found.append("fail")
+        return found
+
+
+CHECK = ProgramsCheck

@@ -931,7 +931,7 @@ mod tests {
 
     /// The run books of the example release and of one with every layout,
     /// compiled, at another context, byte for byte as checked in under
-    /// manifests/runbooks/ (`CHUNKFORGE_BLESS=1` writes them after an
+    /// manifests/runbooks/ (`scripts/generate-all.sh` writes them after an
     /// intended change).
     #[test]
     fn run_books_are_the_checked_in_ones() {
@@ -940,15 +940,16 @@ mod tests {
         for (name, m) in [("example.md", example()), ("every-layout.md", every)] {
             let text = render(&RunbookFacts::from_manifest(&m));
             let path = dir.join(name);
-            if std::env::var_os("CHUNKFORGE_BLESS").is_some() {
+            if chunkforge_model::generated::bless() {
                 std::fs::create_dir_all(&dir).unwrap();
                 std::fs::write(&path, &text).unwrap();
             }
             let want = std::fs::read_to_string(&path).unwrap();
             assert!(
                 text == want,
-                "{}: the run book changed (CHUNKFORGE_BLESS=1 if intended)",
-                path.display()
+                "{}: the run book changed ({} if intended)",
+                path.display(),
+                chunkforge_model::generated::REGENERATE
             );
         }
     }

@@ -1,57 +1,22 @@
-//! The command line: clap structs only. Each command's options become a
-//! request in `commands/`, which does the work and renders the result.
+//! The command line: clap structs only (their value types and parsers are
+//! `values`). Each command's options become a request in `commands/`, which
+//! does the work and renders the result.
+
+pub mod values;
 
 use std::path::PathBuf;
 
-use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 
 use crate::args;
 use crate::bench::device_report::Level;
 use crate::downloader::{Client, RuntimeBuild};
-use crate::fixture::{AttentionSharpness, Shape};
-use crate::layouts::{Choice, Mode, ReleaseLayout, RunLayout};
-use crate::names::Named;
-use crate::parity;
-use crate::records::{Palettizer, PassPipeline};
-
-/// A value parser whose possible values (listed in `--help`, checked while
-/// parsing) are `values`: (name, help).
-fn values_parser<T>(values: Vec<(&'static str, String)>) -> impl TypedValueParser<Value = T>
-where
-    T: std::str::FromStr + Clone + Send + Sync + 'static,
-{
-    let values = values.into_iter().map(|(name, doc)| {
-        let value = PossibleValue::new(name);
-        match doc.trim() {
-            "" => value,
-            doc => value.help(doc.trim_end_matches('.').to_string()),
-        }
-    });
-    PossibleValuesParser::new(values).map(|s| {
-        s.parse::<T>()
-            .ok()
-            .expect("clap only passes one of the possible values")
-    })
-}
-
-/// A value parser for a [`chunkforge_model::named!`] enum: its names are the
-/// possible values.
-pub(crate) fn named<T: Named + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
-    values_parser(
-        T::NAMES
-            .iter()
-            .zip(T::DOCS)
-            .map(|(n, d)| (*n, d.to_string()))
-            .collect(),
-    )
-}
-
-/// A value parser for a layout selector: the layouts of the layout table it
-/// admits (each with its packages as help) and its words.
-pub(crate) fn choice<T: Choice + Clone + Send + Sync>() -> impl TypedValueParser<Value = T> {
-    values_parser(T::choices())
-}
+use crate::layouts::{Mode, ReleaseLayout, RunLayout};
+use crate::parity_checks::Thresholds;
+use crate::py::contract::{AttentionSharpness, Shape};
+use crate::records::ConversionArgs;
+use values::DEFAULT_STEPS;
+pub use values::{choice, named, BuildComparison, Jobs, ParityComparison};
 
 #[derive(Parser)]
 #[command(
@@ -269,26 +234,8 @@ pub struct BuildCmd {
     /// byte-identical.
     #[arg(long, conflicts_with = "output")]
     pub check: Option<PathBuf>,
-    /// Skip INT4 palettization (FP16 weights).
-    #[arg(long)]
-    pub no_quantize: bool,
-    /// coremltools k-means worker processes for palettization.
-    #[arg(long, default_value_t = 1)]
-    pub kmeans_workers: usize,
-    /// INT4 palettizer: chunkforge (Rust kernel: optimal, deterministic, each distinct
-    /// weight once per build) or coremltools (its own k-means, for comparison).
-    #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
-    pub palettizer: Palettizer,
-    /// MIL pass pipeline: chunkforge (coremltools' default without the passes that
-    /// cannot change a chunkforge program; byte-identical packages, about half the
-    /// conversion time) or coremltools (its whole default pipeline).
-    #[arg(long, default_value = "chunkforge", value_parser = named::<PassPipeline>())]
-    pub pass_pipeline: PassPipeline,
-    /// Convert every layout's packages from torch, instead of composing the decode
-    /// packages the four-chunk layout tiles (three-chunk, two-chunk, one-chunk, a
-    /// --split on four-chunk boundaries) from the four-chunk decode programs.
-    #[arg(long)]
-    pub no_compose: bool,
+    #[command(flatten)]
+    pub conversion: ConversionArgs,
     /// If another run is writing the same --output, fail at once instead of waiting for it.
     #[arg(long)]
     pub no_wait: bool,
@@ -296,7 +243,7 @@ pub struct BuildCmd {
     /// core, as many as the estimated peak memory of that many conversions at once
     /// keeps within 6.5 GiB and the memory available.
     #[arg(long, default_value = "auto")]
-    pub jobs: crate::build::Jobs,
+    pub jobs: Jobs,
 }
 
 #[derive(Args, Clone)]
@@ -313,11 +260,8 @@ pub struct ParityCmd {
     #[arg(long)]
     pub split: Option<String>,
     /// Decode steps (step t feeds prompt token t).
-    #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
+    #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
-    /// Minimum cosine of the final normed hidden state per step.
-    #[arg(long, default_value_t = parity::DEFAULT_TOL_COS, value_parser = args::cosine)]
-    pub tol_cos: f64,
     /// Full-attention context length used for the caches, at most 131072
     /// [default: 512; with --artifacts, the build's (build.json)].
     #[arg(long, value_parser = args::ctx)]
@@ -334,24 +278,15 @@ pub struct ParityCmd {
     /// report their agreement with the fp32 reference.
     #[arg(long)]
     pub artifacts: Option<PathBuf>,
-    /// Minimum cosine per step for the INT4 artifacts.
-    #[arg(long, default_value_t = parity::DEFAULT_TOL_COS_INT4, value_parser = args::cosine)]
-    pub tol_cos_int4: f64,
-    /// Minimum fraction of steps whose INT4 token equals the reference's.
-    #[arg(long, default_value_t = parity::DEFAULT_MIN_TOP1_INT4, value_parser = args::fraction)]
-    pub min_top1_int4: f64,
-    /// Largest relative MSE (dequantized vs checkpoint) allowed for any INT4 weight.
-    #[arg(long, default_value_t = parity::DEFAULT_MAX_WEIGHT_REL_MSE, value_parser = args::non_negative)]
-    pub max_weight_rel_mse: f64,
+    /// What the checks are held to.
+    #[command(flatten)]
+    pub thresholds: Thresholds,
     /// Write the JSON report (schema: parity/report.schema.json) here.
     #[arg(long)]
     pub report: Option<PathBuf>,
     /// Skip the transformers oracle.
     #[arg(long)]
     pub no_oracle: bool,
-    /// Testing aid: skip the prefill KV copy (shows the seed's integration bug).
-    #[arg(long, hide = true)]
-    pub skip_prefill_copy: bool,
     #[cfg(feature = "test-hooks")]
     #[command(flatten)]
     pub sabotage: crate::test_hooks::SabotageArgs,
@@ -440,7 +375,7 @@ pub struct BenchParityCmd {
     #[arg(long, default_value = "all", value_parser = choice::<Mode>())]
     pub mode: Mode,
     /// Decode steps, as `parity --steps`.
-    #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
+    #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
     /// Prompt tokens prefilled, as `parity --prefill`.
     #[arg(long, default_value_t = 0)]
@@ -448,34 +383,15 @@ pub struct BenchParityCmd {
     /// The build whose packages are checked too, as `parity --artifacts`.
     #[arg(long)]
     pub artifacts: Option<PathBuf>,
-    /// Run it twice, each in a child process of its own: every layout step by step
-    /// (each step through all its chunks, before this order) and chunk by chunk (each
-    /// chunk over all steps: the default), side by side; fails unless the reports agree.
-    #[arg(long)]
-    pub order_baseline: bool,
-    /// Run it twice, each in a child process of its own: with glibc's heap defaults
-    /// (the default, CHUNKFORGE_HEAP=release) and with CHUNKFORGE_HEAP=keep (freed
-    /// memory kept for the next allocation: weights past the resident budget are made
-    /// again into memory the process holds), side by side; fails unless the reports agree.
-    #[arg(long, conflicts_with = "order_baseline")]
-    pub heap_baseline: bool,
-    /// Run it twice, each in a child process of its own: the packages' 4-bit weights
-    /// dequantized by unpacking their indices and gathering (CHUNKFORGE_DEQUANT=unpack,
-    /// before) and straight from the stored bytes, a table of value pairs per palette
-    /// (the default), side by side; fails unless the reports agree.
-    #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline"])]
-    pub dequant_baseline: bool,
-    /// Run it twice, each in a child process of its own: every weight made dense in
-    /// float32 and multiplied by torch (CHUNKFORGE_MATMUL=dense, before) and read as
-    /// stored and multiplied by the native kernels (the default), side by side; fails
-    /// unless the reports agree in every value but the last bits of their floats.
-    #[arg(long, conflicts_with_all = ["order_baseline", "heap_baseline", "dequant_baseline"])]
-    pub matmul_baseline: bool,
-    /// Write the parity report here (the children of --order-baseline and --heap-baseline).
+    /// Run it twice, each in a child process of its own, differing only in what is
+    /// compared, side by side; fails unless the two reports agree.
+    #[arg(long, value_parser = named::<ParityComparison>())]
+    pub compare: Option<ParityComparison>,
+    /// Write the parity report here (the children of --compare).
     #[arg(long, hide = true)]
     pub report: Option<PathBuf>,
     /// Print the wall time, peak RSS and verdict as JSON on the last line
-    /// (the children of --order-baseline and --heap-baseline).
+    /// (the children of --compare).
     #[arg(long, hide = true)]
     pub json: bool,
 }
@@ -528,21 +444,11 @@ pub struct BenchBuildCmd {
     pub model: ModelArgs,
     #[command(flatten)]
     pub layout: LayoutArgs,
-    /// As `build --kmeans-workers`.
-    #[arg(long, default_value_t = 1)]
-    pub kmeans_workers: usize,
-    /// INT4 palettizer, as `build --palettizer`.
-    #[arg(long, default_value = "chunkforge", value_parser = named::<Palettizer>())]
-    pub palettizer: Palettizer,
-    /// MIL pass pipeline (as `build --pass-pipeline`).
-    #[arg(long, default_value = "chunkforge", value_parser = named::<PassPipeline>())]
-    pub pass_pipeline: PassPipeline,
-    /// As `build --no-compose`.
-    #[arg(long)]
-    pub no_compose: bool,
+    #[command(flatten)]
+    pub conversion: ConversionArgs,
     /// As `build --jobs`.
     #[arg(long, default_value = "auto")]
-    pub jobs: crate::build::Jobs,
+    pub jobs: Jobs,
     /// Also time every coremltools graph pass of every conversion and count the
     /// runs that changed the program; prints seconds per pass, per package.
     #[arg(long)]
@@ -553,33 +459,11 @@ pub struct BenchBuildCmd {
     /// as shipped (--jobs auto); prints them side by side.
     #[arg(long, conflicts_with_all = ["json", "pass_pipeline", "no_compose", "profile", "jobs"])]
     pub baseline: bool,
-    /// Run the build twice, each in a child process of its own, as given but for the
-    /// heap: with glibc's defaults (the default, CHUNKFORGE_HEAP=release: freed memory
-    /// goes back to the system) and with CHUNKFORGE_HEAP=keep (freed memory kept for the
-    /// next allocation); prints them side by side and requires byte-identical packages.
-    #[arg(long, conflicts_with_all = ["json", "baseline", "profile"])]
-    pub heap_baseline: bool,
-    /// Run the build twice, each in a child process of its own, as given but for who
-    /// writes bundled and composed packages: coremltools (CHUNKFORGE_WRITER=coremltools:
-    /// save_multifunction, and ct.convert of each composed program) and chunkforge (the
-    /// default: protobuf level, weights copied, not loaded); prints them side by side and
-    /// requires byte-identical packages.
-    #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "profile"])]
-    pub writer_baseline: bool,
-    /// Run the build twice, each in a child process of its own, as given but for the
-    /// shortcuts conversions take through coremltools' own code (python/chunkforge_py/
-    /// convert/passes.py `shortcuts`): off (CHUNKFORGE_MIL_SHORTCUTS=off: coremltools' code for
-    /// every step) and on (the default); prints them side by side and requires
+    /// Run the build twice, each in a child process of its own, as given but for what
+    /// is compared; prints them side by side and, but for `joint`, requires
     /// byte-identical packages.
-    #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "writer_baseline", "profile", "pass_pipeline"])]
-    pub shortcuts_baseline: bool,
-    /// Run the build twice, each in a child process of its own, as given but for how
-    /// the functions of a unit (chunkN's decode and verify, prefill_chunkN's prefill)
-    /// are converted: one conversion per function (CHUNKFORGE_JOINT=off) and one
-    /// conversion of them all, split into the functions (the default); prints them side
-    /// by side. The packages differ in op names only (python/tests/test_joint.py).
-    #[arg(long, conflicts_with_all = ["json", "baseline", "heap_baseline", "writer_baseline", "shortcuts_baseline", "profile"])]
-    pub joint_baseline: bool,
+    #[arg(long, value_parser = named::<BuildComparison>(), conflicts_with_all = ["json", "baseline", "profile"])]
+    pub compare: Option<BuildComparison>,
     /// Print the build report JSON instead of a summary.
     #[arg(long)]
     pub json: bool,
@@ -705,11 +589,10 @@ pub struct ReleaseCmd {
     pub ctx: usize,
     #[command(flatten)]
     pub functions: FunctionArgs,
-    /// Skip INT4 palettization (FP16 weights).
-    #[arg(long)]
-    pub no_quantize: bool,
+    #[command(flatten)]
+    pub conversion: ConversionArgs,
     /// Parity decode steps.
-    #[arg(long, default_value_t = parity::DEFAULT_STEPS)]
+    #[arg(long, default_value_t = DEFAULT_STEPS)]
     pub steps: usize,
     /// After parity, evaluate the build against its source over the project's text as
     /// `chunkforge eval --fp16` does and record the figures in the signed manifest (an op
@@ -962,6 +845,29 @@ mod tests {
         }
         for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
             undocumented(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+
+    /// `bench build`'s baselines refuse the conversion options they set
+    /// themselves, which live in the flattened `ConversionArgs`: a
+    /// `conflicts_with` naming an option by a name it no longer has is
+    /// silent in a release build (clap checks the names in debug builds only).
+    #[test]
+    fn bench_build_baselines_refuse_the_conversion_options_they_set() {
+        use clap::Parser;
+        for (baseline, option) in [
+            ("--baseline", &["--no-compose"][..]),
+            ("--baseline", &["--pass-pipeline", "coremltools"][..]),
+        ] {
+            let args = ["chunkforge", "bench", "build", baseline]
+                .into_iter()
+                .chain(option.iter().copied());
+            let e = Cli::try_parse_from(args).err();
+            assert_eq!(
+                e.as_ref().map(|e| e.kind()),
+                Some(clap::error::ErrorKind::ArgumentConflict),
+                "{baseline} {option:?}: {e:?}"
+            );
         }
     }
 
