@@ -42,17 +42,31 @@ class Buffers:
     """Tensors reused between transformers' layer calls: each layer's weights
     are made into the memory an earlier layer's of the same shapes used (on
     this machine fresh pages cost more than the values written into them:
-    src/heap.rs), and given back after the call (`let_go`)."""
+    src/heap.rs), and given back after the call (`let_go`).
+
+    Only memory `take` lent comes back: a layer's other tensors (a weight
+    the resident budget holds, or one made for the call alone, as every
+    weight is without the native kernels) are not the pool's to keep or to
+    write into. So the pool holds at most, for each shape, the most tensors
+    of it one layer call had out at once."""
 
     def __init__(self) -> None:
         self.free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        # The tensors out on loan, by where their memory starts (held here,
+        # so no other tensor's memory can start there while they are out).
+        self.lent: dict[int, torch.Tensor] = {}
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         free = self.free.get((shape, dtype))
-        return free.pop() if free else torch.empty(shape, dtype=dtype)
+        t = free.pop() if free else torch.empty(shape, dtype=dtype)
+        self.lent[t.data_ptr()] = t
+        return t
 
     def give(self, t: torch.Tensor) -> None:
-        self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
+        """``t`` back, if `take` lent it (else nothing)."""
+        lent = self.lent.pop(t.data_ptr(), None)
+        if lent is not None:
+            self.free.setdefault((tuple(lent.shape), lent.dtype), []).append(lent)
 
 
 class Oracle:
@@ -173,6 +187,7 @@ class Oracle:
         # generate's own merge of keyword arguments into the config, done here.
         config = copy.deepcopy(generation_config or self.model.generation_config)
         config.max_new_tokens, config.do_sample = n, False
+        config.return_dict_in_generate, config.output_logits = True, margins is not None
         handle = inner.embed_tokens_per_layer.register_forward_pre_hook(self._rows_only)
         try:
             with torch.no_grad():
@@ -180,8 +195,6 @@ class Oracle:
                     torch.tensor([prompt]),
                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                     generation_config=config,
-                    output_logits=margins is not None,
-                    return_dict_in_generate=True,
                 )
         finally:
             handle.remove()
@@ -198,6 +211,8 @@ class Oracle:
         the values the whole table would."""
         (ids,) = args
         unique, index = torch.unique(ids, return_inverse=True)
+        # The called ids' rows alone (`Checkpoint.table`): the whole table is
+        # 4.7 GB in bf16 at E2B, a row 17.5 KB.
         rows = self.ckpt.table("embed_tokens_per_layer.weight").take(unique.tolist())
         module.weight = torch.nn.Parameter(rows.to(self.dtype), requires_grad=False)
         return (index,)
