@@ -168,46 +168,28 @@ fn release_refuses_to_sign_when_parity_fails() {
     assert!(stdout(&o).contains("PARITY FAIL"), "{}", stdout(&o));
     assert!(e.contains("parity failed; nothing was signed"), "{e}");
     assert!(!out.exists());
-    // A build made with other settings is not reused.
-    let o = run(&[
-        "release",
-        "--layout",
-        "two",
-        "--key",
-        s(&keys().0),
-        "--output",
-        s(&out),
-        "--build-dir",
-        s(&fp16_dir().join("build")),
-        "--reuse-build",
-    ]);
-    let e = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{e}");
-    assert!(
-        e.contains("--reuse-build") && e.contains("quantize false"),
-        "{e}"
-    );
-    // Nor one made with another conversion option release takes.
-    let o = run(&[
-        "release",
-        "--no-quantize",
-        "--layout",
-        "two",
-        "--pass-pipeline",
-        "coremltools",
-        "--key",
-        s(&keys().0),
-        "--output",
-        s(&out),
-        "--build-dir",
-        s(&fp16_dir().join("build")),
-        "--reuse-build",
-    ]);
-    let e = stderr(&o);
-    assert_eq!(o.status.code(), Some(2), "{e}");
-    assert!(
-        e.contains("pass pipeline chunkforge (asked coremltools)"),
-        "{e}"
+    // A build made with other settings is not reused, nor one made with
+    // another conversion option release takes: refused (exit 2) naming it.
+    let fp16_build = fp16_dir().join("build");
+    let refused = |options: &[&str], says: &str| {
+        let mut args = vec!["release", "--layout", "two", "--key", s(&keys().0)];
+        args.extend_from_slice(options);
+        args.extend([
+            "--output",
+            s(&out),
+            "--build-dir",
+            s(&fp16_build),
+            "--reuse-build",
+        ]);
+        let o = run(&args);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{e}");
+        assert!(e.contains("--reuse-build") && e.contains(says), "{e}");
+    };
+    refused(&[], "quantize false");
+    refused(
+        &["--no-quantize", "--pass-pipeline", "coremltools"],
+        "pass pipeline chunkforge (asked coremltools)",
     );
 }
 

@@ -12,6 +12,7 @@ its `Check` class; Rust names them, in the order they run (crates/model/src/pari
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -164,24 +165,25 @@ class Parity:
         return next((f["tokens"] for f in self.ref_layout["chunks"][0]["functions"] if f["kind"] == "verify"), None)
 
 
-class Check:
+class Check(ABC):
     """One of parity's checks (the module docstring says what a check is).
     A subclass computes in `compute`, judges and writes in `write`, and
-    says every verdict it wrote in `verdicts`."""
+    says every verdict it wrote in `verdicts`; one without all three cannot
+    be made."""
 
     def __init__(self, p: Parity) -> None:
         self.p = p
 
+    @abstractmethod
     def compute(self) -> None:
         """Its records, from what it is given (and sets what a later check reads)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def write(self, report: ParityReport) -> None:
         """Its records, judged, into ``report`` (its rows and its members of
         the summary, whether it ran or not): every check has run by then, so
         the oracle's ill-conditioned steps are known."""
-        raise NotImplementedError
 
+    @abstractmethod
     def verdicts(self) -> list[Verdict]:
         """The verdict of every row it wrote."""
-        raise NotImplementedError
