@@ -149,6 +149,13 @@ def heap_kept() -> bool:
     return os.environ.get("CHUNKFORGE_HEAP") == "keep"
 
 
+def cores() -> int:
+    """The cores this process may run on (its affinity where the OS has
+    one, as rayon counts them for the native kernels)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """torch's CPU ops on ``n`` threads inside the block (the build gives a

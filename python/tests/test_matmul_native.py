@@ -297,12 +297,16 @@ def shared_build() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("fp16", [False, True])
-def test_prefill_skipping_its_padding_returns_what_computing_it_returns(fp16: bool) -> None:
+def test_prefill_skipping_its_padding_returns_what_computing_it_returns(
+    fp16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """prefill_chunk1..4's programs (fp32 and fp16 mode), and the read-back
     torch modules, on a short prompt in the longest prefill function: with
     the padding's projections skipped (`weights.live_tokens`) the token,
     its logit, every layer's K/V rows of the prompt and the per-layer hidden
-    states are the same bits as with the padding computed."""
+    states are the same bits as with the padding computed, and the same on
+    one torch thread as on two (a prefill call's ops run on one per core)."""
+    from chunkforge_py.emulate import stepper
     from chunkforge_py.emulate.stepper import Embeddings, PrefillRunner, function_of
     from chunkforge_py.mil.chunk import ProgramChunk
     from chunkforge_py.parity.programs import Programs
@@ -326,15 +330,18 @@ def test_prefill_skipping_its_padding_returns_what_computing_it_returns(fp16: bo
         kinds.append(("read-back modules", programs.read_back(b["dims"], layout["chunks"], "prefill")))
     for what, modules in kinds:
         runs = []
-        for skip in (True, False):
+        for skip, threads in ((True, 2), (False, 2), (True, 1)):
+            monkeypatch.setattr(stepper, "cores", lambda threads=threads: threads)
             runner = PrefillRunner(b["dims"], layout, None, n_call, modules=modules)
             runner.skip_padding = skip
             runs.append(runner.run(emb, prompt))
-        skipped, computed = runs
-        assert (skipped["token"], skipped["logit"]) == (computed["token"], computed["logit"]), what
-        assert skipped["kv"].keys() == computed["kv"].keys()
-        for layer, (k, v) in skipped["kv"].items():
-            assert k.shape[2] == len(prompt)
-            assert torch.equal(k, computed["kv"][layer][0]) and torch.equal(v, computed["kv"][layer][1]), (what, layer)
-        for layer, h in skipped["trace"].items():
-            assert torch.equal(h, computed["trace"][layer]), (what, layer)
+        skipped = runs[0]
+        for computed, how in zip(runs[1:], ("padding computed", "one thread"), strict=True):
+            assert (skipped["token"], skipped["logit"]) == (computed["token"], computed["logit"]), (what, how)
+            assert skipped["kv"].keys() == computed["kv"].keys()
+            for layer, (k, v) in skipped["kv"].items():
+                assert k.shape[2] == len(prompt)
+                assert torch.equal(k, computed["kv"][layer][0]), (what, how, layer)
+                assert torch.equal(v, computed["kv"][layer][1]), (what, how, layer)
+            for layer, h in skipped["trace"].items():
+                assert torch.equal(h, computed["trace"][layer]), (what, how, layer)
