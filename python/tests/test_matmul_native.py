@@ -304,8 +304,11 @@ def test_prefill_skipping_its_padding_returns_what_computing_it_returns(
     torch modules, on a short prompt in the longest prefill function: with
     the padding's projections skipped (`weights.live_tokens`) the token,
     its logit, every layer's K/V rows of the prompt and the per-layer hidden
-    states are the same bits as with the padding computed, and the same on
-    one torch thread as on two (a prefill call's ops run on one per core)."""
+    states are the same bits as with the padding computed. On one torch
+    thread instead of two (a prefill call's ops run on one per core) the
+    token is the same and every value within float32 rounding: torch splits
+    these ops by rows (equal bits here), but a BLAS may split a product
+    differently on another CPU."""
     from chunkforge_py.emulate import stepper
     from chunkforge_py.emulate.stepper import Embeddings, PrefillRunner, function_of
     from chunkforge_py.mil.chunk import ProgramChunk
@@ -336,12 +339,18 @@ def test_prefill_skipping_its_padding_returns_what_computing_it_returns(
             runner.skip_padding = skip
             runs.append(runner.run(emb, prompt))
         skipped = runs[0]
-        for computed, how in zip(runs[1:], ("padding computed", "one thread"), strict=True):
-            assert (skipped["token"], skipped["logit"]) == (computed["token"], computed["logit"]), (what, how)
+        for computed, exact in zip(runs[1:], (True, False), strict=True):
+            how = "padding computed" if exact else "one thread"
+
+            def same(a: torch.Tensor, b: torch.Tensor, exact: bool = exact) -> bool:
+                return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+            assert skipped["token"] == computed["token"], (what, how)
+            assert same(torch.tensor(skipped["logit"]), torch.tensor(computed["logit"])), (what, how)
             assert skipped["kv"].keys() == computed["kv"].keys()
             for layer, (k, v) in skipped["kv"].items():
                 assert k.shape[2] == len(prompt)
-                assert torch.equal(k, computed["kv"][layer][0]), (what, how, layer)
-                assert torch.equal(v, computed["kv"][layer][1]), (what, how, layer)
+                assert same(k, computed["kv"][layer][0]), (what, how, layer)
+                assert same(v, computed["kv"][layer][1]), (what, how, layer)
             for layer, h in skipped["trace"].items():
-                assert torch.equal(h, computed["trace"][layer]), (what, how, layer)
+                assert same(h, computed["trace"][layer]), (what, how, layer)

@@ -180,9 +180,9 @@ struct Blocks {
 /// A tile reads its rows in step, so a short row's stream jumps back and
 /// forth inside a page and the hardware prefetcher falls behind: an E2B
 /// 6144×1536 LUT4 product streamed 10.7 GB/s without this and 23 GB/s with
-/// it (`bench matmul`: the decode step's LUT4 products 11.6 → 19.3 GB/s, bf16
-/// 21.6 → 26.1; 2 KB and 8 KB ahead were slower). The address may lie past
-/// the weight: a prefetch never faults.
+/// it (`bench matmul`: the decode step's LUT4 products 11.6 → 16-19 GB/s,
+/// bf16 21.6 → 26; 2 KB ahead gained less, 6-8 KB no more). The address may
+/// lie past the weight: a prefetch never faults.
 const AHEAD: usize = 4096;
 
 /// Asks for the cache line at `p` (a hint: no effect on any result).
@@ -605,7 +605,7 @@ mod x86 {
             } else {
                 _mm_maskz_loadu_epi8(((1u32 << n) - 1) as u16, p as *const i8)
             };
-            // `vpermps` reads only bits 0..4 of each index: the byte
+            // `vpermps` reads only the low 4 bits of each index: the byte
             // itself picks by its low nibble, the byte shifted by its high.
             let b = _mm512_cvtepu8_epi32(raw);
             (
@@ -698,8 +698,8 @@ mod x86 {
     }
 
     /// One nibble index per lane through a 16-entry table held as two
-    /// halves. Only bits 0..4 of each index count: `vpermps` reads bits
-    /// 0..3, and bit 3, moved to the sign bit, picks the half.
+    /// halves. Only the low 4 bits of each index count: `vpermps` reads
+    /// bits 0-2, and bit 3, moved to the sign bit, picks the half.
     #[inline(always)]
     unsafe fn look(ix: __m256i, t: &(__m256, __m256)) -> __m256 {
         let a = _mm256_permutevar8x32_ps(t.0, ix);
@@ -752,7 +752,7 @@ mod x86 {
             };
             let b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
             let b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i));
-            // `look` reads only bits 0..4 of each index (the low nibble).
+            // `look` reads only the low 4 bits of each index (the low nibble).
             let lo = Y(look(b0, table), look(b1, table));
             let hi = Y(
                 look(_mm256_srli_epi32::<4>(b0), table),

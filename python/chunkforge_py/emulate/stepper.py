@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -558,21 +559,17 @@ class PrefillRunner:
             Key("last_position_mask"): last,
             **self.rope(0, dt, self.tokens),
         }
-        # A prefill call's other ops (norms, activations, attention over
-        # every position) run on torch's threads, one per core: the process
-        # keeps torch on one (`OMP_NUM_THREADS`), and a call of 512 positions
-        # spent most of its time in them (E2B size, 64 prompt tokens: 5.9 s
-        # on one core, 4.2 s on two; decode's small ops gain nothing).
-        # torch splits them by rows, so each value is computed as before.
-        with torch_threads(cores()):
-            if self.skip_padding:
-                # The padding's projections are not computed (`weights.live_tokens`
-                # says why that leaves every real row as it is); only the real
-                # rows are returned.
-                with weights.live_tokens(n, self.tokens):
-                    outs, trace = chain(self.chunks, self.modules, feeds)
-            else:
-                outs, trace = chain(self.chunks, self.modules, feeds)
+        # With `skip_padding` the padding's projections are not computed
+        # (`weights.live_tokens` says why that leaves every real row as it
+        # is); only the real rows are returned. A prefill call's other ops
+        # (norms, activations, attention over every position) run on torch's
+        # threads, one per core: the process keeps torch on one
+        # (`OMP_NUM_THREADS`), and a call of 512 positions spent most of its
+        # time in them (E2B size, 64 prompt tokens: 5.9 s on one core, 3.9 s
+        # on two; decode's small ops gain nothing).
+        padding = weights.live_tokens(n, self.tokens) if self.skip_padding else nullcontext()
+        with torch_threads(cores()), padding:
+            outs, trace = chain(self.chunks, self.modules, feeds)
         layer_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for c in self.chunks:
             out = outs[c["name"]]
